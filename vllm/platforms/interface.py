@@ -1,0 +1,74 @@
+"""What the engine asks of a device kind; one subclass per platform.
+
+Everything that differs between CUDA, ROCm and the CPU lives behind this
+interface (memory figures, which VMM driver, which attention backend, which
+processes share the device), so core logic never asks `is_rocm()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from vllm.device_allocator.vmm import VmmDriver
+
+
+@dataclass(frozen=True)
+class DeviceProcess:
+    """A process holding memory on a device (from NVML / amdsmi)."""
+
+    pid: int
+    used_bytes: int | None  # None where the driver does not say
+    name: str = ""
+
+
+class Platform:
+    """Base class; concrete platforms override what differs.
+
+    Attributes:
+        device_type: torch device type string ("cuda" for CUDA and ROCm, "cpu").
+        device_name: human-readable name of the platform ("cuda", "rocm", "cpu").
+    """
+
+    device_type: str = "cpu"
+    device_name: str = "cpu"
+
+    def is_cuda_alike(self) -> bool:
+        return self.device_type == "cuda"
+
+    def device(self, index: int = 0) -> torch.device:
+        import torch
+
+        return torch.device(self.device_type, index) if self.is_cuda_alike() else torch.device("cpu")
+
+    def get_vmm_driver(self, device_index: int = 0) -> VmmDriver:
+        """The VMM driver for this platform (always returned; `probe()` says if usable)."""
+        raise NotImplementedError
+
+    def mem_get_info(self, device_index: int = 0) -> tuple[int, int]:
+        """(free bytes, total bytes) of device memory, as the driver reports them now."""
+        raise NotImplementedError
+
+    def get_foreign_device_processes(self, device_index: int = 0) -> list[DeviceProcess] | None:
+        """Other processes holding memory on the device, excluding this engine's own.
+
+        Returns None where the platform cannot tell (no NVML / amdsmi, or a
+        query that failed); an empty list when it can tell and there are none.
+        """
+        return None
+
+    def supported_dtypes(self) -> list[torch.dtype]:
+        raise NotImplementedError
+
+    def default_dtype(self, config_dtype: torch.dtype | None) -> torch.dtype:
+        """What `--dtype auto` resolves to for a checkpoint stored in `config_dtype`."""
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass
