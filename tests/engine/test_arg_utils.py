@@ -1,0 +1,154 @@
+"""EngineArgs <-> CLI: every flag round-trips, --no- forms, JSON configs, clear errors."""
+
+import argparse
+
+import pytest
+
+from vllm.config import CompilationConfig
+from vllm.engine.arg_utils import (
+    AsyncEngineArgs,
+    EngineArgs,
+    human_readable_bytes,
+    human_readable_int,
+)
+
+
+def parse(argv):
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser(exit_on_error=False))
+    return EngineArgs.from_cli_args(parser.parse_args(argv))
+
+
+def test_no_flags_gives_dataclass_defaults():
+    assert parse([]) == EngineArgs()
+    assert EngineArgs().enable_extensible_kv_cache is None
+
+
+def test_every_flag_round_trips():
+    args = parse([
+        "--model", "/m", "--tokenizer", "/t", "--dtype", "bfloat16", "--max-model-len", "4k",
+        "--seed", "7", "--load-format", "dummy", "--block-size", "32",
+        "--gpu-memory-utilization", "0.5", "--kv-cache-memory-bytes", "2GiB",
+        "--enable-extensible-kv-cache", "--no-enable-prefix-caching", "--enable-sleep-mode",
+        "--max-num-seqs", "64", "--max-num-batched-tokens", "4096", "--enforce-eager",
+        "-O", '{"cudagraph_capture_sizes": [1, 2, 8]}', "-tp", "1",
+        "--kv-transfer-config", "{}", "--disable-log-stats",
+    ])
+    assert args == EngineArgs(
+        model="/m", tokenizer="/t", dtype="bfloat16", max_model_len=4000, seed=7,
+        load_format="dummy", block_size=32, gpu_memory_utilization=0.5,
+        kv_cache_memory_bytes=2 * 2**30, enable_extensible_kv_cache=True,
+        enable_prefix_caching=False, enable_sleep_mode=True, max_num_seqs=64,
+        max_num_batched_tokens=4096, enforce_eager=True,
+        compilation_config=CompilationConfig(cudagraph_capture_sizes=[1, 2, 8]),
+        tensor_parallel_size=1, kv_transfer_config=args.kv_transfer_config,
+        disable_log_stats=True,
+    )
+    assert args.kv_transfer_config.kv_connector is None
+
+
+def test_no_forms():
+    args = parse(["--no-enable-extensible-kv-cache", "--enable-prefix-caching",
+                  "--no-enforce-eager", "--no-enable-sleep-mode", "--tensor-parallel-size", "2"])
+    assert args.enable_extensible_kv_cache is False
+    assert args.enable_prefix_caching is True and args.enforce_eager is False
+    assert args.tensor_parallel_size == 2  # parsed; rejected when the config is built
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--dtype", "int8"], "invalid choice: 'int8'"),
+        (["--load-format", "pt"], "invalid choice: 'pt'"),
+        (["--max-model-len", "1.5K"], "fraction needs a decimal suffix"),
+        (["--kv-cache-memory-bytes", "4XB"], "invalid byte count '4XB'"),
+        (["--kv-transfer-config", '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}'],
+         "'NixlConnector' is not implemented by this engine (known connectors: none yet)"),
+        (["--kv-transfer-config", "{bad"], "not valid JSON"),
+        (["--kv-transfer-config", '{"kv_rank": 0}'], "unknown keys ['kv_rank']"),
+        (["-O", '{"level": 3}'], "unknown keys ['level']"),
+    ],
+)
+def test_bad_values_rejected_with_reason(argv, message):
+    with pytest.raises(argparse.ArgumentError) as e:
+        parse(argv)
+    assert message in str(e.value)
+
+
+def test_unknown_flag_rejected():
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser(exit_on_error=False))
+    with pytest.raises(SystemExit):  # argparse reports unrecognized arguments and exits
+        parser.parse_args(["--trust-remote-code"])
+
+
+def test_unknown_kwarg_rejected():
+    with pytest.raises(TypeError, match="quantization"):
+        EngineArgs(quantization="awq")
+
+
+def test_human_readable_numbers():
+    assert human_readable_int("4096") == 4096
+    assert human_readable_int("32k") == 32000 and human_readable_int("32K") == 32768
+    assert human_readable_int("25.6k") == 25600
+    assert human_readable_bytes("4G") == 4 * 2**30 and human_readable_bytes("4g") == 4 * 10**9
+    assert human_readable_bytes("4GiB") == 4 * 2**30 and human_readable_bytes("4GB") == 4 * 10**9
+    assert human_readable_bytes("512 MiB") == 512 * 2**20
+
+
+def test_async_engine_args_flag():
+    parser = AsyncEngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = AsyncEngineArgs.from_cli_args(parser.parse_args(["--enable-log-requests",
+                                                            "--max-num-seqs", "3"]))
+    assert isinstance(args, AsyncEngineArgs)
+    assert args.enable_log_requests and args.max_num_seqs == 3
+
+
+# ---- create_engine_config: the one place values are validated ----
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    from transformers import LlamaConfig
+
+    path = tmp_path_factory.mktemp("tiny_llama")
+    LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=256).save_pretrained(path)
+    return str(path)
+
+
+def test_create_engine_config_carries_every_value(tiny_model):
+    cfg = parse([
+        "--model", tiny_model, "--max-model-len", "128", "--block-size", "8", "--seed", "3",
+        "--gpu-memory-utilization", "0.5", "--kv-cache-memory-bytes", "64MiB",
+        "--no-enable-extensible-kv-cache", "--no-enable-prefix-caching", "--max-num-seqs", "4",
+        "--max-num-batched-tokens", "256", "--enforce-eager", "--load-format", "dummy",
+        "--kv-transfer-config", '{"kv_role": "kv_both"}',
+    ]).create_engine_config()
+    m, c, s = cfg.model_config, cfg.cache_config, cfg.scheduler_config
+    assert (m.model, m.tokenizer, m.max_model_len, m.seed, m.load_format) == (
+        tiny_model, tiny_model, 128, 3, "dummy")
+    assert (c.block_size, c.gpu_memory_utilization, c.kv_cache_memory_bytes) == (8, 0.5, 64 << 20)
+    assert c.enable_extensible_kv_cache is False and c.enable_prefix_caching is False
+    assert (s.max_num_seqs, s.max_num_batched_tokens) == (4, 256)
+    assert cfg.compilation_config.use_cudagraph is False
+    assert cfg.compilation_config.cudagraph_capture_sizes == [1, 2, 4]
+    assert cfg.kv_transfer_config is None  # no connector named: nothing to set up
+
+
+def test_create_engine_config_rejects_unsupported(tiny_model):
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported yet"):
+        EngineArgs(model=tiny_model, tensor_parallel_size=2).create_engine_config()
+    with pytest.raises(ValueError, match="'MooncakeConnector' is not implemented"):
+        EngineArgs(model=tiny_model, kv_transfer_config={
+            "kv_connector": "MooncakeConnector", "kv_role": "kv_both"}).create_engine_config()
+    with pytest.raises(ValueError, match="block_size must be a power of two"):
+        EngineArgs(model=tiny_model, block_size=48).create_engine_config()
+
+
+def test_compilation_config_dict_and_enforce_eager(tiny_model):
+    cfg = EngineArgs(model=tiny_model, max_num_seqs=16, enforce_eager=True,
+                     compilation_config={"cudagraph_capture_sizes": [2, 16]}
+                     ).create_engine_config()
+    assert cfg.compilation_config.enforce_eager is True
+    assert cfg.compilation_config.cudagraph_capture_sizes == [2, 16]
+    with pytest.raises(ValueError, match=r"unknown keys \['mode'\]"):
+        EngineArgs(model=tiny_model, compilation_config={"mode": 3}).create_engine_config()

@@ -1,0 +1,275 @@
+"""VllmConfig resolution: dtype, max_model_len, the extensible tri-state, limits, graphs.
+
+The platform's VMM probe is replaced at the driver boundary (its `probe()`),
+the only external fact the config depends on.
+"""
+
+import logging
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from vllm import platforms
+from vllm.config import (
+    CacheConfig,
+    CompilationConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.config.compilation import default_cudagraph_capture_sizes
+
+MODEL_MAX_LEN = 512
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny_llama")
+    LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=MODEL_MAX_LEN, dtype="bfloat16").save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture
+def probe(monkeypatch):
+    """Set what the platform VMM driver's probe() answers; returns the call log."""
+    driver = platforms.current_platform.get_vmm_driver()
+    calls = []
+
+    def set_answer(reason):
+        def fake_probe(self):
+            calls.append(reason)
+            return reason
+
+        monkeypatch.setattr(type(driver), "probe", fake_probe)
+        return calls
+
+    return set_answer
+
+
+def make(tiny_model, **cache_kwargs) -> VllmConfig:
+    return VllmConfig(model_config=ModelConfig(tiny_model),
+                      cache_config=CacheConfig(**cache_kwargs))
+
+
+# ---- ModelConfig ----
+
+def test_model_config_resolves_from_hf_dir(tiny_model):
+    m = ModelConfig(tiny_model)
+    assert m.tokenizer == tiny_model and m.served_model_name == tiny_model
+    assert m.load_format == "safetensors" and m.max_model_len == MODEL_MAX_LEN and m.seed == 0
+    assert (m.get_vocab_size(), m.get_num_layers(), m.get_head_size(), m.get_num_kv_heads()) == (
+        128, 2, 16, 2)
+
+
+def test_dtype_auto_asks_platform_with_checkpoint_dtype(tiny_model, monkeypatch):
+    seen = []
+    platform = platforms.current_platform
+    monkeypatch.setattr(type(platform), "default_dtype",
+                        lambda self, d: seen.append(d) or torch.float16)
+    monkeypatch.setattr(type(platform), "supported_dtypes",
+                        lambda self: [torch.float32, torch.float16, torch.bfloat16])
+    assert ModelConfig(tiny_model).dtype == torch.float16
+    assert seen == [torch.bfloat16]  # read from the checkpoint's config
+
+
+@pytest.mark.parametrize("name, dtype", [("half", torch.float16), ("float16", torch.float16),
+                                         ("bfloat16", torch.bfloat16), ("float", torch.float32),
+                                         ("float32", torch.float32),
+                                         (torch.bfloat16, torch.bfloat16)])
+def test_dtype_names(tiny_model, monkeypatch, name, dtype):
+    monkeypatch.setattr(type(platforms.current_platform), "supported_dtypes",
+                        lambda self: [torch.float32, torch.float16, torch.bfloat16])
+    assert ModelConfig(tiny_model, dtype=name).dtype == dtype
+
+
+def test_dtype_errors(tiny_model, monkeypatch):
+    with pytest.raises(ValueError, match=r"dtype must be one of \('auto', .*got 'int8'"):
+        ModelConfig(tiny_model, dtype="int8")
+    monkeypatch.setattr(type(platforms.current_platform), "supported_dtypes",
+                        lambda self: [torch.float32])
+    with pytest.raises(ValueError, match=r"dtype bfloat16 is not supported on the .* platform "
+                                         r"\(supported: float32\)"):
+        ModelConfig(tiny_model, dtype="bfloat16")
+
+
+def test_max_model_len(tiny_model):
+    assert ModelConfig(tiny_model, max_model_len=100).max_model_len == 100
+    with pytest.raises(ValueError, match=f"max_model_len 513 is larger than the model's maximum "
+                                         f"context length {MODEL_MAX_LEN}"):
+        ModelConfig(tiny_model, max_model_len=MODEL_MAX_LEN + 1)
+    with pytest.raises(ValueError, match="max_model_len must be an int >= 1, got 0"):
+        ModelConfig(tiny_model, max_model_len=0)
+
+
+def test_load_format(tiny_model):
+    assert ModelConfig(tiny_model, load_format="dummy").load_format == "dummy"
+    with pytest.raises(ValueError, match="load_format 'gguf' needs a .gguf file"):
+        ModelConfig(tiny_model, load_format="gguf")
+    with pytest.raises(ValueError, match="load_format must be one of"):
+        ModelConfig(tiny_model, load_format="pt")
+
+
+def test_bundled_model_when_none(monkeypatch, tiny_model):
+    import vllm.transformers_utils.config as tu
+
+    monkeypatch.setattr(tu, "get_bundled_model_path", lambda: tiny_model)
+    assert ModelConfig().model == tiny_model
+
+
+# ---- extensible tri-state (DESIGN.md section 5) ----
+
+def test_explicit_true_with_failing_probe_fails_with_reason(tiny_model, probe):
+    probe("cuMemCreate not supported by this driver")
+    with pytest.raises(ValueError, match="cannot be honoured: cuMemCreate not supported by this "
+                                         "driver"):
+        make(tiny_model, enable_extensible_kv_cache=True)
+
+
+def test_unset_with_failing_probe_falls_back_with_one_info_line(tiny_model, probe, caplog):
+    probe("no VMM here")
+    with caplog.at_level(logging.INFO, logger="vllm"):
+        cfg = make(tiny_model)
+    lines = [r for r in caplog.records if "Extensible KV cache unavailable" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelno == logging.INFO
+    assert "no VMM here" in lines[0].getMessage()
+    c = cfg.cache_config
+    assert c.enable_extensible_kv_cache is False and c.gpu_memory_utilization == 0.92
+    assert c.gpu_memory_utilization_explicit is False
+    assert c.extensible_kv_cache_unavailable_reason == "no VMM here"
+
+
+def test_unset_with_passing_probe_is_extensible_at_full_utilization(tiny_model, probe, caplog):
+    probe(None)
+    with caplog.at_level(logging.INFO, logger="vllm"):
+        c = make(tiny_model).cache_config
+    assert c.enable_extensible_kv_cache is True and c.gpu_memory_utilization == 1.0
+    assert not [r for r in caplog.records if "Extensible" in r.getMessage()]
+
+
+def test_explicit_false_never_probes(tiny_model, probe):
+    calls = probe("should not be asked")
+    c = make(tiny_model, enable_extensible_kv_cache=False).cache_config
+    assert calls == [] and c.enable_extensible_kv_cache is False
+    assert c.gpu_memory_utilization == 0.92
+
+
+@pytest.mark.parametrize("reason", [None, "no VMM"])
+def test_explicit_utilization_kept_on_both_paths(tiny_model, probe, reason):
+    probe(reason)
+    c = make(tiny_model, gpu_memory_utilization=0.6).cache_config
+    assert c.gpu_memory_utilization == 0.6 and c.gpu_memory_utilization_explicit is True
+    assert c.enable_extensible_kv_cache is (reason is None)
+
+
+def test_resolution_happens_once(tiny_model, probe):
+    calls = probe(None)
+    cfg = make(tiny_model)
+    VllmConfig(model_config=cfg.model_config, cache_config=cfg.cache_config)
+    assert calls == [None]
+
+
+def test_sleep_mode_needs_extensible(tiny_model, probe):
+    probe("no VMM")
+    with pytest.raises(ValueError, match=r"sleep_mode needs the extensible KV cache.*no VMM"):
+        make(tiny_model, enable_sleep_mode=True)
+
+
+# ---- CacheConfig ranges ----
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"block_size": 24}, "block_size must be a power of two in [1, 256], got 24"),
+        ({"block_size": 512}, "block_size must be a power of two in [1, 256], got 512"),
+        ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization must be in (0, 1], got 0.0"),
+        ({"gpu_memory_utilization": 1.2}, "gpu_memory_utilization must be in (0, 1], got 1.2"),
+        ({"kv_cache_memory_bytes": 0}, "kv_cache_memory_bytes must be an int > 0 (bytes), got 0"),
+        ({"kv_cache_memory_bytes": 1.5e9}, "kv_cache_memory_bytes must be an int > 0"),
+        ({"enable_extensible_kv_cache": "yes"}, "enable_extensible_kv_cache must be None"),
+    ],
+)
+def test_cache_config_ranges(kwargs, message):
+    with pytest.raises(ValueError) as e:
+        CacheConfig(**kwargs)
+    assert message in str(e.value)
+
+
+def test_kv_cache_memory_bytes_kept(tiny_model, probe):
+    probe(None)
+    assert make(tiny_model, kv_cache_memory_bytes=2**30).cache_config.kv_cache_memory_bytes == 2**30
+
+
+# ---- scheduler, parallel, compilation, kv transfer ----
+
+def test_scheduler_defaults_per_device():
+    s = SchedulerConfig()
+    s.resolve(max_model_len=4096, device_type="cuda")
+    assert (s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len) == (256, 8192, 4096)
+    s = SchedulerConfig()
+    s.resolve(max_model_len=4096, device_type="cpu")
+    assert (s.max_num_seqs, s.max_num_batched_tokens) == (128, 2048)
+    s = SchedulerConfig(max_num_seqs=10000)
+    s.resolve(max_model_len=4096, device_type="cuda")
+    assert s.max_num_batched_tokens == 10000  # default budget raised to hold every sequence
+
+
+def test_scheduler_errors():
+    s = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=32)
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(32\) must be >= max_num_seqs "
+                                         r"\(64\)"):
+        s.resolve(max_model_len=1024, device_type="cuda")
+    s = SchedulerConfig(max_num_batched_tokens=512, enable_chunked_prefill=False)
+    with pytest.raises(ValueError, match=r"\(512\) is smaller than max_model_len \(1024\)"):
+        s.resolve(max_model_len=1024, device_type="cuda")
+    with pytest.raises(ValueError, match="max_num_seqs must be an int >= 1, got 0"):
+        SchedulerConfig(max_num_seqs=0)
+
+
+def test_tensor_parallel_rejected():
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported yet"):
+        ParallelConfig(tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1, got 0"):
+        ParallelConfig(tensor_parallel_size=0)
+
+
+def test_kv_transfer_config():
+    with pytest.raises(ValueError, match=r"kv_connector 'LMCacheConnectorV1' is not implemented "
+                                         r"by this engine \(known connectors: none yet\)"):
+        KVTransferConfig.from_cli('{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}')
+    with pytest.raises(ValueError, match="kv_role must be one of"):
+        KVTransferConfig(kv_role="sender")
+    assert KVTransferConfig.from_cli('{"kv_role": "kv_both"}').kv_connector is None
+
+
+def test_cudagraph_default_sizes():
+    assert default_cudagraph_capture_sizes(1) == [1]
+    assert default_cudagraph_capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    sizes = default_cudagraph_capture_sizes(256)
+    assert sizes[:6] == [1, 2, 4, 8, 16, 24] and sizes[-2:] == [248, 256] and len(sizes) == 35
+    sizes = default_cudagraph_capture_sizes(300)
+    assert sizes[-4:] == [256, 272, 288, 300]
+
+
+def test_cudagraph_sizes_resolution(tiny_model, probe):
+    probe(None)
+    cfg = VllmConfig(model_config=ModelConfig(tiny_model),
+                     scheduler_config=SchedulerConfig(max_num_seqs=8),
+                     compilation_config=CompilationConfig(cudagraph_capture_sizes=[16, 4, 1, 4]))
+    assert cfg.compilation_config.cudagraph_capture_sizes == [1, 4]  # sorted, deduped, capped
+    assert cfg.compilation_config.use_cudagraph == platforms.current_platform.is_cuda_alike()
+    c = CompilationConfig(enforce_eager=True)
+    c.resolve(max_num_seqs=8, graphs_supported=True)
+    assert c.use_cudagraph is False and c.cudagraph_capture_sizes == [1, 2, 4, 8]
+    with pytest.raises(ValueError, match="cudagraph_capture_sizes must be a non-empty list"):
+        CompilationConfig(cudagraph_capture_sizes=[0, 2])
+
+
+def test_summary_mentions_resolved_path(tiny_model, probe):
+    probe("no VMM")
+    line = make(tiny_model).summary()
+    assert "kv_cache=classic" in line and "gpu_memory_utilization=0.92" in line

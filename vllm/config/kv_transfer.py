@@ -1,0 +1,78 @@
+"""`KVTransferConfig`: which KV connector moves cache blocks in or out (`--kv-transfer-config`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+# Connectors this engine implements. None yet: a connector named by the user
+# is rejected rather than silently ignored. Add a name here with its class.
+KNOWN_KV_CONNECTORS: tuple[str, ...] = ()
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+@dataclass
+class KVTransferConfig:
+    """The KV connector and its role (vLLM's `--kv-transfer-config` keys).
+
+    Attributes:
+        kv_connector: connector class name, or None for no KV transfer.
+        kv_role: "kv_producer" | "kv_consumer" | "kv_both"; required with a connector.
+        kv_connector_extra_config: connector-specific settings.
+
+    Raises:
+        ValueError: an unknown connector (lists the known ones), a bad role,
+            unknown JSON keys, or JSON that does not parse.
+    """
+
+    kv_connector: str | None = None
+    kv_role: str | None = None
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kv_connector is not None and self.kv_connector not in KNOWN_KV_CONNECTORS:
+            known = ", ".join(KNOWN_KV_CONNECTORS) or "none yet"
+            raise ValueError(
+                f"kv_connector {self.kv_connector!r} is not implemented by this engine "
+                f"(known connectors: {known})"
+            )
+        if self.kv_role is not None and self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role must be one of {KV_ROLES}, got {self.kv_role!r}")
+        if self.kv_connector is not None and self.kv_role is None:
+            raise ValueError(f"kv_role must be set with kv_connector {self.kv_connector!r}")
+        if not isinstance(self.kv_connector_extra_config, dict):
+            raise ValueError(
+                "kv_connector_extra_config must be a JSON object, "
+                f"got {self.kv_connector_extra_config!r}"
+            )
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> KVTransferConfig:
+        if not isinstance(values, dict):
+            raise ValueError(f"kv_transfer_config must be a JSON object, got {values!r}")
+        allowed = [f.name for f in fields(cls)]
+        # Check the connector first: its message is the useful one.
+        cls._check_connector_name(values.get("kv_connector"))
+        unknown = sorted(set(values) - set(allowed))
+        if unknown:
+            raise ValueError(f"kv_transfer_config has unknown keys {unknown}; supported: {allowed}")
+        return cls(**values)
+
+    @classmethod
+    def from_cli(cls, text: str) -> KVTransferConfig:
+        """Parse the `--kv-transfer-config` JSON string."""
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"kv_transfer_config is not valid JSON ({e}): {text!r}") from e
+        return cls.from_dict(values)
+
+    @staticmethod
+    def _check_connector_name(name: Any) -> None:
+        if name is not None and name not in KNOWN_KV_CONNECTORS:
+            KVTransferConfig(kv_connector=name, kv_role="kv_both")  # raises the message
+
+    @property
+    def is_kv_transfer_instance(self) -> bool:
+        return self.kv_connector is not None

@@ -1,0 +1,186 @@
+"""`ModelConfig`: which model, in which dtype, with how long a context.
+
+Resolved once at construction: `model=None` becomes the bundled
+SmolLM2-135M-Instruct GGUF, `dtype` a `torch.dtype` the platform supports,
+`max_model_len` an int no larger than the model's own context, `load_format`
+a concrete format. The HF config is loaded here, once, and kept.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from vllm.config.parallel import ParallelConfig
+
+# `--dtype` spellings (vLLM's) -> torch dtype attribute names.
+_DTYPE_NAMES = {
+    "half": "float16",
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "float": "float32",
+    "float32": "float32",
+}
+DTYPE_CHOICES = ("auto", *_DTYPE_NAMES)
+LOAD_FORMAT_CHOICES = ("auto", "safetensors", "gguf", "dummy")
+
+
+def _platform():
+    from vllm import platforms
+
+    return platforms.current_platform
+
+
+def _to_torch_dtype(value: Any) -> torch.dtype | None:
+    """A torch.dtype from a torch.dtype or its name ("bfloat16", "torch.float16"); else None."""
+    import torch
+
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str):
+        name = _DTYPE_NAMES.get(value.removeprefix("torch."), value.removeprefix("torch."))
+        candidate = getattr(torch, name, None)
+        if isinstance(candidate, torch.dtype):
+            return candidate
+    return None
+
+
+@dataclass
+class ModelConfig:
+    """The model and how it is loaded.
+
+    Attributes:
+        model: HF model directory or `.gguf` file; None = the bundled model.
+        tokenizer: tokenizer path; None = the model's own.
+        dtype: "auto" | "float32" | "float" | "bfloat16" | "float16" | "half" |
+            a torch.dtype; resolved to a torch.dtype through the platform
+            ("auto" picks the platform's choice for the checkpoint's dtype).
+        max_model_len: context length in tokens (prompt + output); None = the
+            model's own (from its config).
+        seed: the engine's random seed (vLLM V1 default 0); None = not seeded.
+        load_format: "auto" | "safetensors" | "gguf" | "dummy" (random weights);
+            "auto" resolves from the path (a `.gguf` file or a directory).
+        served_model_name: the name the server reports; None = `model`.
+        hf_config: the transformers `PretrainedConfig`, loaded once (not an argument).
+
+    Raises:
+        ValueError: unknown dtype / load_format, a dtype the platform does not
+            support, max_model_len < 1 or above the model's, a load_format
+            that does not match the path.
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str | torch.dtype = "auto"
+    max_model_len: int | None = None
+    seed: int | None = 0
+    load_format: str = "auto"
+    served_model_name: str | None = None
+    hf_config: Any = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        from vllm.transformers_utils.config import (
+            get_bundled_model_path,
+            get_hf_config,
+            get_model_max_len,
+        )
+
+        seed = self.seed
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise ValueError(f"seed must be None or an int, got {self.seed!r}")
+        self.model = os.fspath(get_bundled_model_path() if self.model is None else self.model)
+        self.tokenizer = self.model if self.tokenizer is None else os.fspath(self.tokenizer)
+        self.served_model_name = self.served_model_name or self.model
+        self.load_format = self._resolve_load_format()
+        self.hf_config = get_hf_config(self.model)
+        self.dtype = self._resolve_dtype()
+        self.max_model_len = self._resolve_max_model_len(get_model_max_len(self.hf_config))
+
+    def _resolve_load_format(self) -> str:
+        fmt = self.load_format
+        if fmt not in LOAD_FORMAT_CHOICES:
+            raise ValueError(f"load_format must be one of {LOAD_FORMAT_CHOICES}, got {fmt!r}")
+        is_gguf = self.model.endswith(".gguf")
+        if fmt == "auto":
+            return "gguf" if is_gguf else "safetensors"
+        if fmt == "gguf" and not is_gguf:
+            raise ValueError(f"load_format 'gguf' needs a .gguf file, got model {self.model!r}")
+        if fmt == "safetensors" and is_gguf:
+            raise ValueError(
+                f"load_format 'safetensors' needs an HF model directory, got the GGUF file "
+                f"{self.model!r} (use load_format 'gguf' or 'auto')"
+            )
+        return fmt
+
+    def _resolve_dtype(self) -> torch.dtype:
+        platform = _platform()
+        supported = list(platform.supported_dtypes())
+        if isinstance(self.dtype, str) and self.dtype == "auto":
+            # transformers >= 4.56 names it `dtype`; older releases `torch_dtype`.
+            cfg = self.hf_config
+            stored = cfg.dtype if hasattr(cfg, "dtype") else getattr(cfg, "torch_dtype", None)
+            config_dtype = _to_torch_dtype(stored)
+            dtype = platform.default_dtype(config_dtype)
+        else:
+            dtype = _to_torch_dtype(self.dtype)
+            if dtype is None or (isinstance(self.dtype, str) and self.dtype not in _DTYPE_NAMES):
+                raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
+        if dtype not in supported:
+            names = ", ".join(str(d).removeprefix("torch.") for d in supported)
+            raise ValueError(
+                f"dtype {str(dtype).removeprefix('torch.')} is not supported on the "
+                f"{platform.device_name} platform (supported: {names})"
+            )
+        return dtype
+
+    def _resolve_max_model_len(self, model_max_len: int) -> int:
+        user = self.max_model_len
+        if user is None:
+            return model_max_len
+        if not isinstance(user, int) or isinstance(user, bool) or user < 1:
+            raise ValueError(f"max_model_len must be an int >= 1, got {user!r}")
+        if user > model_max_len:
+            raise ValueError(
+                f"max_model_len {user} is larger than the model's maximum context length "
+                f"{model_max_len} (from its config); use at most {model_max_len}"
+            )
+        return user
+
+    @property
+    def model_path(self) -> str:
+        """The local file or directory the weights load from (the resolved `model`)."""
+        return self.model
+
+    # -- model shape, read from the HF config (tensor-parallel size is always 1 today) --
+
+    def get_vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    def get_hidden_size(self) -> int:
+        return self.hf_config.hidden_size
+
+    def get_num_layers(self, parallel_config: ParallelConfig | None = None) -> int:
+        return self.hf_config.num_hidden_layers
+
+    def get_num_attention_heads(self, parallel_config: ParallelConfig | None = None) -> int:
+        return self.hf_config.num_attention_heads // _tp(parallel_config)
+
+    def get_total_num_kv_heads(self) -> int:
+        cfg = self.hf_config
+        return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+
+    def get_num_kv_heads(self, parallel_config: ParallelConfig | None = None) -> int:
+        # With TP, KV heads are split and replicated when there are fewer than ranks.
+        return max(1, self.get_total_num_kv_heads() // _tp(parallel_config))
+
+    def get_head_size(self) -> int:
+        cfg = self.hf_config
+        return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def _tp(parallel_config: ParallelConfig | None) -> int:
+    return 1 if parallel_config is None else parallel_config.tensor_parallel_size

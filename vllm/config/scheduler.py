@@ -1,0 +1,72 @@
+"""`SchedulerConfig`: the per-step token budget and the most concurrent requests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Defaults when left unset: (max_num_seqs, max_num_batched_tokens) per device type.
+# CUDA: vLLM V1's serving defaults (256 sequences; 8192 tokens, its API-server
+# budget, also used for the offline LLM here so both size the cache alike).
+# CPU: the worst-case profiling forward covers max_num_batched_tokens tokens, and
+# on a few cores 2048 tokens of a 135M model already take seconds; 128
+# sequences is vLLM's CPU server default.
+_DEFAULT_LIMITS = {"cuda": (256, 8192), "cpu": (128, 2048)}
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+@dataclass
+class SchedulerConfig:
+    """Scheduling limits.
+
+    Attributes:
+        max_num_seqs: most requests in one step; None = the device default
+            (256 on CUDA, 128 on CPU).
+        max_num_batched_tokens: tokens computed in one step (the budget shared
+            by prefills and decodes); None = the device default (8192 on CUDA,
+            2048 on CPU), raised to max_num_seqs if that is larger, and to
+            max_model_len when chunked prefill is off.
+        enable_chunked_prefill: split long prompts across steps. When False
+            the budget must hold a whole max_model_len prompt.
+        max_model_len: copied from ModelConfig by `resolve` (not an argument
+            users set).
+
+    Raises:
+        ValueError: limits < 1, max_num_batched_tokens < max_num_seqs, or
+            (chunked prefill off) max_num_batched_tokens < max_model_len.
+    """
+
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_positive_int("max_num_seqs", self.max_num_seqs)
+        _check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+
+    def resolve(self, max_model_len: int, device_type: str) -> None:
+        """Fill the defaults for `device_type` ("cuda" or "cpu") and check the limits."""
+        default_seqs, default_tokens = _DEFAULT_LIMITS.get(device_type, _DEFAULT_LIMITS["cpu"])
+        self.max_model_len = max_model_len
+        if self.max_num_seqs is None:
+            self.max_num_seqs = default_seqs
+        if self.max_num_batched_tokens is None:
+            floor = self.max_num_seqs if self.enable_chunked_prefill else max(
+                self.max_num_seqs, max_model_len
+            )
+            self.max_num_batched_tokens = max(default_tokens, floor)
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs}): every running request needs a token"
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
+                f"max_model_len ({max_model_len}) with chunked prefill disabled: the longest "
+                "prompt could never be scheduled; raise it or enable chunked prefill"
+            )

@@ -1,0 +1,76 @@
+"""`VllmConfig`: every config of one engine, validated and resolved once.
+
+```
+EngineArgs --create_engine_config()--> VllmConfig
+                                        |- model_config        ModelConfig
+                                        |- cache_config        CacheConfig
+                                        |- scheduler_config    SchedulerConfig
+                                        |- parallel_config     ParallelConfig
+                                        |- compilation_config  CompilationConfig
+                                        |- device_config       DeviceConfig
+                                        '- kv_transfer_config  KVTransferConfig | None
+```
+
+Each sub-config checks its own ranges when built; `__post_init__` here does
+what needs several of them or the platform: scheduler defaults (device, context
+length), CUDA graph sizes (max_num_seqs), and the KV cache path (VMM probe),
+which fixes the default gpu_memory_utilization.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.config.cache import CacheConfig
+from vllm.config.compilation import CompilationConfig
+from vllm.config.device import DeviceConfig
+from vllm.config.kv_transfer import KVTransferConfig
+from vllm.config.model import ModelConfig
+from vllm.config.parallel import ParallelConfig
+from vllm.config.scheduler import SchedulerConfig
+
+
+@dataclass
+class VllmConfig:
+    """All of one engine's configuration; leaf classes take plain values from it.
+
+    Raises:
+        ValueError: cross-field conflicts, or the extensible KV cache required
+            where the platform's VMM probe fails (see `CacheConfig.resolve_kv_cache_path`).
+    """
+
+    model_config: ModelConfig
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
+    device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    kv_transfer_config: KVTransferConfig | None = None
+
+    def __post_init__(self) -> None:
+        from vllm import platforms
+
+        platform = platforms.current_platform
+        self.scheduler_config.resolve(self.model_config.max_model_len, platform.device_type)
+        self.compilation_config.resolve(
+            self.scheduler_config.max_num_seqs, graphs_supported=platform.is_cuda_alike()
+        )
+        if self.kv_transfer_config is not None and not self.kv_transfer_config.kv_connector:
+            self.kv_transfer_config = None  # an empty config means no connector
+        self.cache_config.resolve_kv_cache_path(lambda: platform.get_vmm_driver().probe())
+
+    def summary(self) -> str:
+        """One line for the engine's start-up log."""
+        m, c, s = self.model_config, self.cache_config, self.scheduler_config
+        kv_path = "extensible" if c.enable_extensible_kv_cache else "classic"
+        return (
+            f"model={m.model!r}, dtype={m.dtype}, max_model_len={m.max_model_len}, "
+            f"load_format={m.load_format}, seed={m.seed}, device={self.device_config.device_type}, "
+            f"kv_cache={kv_path}, block_size={c.block_size}, "
+            f"gpu_memory_utilization={c.gpu_memory_utilization}, "
+            f"kv_cache_memory_bytes={c.kv_cache_memory_bytes}, "
+            f"enable_prefix_caching={c.enable_prefix_caching}, max_num_seqs={s.max_num_seqs}, "
+            f"max_num_batched_tokens={s.max_num_batched_tokens}, "
+            f"cudagraphs={self.compilation_config.use_cudagraph}, "
+            f"tensor_parallel_size={self.parallel_config.tensor_parallel_size}"
+        )

@@ -1,0 +1,262 @@
+"""`EngineArgs`: the engine's user-facing arguments, and the CLI flags for them.
+
+```
+LLM(**kwargs) ----------------> EngineArgs --create_engine_config()--> VllmConfig
+vllm serve --flags --(argparse)-^  (from_cli_args)                     (validated once)
+```
+
+Flag names are vLLM's. argparse rejects flags it does not know; values the
+engine does not support (tensor_parallel_size > 1, an unknown KV connector)
+are rejected when the config is built, with a message naming the value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from dataclasses import dataclass, fields
+from typing import Any
+
+from vllm.config import (
+    CacheConfig,
+    CompilationConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.config.model import DTYPE_CHOICES, LOAD_FORMAT_CHOICES
+
+# Suffixes for integer flags. vLLM's convention: lowercase k/m/g/t are decimal
+# (1k = 1000, decimals allowed: 25.6k), uppercase K/M/G/T binary (1K = 1024).
+# Byte flags also take explicit units: KiB/MiB/GiB/TiB (binary), KB/MB/GB/TB (decimal).
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_DECIMAL_BYTES = {f"{p}B": 10 ** (3 * i) for i, p in enumerate("KMGT", 1)}
+_BINARY_BYTES = {"B": 1, **{f"{p}iB": 2 ** (10 * i) for i, p in enumerate("KMGT", 1)}}
+_NUMBER_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([A-Za-z]*)")
+
+
+def _parse_int(value: str, decimal: dict[str, int], binary: dict[str, int], what: str) -> int:
+    match = _NUMBER_RE.fullmatch(value.strip())
+    suffix = match.group(2) if match else None
+    if suffix is None or (suffix and suffix not in decimal and suffix not in binary):
+        raise argparse.ArgumentTypeError(
+            f"invalid {what} {value!r}: expected an integer, optionally with a suffix "
+            f"({', '.join([*decimal, *binary])})"
+        )
+    number = match.group(1)
+    if suffix in decimal:
+        return int(float(number) * decimal[suffix])
+    if "." in number:  # 1.5K is ambiguous; 1.5k (decimal) is not
+        raise argparse.ArgumentTypeError(
+            f"invalid {what} {value!r}: a fraction needs a decimal suffix ({', '.join(decimal)})"
+        )
+    return int(number) * binary.get(suffix, 1)
+
+
+def human_readable_int(value: str) -> int:
+    """An int flag with vLLM's suffixes: `4096`, `32k` (32000), `32K` (32768), `25.6k`."""
+    return _parse_int(value, _DECIMAL, _BINARY, "integer")
+
+
+def human_readable_bytes(value: str) -> int:
+    """A byte count: `4294967296`, vLLM's `4G` (= 4 GiB) / `4g` (= 4e9), or `4GiB` / `4GB`."""
+    return _parse_int(
+        value, {**_DECIMAL, **_DECIMAL_BYTES}, {**_BINARY, **_BINARY_BYTES}, "byte count"
+    )
+
+
+def _json_type(parse, name: str):
+    """An argparse type that turns a JSON string into a config, keeping the error message."""
+
+    def parse_json(text: str):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from e
+
+    parse_json.__name__ = name
+    return parse_json
+
+
+def _compilation_config_from_cli(text: str) -> CompilationConfig:
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"compilation_config is not valid JSON ({e}): {text!r}") from e
+    if not isinstance(values, dict):
+        raise ValueError(f"compilation_config must be a JSON object, got {text!r}")
+    return CompilationConfig.from_dict(values)
+
+
+@dataclass
+class EngineArgs:
+    """Arguments of one engine (vLLM's names; see `add_cli_args` for each one's meaning).
+
+    `LLM(**kwargs)` builds one of these; an unknown keyword is a TypeError.
+    Values are checked when `create_engine_config()` builds the `VllmConfig`.
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int | None = 0
+    load_format: str = "auto"
+    block_size: int = 16
+    gpu_memory_utilization: float | None = None
+    kv_cache_memory_bytes: int | None = None
+    enable_extensible_kv_cache: bool | None = None
+    enable_prefix_caching: bool = True
+    enable_sleep_mode: bool = False
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    enforce_eager: bool = False
+    compilation_config: CompilationConfig | dict[str, Any] | None = None
+    tensor_parallel_size: int = 1
+    kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None
+    disable_log_stats: bool = False
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """Add the engine flags to `parser` (in an "EngineArgs" group) and return it."""
+        d = EngineArgs
+        g = parser.add_argument_group("EngineArgs")
+        bool_flag = argparse.BooleanOptionalAction
+        g.add_argument("--model", type=str, default=d.model,
+                       help="HF model directory or .gguf file (default: the bundled "
+                            "SmolLM2-135M-Instruct).")
+        g.add_argument("--tokenizer", type=str, default=d.tokenizer,
+                       help="Tokenizer path (default: the model's own).")
+        g.add_argument("--dtype", choices=DTYPE_CHOICES, default=d.dtype,
+                       help="Weight and activation dtype; 'auto' lets the platform choose.")
+        g.add_argument("--max-model-len", type=human_readable_int, default=d.max_model_len,
+                       help="Context length in tokens (prompt + output), e.g. 4096 or 4k; "
+                            "default: the model's.")
+        g.add_argument("--seed", type=int, default=d.seed, help="Random seed of the engine.")
+        g.add_argument("--load-format", choices=LOAD_FORMAT_CHOICES, default=d.load_format,
+                       help="Weight format; 'dummy' = random weights; 'auto' from the path.")
+        g.add_argument("--block-size", type=int, default=d.block_size,
+                       help="Tokens per KV cache block (a power of two, 1-256).")
+        g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                       help="Fraction of total device memory the engine may use, in (0, 1] "
+                            "(default: 1.0 extensible, 0.92 classic KV cache).")
+        g.add_argument("--kv-cache-memory-bytes", type=human_readable_bytes,
+                       default=d.kv_cache_memory_bytes,
+                       help="Explicit KV cache size in bytes: 4294967296, 4GiB, 4G (binary) "
+                            "or 4GB (decimal); bypasses measured sizing.")
+        g.add_argument("--enable-extensible-kv-cache", action=bool_flag,
+                       default=d.enable_extensible_kv_cache,
+                       help="Reserve, warm up, measure, then grow the KV cache (default: on "
+                            "where the platform supports it; the flag makes it required).")
+        g.add_argument("--enable-prefix-caching", action=bool_flag,
+                       default=d.enable_prefix_caching,
+                       help="Reuse KV cache blocks of shared prompt prefixes.")
+        g.add_argument("--enable-sleep-mode", action=bool_flag, default=d.enable_sleep_mode,
+                       help="Allow sleep()/wake_up() to release and restore KV cache memory.")
+        g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                       help="Most requests per step (default: 256 on CUDA, 128 on CPU).")
+        g.add_argument("--max-num-batched-tokens", type=human_readable_int,
+                       default=d.max_num_batched_tokens,
+                       help="Token budget per step (default: 8192 on CUDA, 2048 on CPU).")
+        g.add_argument("--enforce-eager", action=bool_flag, default=d.enforce_eager,
+                       help="Never capture CUDA graphs.")
+        g.add_argument("-O", "--compilation-config",
+                       type=_json_type(_compilation_config_from_cli, "compilation_config"),
+                       default=d.compilation_config,
+                       help='JSON, e.g. \'{"cudagraph_capture_sizes": [1, 2, 4, 8]}\'.')
+        g.add_argument("-tp", "--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
+                       help="Devices to shard the model over (only 1 is supported yet).")
+        g.add_argument("--kv-transfer-config",
+                       type=_json_type(KVTransferConfig.from_cli, "kv_transfer_config"),
+                       default=d.kv_transfer_config,
+                       help='KV connector as JSON: \'{"kv_connector": ..., "kv_role": ...}\' '
+                            "(no connector is implemented yet).")
+        g.add_argument("--disable-log-stats", action="store_true", default=d.disable_log_stats,
+                       help="Do not log engine statistics periodically.")
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """Build from a namespace parsed with `add_cli_args` (extra attributes ignored)."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+    def create_engine_config(self) -> VllmConfig:
+        """Build and validate the engine's `VllmConfig` (the one place args are checked).
+
+        Raises:
+            ValueError: any invalid or unsupported value, naming the field.
+        """
+        model_config = ModelConfig(
+            model=self.model,
+            tokenizer=self.tokenizer,
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            seed=self.seed,
+            load_format=self.load_format,
+        )
+        cache_config = CacheConfig(
+            block_size=self.block_size,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            enable_prefix_caching=self.enable_prefix_caching,
+            enable_extensible_kv_cache=self.enable_extensible_kv_cache,
+            enable_sleep_mode=self.enable_sleep_mode,
+        )
+        return VllmConfig(
+            model_config=model_config,
+            cache_config=cache_config,
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+            ),
+            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            compilation_config=self._compilation_config(),
+            device_config=DeviceConfig(),
+            kv_transfer_config=self._kv_transfer_config(),
+        )
+
+    def _compilation_config(self) -> CompilationConfig:
+        cc = self.compilation_config
+        if cc is None:
+            return CompilationConfig(enforce_eager=self.enforce_eager)
+        if isinstance(cc, dict):
+            cc = CompilationConfig.from_dict(cc)
+        elif not isinstance(cc, CompilationConfig):
+            raise ValueError(f"compilation_config must be a dict or CompilationConfig, got {cc!r}")
+        # --enforce-eager wins when given alongside a compilation config.
+        return CompilationConfig(
+            enforce_eager=cc.enforce_eager or self.enforce_eager,
+            cudagraph_capture_sizes=cc.cudagraph_capture_sizes,
+        )
+
+    def _kv_transfer_config(self) -> KVTransferConfig | None:
+        kv = self.kv_transfer_config
+        if kv is None or isinstance(kv, KVTransferConfig):
+            return kv
+        if isinstance(kv, str):
+            return KVTransferConfig.from_cli(kv)
+        if isinstance(kv, dict):
+            return KVTransferConfig.from_dict(kv)
+        raise ValueError(
+            f"kv_transfer_config must be a JSON string, dict or KVTransferConfig, got {kv!r}"
+        )
+
+
+@dataclass
+class AsyncEngineArgs(EngineArgs):
+    """`EngineArgs` plus the options only the async (serving) engine has."""
+
+    enable_log_requests: bool = False
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        parser = EngineArgs.add_cli_args(parser)
+        parser.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction,
+                            default=AsyncEngineArgs.enable_log_requests,
+                            help="Log every request's prompt and sampling parameters.")
+        return parser

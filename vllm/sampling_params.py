@@ -1,0 +1,317 @@
+"""`SamplingParams`: how to sample one request, validated at construction.
+
+Field names, defaults and ranges follow vLLM's, so user code written for vLLM
+runs unchanged. Every invalid value raises `ValueError` naming the field and
+the allowed range. Also here: the request-level checks both the offline `LLM`
+and the OpenAI server run before a request reaches the engine
+(`validate_request_lengths`, `validate_token_ids`).
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+# Below this temperature a request is greedy (argmax), as in vLLM.
+_SAMPLING_EPS = 1e-5
+# Temperatures in (_SAMPLING_EPS, _MAX_TEMP) are raised to _MAX_TEMP: dividing
+# float32 logits by a smaller number overflows to inf and the softmax to NaN.
+_MAX_TEMP = 1e-2
+# The most logprobs (sample and prompt) one request may ask for; vLLM's
+# default `max_logprobs`. The OpenAI server enforces the same bound.
+MAX_LOGPROBS = 20
+# OpenAI's range for logit_bias values.
+_MAX_ABS_LOGIT_BIAS = 100.0
+# torch.Generator.manual_seed accepts exactly this range.
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+
+
+class SamplingType(enum.IntEnum):
+    """How the sampler draws a row's token."""
+
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+class RequestOutputKind(enum.Enum):
+    """What each `RequestOutput` of a streamed request carries."""
+
+    CUMULATIVE = 0  # everything generated so far
+    DELTA = 1  # only what is new since the last output
+    FINAL_ONLY = 2  # nothing until the request finishes
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check(ok: bool, name: str, allowed: str, value: Any) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+@dataclass
+class SamplingParams:
+    """Sampling parameters of one request (vLLM's names and defaults).
+
+    Attributes:
+        n: completions to return for the prompt (>= 1).
+        presence_penalty: subtracted once from the logit of every token already
+            generated, in [-2, 2] (OpenAI semantics; output tokens only).
+        frequency_penalty: subtracted per occurrence of a generated token, in [-2, 2].
+        repetition_penalty: > 0; logits of tokens in the prompt or output are
+            divided by it when positive and multiplied when negative (HF
+            semantics). 1.0 = off.
+        temperature: >= 0; below 1e-5 the request is greedy.
+        top_p: in (0, 1]; keep the smallest set of tokens whose probability sums to >= top_p.
+        top_k: keep the k most likely tokens; 0 or -1 = off (stored as 0).
+        min_p: in [0, 1]; drop tokens less likely than min_p x the top token's probability.
+        seed: per-request random seed (int) or None for the engine's generator.
+        stop: strings that end generation (not included in the text unless
+            `include_stop_str_in_output`). Normalised to a list.
+        stop_token_ids: token ids that end generation (kept in the output token ids).
+        ignore_eos: keep generating after EOS.
+        max_tokens: most tokens to generate (>= 1), or None for "up to max_model_len".
+        min_tokens: EOS and stop tokens are masked until this many are generated.
+        logprobs: return this many top logprobs per generated token (plus the
+            sampled token's), 0..MAX_LOGPROBS; None = no logprobs.
+        prompt_logprobs: the same for every prompt token after the first.
+        detokenize, skip_special_tokens, spaces_between_special_tokens,
+        include_stop_str_in_output: detokenization options as in vLLM.
+        output_kind: what streamed outputs carry (see `RequestOutputKind`).
+        logit_bias: token id -> bias in [-100, 100] added to its logit before sampling.
+
+    Raises:
+        ValueError: a field outside its range (message names the field and range).
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    logit_bias: dict[int, float] | None = None
+    # stop_token_ids plus the model's EOS ids (filled by
+    # `update_from_generation_config`); masked by the sampler until min_tokens.
+    _all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.top_k == -1:
+            self.top_k = 0  # vLLM accepts both spellings of "off"
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        self._verify_args()
+        self._all_stop_token_ids = set(self.stop_token_ids)
+        if self.temperature < _SAMPLING_EPS:
+            # Greedy: truncation parameters cannot change the argmax.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+        elif self.temperature < _MAX_TEMP:
+            logger.warning(
+                "temperature %s is below %s, which overflows float32 logits; using %s",
+                self.temperature, _MAX_TEMP, _MAX_TEMP,
+            )
+            self.temperature = _MAX_TEMP
+
+    @classmethod
+    def from_optional(cls, **kwargs: Any) -> SamplingParams:
+        """Build from keyword arguments where None means "the default" (API requests)."""
+        return cls(**{k: v for k, v in kwargs.items() if v is not None})
+
+    def _verify_args(self) -> None:
+        _check(_is_int(self.n) and self.n >= 1, "n", "an int >= 1", self.n)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2.0 <= value <= 2.0, name, "in [-2, 2]", value)
+        rp = self.repetition_penalty
+        _check(_is_number(rp) and rp > 0.0, "repetition_penalty", "> 0", rp)
+        t = self.temperature
+        _check(_is_number(t) and t >= 0.0, "temperature", ">= 0", t)
+        _check(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]",
+               self.top_p)
+        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k",
+               "0 or -1 (disabled) or >= 1", self.top_k)
+        _check(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]",
+               self.min_p)
+        _check(self.seed is None or (_is_int(self.seed) and _SEED_MIN <= self.seed <= _SEED_MAX),
+               "seed", f"None or an int in [{_SEED_MIN}, {_SEED_MAX}]", self.seed)
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+               "max_tokens", "None or an int >= 1", self.max_tokens)
+        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "an int >= 0",
+               self.min_tokens)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS), name,
+                   f"None or an int in [0, {MAX_LOGPROBS}]", value)
+        for s in self.stop:
+            _check(isinstance(s, str) and s != "", "stop", "non-empty strings", s)
+        for t_id in self.stop_token_ids:
+            _check(_is_int(t_id) and t_id >= 0, "stop_token_ids", "token ids >= 0", t_id)
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(
+                f"output_kind must be a RequestOutputKind, got {self.output_kind!r}"
+            )
+        if self.logit_bias is not None:
+            for tok, bias in self.logit_bias.items():
+                _check(_is_int(tok) and tok >= 0, "logit_bias", "keyed by token ids >= 0", tok)
+                _check(_is_number(bias) and abs(bias) <= _MAX_ABS_LOGIT_BIAS, "logit_bias",
+                       f"valued in [-{_MAX_ABS_LOGIT_BIAS:g}, {_MAX_ABS_LOGIT_BIAS:g}]", bias)
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < _SAMPLING_EPS:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        """`stop_token_ids` plus the model's EOS ids once `update_from_generation_config` ran."""
+        return self._all_stop_token_ids
+
+    @property
+    def output_text_buffer_length(self) -> int:
+        """Characters the detokenizer must hold back so a stop string is never streamed."""
+        if not self.stop or self.include_stop_str_in_output:
+            return 0
+        return max(len(s) for s in self.stop) - 1
+
+    def update_from_generation_config(
+        self, generation_config: dict[str, Any], model_eos_token_id: int | None = None
+    ) -> None:
+        """Add the model's EOS ids to the stop set (as vLLM does at request intake).
+
+        `model_eos_token_id` (the tokenizer's EOS) always stops unless
+        `ignore_eos`; extra EOS ids from the generation config become
+        `stop_token_ids` too.
+        """
+        if model_eos_token_id is not None:
+            self._all_stop_token_ids.add(model_eos_token_id)
+        eos_ids = generation_config.get("eos_token_id")
+        if eos_ids is None:
+            return
+        eos_ids = {eos_ids} if isinstance(eos_ids, int) else set(eos_ids)
+        eos_ids.discard(model_eos_token_id)
+        if eos_ids:
+            self._all_stop_token_ids.update(eos_ids)
+            if not self.ignore_eos:
+                self.stop_token_ids = sorted(set(self.stop_token_ids) | eos_ids)
+
+    def verify_vocab(self, vocab_size: int) -> None:
+        """Check that token ids given by the user exist in the model's vocabulary.
+
+        Raises:
+            ValueError: a `logit_bias` key >= vocab_size (it would index past the logits).
+        """
+        if self.logit_bias:
+            bad = sorted(t for t in self.logit_bias if t >= vocab_size)
+            if bad:
+                raise ValueError(
+                    f"logit_bias has token ids {bad} outside the vocabulary "
+                    f"(vocab_size {vocab_size})"
+                )
+
+    def clone(self) -> SamplingParams:
+        """An independent copy (lists, dicts and the stop set are not shared)."""
+        return copy.deepcopy(self)
+
+
+def validate_request_lengths(
+    num_prompt_tokens: int,
+    max_tokens: int | None,
+    max_model_len: int,
+    *,
+    require_room_for_max_tokens: bool = True,
+) -> int:
+    """Check that a request fits the model's context; return its effective max_tokens.
+
+    vLLM's two behaviours: the OpenAI server rejects a request whose prompt
+    plus `max_tokens` exceeds `max_model_len` (`require_room_for_max_tokens=True`);
+    the offline `LLM` only requires the prompt to fit and lets generation stop
+    with finish_reason "length" at `max_model_len` (`False`). `max_tokens=None`
+    means "as many as fit".
+
+    Args:
+        num_prompt_tokens: tokens in the prompt.
+        max_tokens: the request's `SamplingParams.max_tokens`.
+        max_model_len: the engine's context length, tokens.
+
+    Returns:
+        max_tokens, or `max_model_len - num_prompt_tokens` when it was None.
+
+    Raises:
+        ValueError: an empty prompt, a prompt of at least `max_model_len` tokens
+            (no room for one output token), or prompt + max_tokens >
+            max_model_len when required; the message gives all the numbers.
+    """
+    if num_prompt_tokens < 1:
+        raise ValueError("the prompt is empty: it must have at least 1 token")
+    if num_prompt_tokens >= max_model_len:
+        raise ValueError(
+            f"prompt has {num_prompt_tokens} tokens, which leaves no room to generate within "
+            f"max_model_len {max_model_len}; shorten the prompt"
+        )
+    room = max_model_len - num_prompt_tokens
+    if max_tokens is None:
+        return room
+    if require_room_for_max_tokens and max_tokens > room:
+        raise ValueError(
+            f"prompt has {num_prompt_tokens} tokens, plus max_tokens {max_tokens} exceeds "
+            f"max_model_len {max_model_len}; reduce the prompt or max_tokens "
+            f"(at most {room} here)"
+        )
+    return max_tokens
+
+
+# The name the issue brief used; same function.
+validate_prompt_length = validate_request_lengths
+
+
+def validate_token_ids(token_ids: list[int], vocab_size: int, what: str = "prompt") -> None:
+    """Check user-given token ids (a token-id prompt) against the vocabulary.
+
+    Raises:
+        ValueError: an id < 0 or >= vocab_size; names the position and both numbers.
+    """
+    for pos, tok in enumerate(token_ids):
+        if not _is_int(tok) or not 0 <= tok < vocab_size:
+            raise ValueError(
+                f"{what} token id {tok!r} at position {pos} is out of the vocabulary "
+                f"[0, {vocab_size})"
+            )

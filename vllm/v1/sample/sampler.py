@@ -1,0 +1,103 @@
+"""`Sampler`: logits -> one token per row, on the device, plus optional logprobs.
+
+```
+logits [N, V] --raw log_softmax--> logprobs (before anything below, vLLM's default)
+   |
+   +-- logit_bias, min_tokens mask (stop tokens -> -inf)
+   +-- penalties (repetition, frequency, presence)
+   +-- greedy rows: argmax ------------------------------+
+   +-- random rows: / temperature -> min_p -> top-k/top-p |
+   |               -> softmax -> exponential race --------+--> sampled [N]
+   '-- gather: sampled token's logprob + rank, top-k ---------> LogprobsTensors
+```
+
+No per-row Python except for drawing the noise of seeded rows from their
+own generators.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from vllm.sampling_params import _SAMPLING_EPS
+from vllm.v1.sample.logprobs import LogprobsTensors, compute_token_logprobs, gather_logprobs
+from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.sample.ops.penalties import apply_penalties
+from vllm.v1.sample.ops.topk_topp import apply_min_p, apply_top_k_top_p, random_sample
+
+__all__ = ["LogprobsTensors", "Sampler", "SamplerOutput", "compute_token_logprobs"]
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [N] int64, on the logits' device
+    logprobs_tensors: LogprobsTensors | None  # None when no row asked for logprobs
+
+
+class Sampler(nn.Module):
+    """Samples one token per row from [N, V] logits under `SamplingMetadata`."""
+
+    def forward(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> SamplerOutput:
+        """Sample.
+
+        Args:
+            logits: [N, V] float32 (other float dtypes are converted); may be
+                modified in place.
+            sampling_metadata: the N rows' settings, tensors on logits' device.
+
+        Raises:
+            ValueError: logits not 2-D, or N differs from the metadata's rows.
+        """
+        md = sampling_metadata
+        if logits.dim() != 2 or logits.shape[0] != md.num_rows:
+            raise ValueError(
+                f"logits must be [N, V] with N = {md.num_rows} rows of sampling metadata, "
+                f"got {tuple(logits.shape)}"
+            )
+        logits = logits.to(torch.float32)
+        raw_logprobs = None
+        if md.max_num_logprobs is not None:
+            raw_logprobs = logits.log_softmax(dim=-1)
+        logits = self.apply_logits_processors(logits, md)
+        sampled = self.sample(logits, md)
+        logprobs_tensors = None
+        if raw_logprobs is not None:
+            logprobs_tensors = gather_logprobs(raw_logprobs, md.max_num_logprobs, sampled)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs_tensors)
+
+    @staticmethod
+    def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """logit_bias, the min_tokens mask and the penalties, in place."""
+        if md.logit_bias is not None:
+            rows, cols, values = md.logit_bias
+            logits.index_put_((rows, cols), values, accumulate=True)
+        if md.min_tokens is not None:
+            logits.index_put_(md.min_tokens, torch.tensor(float("-inf"), device=logits.device))
+        if not md.no_penalties:
+            apply_penalties(
+                logits,
+                md.prompt_token_ids,
+                md.output_token_ids,
+                md.presence_penalties,
+                md.frequency_penalties,
+                md.repetition_penalties,
+            )
+        return logits
+
+    @staticmethod
+    def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """[N] int64: argmax for greedy rows, a truncated-softmax draw for the rest."""
+        greedy = None if md.all_random else logits.argmax(dim=-1)
+        if md.all_greedy:
+            return greedy
+        is_greedy = md.temperature < _SAMPLING_EPS
+        # Greedy rows divide by 1 (their draw is discarded); avoids 0-division.
+        logits = logits.div_(torch.where(is_greedy, 1.0, md.temperature).unsqueeze(1))
+        if md.min_p is not None:
+            logits = apply_min_p(logits, md.min_p)
+        logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+        drawn = random_sample(logits.softmax(dim=-1), md.generators)
+        return drawn if greedy is None else torch.where(is_greedy, greedy, drawn)
