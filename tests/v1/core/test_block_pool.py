@@ -1,0 +1,187 @@
+"""BlockPool: exact block ids, reference counts, eviction order, growth and shrinking."""
+
+import pytest
+
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import hash_block_tokens
+
+
+def _ids(blocks):
+    return [b.block_id for b in blocks]
+
+
+def _free_ids(pool):
+    return _ids(pool.free_block_queue.get_all_free_blocks())
+
+
+def _hashes(n):
+    """n chained block hashes over distinct content."""
+    out, parent = [], None
+    for i in range(n):
+        parent = hash_block_tokens(parent, [i] * 4)
+        out.append(parent)
+    return out
+
+
+def test_fresh_pool_hands_out_ids_in_order_and_never_the_null_block():
+    pool = BlockPool(6, enable_caching=True)
+    assert pool.num_blocks == 6 and pool.get_num_free_blocks() == 5
+    blocks = pool.get_new_blocks(3)
+    assert _ids(blocks) == [1, 2, 3]
+    assert [b.ref_cnt for b in blocks] == [1, 1, 1]
+    assert _free_ids(pool) == [4, 5]
+    assert pool.get_usage() == pytest.approx(3 / 5)
+    assert _ids(pool.get_new_blocks(2)) == [4, 5]
+    assert pool.get_usage() == 1.0
+    with pytest.raises(ValueError, match="cannot get 1 new blocks: only 0 are free"):
+        pool.get_new_blocks(1)
+    assert pool.null_block.block_id == 0 and pool.null_block.ref_cnt == 0
+    assert pool.null_block not in pool.free_block_queue
+
+
+def test_free_order_is_eviction_order():
+    pool = BlockPool(6, enable_caching=False)
+    a = pool.get_new_blocks(3)  # 1, 2, 3
+    pool.free_blocks(reversed(a))  # tail first, as KVCacheManager.free does
+    assert _free_ids(pool) == [4, 5, 3, 2, 1]
+    assert [b.ref_cnt for b in a] == [0, 0, 0]
+    assert _ids(pool.get_new_blocks(4)) == [4, 5, 3, 2]
+
+
+def test_shared_block_returns_to_queue_only_at_zero_refs():
+    pool = BlockPool(4, enable_caching=True)
+    (b,) = pool.get_new_blocks(1)
+    pool.touch([b])
+    assert b.ref_cnt == 2
+    pool.free_blocks([b])
+    assert b.ref_cnt == 1 and b not in pool.free_block_queue
+    pool.free_blocks([b])
+    assert b.ref_cnt == 0 and _free_ids(pool) == [2, 3, 1]
+    with pytest.raises(ValueError, match="double free of block 1"):
+        pool.free_blocks([b])
+
+
+def test_cache_hit_revives_free_block_from_middle_of_queue():
+    pool = BlockPool(6, enable_caching=True)
+    blocks = pool.get_new_blocks(3)  # 1, 2, 3
+    hashes = _hashes(3)
+    pool.cache_full_blocks(blocks, hashes, num_cached_blocks=0, num_full_blocks=2)
+    assert pool.get_cached_block(hashes[0]) is blocks[0]
+    assert pool.get_cached_block(hashes[1]) is blocks[1]
+    assert pool.get_cached_block(hashes[2]) is None  # block 3 not full yet
+    pool.free_blocks(reversed(blocks))
+    assert _free_ids(pool) == [4, 5, 3, 2, 1]
+    # A freed block keeps its hash and can be revived.
+    hit = pool.get_cached_block(hashes[1])
+    assert hit is blocks[1] and hit.ref_cnt == 0
+    pool.touch([hit])
+    assert hit.ref_cnt == 1 and _free_ids(pool) == [4, 5, 3, 1]
+    assert hit.block_hash == hashes[1]
+
+
+def test_eviction_takes_least_recently_freed_and_drops_its_hash():
+    pool = BlockPool(4, enable_caching=True)
+    blocks = pool.get_new_blocks(3)  # 1, 2, 3
+    hashes = _hashes(3)
+    pool.cache_full_blocks(blocks, hashes, 0, 3)
+    pool.free_blocks(reversed(blocks))  # queue: 3, 2, 1
+    (evicted,) = pool.get_new_blocks(1)
+    assert evicted.block_id == 3 and evicted.block_hash is None
+    assert pool.get_cached_block(hashes[2]) is None
+    assert pool.get_cached_block(hashes[0]) is blocks[0]
+    assert set(pool.cached_block_hash_to_block) == {hashes[0], hashes[1]}
+
+
+def test_cache_full_blocks_is_incremental_and_keeps_first_duplicate():
+    pool = BlockPool(8, enable_caching=True)
+    hashes = _hashes(3)
+    a = pool.get_new_blocks(3)
+    pool.cache_full_blocks(a, hashes, 0, 1)
+    pool.cache_full_blocks(a, hashes, 1, 3)
+    assert [b.block_hash for b in a] == hashes
+    # Another request computed the same first block into its own block.
+    b = pool.get_new_blocks(1)
+    pool.cache_full_blocks(b, hashes, 0, 1)
+    assert b[0].block_hash is None and pool.get_cached_block(hashes[0]) is a[0]
+    with pytest.raises(ValueError, match="needs 4 blocks and hashes, got 3 blocks and 3 hashes"):
+        pool.cache_full_blocks(a, hashes, 0, 4)
+
+
+def test_caching_disabled_registers_nothing():
+    pool = BlockPool(4, enable_caching=False)
+    blocks = pool.get_new_blocks(2)
+    pool.cache_full_blocks(blocks, _hashes(2), 0, 2)
+    assert pool.cached_block_hash_to_block == {}
+    assert all(b.block_hash is None for b in blocks)
+
+
+def test_null_block_ignored_by_touch_and_free():
+    pool = BlockPool(3, enable_caching=True)
+    pool.touch([pool.null_block])
+    pool.free_blocks([pool.null_block])
+    assert pool.null_block.ref_cnt == 0 and _free_ids(pool) == [1, 2]
+
+
+def test_reset_prefix_cache_only_when_nothing_in_use():
+    pool = BlockPool(4, enable_caching=True)
+    blocks = pool.get_new_blocks(2)
+    hashes = _hashes(2)
+    pool.cache_full_blocks(blocks, hashes, 0, 2)
+    pool.free_blocks(blocks[1:])
+    assert pool.reset_prefix_cache() is False
+    assert pool.get_cached_block(hashes[0]) is blocks[0]
+    pool.free_blocks(blocks[:1])
+    assert pool.reset_prefix_cache() is True
+    assert pool.cached_block_hash_to_block == {}
+    assert all(b.block_hash is None for b in pool.blocks)
+    assert _free_ids(pool) == [3, 2, 1]  # queue order untouched
+
+
+def test_grow_appends_new_blocks_at_queue_tail_and_keeps_state():
+    pool = BlockPool(5, enable_caching=True)
+    blocks = pool.get_new_blocks(3)  # 1, 2, 3
+    hashes = _hashes(2)
+    pool.cache_full_blocks(blocks, hashes, 0, 2)
+    pool.free_blocks([blocks[1]])  # queue: 4, 2 (2 cached)
+    pool.touch([blocks[0]])  # block 1 ref 2
+    pool.grow(8)
+    assert pool.num_blocks == 8
+    assert _ids(pool.blocks) == list(range(8))
+    assert _free_ids(pool) == [4, 2, 5, 6, 7]
+    assert [b.ref_cnt for b in blocks] == [2, 0, 1]
+    assert pool.get_cached_block(hashes[0]) is blocks[0]
+    assert pool.get_cached_block(hashes[1]) is blocks[1]
+    assert pool.get_usage() == pytest.approx(2 / 7)
+    pool.grow(8)  # same size: no-op
+    assert pool.num_blocks == 8
+    with pytest.raises(ValueError, match="cannot shrink the block pool from 8 to 6 blocks"):
+        pool.grow(6)
+
+
+def test_pool_of_only_the_null_block_grows():
+    pool = BlockPool(1, enable_caching=True)
+    assert pool.get_num_free_blocks() == 0 and pool.get_usage() == 0.0
+    pool.grow(3)
+    assert _ids(pool.get_new_blocks(2)) == [1, 2]
+    with pytest.raises(ValueError, match="num_blocks must be >= 1"):
+        BlockPool(0, enable_caching=True)
+
+
+def test_set_num_blocks_shrinks_only_when_nothing_allocated():
+    pool = BlockPool(8, enable_caching=True)
+    blocks = pool.get_new_blocks(6)  # 1..6
+    hashes = _hashes(6)
+    pool.cache_full_blocks(blocks, hashes, 0, 6)
+    with pytest.raises(ValueError, match="from 8 to 4 blocks while 6 blocks are in use"):
+        pool.set_num_blocks(4)
+    pool.free_blocks(reversed(blocks))  # queue: 7, 6, 5, 4, 3, 2, 1
+    pool.set_num_blocks(4)
+    assert pool.num_blocks == 4
+    assert _free_ids(pool) == [3, 2, 1]
+    assert set(pool.cached_block_hash_to_block) == set(hashes[:3])
+    assert pool.get_cached_block(hashes[3]) is None
+    pool.set_num_blocks(6)  # grows again with fresh blocks
+    assert _free_ids(pool) == [3, 2, 1, 4, 5]
+    assert pool.blocks[4].block_hash is None
+    with pytest.raises(ValueError, match="num_blocks must be >= 1"):
+        pool.set_num_blocks(0)

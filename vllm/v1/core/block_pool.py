@@ -1,0 +1,226 @@
+"""BlockPool: every KV cache block, their reference counts, the free queue and
+the prefix-cache map from block hash to block. Torch-free.
+
+Invariants (checked by tests/v1/core/test_block_pool.py):
+
+- Block 0 is the null block: never allocated, freed, cached or queued.
+- A block with `ref_cnt == 0` is in the free queue; one with `ref_cnt > 0` is not.
+- `cached_block_hash_to_block[h] is b` implies `b.block_hash == h`. A free
+  block may keep its hash (it is a cache entry that can still be revived by
+  `touch`) until `get_new_blocks` evicts it.
+- At most one block per hash: when a second block with an already cached
+  hash is offered, it stays unregistered (it is still a valid block of its
+  request and simply returns to the free queue without a hash).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from vllm.logger import init_logger
+from vllm.v1.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock
+
+logger = init_logger(__name__)
+
+
+class BlockPool:
+    """Reference-counted KV cache blocks with an LRU-evicted prefix cache.
+
+    Args:
+        num_blocks: total blocks, including the null block 0 (>= 1; a pool of
+            only the null block is valid and is grown later).
+        enable_caching: keep freed full blocks addressable by hash.
+
+    Raises:
+        ValueError: num_blocks < 1.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        if num_blocks < 1:
+            raise ValueError(
+                f"num_blocks must be >= 1 (block 0 is the null block), got {num_blocks}"
+            )
+        self.enable_caching = enable_caching
+        self.blocks: list[KVCacheBlock] = [KVCacheBlock(0, is_null=True)]
+        self.blocks += [KVCacheBlock(i) for i in range(1, num_blocks)]
+        self.null_block = self.blocks[0]
+        # Initially free in id order, so a fresh pool hands out 1, 2, 3, ...
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
+        self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        """Total blocks including the null block."""
+        return len(self.blocks)
+
+    def get_num_free_blocks(self) -> int:
+        """Blocks that `get_new_blocks` can hand out (free, cached or not)."""
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        """Fraction of the non-null blocks held by requests, in [0, 1]."""
+        usable = self.num_blocks - 1
+        if usable == 0:
+            return 0.0
+        return 1.0 - self.get_num_free_blocks() / usable
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        """The block registered under `block_hash`, or None."""
+        return self.cached_block_hash_to_block.get(block_hash)
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take `num_blocks` blocks from the head of the free queue, ref_cnt 1 each.
+
+        A taken block that still held a cached prefix is evicted: its hash
+        entry is dropped.
+
+        Raises:
+            ValueError: fewer than `num_blocks` blocks are free.
+        """
+        if num_blocks > self.get_num_free_blocks():
+            raise ValueError(
+                f"cannot get {num_blocks} new blocks: only {self.get_num_free_blocks()} are free"
+            )
+        blocks = self.free_block_queue.popleft_n(num_blocks)
+        for block in blocks:
+            self._evict_cached_block(block)
+            assert block.ref_cnt == 0, block
+            block.ref_cnt = 1
+        return blocks
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on prefix-cache hits, reviving free ones from the queue."""
+        for block in blocks:
+            if block.is_null:
+                continue
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference on each block; blocks reaching 0 join the queue tail.
+
+        Args:
+            ordered_blocks: in eviction order, the first to be evicted first.
+                `KVCacheManager.free` passes a request's blocks tail first, so
+                the end of a sequence (least likely to be shared) goes first.
+
+        Raises:
+            ValueError: a block's reference count is already 0 (double free).
+        """
+        for block in ordered_blocks:
+            if block.is_null:
+                continue
+            if block.ref_cnt <= 0:
+                raise ValueError(f"double free of block {block.block_id} (ref_cnt {block.ref_cnt})")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_block_queue.append(block)
+
+    def cache_full_blocks(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[BlockHash],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+    ) -> None:
+        """Register a request's newly full blocks in the prefix cache.
+
+        Args:
+            blocks: the request's blocks in sequence order.
+            block_hashes: the request's block hashes (at least num_full_blocks).
+            num_cached_blocks: leading blocks already registered (skipped).
+            num_full_blocks: blocks that are full once this step's tokens are written.
+
+        Raises:
+            ValueError: fewer hashes or blocks than num_full_blocks.
+        """
+        if num_full_blocks <= num_cached_blocks or not self.enable_caching:
+            return
+        if len(block_hashes) < num_full_blocks or len(blocks) < num_full_blocks:
+            raise ValueError(
+                f"cache_full_blocks needs {num_full_blocks} blocks and hashes, got "
+                f"{len(blocks)} blocks and {len(block_hashes)} hashes"
+            )
+        for i in range(num_cached_blocks, num_full_blocks):
+            block = blocks[i]
+            if block.is_null or block.block_hash is not None:
+                continue  # a prefix-cache hit: already registered
+            block_hash = block_hashes[i]
+            if block_hash in self.cached_block_hash_to_block:
+                continue  # same content computed twice; keep the first copy
+            block.block_hash = block_hash
+            self.cached_block_hash_to_block[block_hash] = block
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash. Only allowed while no block is in use.
+
+        Returns:
+            True on success; False (with a warning) when some block is held,
+            because the hashes of running requests' blocks must survive.
+        """
+        num_used = self.num_blocks - 1 - self.get_num_free_blocks()
+        if num_used > 0:
+            logger.warning("Failed to reset the prefix cache: %d blocks are still in use", num_used)
+            return False
+        self.cached_block_hash_to_block.clear()
+        for block in self.blocks:
+            block.reset_hash()
+        return True
+
+    def grow(self, new_num_blocks: int) -> None:
+        """Raise the block count (the extensible KV cache grew after warmup).
+
+        New blocks `num_blocks .. new_num_blocks - 1` join the tail of the free
+        queue in id order; existing blocks, hashes, reference counts and queue
+        order are untouched. Equal counts are a no-op.
+
+        Raises:
+            ValueError: new_num_blocks < num_blocks (use `set_num_blocks` to shrink).
+        """
+        if new_num_blocks < self.num_blocks:
+            raise ValueError(
+                f"grow() cannot shrink the block pool from {self.num_blocks} to "
+                f"{new_num_blocks} blocks"
+            )
+        new_blocks = [KVCacheBlock(i) for i in range(self.num_blocks, new_num_blocks)]
+        self.blocks += new_blocks
+        self.free_block_queue.append_n(new_blocks)
+
+    def set_num_blocks(self, num_blocks: int) -> None:
+        """Grow, or shrink while no block is allocated.
+
+        Shrinking exists for the case where warmup committed more blocks than
+        the final budget: blocks `num_blocks ..` are dropped (their cached
+        hashes with them); the remaining free blocks keep their queue order and
+        hashes.
+
+        Raises:
+            ValueError: num_blocks < 1, or shrinking while blocks are in use.
+        """
+        if num_blocks >= self.num_blocks:
+            self.grow(num_blocks)
+            return
+        if num_blocks < 1:
+            raise ValueError(
+                f"num_blocks must be >= 1 (block 0 is the null block), got {num_blocks}"
+            )
+        num_used = self.num_blocks - 1 - self.get_num_free_blocks()
+        if num_used > 0:
+            raise ValueError(
+                f"cannot shrink the block pool from {self.num_blocks} to {num_blocks} blocks "
+                f"while {num_used} blocks are in use"
+            )
+        for block in self.blocks[num_blocks:]:
+            self.free_block_queue.remove(block)
+            self._evict_cached_block(block)
+        del self.blocks[num_blocks:]
+
+    def _evict_cached_block(self, block: KVCacheBlock) -> None:
+        """Drop `block`'s prefix-cache entry, if it has one."""
+        block_hash = block.block_hash
+        if block_hash is None:
+            return
+        if self.cached_block_hash_to_block.get(block_hash) is block:
+            del self.cached_block_hash_to_block[block_hash]
+        block.reset_hash()

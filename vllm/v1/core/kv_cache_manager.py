@@ -1,0 +1,219 @@
+"""KVCacheManager: which blocks each request holds, prefix-cache lookups, and
+allocation for the tokens of a step. Torch-free.
+
+A request's blocks, in sequence order::
+
+    req_to_blocks[req_id] = [ hit | hit | new | new | new ]
+                              \\ prefix-cache hits, shared (ref_cnt may be > 1)
+                                          \\ allocated for this request only
+
+Block i holds the KV of token positions [i*block_size, (i+1)*block_size).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, update_request_block_hashes
+from vllm.v1.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative ints."""
+    return -(-a // b)
+
+
+@dataclass
+class PrefixCacheStats:
+    """Cumulative prefix-cache figures, in tokens (vLLM's names)."""
+
+    requests: int = 0  # admissions that looked the prefix cache up
+    queries: int = 0  # tokens looked up
+    hits: int = 0  # tokens served from the cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    """Maps requests to KV cache blocks over one BlockPool.
+
+    Args:
+        num_blocks: total blocks including the null block 0 (>= 1).
+        block_size: tokens per block (>= 1).
+        enable_caching: prefix caching on/off.
+        max_model_len: longest sequence in tokens; no request gets slots past it.
+
+    Raises:
+        ValueError: a size is out of range.
+    """
+
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool, max_model_len: int
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.max_model_len = max_model_len
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # req_id -> how many leading blocks of the request are registered in the cache.
+        self.num_cached_block: dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    # ---- sizes and figures ----
+
+    @property
+    def num_blocks(self) -> int:
+        """Total blocks including the null block."""
+        return self.block_pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks held by requests, in [0, 1]."""
+        return self.block_pool.get_usage()
+
+    @property
+    def max_blocks_per_request(self) -> int:
+        """Blocks that one max_model_len sequence needs (block-table width)."""
+        return cdiv(self.max_model_len, self.block_size)
+
+    def get_num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    def grow(self, num_blocks: int) -> None:
+        """Raise the block count; see BlockPool.grow."""
+        self.block_pool.grow(num_blocks)
+
+    def set_num_blocks(self, num_blocks: int) -> None:
+        """Grow, or shrink while nothing is allocated; see BlockPool.set_num_blocks."""
+        self.block_pool.set_num_blocks(num_blocks)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached hashes; False while any block is in use."""
+        return self.block_pool.reset_prefix_cache()
+
+    # ---- per request ----
+
+    def reads_prefix_cache(self, request: Request) -> bool:
+        """Whether `request` may be served from the prefix cache.
+
+        Requests asking for prompt logprobs must compute every prompt position.
+        """
+        return self.enable_caching and request.sampling_params.prompt_logprobs is None
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest run of the request's leading full blocks found in the prefix cache.
+
+        Never covers the whole sequence: at least the last token is left to
+        compute, because the step that computes it produces the next logits.
+        Takes no reference; pass the result to `allocate_slots`.
+
+        Returns:
+            (blocks, num_computed_tokens) with num_computed_tokens =
+            len(blocks) * block_size.
+        """
+        if not self.reads_prefix_cache(request):
+            return [], 0
+        block_hashes = update_request_block_hashes(request, self.block_size)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in block_hashes[:max_hit_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+    ) -> list[KVCacheBlock] | None:
+        """Give `request` slots for `num_new_tokens` more tokens.
+
+        Args:
+            request: the request (its num_computed_tokens not yet advanced).
+            num_new_tokens: tokens to compute this step (>= 1).
+            num_new_computed_tokens: tokens covered by `new_computed_blocks`.
+            new_computed_blocks: prefix-cache hits from `get_computed_blocks`,
+                only when the request (re)enters from the waiting queue.
+
+        Returns:
+            The newly allocated blocks (excluding the hits), possibly empty; or
+            None when not enough blocks are free, in which case nothing changed.
+
+        Blocks that will be full once this step's tokens are written are
+        registered in the prefix cache now, so a request scheduled later in
+        the same step can hit them. This is sound because the runner writes
+        the whole batch's K/V into the cache before attention reads it (per
+        layer), as the paged-attention path does.
+
+        Raises:
+            ValueError: num_new_tokens < 1.
+        """
+        if num_new_tokens < 1:
+            raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
+        new_computed_blocks = new_computed_blocks or []
+        req_id = request.request_id
+        req_blocks = self.req_to_blocks.get(req_id, [])
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_slots = min(num_computed + num_new_tokens, self.max_model_len)
+        num_new_blocks = (
+            cdiv(num_slots, self.block_size) - len(req_blocks) - len(new_computed_blocks)
+        )
+
+        # Hits sitting in the free queue stop being free once touched.
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks > self.block_pool.get_num_free_blocks() - num_evictable_hits:
+            return None
+
+        first_allocation = req_id not in self.req_to_blocks
+        self.block_pool.touch(new_computed_blocks)
+        req_blocks = self.req_to_blocks.setdefault(req_id, req_blocks)
+        req_blocks.extend(new_computed_blocks)
+        if new_computed_blocks:
+            self.num_cached_block[req_id] = len(req_blocks)
+        new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
+        req_blocks.extend(new_blocks)
+
+        if first_allocation and self.reads_prefix_cache(request):
+            stats = self.prefix_cache_stats
+            stats.requests += 1
+            stats.queries += request.num_tokens
+            stats.hits += num_new_computed_tokens
+        if self.enable_caching:
+            self._cache_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first (the sequence end is evicted first)."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_block.pop(request.request_id, None)
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        return self.req_to_blocks.get(request_id, [])
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block ids in sequence order ([] if it holds none)."""
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def _cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's blocks that are full within its first `num_tokens`."""
+        num_full_blocks = num_tokens // self.block_size
+        num_cached = self.num_cached_block.get(request.request_id, 0)
+        if num_full_blocks <= num_cached:
+            return
+        block_hashes = update_request_block_hashes(request, self.block_size)
+        self.block_pool.cache_full_blocks(
+            self.req_to_blocks[request.request_id], block_hashes, num_cached, num_full_blocks
+        )
+        self.num_cached_block[request.request_id] = num_full_blocks

@@ -1,0 +1,460 @@
+"""Scheduler: continuous batching under one token budget per step (torch-free).
+
+One step::
+
+    schedule() -> SchedulerOutput -> model runner -> ModelRunnerOutput -> update_from_output()
+
+`schedule()` decides how many tokens each request computes this step and
+which KV blocks they go to; `update_from_output()` appends the sampled
+tokens, applies the stop checks and frees finished requests' blocks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from vllm.logger import init_logger
+from vllm.v1.core.kv_cache_manager import KVCacheManager, cdiv
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.v1.core.sched.stats import SchedulerStats
+from vllm.v1.core.sched.utils import check_stop
+from vllm.v1.engine import EngineCoreOutput
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+
+logger = init_logger(__name__)
+
+__all__ = ["Scheduler", "SchedulerStats"]
+
+
+@dataclass
+class _StepPlan:
+    """What one `schedule()` call has decided so far."""
+
+    token_budget: int
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    new_reqs: list[Request] = field(default_factory=list)
+    # Scheduled requests the runner already holds: (request, resumed, block ids to send).
+    cached_reqs: list[tuple[Request, bool, list[int]]] = field(default_factory=list)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    def add(self, request: Request, num_tokens: int) -> None:
+        self.num_scheduled_tokens[request.request_id] = num_tokens
+        self.token_budget -= num_tokens
+
+
+class Scheduler:
+    """FCFS continuous-batching scheduler with chunked prefill and preemption by recompute.
+
+    Args (plain ints, no config objects):
+        max_num_seqs: most requests running at once.
+        max_num_batched_tokens: token budget of one step.
+        max_model_len: longest sequence (prompt + output) in tokens.
+        block_size: tokens per KV block.
+        num_blocks: KV blocks including the null block 0.
+        enable_prefix_caching: reuse full blocks across requests by content hash.
+        enable_chunked_prefill: split prompts across steps to fit the budget.
+            Without it a prompt is scheduled whole or not at all, which needs
+            max_num_batched_tokens >= max_model_len.
+        long_prefill_token_threshold: when > 0, at most this many tokens per
+            request per step (needs chunked prefill).
+
+    Raises:
+        ValueError: a value is out of range or the combination can never work.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        block_size: int,
+        num_blocks: int,
+        enable_prefix_caching: bool,
+        enable_chunked_prefill: bool = True,
+        long_prefill_token_threshold: int = 0,
+    ) -> None:
+        _check_positive(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+        if long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold must be >= 0, got {long_prefill_token_threshold}"
+            )
+        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) is smaller than "
+                f"max_model_len ({max_model_len}) with chunked prefill disabled, so longer "
+                "prompts could never be scheduled; raise max_num_batched_tokens, lower "
+                "max_model_len or enable chunked prefill"
+            )
+        if not enable_chunked_prefill and long_prefill_token_threshold > 0:
+            raise ValueError(
+                f"long_prefill_token_threshold ({long_prefill_token_threshold}) splits prompts "
+                "and needs chunked prefill, which is disabled"
+            )
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, block_size, enable_prefix_caching, max_model_len
+        )
+
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting: deque[Request] = deque()  # FCFS; preempted requests go to the front
+        # Admission order, which is also arrival order: admission is strictly FCFS and
+        # preemption takes the newest first, so a preempted request (at the waiting
+        # front) is older than everything still waiting. running[-1] is preempted first.
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()  # finished since the last schedule()
+        self.num_preemptions = 0  # cumulative
+
+    # ---- requests in and out ----
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request (FCFS).
+
+        Raises:
+            ValueError: duplicate id, empty prompt, prompt longer than
+                max_model_len, or a sequence that needs more blocks than the
+                whole cache; the message names the numbers.
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
+        if request.num_prompt_tokens == 0:
+            raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        if request.num_prompt_tokens > self.max_model_len:
+            raise ValueError(
+                f"the prompt of request {request.request_id!r} is "
+                f"{request.num_prompt_tokens} tokens long, longer than the maximum model "
+                f"length max_model_len={self.max_model_len}"
+            )
+        self._check_fits_cache(request, self.num_blocks)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(
+        self, request_ids: str | Iterable[str], finished_status: RequestStatus
+    ) -> None:
+        """Finish requests from outside the step: abort, or a stop string matched.
+
+        Unknown or already finished ids are ignored. Their blocks are freed now;
+        the ids reach the runner in the next SchedulerOutput.finished_req_ids.
+
+        Raises:
+            ValueError: finished_status is not a finished status.
+        """
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"finish_requests needs a finished status, got {finished_status}")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        removed_running: set[Request] = set()
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            if request.status == RequestStatus.RUNNING:
+                removed_running.add(request)
+            else:
+                self.waiting.remove(request)
+            request.status = finished_status
+            self._free_request(request)
+        if removed_running:
+            self.running = [r for r in self.running if r not in removed_running]
+
+    # ---- one step ----
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick the tokens to compute this step and their KV blocks.
+
+        There are no prefill and decode modes: every request is scheduled up to
+        `num_tokens - num_computed_tokens` tokens (a whole prompt, a chunk of
+        one, or the one token sampled last step) under one token budget of
+        max_num_batched_tokens. Running requests go first, in admission order;
+        when blocks run out the newest running request is preempted (its blocks
+        freed, recomputed later). Only if nobody was preempted are waiting
+        requests admitted, FCFS, reusing prefix-cache hits, until the budget,
+        max_num_seqs or the free blocks run out.
+        """
+        plan = _StepPlan(token_budget=self.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted_req_ids:
+            self._schedule_waiting(plan)
+        return self._make_output(plan)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply stop checks, free finished requests.
+
+        Returns:
+            One EngineCoreOutput per request with new tokens, prompt logprobs
+            or a finish this step (requests still mid-prefill without prompt
+            logprobs produce none).
+
+        Raises:
+            ValueError: the runner output lacks a scheduled request.
+        """
+        outputs: list[EngineCoreOutput] = []
+        stopped: set[Request] = set()
+        mro = model_runner_output
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue  # finished (e.g. aborted) while the step ran
+            index = mro.req_id_to_index.get(req_id)
+            if index is None:
+                raise ValueError(f"model runner output has no entry for request {req_id!r}")
+            new_token_ids, finished = self._append_sampled(request, mro.sampled_token_ids[index])
+            output = self._make_engine_core_output(request, index, new_token_ids, mro)
+            if output is not None:
+                outputs.append(output)
+            if finished:
+                stopped.add(request)
+                self._free_request(request)
+        if stopped:
+            self.running = [r for r in self.running if r not in stopped]
+        return outputs
+
+    # ---- schedule() helpers ----
+
+    def _num_new_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        """Tokens left to compute, capped by long_prefill_token_threshold (not by the budget)."""
+        num_new = request.num_tokens - num_computed_tokens
+        if 0 < self.long_prefill_token_threshold < num_new:
+            num_new = self.long_prefill_token_threshold
+        return num_new
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        """Continue running requests (decodes and unfinished chunked prefills)."""
+        req_index = 0
+        while req_index < len(self.running) and plan.token_budget > 0:
+            request = self.running[req_index]
+            num_new = min(
+                self._num_new_tokens(request, request.num_computed_tokens), plan.token_budget
+            )
+            if num_new == 0:
+                req_index += 1
+                continue
+            new_blocks = self._allocate_or_preempt(request, num_new, plan)
+            if new_blocks is None:
+                break  # the request preempted itself; everything after it is gone too
+            plan.add(request, num_new)
+            plan.cached_reqs.append((request, False, [b.block_id for b in new_blocks]))
+            req_index += 1
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new_tokens: int, plan: _StepPlan
+    ) -> list[KVCacheBlock] | None:
+        """Allocate, preempting the newest running requests until it fits.
+
+        The victims come from the end of `running`, i.e. after `request`, so
+        none of them has been scheduled in this step. Returns None when
+        `request` itself had to be preempted.
+        """
+        while True:
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            if new_blocks is not None:
+                return new_blocks
+            victim = self.running.pop()
+            self._preempt(victim)
+            plan.preempted_req_ids.add(victim.request_id)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request) -> None:
+        """Free the request's blocks and put it at the front of the waiting queue."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        logger.debug("preempted %s (%d tokens)", request.request_id, request.num_tokens)
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        """Admit waiting requests FCFS; stop at the first that does not fit."""
+        kv = self.kv_cache_manager
+        while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            hits, num_hit_tokens = kv.get_computed_blocks(request)
+            num_new = self._num_new_tokens(request, num_hit_tokens)
+            if num_new > plan.token_budget:
+                if not self.enable_chunked_prefill:
+                    break  # the whole prompt goes in one step, and not in this one
+                num_new = plan.token_budget
+            new_blocks = kv.allocate_slots(request, num_new, num_hit_tokens, hits)
+            if new_blocks is None:
+                break
+            self.waiting.popleft()
+            self._admit(request, num_hit_tokens, plan)
+            plan.add(request, num_new)
+
+    def _admit(self, request: Request, num_hit_tokens: int, plan: _StepPlan) -> None:
+        """Move a request that got its blocks from waiting to running."""
+        resumed = request.status == RequestStatus.PREEMPTED
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_hit_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens
+        self.running.append(request)
+        if resumed:
+            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+            plan.cached_reqs.append((request, True, block_ids))
+        else:
+            plan.new_reqs.append(request)
+
+    def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
+        """Package the plan, then advance num_computed_tokens past this step's tokens."""
+        new_reqs = [
+            NewRequestData(
+                req_id=r.request_id,
+                prompt_token_ids=r.prompt_token_ids,
+                sampling_params=r.sampling_params,
+                block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
+                num_computed_tokens=r.num_computed_tokens,
+            )
+            for r in plan.new_reqs
+        ]
+        cached = CachedRequestData()
+        for request, resumed, block_ids in plan.cached_reqs:
+            cached.req_ids.append(request.request_id)
+            cached.resumed_from_preemption.append(resumed)
+            cached.new_block_ids.append(block_ids)
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=plan.num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=plan.preempted_req_ids,
+        )
+        for req_id, num_tokens in plan.num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += num_tokens
+        self.finished_req_ids = set()
+        return output
+
+    # ---- update_from_output() helpers ----
+
+    def _append_sampled(self, request: Request, sampled: list[int]) -> tuple[list[int], bool]:
+        """Append sampled tokens one by one until a stop condition hits."""
+        new_token_ids: list[int] = []
+        for token_id in sampled:
+            request.append_output_token_ids(token_id)
+            new_token_ids.append(token_id)
+            if check_stop(request, self.max_model_len):
+                return new_token_ids, True
+        return new_token_ids, False
+
+    @staticmethod
+    def _make_engine_core_output(
+        request: Request, index: int, new_token_ids: list[int], mro: ModelRunnerOutput
+    ) -> EngineCoreOutput | None:
+        prompt_logprobs = mro.prompt_logprobs_dict.get(request.request_id)
+        finish_reason = request.get_finished_reason()
+        if not new_token_ids and prompt_logprobs is None and finish_reason is None:
+            return None
+        new_logprobs = None
+        if mro.logprobs is not None and new_token_ids:
+            new_logprobs = mro.logprobs.slice(index, index + 1)
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            new_logprobs=new_logprobs,
+            new_prompt_logprobs=prompt_logprobs,
+            finish_reason=finish_reason,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+        )
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+
+    # ---- queries and cache size ----
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_finished_requests(self) -> bool:
+        """Finished ids not yet sent to the runner (a step is still needed to drop them)."""
+        return bool(self.finished_req_ids)
+
+    def has_requests(self) -> bool:
+        return self.has_unfinished_requests() or self.has_finished_requests()
+
+    def get_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_stats.queries,
+            prefix_cache_hits=kv.prefix_cache_stats.hits,
+            num_preemptions=self.num_preemptions,
+            num_blocks=kv.num_blocks,
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        """KV cache blocks including the null block."""
+        return self.kv_cache_manager.num_blocks
+
+    def set_num_blocks(self, num_blocks: int) -> None:
+        """Adopt the final block count after the extensible KV cache grew.
+
+        Growing is always allowed. Shrinking (warmup committed more than the
+        final budget) is allowed only while no block is allocated and every
+        queued request still fits.
+
+        Raises:
+            ValueError: shrinking while blocks are in use, or below what a
+                queued request needs.
+        """
+        if num_blocks < self.num_blocks:
+            for request in self.requests.values():
+                self._check_fits_cache(request, num_blocks)
+        self.kv_cache_manager.set_num_blocks(num_blocks)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached blocks; False while any request holds blocks."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def _check_fits_cache(self, request: Request, num_blocks: int) -> None:
+        """Raise unless the request's longest possible sequence fits `num_blocks`.
+
+        KV slots are needed for every token but the last one sampled: a
+        request stopping at L tokens needs max(prompt, L - 1) slots, with L =
+        min(prompt + max_tokens, max_model_len).
+        """
+        max_tokens = request.max_tokens
+        max_len = self.max_model_len
+        if max_tokens is not None:
+            max_len = min(request.num_prompt_tokens + max_tokens, max_len)
+        num_slots = max(request.num_prompt_tokens, max_len - 1)
+        blocks_needed = cdiv(num_slots, self.block_size)
+        usable = num_blocks - 1
+        if blocks_needed > usable:
+            raise ValueError(
+                f"request {request.request_id!r} can never fit in the KV cache: its "
+                f"{request.num_prompt_tokens} prompt tokens and up to {max_len} tokens in total "
+                f"need {blocks_needed} blocks of {self.block_size} tokens, but the cache has "
+                f"only {usable} usable blocks (num_blocks={num_blocks}, block 0 is reserved); "
+                "lower max_tokens or max_model_len, or give the KV cache more memory"
+            )
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")

@@ -1,0 +1,28 @@
+"""Scheduler figures for metrics and logging (torch-free)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot taken by `Scheduler.get_stats()`.
+
+    Counts are requests; prefix-cache figures are tokens and, like
+    num_preemptions, cumulative since the scheduler was created.
+    """
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0  # fraction of usable KV blocks held by requests, 0..1
+    prefix_cache_queries: int = 0  # prompt(+output) tokens looked up at admission
+    prefix_cache_hits: int = 0  # of which served from the prefix cache
+    num_preemptions: int = 0
+    num_blocks: int = 0  # KV cache blocks, including the null block
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return (
+            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        )
