@@ -7,6 +7,7 @@ processes share the device), so core logic never asks `is_rocm()`.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -36,13 +37,26 @@ class Platform:
     device_type: str = "cpu"
     device_name: str = "cpu"
 
+    def __init__(self) -> None:
+        self._engine_pids: set[int] = set()
+
+    def register_engine_pid(self, pid: int) -> None:
+        """Count `pid` as one of this engine's own processes (never "foreign")."""
+        self._engine_pids.add(int(pid))
+
+    def engine_pids(self) -> frozenset[int]:
+        """This process plus every pid registered with `register_engine_pid`."""
+        return frozenset(self._engine_pids | {os.getpid()})
+
     def is_cuda_alike(self) -> bool:
         return self.device_type == "cuda"
 
     def device(self, index: int = 0) -> torch.device:
         import torch
 
-        return torch.device(self.device_type, index) if self.is_cuda_alike() else torch.device("cpu")
+        if self.is_cuda_alike():
+            return torch.device(self.device_type, index)
+        return torch.device("cpu")
 
     def get_vmm_driver(self, device_index: int = 0) -> VmmDriver:
         """The VMM driver for this platform (always returned; `probe()` says if usable)."""
@@ -66,6 +80,14 @@ class Platform:
     def default_dtype(self, config_dtype: torch.dtype | None) -> torch.dtype:
         """What `--dtype auto` resolves to for a checkpoint stored in `config_dtype`."""
         raise NotImplementedError
+
+    def default_kv_cache_bytes_cap(self) -> int | None:
+        """Upper bound in bytes on the KV cache when no size is given, or None for none.
+
+        GPUs size the cache by measurement (None here); the CPU platform bounds it
+        because host memory is shared with everything else on the machine.
+        """
+        return None
 
     def synchronize(self) -> None:
         pass

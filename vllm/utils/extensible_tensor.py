@@ -1,0 +1,524 @@
+"""ExtensibleTensor: one address reservation cut into segments, each backed by a growing prefix.
+
+The whole capacity is reserved up front; physical pages are committed only for
+each segment's *committed prefix*, which grows on demand under the same base
+address. Nothing here knows about KV blocks: callers hand in byte sizes.
+
+Layout (capacities need not be multiples of the granularity `g`):
+
+    base = full_view().data_ptr()            (never changes: not on growth,
+    |                                         release, recommit or defragment)
+    |<--------- segment 0 (cap0) --------->|<------ segment 1 (cap1) ------>|
+    offset 0                               offset cap0           capacity = cap0 + cap1
+    [### prefix 0 ###).....................[#### prefix 1 ####)............
+    |    g0    |    g1    |    g2    |    g3    |    g4    |    g5    |  g6 ..
+    [ mapped  ][ mapped  ]                [ mapped  ][ mapped  ]
+                                          ^ g3 holds the tail of segment 0 and the
+                                            head of segment 1: it is mapped once, by
+                                            whichever segment needs it first, and
+                                            counted once in `physical_bytes`
+
+    prefix i   = [offset_i, offset_i + size_i)          what segment_view(i) covers
+    granules i = [offset_i // g, ceil((offset_i + size_i) / g))   what must be mapped
+
+The mapped granule ranges ("chunks", one driver allocation each) are the source
+of truth for what is backed; segment sizes only say what is exposed. Rounding
+costs at most one extra granule per segment.
+
+Invariants (what captured CUDA graphs and per-layer views rely on):
+  * The base address never moves, so a block at byte offset `o` of segment `i`
+    lives at `base + offset_i + o` forever: graphs that address the cache through
+    the base pointer and a block table keep working while it grows.
+  * Growth is grow-only and maps *new* granules only; nothing already mapped is
+    touched, so data written before a growth is intact after it.
+  * Views are authoritative: `segment_view(i)` spans exactly the committed prefix.
+    Never derive extents from `tensor.untyped_storage().nbytes()`: every view
+    shares one storage object that spans the whole (mostly uncommitted) capacity.
+
+Reading or writing an uncommitted byte is a bug: on the host it kills the
+process with SIGSEGV (the range is PROT_NONE), on a GPU it is an illegal memory
+access that poisons the CUDA context. The API makes that hard: `segment_view(i)`
+covers only committed bytes, sizes beyond a segment's capacity are rejected, and
+after `release_physical()` every segment view is empty. `full_view()` spans the
+whole capacity and is meant only for address arithmetic (base pointer, kernels
+that index through a block table); slicing it by hand is the caller's risk.
+
+Tensors over the reservation: on CUDA/ROCm through DLPack (a capsule built with
+ctypes; DLPack names the device explicitly, so no pointer query is made on a
+range that may not be backed yet), on the host a ctypes buffer with
+`torch.frombuffer`. Every such tensor keeps the reservation alive; the finalizer
+(or `free()`) unmaps and releases everything.
+
+Not thread-safe: one owner (the model runner) calls it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import operator
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm.device_allocator.vmm import VmmDriver, round_up
+from vllm.logger import init_logger
+from vllm.utils.dlpack import dlpack_tensor
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class _Chunk:
+    """One driver allocation mapped at granules [first, first + count)."""
+
+    segment: int  # the segment whose growth mapped it
+    first: int  # granule index from the base
+    count: int  # granules
+    handle: Any
+
+
+class _Reservation:
+    """The address range and its mapped chunks; what tensors over it keep alive."""
+
+    def __init__(self, driver: VmmDriver, size: int) -> None:
+        self.driver = driver
+        self.size = size  # bytes, a multiple of the granularity
+        self.va = driver.reserve(size)
+        self.chunks: list[_Chunk] = []  # mutated in place: the finalizer holds this list
+
+
+def _unmap_chunks(driver: VmmDriver, va: int, g: int, chunks: list[_Chunk]) -> None:
+    """Unmap and release `chunks` (last first), removing each from the list once done."""
+    while chunks:
+        chunk = chunks[-1]
+        driver.unmap(va + chunk.first * g, chunk.count * g)
+        chunks.pop()  # unmapped: no longer backs anything, even if release fails
+        driver.release(chunk.handle)
+
+
+def _release_reservation(driver: VmmDriver, va: int, size: int, chunks: list[_Chunk]) -> None:
+    """Finalizer body: drop every page and the address range. Never raises."""
+    try:
+        driver.synchronize()
+        _unmap_chunks(driver, va, driver.granularity, chunks)
+        driver.free_reservation(va, size)
+    except Exception as e:  # a finalizer must not raise; say what leaked
+        logger.warning("ExtensibleTensor: releasing reservation %#x (%d bytes) failed: %s",
+                       va, size, e)
+
+
+class ExtensibleTensor:
+    """A reservation of `capacity` bytes split into segments with growing committed prefixes.
+
+    Args:
+        segment_capacities: bytes each segment may grow to, in address order;
+            segment `i` starts at `sum(segment_capacities[:i])`. Zero is allowed
+            for a segment, but the total must be positive.
+        driver: the VMM backend (`current_platform.get_vmm_driver()`); its
+            `probe()` must have returned None.
+
+    Raises:
+        ValueError: an empty list, a negative capacity, a zero total.
+        TypeError: a capacity that is not an int.
+        VmmError: the driver could not reserve the address range.
+
+    Nothing is committed at construction: `physical_bytes == 0`. Use
+    `ExtensibleTensor.from_capacity(size, num_segments, driver)` for equal segments.
+    """
+
+    def __init__(self, segment_capacities: Sequence[int], driver: VmmDriver) -> None:
+        caps = [_as_size("segment capacity", i, c) for i, c in enumerate(segment_capacities)]
+        if not caps:
+            raise ValueError("segment_capacities is empty: need at least one segment")
+        if sum(caps) == 0:
+            raise ValueError(f"segment_capacities {caps} sum to 0 bytes: nothing to reserve")
+        self._driver = driver
+        self._g = driver.granularity
+        self._caps = tuple(caps)
+        offsets, total = [], 0
+        for c in caps:
+            offsets.append(total)
+            total += c
+        self._offsets = tuple(offsets)
+        self._capacity = total
+        self._sizes = [0] * len(caps)  # committed prefix of each segment, bytes
+        self._saved_sizes: list[int] | None = None  # set while released
+        self._res = _Reservation(driver, round_up(total, self._g))
+        self._finalizer = weakref.finalize(
+            self._res, _release_reservation, driver, self._res.va, self._res.size,
+            self._res.chunks,
+        )
+        self._finalizer.atexit = False  # process exit returns everything anyway
+        self._freed = False
+        self._full = _tensor_over(self._res.va, total, driver.device, self._res)
+
+    @classmethod
+    def from_capacity(
+        cls, capacity_bytes: int, num_segments: int, driver: VmmDriver
+    ) -> ExtensibleTensor:
+        """`num_segments` equal segments of `capacity_bytes // num_segments` bytes each.
+
+        Raises:
+            ValueError: `capacity_bytes` is not a positive multiple of `num_segments`.
+        """
+        capacity_bytes = _as_size("capacity_bytes", None, capacity_bytes)
+        num_segments = _as_size("num_segments", None, num_segments)
+        if num_segments == 0 or capacity_bytes == 0 or capacity_bytes % num_segments:
+            raise ValueError(
+                f"capacity_bytes={capacity_bytes} must be a positive multiple of "
+                f"num_segments={num_segments}"
+            )
+        return cls([capacity_bytes // num_segments] * num_segments, driver)
+
+    # ----------------------------------------------------------------- queries
+
+    @property
+    def device(self) -> torch.device:
+        return self._driver.device
+
+    @property
+    def driver(self) -> VmmDriver:
+        return self._driver
+
+    @property
+    def granularity(self) -> int:
+        """Commit unit in bytes."""
+        return self._g
+
+    @property
+    def capacity(self) -> int:
+        """Sum of the segment capacities in bytes (what `full_view()` spans)."""
+        return self._capacity
+
+    @property
+    def base(self) -> int:
+        """Address of byte 0; equals `full_view().data_ptr()` for the object's lifetime."""
+        return self._res.va
+
+    @property
+    def num_segments(self) -> int:
+        return len(self._caps)
+
+    @property
+    def segment_capacities(self) -> tuple[int, ...]:
+        return self._caps
+
+    @property
+    def segment_offsets(self) -> tuple[int, ...]:
+        """Byte offset of each segment from the base."""
+        return self._offsets
+
+    @property
+    def segment_sizes(self) -> tuple[int, ...]:
+        """Committed prefix of each segment in bytes (all 0 while released)."""
+        return tuple(self._sizes)
+
+    @property
+    def physical_bytes(self) -> int:
+        """Bytes of physical memory mapped (whole granules; shared granules once)."""
+        return sum(c.count for c in self._res.chunks) * self._g
+
+    @property
+    def num_physical_chunks(self) -> int:
+        """Number of driver allocations currently mapped."""
+        return len(self._res.chunks)
+
+    def physical_chunks(self) -> list[tuple[int, int]]:
+        """(byte offset from base, bytes) of each mapped allocation, in address order."""
+        return sorted((c.first * self._g, c.count * self._g) for c in self._res.chunks)
+
+    @property
+    def is_released(self) -> bool:
+        """True between `release_physical()` and the next successful commit."""
+        return self._saved_sizes is not None
+
+    @property
+    def is_freed(self) -> bool:
+        return self._freed
+
+    def full_view(self) -> torch.Tensor:
+        """uint8 tensor `[capacity]` over the whole reservation; `data_ptr() == base` forever.
+
+        For address arithmetic only: bytes outside the committed prefixes are not
+        backed, and touching them is a bug (see the module docstring).
+        """
+        self._check_alive()
+        return self._full
+
+    def segment_view(self, index: int) -> torch.Tensor:
+        """uint8 tensor `[segment_sizes[index]]` over exactly the committed prefix of a segment.
+
+        Raises:
+            IndexError: no such segment.
+        """
+        self._check_alive()
+        if not 0 <= index < len(self._caps):
+            raise IndexError(f"segment index {index} out of range for {len(self._caps)} segments")
+        start = self._offsets[index]
+        return self._full[start:start + self._sizes[index]]
+
+    # ----------------------------------------------------------------- growth
+
+    def resize_segments_(self, sizes: Sequence[int], zero_new: bool = True) -> None:
+        """Grow each segment's committed prefix to `sizes[i]` bytes (grow-only).
+
+        Maps the missing granules of each growing segment as ONE driver
+        allocation (driver cost is per call, not per byte), then zeroes the bytes
+        that became part of a prefix when `zero_new` (skipped where the driver
+        guarantees fresh pages read zero, i.e. on the host, so a large commit
+        costs no resident memory until it is used). Equal sizes are a no-op.
+
+        On a driver failure part-way (e.g. out of memory) everything this call
+        mapped is unmapped and released again, sizes are unchanged, and the
+        error is re-raised: nothing leaks.
+
+        Args:
+            sizes: one byte count per segment, `committed <= sizes[i] <= capacity`.
+            zero_new: zero newly exposed bytes. Without it their contents are
+                undefined on GPUs (host pages are always zero).
+
+        Raises:
+            ValueError: wrong number of sizes, a negative size, a size beyond the
+                segment's capacity, or a size below what is committed (shrinking).
+            TypeError: a size that is not an int.
+            VmmError: the driver failed (after rolling back this call).
+            RuntimeError: used after `free()`.
+        """
+        self._check_alive()
+        new = self._validate_sizes(sizes)
+        old = list(self._sizes)
+        plan = self._plan_growth(old, new)
+        created: list[_Chunk] = []
+        try:
+            for chunk in plan:
+                self._map_chunk(chunk)
+                created.append(chunk)
+        except BaseException:
+            try:
+                _unmap_chunks(self._driver, self._res.va, self._g, created)
+            except Exception as cleanup_error:  # report, but keep the original error
+                logger.error("ExtensibleTensor: rollback after a failed commit failed: %s",
+                             cleanup_error)
+            raise
+        self._res.chunks.extend(created)
+        self._res.chunks.sort(key=lambda c: c.first)
+        if zero_new and not self._driver.fresh_pages_zeroed:
+            self._zero_ranges(old, new)
+        self._sizes = new
+        self._saved_sizes = None
+
+    def _validate_sizes(self, sizes: Sequence[int]) -> list[int]:
+        sizes = list(sizes)
+        if len(sizes) != len(self._caps):
+            raise ValueError(
+                f"expected {len(self._caps)} sizes (one per segment), got {len(sizes)}"
+            )
+        out = []
+        for i, s in enumerate(sizes):
+            s = _as_size("size", i, s)
+            if s > self._caps[i]:
+                raise ValueError(
+                    f"segment {i}: size {s} bytes exceeds its capacity {self._caps[i]} bytes"
+                )
+            if s < self._sizes[i]:
+                raise ValueError(
+                    f"segment {i}: size {s} bytes is below its committed size "
+                    f"{self._sizes[i]} bytes; resize_segments_ only grows "
+                    "(release_physical() drops everything)"
+                )
+            out.append(s)
+        return out
+
+    def _granule_span(self, segment: int, size: int) -> tuple[int, int]:
+        start = self._offsets[segment]
+        return start // self._g, -(-(start + size) // self._g)
+
+    def _plan_growth(self, old: list[int], new: list[int]) -> list[_Chunk]:
+        """Chunks to map so every new prefix is backed, each granule mapped once."""
+        mapped = _merge([(c.first, c.first + c.count) for c in self._res.chunks])
+        plan: list[_Chunk] = []
+        for i, (before, after) in enumerate(zip(old, new, strict=True)):
+            if after == before or after == 0:
+                continue
+            lo, hi = self._granule_span(i, after)
+            for a, b in _subtract(lo, hi, mapped):
+                plan.append(_Chunk(segment=i, first=a, count=b - a, handle=None))
+                mapped = _merge(mapped + [(a, b)])
+        return plan
+
+    def _map_chunk(self, chunk: _Chunk) -> None:
+        driver, g = self._driver, self._g
+        va, size = self._res.va + chunk.first * g, chunk.count * g
+        handle = driver.create(size)
+        try:
+            driver.map(va, size, handle)
+        except BaseException:
+            driver.release(handle)
+            raise
+        try:
+            driver.set_access(va, size)
+        except BaseException:
+            driver.unmap(va, size)
+            driver.release(handle)
+            raise
+        chunk.handle = handle
+
+    def _zero_ranges(self, old: list[int], new: list[int]) -> None:
+        """Zero [offset_i + old_i, offset_i + new_i) per segment, adjacent ranges merged."""
+        ranges = [
+            (self._offsets[i] + o, self._offsets[i] + n)
+            for i, (o, n) in enumerate(zip(old, new, strict=True)) if n > o
+        ]
+        for a, b in _merge(ranges):
+            self._full[a:b].zero_()
+
+    # ------------------------------------------------------ release / recommit
+
+    def release_physical(self) -> None:
+        """Drop every physical page and keep the address range (sleep).
+
+        Waits for device work first (nothing may touch the pages while they go).
+        Afterwards every `segment_view` is empty and `physical_bytes == 0`; the
+        previous sizes are remembered for `recommit_()`. A second call is a no-op.
+        """
+        self._check_alive()
+        if self._saved_sizes is not None:
+            return
+        self._driver.synchronize()
+        # Views shrink first, so none ever covers an unmapped byte, even if an
+        # unmap fails part-way (a later recommit_ maps only what is missing).
+        self._saved_sizes = self._sizes
+        self._sizes = [0] * len(self._caps)
+        _unmap_chunks(self._driver, self._res.va, self._g, self._res.chunks)
+
+    def recommit_(self, zero_new: bool = True) -> None:
+        """Map fresh pages for the sizes held before `release_physical()` (wake).
+
+        Same addresses, same sizes, contents zero (with `zero_new`); one driver
+        allocation per non-empty segment. On failure the tensor stays released
+        and the call can be retried.
+
+        Raises:
+            RuntimeError: nothing was released, or used after `free()`.
+            VmmError: the driver failed (after rolling back this call).
+        """
+        self._check_alive()
+        if self._saved_sizes is None:
+            raise RuntimeError("recommit_() needs a prior release_physical(); nothing is released")
+        self.resize_segments_(self._saved_sizes, zero_new=zero_new)
+
+    def discard_released_sizes_(self) -> None:
+        """Forget the sizes `release_physical()` remembered: `recommit_()` is then refused.
+
+        For re-sizing after warmup: release, discard, then `resize_segments_` to
+        the new (possibly smaller) sizes. (`resize_segments_` after a release
+        works without this too; this makes "the old sizes are gone" explicit.)
+        A no-op when nothing is released.
+        """
+        self._check_alive()
+        self._saved_sizes = None
+
+    def defragment_(self, zero_new: bool = True) -> None:
+        """Remap each segment as a single allocation; CONTENTS ARE DISCARDED.
+
+        For connectors that register one memory region per segment (RDMA). The
+        caller must hold nothing in the tensor. Sizes and addresses are kept;
+        afterwards `num_physical_chunks` is one per non-empty segment (a segment
+        lying wholly inside a granule already mapped for its neighbour needs
+        none). A released tensor stays released.
+        """
+        self._check_alive()
+        if self._saved_sizes is not None:
+            return
+        self.release_physical()
+        self.recommit_(zero_new=zero_new)
+
+    def free(self) -> None:
+        """Unmap, release and unreserve everything now. Safe to call twice.
+
+        Every tensor obtained from this object becomes invalid (touching one is
+        a use-after-free). Without `free()`, the same happens when the object
+        and all tensors over it are garbage collected.
+        """
+        if self._freed:
+            return
+        self._freed = True
+        self._full = None  # type: ignore[assignment]
+        self._finalizer()
+
+    def _check_alive(self) -> None:
+        if self._freed:
+            raise RuntimeError(
+                f"ExtensibleTensor used after free() (capacity {self._capacity} bytes, "
+                f"{len(self._caps)} segments)"
+            )
+
+    def __repr__(self) -> str:
+        return (
+            f"ExtensibleTensor(device={self.device}, capacity={self._capacity}, "
+            f"segments={len(self._caps)}, sizes={list(self._sizes)}, "
+            f"physical_bytes={self.physical_bytes}, chunks={self.num_physical_chunks}, "
+            f"released={self.is_released}, freed={self._freed})"
+        )
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _as_size(what: str, index: int | None, value: Any) -> int:
+    where = f"segment {index}: " if index is not None else ""
+    if isinstance(value, bool):
+        raise TypeError(f"{where}{what} must be an int number of bytes, got {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"{where}{what} must be an int number of bytes, got {type(value).__name__} {value!r}"
+        ) from None
+    if value < 0:
+        raise ValueError(f"{where}{what} {value} is negative")
+    return value
+
+
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted union of half-open integer ranges, touching ranges joined."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(r for r in ranges if r[1] > r[0]):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _subtract(lo: int, hi: int, covered: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Parts of [lo, hi) not in the sorted, merged ranges `covered`."""
+    out, cur = [], lo
+    for a, b in covered:
+        if b <= cur or a >= hi:
+            continue
+        if a > cur:
+            out.append((cur, a))
+        cur = max(cur, b)
+    if cur < hi:
+        out.append((cur, hi))
+    return out
+
+
+def _tensor_over(va: int, nbytes: int, device: torch.device, owner: object) -> torch.Tensor:
+    """uint8 tensor `[nbytes]` at address `va` on `device`, keeping `owner` alive."""
+    if device.type == "cpu":
+        return _host_tensor(va, nbytes, owner)
+    return dlpack_tensor(va, nbytes, device, owner)
+
+
+def _host_tensor(va: int, nbytes: int, owner: object) -> torch.Tensor:
+    # A subclass so the buffer can carry `_owner`; torch.frombuffer keeps the
+    # buffer object alive for the tensor's lifetime. No byte is read here.
+    buf_type = type("_HostBytes", (ctypes.c_uint8 * nbytes,), {})
+    buf = buf_type.from_address(va)
+    buf._owner = owner
+    return torch.frombuffer(buf, dtype=torch.uint8)
