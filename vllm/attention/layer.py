@@ -64,7 +64,11 @@ class Attention(nn.Module):
         return impl
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """query [T, num_heads * head_size], key/value [T, num_kv_heads * head_size] -> [T, num_heads * head_size]."""
+        """Attend over the paged cache.
+
+        query [T, num_heads * head_size], key / value [T, num_kv_heads * head_size]
+        -> [T, num_heads * head_size].
+        """
         num_tokens = query.shape[0]
         output = torch.empty_like(query)
         attn_metadata = get_forward_context().attn_metadata

@@ -43,7 +43,9 @@ class AttentionImpl(ABC):
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int) -> None:
         if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+            raise ValueError(
+                f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = scale

@@ -1,0 +1,302 @@
+"""Tensor-parallel linear layers: y = x W^T (+ b).
+
+Column-parallel layers split the output features over the TP ranks, row-
+parallel layers split the input features and sum the partial products:
+
+    x [T, in] --ColumnParallel--> y_r [T, out / tp] --RowParallel--> sum_r (y_r W_r^T) [T, out']
+
+so an MLP or attention block needs one all-reduce, after its row-parallel
+output projection. Weights are created empty on the current default device
+and dtype (`get_model` sets both) and filled by their `weight_loader`, which
+receives the full HF tensor and copies this rank's shard, so tensor
+parallelism needs no change to checkpoints or to the models' `load_weights`.
+
+`forward` returns the output tensor only (vLLM's layers return an
+`(output, bias)` pair; nothing here defers the bias, so the pair would only
+add noise).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm.model_executor.layers.tensor_parallel import all_gather, all_reduce, check_tp, divide
+from vllm.model_executor.layers.weight_utils import (
+    check_shape,
+    default_weight_loader,
+    narrow_to_rank,
+)
+
+
+class LinearBase(nn.Module):
+    """Holds `weight` [output_size_per_partition, input_size_per_partition] and optional `bias`."""
+
+    def __init__(
+        self,
+        input_size_per_partition: int,
+        output_size_per_partition: int,
+        *,
+        bias: bool,
+        tp_rank: int,
+        tp_size: int,
+        params_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        check_tp(tp_rank, tp_size)
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.input_size_per_partition = input_size_per_partition
+        self.output_size_per_partition = output_size_per_partition
+        self.weight = nn.Parameter(
+            torch.empty(output_size_per_partition, input_size_per_partition, dtype=params_dtype),
+            requires_grad=False,
+        )
+        self.bias = (
+            nn.Parameter(
+                torch.empty(output_size_per_partition, dtype=params_dtype), requires_grad=False
+            )
+            if bias
+            else None
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_per_partition={self.input_size_per_partition}, "
+            f"out_per_partition={self.output_size_per_partition}, bias={self.bias is not None}, "
+            f"tp_rank={self.tp_rank}, tp_size={self.tp_size}"
+        )
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split over ranks: rank r holds rows [r*out/tp, (r+1)*out/tp) of W.
+
+    Args:
+        input_size: in features.
+        output_size: out features over all ranks (divisible by tp_size).
+        bias: add a bias (split like the output).
+        gather_output: all-gather the output so every rank gets [T, output_size].
+
+    Shapes: x [T, input_size] -> [T, output_size / tp_size] (or [T, output_size]).
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool = False,
+        gather_output: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        params_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(
+            input_size,
+            divide(output_size, tp_size, "output_size"),
+            bias=bias,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            params_dtype=params_dtype,
+        )
+        self.gather_output = gather_output
+        for param in self.parameters(recurse=False):
+            param.weight_loader = self.weight_loader
+
+    def weight_loader(
+        self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        """Copy this rank's rows of the full weight (or bias) `loaded_weight`."""
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} is not stacked; got shard id {shard_id!r}")
+        shard = narrow_to_rank(loaded_weight, 0, param.shape[0], self.tp_rank, self.tp_size)
+        check_shape(param, shard)
+        with torch.no_grad():
+            param.copy_(shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return all_gather(y, self.tp_size, dim=-1) if self.gather_output else y
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one matmul (gate_up_proj).
+
+    Args:
+        output_sizes: out features of each stacked projection, in stacking order;
+            checkpoint tensor `i` is loaded with `shard_id=i`.
+
+    Each rank stacks its own slice of every projection:
+    weight rows = [proj0 rows of rank r | proj1 rows of rank r | ...].
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        *,
+        bias: bool = False,
+        gather_output: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        params_dtype: torch.dtype | None = None,
+    ) -> None:
+        for i, size in enumerate(output_sizes):
+            divide(size, tp_size, f"output_sizes[{i}]")
+        self.output_sizes = list(output_sizes)
+        super().__init__(
+            input_size,
+            sum(output_sizes),
+            bias=bias,
+            gather_output=gather_output,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            params_dtype=params_dtype,
+        )
+        for param in self.parameters(recurse=False):
+            param.shard_ids = tuple(range(len(output_sizes)))
+
+    def weight_loader(
+        self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        """Copy this rank's rows of projection `shard_id` (an int index into output_sizes)."""
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(
+                f"shard id must be an int in [0, {len(self.output_sizes)}), got {shard_id!r}"
+            )
+        sizes = [size // self.tp_size for size in self.output_sizes]
+        target = param.narrow(0, sum(sizes[:shard_id]), sizes[shard_id])
+        shard = narrow_to_rank(loaded_weight, 0, sizes[shard_id], self.tp_rank, self.tp_size)
+        check_shape(target, shard, f"shard {shard_id}")
+        with torch.no_grad():
+            target.copy_(shard)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """The q, k and v projections of attention in one matmul, split by heads.
+
+    Args:
+        hidden_size: in features.
+        head_size: features per head.
+        total_num_heads: query heads over all ranks (divisible by tp_size).
+        total_num_kv_heads: key/value heads over all ranks; when tp_size exceeds
+            it, each kv head is replicated on tp_size / total_num_kv_heads ranks.
+
+    Output per rank: [T, (num_heads + 2 * num_kv_heads) * head_size], laid out
+    q | k | v. Checkpoint tensors q_proj/k_proj/v_proj load with shard ids
+    "q"/"k"/"v".
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int | None = None,
+        *,
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        params_dtype: torch.dtype | None = None,
+    ) -> None:
+        total_num_kv_heads = total_num_kv_heads or total_num_heads
+        self.head_size = head_size
+        self.total_num_heads = total_num_heads
+        self.total_num_kv_heads = total_num_kv_heads
+        self.num_heads = divide(total_num_heads, tp_size, "num_attention_heads")
+        if tp_size >= total_num_kv_heads:
+            self.num_kv_heads = 1
+            self.kv_replicas = divide(tp_size, total_num_kv_heads, "tp_size vs num_key_value_heads")
+        else:
+            self.num_kv_heads = divide(total_num_kv_heads, tp_size, "num_key_value_heads")
+            self.kv_replicas = 1
+        self.q_size = self.num_heads * head_size
+        self.kv_size = self.num_kv_heads * head_size
+        super().__init__(
+            hidden_size,
+            (self.q_size + 2 * self.kv_size) * tp_size,
+            bias=bias,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            params_dtype=params_dtype,
+        )
+        for param in self.parameters(recurse=False):
+            param.shard_ids = ("q", "k", "v")
+
+    def weight_loader(
+        self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        """Copy this rank's heads of q_proj ("q"), k_proj ("k") or v_proj ("v")."""
+        if shard_id == "q":
+            offset, size = 0, self.q_size
+            index, num_shards = self.tp_rank, self.tp_size
+        elif shard_id in ("k", "v"):
+            offset = self.q_size + (0 if shard_id == "k" else self.kv_size)
+            size = self.kv_size
+            index = self.tp_rank // self.kv_replicas
+            num_shards = self.total_num_kv_heads // self.num_kv_heads
+        else:
+            raise ValueError(f"shard id must be 'q', 'k' or 'v', got {shard_id!r}")
+        target = param.narrow(0, offset, size)
+        shard = narrow_to_rank(loaded_weight, 0, size, index, num_shards)
+        check_shape(target, shard, f"shard {shard_id!r}")
+        with torch.no_grad():
+            target.copy_(shard)
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split over ranks; the partial outputs are summed (all-reduce).
+
+    Args:
+        input_size: in features over all ranks (divisible by tp_size).
+        output_size: out features.
+        bias: add a bias once, after the reduction.
+        reduce_results: all-reduce the output (tp_size > 1); turn off only when
+            the caller reduces itself.
+
+    Shapes: x [T, input_size / tp_size] -> [T, output_size].
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        bias: bool = False,
+        reduce_results: bool = True,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        params_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(
+            divide(input_size, tp_size, "input_size"),
+            output_size,
+            bias=bias,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            params_dtype=params_dtype,
+        )
+        self.reduce_results = reduce_results
+        self.weight.weight_loader = self.weight_loader
+        if self.bias is not None:
+            self.bias.weight_loader = default_weight_loader
+
+    def weight_loader(
+        self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        """Copy this rank's input columns of the full weight `loaded_weight`."""
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} is not stacked; got shard id {shard_id!r}")
+        shard = narrow_to_rank(loaded_weight, 1, param.shape[1], self.tp_rank, self.tp_size)
+        check_shape(param, shard)
+        with torch.no_grad():
+            param.copy_(shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight)
+        if self.reduce_results:
+            y = all_reduce(y, self.tp_size)
+        return y if self.bias is None else y + self.bias

@@ -1,0 +1,94 @@
+"""The GPU attention backend: Triton cache writes plus one unified paged-attention kernel.
+
+    forward(query, key, value, kv_cache, attn_metadata, output)
+      1. reshape_and_cache: key/value rows -> kv_cache at slot_mapping (-1 skipped)
+      2. unified_attention: every request's new tokens attend causally to
+         seq_lens[i] keys through block_table[i]; result written into `output`
+
+Nothing here allocates per step: the split-KV workspace is allocated once per
+(device, num_heads, head_size) at the size that covers every split count the
+kernel picks on its own, so CUDA graphs captured at any batch size address the
+same buffer, and graph replays read only device-side metadata.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from vllm.v1.attention.backends.abstract import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadata,
+)
+from vllm.v1.attention.ops.attention_config import max_split_workspace_numel
+from vllm.v1.attention.ops.reshape_and_cache import reshape_and_cache
+from vllm.v1.attention.ops.unified_attention import unified_attention
+
+
+class TritonAttentionImpl(AttentionImpl):
+    """One layer's attention on CUDA through the Triton kernels."""
+
+    # Split-KV scratch shared by every layer with the same key: layers run one
+    # after another on one stream, so no two launches use it at once. Never
+    # freed or replaced, because captured CUDA graphs keep its address.
+    _workspaces: ClassVar[dict[tuple[torch.device, int, int], torch.Tensor]] = {}
+
+    def _workspace(self, device: torch.device) -> torch.Tensor:
+        key = (device, self.num_heads, self.head_size)
+        workspace = self._workspaces.get(key)
+        if workspace is None:
+            numel = max_split_workspace_numel(self.num_heads, self.head_size)
+            workspace = torch.empty(numel, dtype=torch.float32, device=device)
+            self._workspaces[key] = workspace
+        return workspace
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_size]
+        attn_metadata: AttentionMetadata,
+        output: torch.Tensor,  # [num_tokens, num_heads, head_size], written in place
+    ) -> torch.Tensor:
+        """Write key/value into kv_cache at slot_mapping, then attend; returns `output`.
+
+        Raises:
+            ValueError: from the kernel launchers, on tensors that do not fit
+                (shapes, dtypes, strides, devices; the message has the numbers).
+        """
+        if query.shape[1:] != (self.num_heads, self.head_size):
+            raise ValueError(
+                f"query must be [num_tokens, {self.num_heads}, {self.head_size}], "
+                f"got {tuple(query.shape)}"
+            )
+        if kv_cache.dim() != 5 or kv_cache.shape[3] != self.num_kv_heads:
+            raise ValueError(
+                f"kv_cache must be [num_blocks, 2, block_size, {self.num_kv_heads}, "
+                f"{self.head_size}], got {tuple(kv_cache.shape)}"
+            )
+        reshape_and_cache(key, value, kv_cache, attn_metadata.slot_mapping)
+        return unified_attention(
+            query,
+            kv_cache,
+            output,
+            attn_metadata.query_start_loc,
+            attn_metadata.seq_lens,
+            attn_metadata.block_table,
+            self.scale,
+            attn_metadata.max_query_len,
+            attn_metadata.max_seq_len,
+            workspace=self._workspace(query.device),
+        )
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Paged attention on NVIDIA GPUs (Triton 3.6+)."""
+
+    name = "TRITON_ATTN"
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return TritonAttentionImpl

@@ -1,0 +1,145 @@
+"""Tile sizes and split-KV rules of the unified attention kernel: the one place to tune.
+
+Everything here is a pure function of tensor shapes, dtypes and the host
+bounds max_query_len / max_seq_len, never of per-step device values, so a
+CUDA graph captured with a config stays valid for every batch of its shape
+(see unified_attention.py). `benchmarks/benchmark_attention.py` times a grid
+of alternatives ("tune" in its JSON) to choose the constants below.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+
+
+@dataclass(frozen=True)
+class AttentionKernelConfig:
+    """Tile config of one launch.
+
+    Attributes:
+        block_m: rows per program = query tokens per program x padded GQA group
+            (power of two, >= 16 so tl.dot has a tensor-core shape).
+        block_n: key tokens per tile (power of two, >= 16); may span several cache blocks.
+        num_splits: KV ranges per (q block, KV head); 0 = choose from shapes.
+        num_warps, num_stages: Triton launch options.
+    """
+
+    block_m: int
+    block_n: int
+    num_splits: int = 0
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+# Decode-like batches (max_query_len x padded group <= DECODE_MAX_ROWS): few rows
+# per program, memory bound. 16 rows use mma.sync; 64-key tiles (4 blocks of 16)
+# put 32 KiB of K+V in flight per program; 122 registers (sm_90, Triton 3.6) let
+# 4 programs share an SM. Prefill-like: 128-row tiles run on wgmma (Hopper) with
+# double-buffered K/V (99 KiB of shared memory). Numbers from compiling for
+# sm_90; the "tune" grids of benchmarks/benchmark_attention.py time the alternatives.
+DECODE_MAX_ROWS = 64
+DECODE_CONFIG = AttentionKernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
+PREFILL_CONFIG = AttentionKernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+# fp32 (ieee dot, no tensor cores): smaller tiles and 8 warps keep it free of spills.
+DECODE_CONFIG_FP32 = AttentionKernelConfig(block_m=16, block_n=32, num_warps=8, num_stages=2)
+PREFILL_CONFIG_FP32 = AttentionKernelConfig(block_m=32, block_n=32, num_warps=8, num_stages=2)
+# Split-KV: add splits (powers of two) until the grid has SPLIT_TARGET_PROGRAMS_PER_SM
+# programs per SM, while each split keeps >= MIN_TOKENS_PER_SPLIT keys of max_seq_len
+# and the workspace stays within MAX_SPLIT_ROWS x num_heads rows.
+SPLIT_TARGET_PROGRAMS_PER_SM = 4
+MAX_SPLITS = 32
+MIN_TOKENS_PER_SPLIT = 128
+MAX_SPLIT_ROWS = 1024  # num_splits x num_tokens; sizes the preallocated workspace
+# Requests scanned per step of the in-kernel search for a program's request.
+REQUEST_SCAN_BLOCK = 128
+
+
+def head_pad(head_size: int) -> int:
+    """Padded head size the kernel computes with (power of two, >= 16)."""
+    return max(triton.next_power_of_2(head_size), 16)
+
+
+def split_workspace_numel(num_splits: int, num_tokens: int, num_heads: int, head_size: int) -> int:
+    """fp32 elements the split-KV workspace needs: accumulators plus (max, sum) per row."""
+    return num_splits * num_tokens * num_heads * (head_pad(head_size) + 2)
+
+
+def max_split_workspace_numel(num_heads: int, head_size: int) -> int:
+    """Workspace (fp32 elements) that covers every automatically chosen split count."""
+    return split_workspace_numel(1, MAX_SPLIT_ROWS, num_heads, head_size)
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (static: asked once per device)."""
+    if device.type != "cuda":
+        return 8  # the interpreter: any small constant
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def select_config(
+    *,
+    num_tokens: int,
+    num_reqs: int,
+    num_kv_heads: int,
+    queries_per_kv: int,
+    head_size: int,
+    max_query_len: int,
+    max_seq_len: int,
+    dtype: torch.dtype,
+    sm_count: int,
+) -> AttentionKernelConfig:
+    """Tile config and split count for a launch, from shapes and host bounds only.
+
+    Splits double while the grid is smaller than SPLIT_TARGET_PROGRAMS_PER_SM x
+    sm_count programs, each split keeps MIN_TOKENS_PER_SPLIT of max_seq_len and
+    splits x num_tokens stays within MAX_SPLIT_ROWS (the preallocated workspace).
+    """
+    group_pad = triton.next_power_of_2(queries_per_kv)
+    rows = max(max_query_len, 1) * group_pad
+    fp32 = dtype == torch.float32
+    if rows <= DECODE_MAX_ROWS:
+        base = DECODE_CONFIG_FP32 if fp32 else DECODE_CONFIG
+        block_m = max(base.block_m, triton.next_power_of_2(rows))
+    else:
+        base = PREFILL_CONFIG_FP32 if fp32 else PREFILL_CONFIG
+        block_m = max(base.block_m, group_pad)
+    if head_pad(head_size) > 128:  # large heads: halve the tiles to stay in shared memory
+        base = replace(base, block_n=max(16, base.block_n // 2))
+        if rows > DECODE_MAX_ROWS:
+            block_m = max(16, group_pad, block_m // 2)
+    block_q = block_m // group_pad
+    # Parallelism estimate: q blocks that really carry work (decode: one per request).
+    q_blocks = min(
+        num_tokens // block_q + num_reqs, num_reqs * triton.cdiv(max(max_query_len, 1), block_q)
+    )
+    programs = max(q_blocks, 1) * num_kv_heads
+    splits = 1
+    while (
+        splits * 2 <= MAX_SPLITS
+        and programs * splits < sm_count * SPLIT_TARGET_PROGRAMS_PER_SM
+        and splits * 2 * num_tokens <= MAX_SPLIT_ROWS
+        and max_seq_len >= splits * 2 * MIN_TOKENS_PER_SPLIT
+    ):
+        splits *= 2
+    return replace(base, block_m=block_m, num_splits=splits)
+
+
+def check_config(cfg: AttentionKernelConfig, group_pad: int) -> None:
+    """Raises ValueError for tiles the kernel cannot use (tl.dot needs >= 16, powers of two)."""
+
+    def pow2(x: int) -> bool:
+        return x > 0 and not x & (x - 1)
+
+    if not (pow2(cfg.block_m) and cfg.block_m >= max(16, group_pad)):
+        raise ValueError(
+            f"block_m must be a power of two >= max(16, GQA group {group_pad}), got {cfg.block_m}"
+        )
+    if not (pow2(cfg.block_n) and cfg.block_n >= 16):
+        raise ValueError(f"block_n must be a power of two >= 16, got {cfg.block_n}")
+    if cfg.num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {cfg.num_splits}")

@@ -1,0 +1,531 @@
+"""One paged-attention kernel for a batch that mixes prefills and decodes.
+
+The batch is flattened (see `backends/abstract.py`): request i owns query rows
+[query_start_loc[i], query_start_loc[i+1]), has seq_lens[i] keys in the cache
+(its cached context plus its q_i new tokens, already written by
+`reshape_and_cache`), and its token j attends causally to keys
+0 .. seq_lens[i] - q_i + j through block_table[i].
+
+Work split (all from shapes, so one launch is CUDA-graph capturable):
+
+    grid = ((num_tokens // BLOCK_Q + num_reqs) * num_kv_heads,  NUM_SPLITS)
+              q blocks x GQA groups (KV head fastest)           KV ranges
+
+    program (p * num_kv_heads + g, s): request i = the last one with
+        query_start_loc[i] // BLOCK_Q + i <= p      (found in-kernel; that value is
+                                                    request i's first q-block id)
+      rows = BLOCK_Q tokens of request i  x  the GROUP_PAD query heads of KV head g
+           = BLOCK_M rows of one tl.dot, so every K/V tile is read once per group
+      keys = split s of the causal range, tiles of BLOCK_N tokens gathered from
+             BLOCK_N / block_size cache blocks through the block table
+
+    sum_i cdiv(q_i, BLOCK_Q) <= num_tokens // BLOCK_Q + num_reqs, so the first grid
+    dimension covers every q block of any batch of that shape; spare programs
+    exit at once. The KV head varies fastest so that programs running side by
+    side read neighbouring heads of the same token rows (one 2 KiB row of a
+    block for Llama-3-8B) rather than 256-byte pieces of unrelated blocks.
+
+NUM_SPLITS > 1 is flash-decoding: each split keeps its own running max m, sum l
+and unnormalised accumulator in an fp32 workspace, and `_reduce_splits_kernel`
+combines them:  out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s.
+
+Graph-capture rules: the grid, the tile config and NUM_SPLITS depend only on
+tensor shapes and on the host bounds max_query_len / max_seq_len (which a
+captured graph fixes at their upper bounds); the kernel reads query_start_loc
+and seq_lens from device memory, so a replay with smaller values is correct.
+Rows past query_start_loc[num_reqs] (padding tokens) are written with zeros;
+requests with seq_len 0 and no tokens do nothing; nothing syncs with the host.
+
+Softmax runs in fp32 in base 2 (scores scaled by scale * log2(e)); rows whose
+causal range is empty produce zeros. Source of the online softmax and of the
+split-KV reduction: FlashAttention-2 (Dao, 2023, arXiv:2307.08691) and
+Flash-Decoding (Dao, Haziza, Massa, Sizov, PyTorch blog, October 2023).
+
+Rejected alternatives:
+  * separate prefill and decode kernels: two code paths to keep equal, and a
+    mixed batch would need two launches split by a host-side classification;
+  * a grid of num_reqs x cdiv(max_query_len, BLOCK_Q): depends on a per-step
+    value in eager mode and wastes programs on decodes in mixed batches;
+  * a binary search for the program's request: log2(num_reqs) dependent loads;
+    one vector load of REQUEST_SCAN_BLOCK starts and a count is a single round trip;
+  * a host-built q-block -> request map: one more per-step tensor in the
+    metadata contract, for what the kernel derives from query_start_loc.
+On sm_90, Triton 3.6 keeps one K/V buffer for the 16-row (mma.sync) decode
+tiles whatever num_stages says; the bytes in flight come from occupancy
+instead (122 registers: 4 programs of 32 KiB tiles per SM).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm.v1.attention.ops.attention_config import (
+    REQUEST_SCAN_BLOCK,
+    AttentionKernelConfig,
+    check_config,
+    head_pad,
+    num_sms,
+    select_config,
+    split_workspace_numel,
+)
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_LOG2E = 1.4426950408889634
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y")
+
+
+@triton.jit
+def _unified_attention_kernel(
+    query_ptr,  # [num_tokens, num_heads, HEAD_SIZE]
+    kv_cache_ptr,  # [num_blocks, 2, BLOCK_SIZE, num_kv_heads, HEAD_SIZE]
+    output_ptr,  # [num_tokens, num_heads, HEAD_SIZE]
+    ws_acc_ptr,  # [NUM_SPLITS, num_tokens, num_heads, HEAD_PAD] fp32 (NUM_SPLITS > 1)
+    ws_ml_ptr,  # [NUM_SPLITS, num_tokens, num_heads, 2] fp32: running max, sum
+    query_start_loc_ptr,  # [num_reqs + 1] int32
+    seq_lens_ptr,  # [num_reqs] int32
+    block_table_ptr,  # [>= num_reqs, max_blocks_per_req] int32
+    scale_log2,  # softmax scale * log2(e)
+    num_tokens,
+    num_reqs,
+    num_heads,
+    num_kv_heads,
+    max_blocks_per_req,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,  # kv_cache strides in elements: block, K/V, slot in block, head
+    stride_ckv,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    QUERIES_PER_KV: tl.constexpr,  # GQA group size
+    GROUP_PAD: tl.constexpr,  # next power of two >= QUERIES_PER_KV
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,  # next power of two >= HEAD_SIZE (and >= 16)
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    BLOCK_M: tl.constexpr,  # rows per program = BLOCK_Q * GROUP_PAD
+    BLOCK_Q: tl.constexpr,  # query tokens per program
+    BLOCK_N: tl.constexpr,  # keys per tile
+    BLOCK_R: tl.constexpr,  # requests per step of the request search
+    NUM_SPLITS: tl.constexpr,
+    FP32_IEEE: tl.constexpr,  # fp32 inputs: full-precision dots
+):
+    pid = tl.program_id(0) // num_kv_heads  # q block
+    kv_head = tl.program_id(0) % num_kv_heads
+    split = tl.program_id(1)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_PAD)
+    tok_in_block = offs_m // GROUP_PAD  # row -> query token within the q block
+    head_in_group = offs_m % GROUP_PAD  # row -> query head within the GQA group
+    head = kv_head * QUERIES_PER_KV + head_in_group
+    head_valid = head_in_group < QUERIES_PER_KV
+    d_valid = offs_d < HEAD_SIZE
+    num_real_tokens = tl.load(query_start_loc_ptr + num_reqs)
+
+    # Padding rows (past the last request's tokens) get zeros: program p covers
+    # flat rows [p * BLOCK_Q, (p + 1) * BLOCK_Q), and the grid reaches past num_tokens.
+    if (split == 0) & (pid * BLOCK_Q + BLOCK_Q > num_real_tokens):
+        pad_tok = pid * BLOCK_Q + tok_in_block
+        pad = (pad_tok >= num_real_tokens) & (pad_tok < num_tokens) & head_valid
+        pad_ptrs = (
+            output_ptr
+            + pad_tok.to(tl.int64)[:, None] * stride_ot
+            + head[:, None] * stride_oh
+            + offs_d[None, :]
+        )
+        zeros = tl.zeros([BLOCK_M, HEAD_PAD], dtype=output_ptr.dtype.element_ty)
+        tl.store(pad_ptrs, zeros, mask=pad[:, None] & d_valid[None, :])
+
+    # Which request does q block `pid` belong to? Count requests whose first
+    # q-block id (query_start_loc[i] // BLOCK_Q + i, strictly increasing) is <= pid.
+    req = tl.full([], -1, tl.int32)
+    for r0 in range(0, num_reqs, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        r_valid = offs_r < num_reqs
+        starts = tl.load(query_start_loc_ptr + offs_r, mask=r_valid, other=0)
+        first_qblock = starts // BLOCK_Q + offs_r
+        req += tl.sum((r_valid & (first_qblock <= pid)).to(tl.int32), axis=0)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    q_off = (pid - (q_start // BLOCK_Q + req)) * BLOCK_Q  # first token of this q block
+    if q_off >= q_len:
+        return
+
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - q_len
+    q_pos = q_off + tok_in_block  # row -> index among the request's new tokens
+    row_valid = (q_pos < q_len) & head_valid
+    q_tok = (q_start + q_pos).to(tl.int64)
+    q = tl.load(
+        query_ptr + q_tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )
+    key_limit = context_len + q_pos + 1  # row attends to keys [0, key_limit)
+
+    # Keys this q block needs, cut into tiles; split s takes a contiguous run of tiles.
+    kv_end = tl.minimum(context_len + tl.minimum(q_off + BLOCK_Q, q_len), seq_len)
+    kv_end = tl.maximum(kv_end, 0)
+    num_tiles = tl.cdiv(kv_end, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    block_row_ptr = block_table_ptr + req.to(tl.int64) * stride_bt
+    for tile in range(tile_lo, tile_hi):
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < kv_end
+        logical_block = offs_n // BLOCK_SIZE
+        block_id = tl.load(
+            block_row_ptr + logical_block,
+            mask=n_valid & (logical_block < max_blocks_per_req),
+            other=0,
+        ).to(tl.int64)
+        kv_off = block_id * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        k = tl.load(  # [HEAD_PAD, BLOCK_N]
+            kv_cache_ptr + kv_off[None, :] + offs_d[:, None],
+            mask=n_valid[None, :] & d_valid[:, None],
+            other=0.0,
+        )
+        v = tl.load(  # [BLOCK_N, HEAD_PAD]
+            kv_cache_ptr + stride_ckv + kv_off[:, None] + offs_d[None, :],
+            mask=n_valid[:, None] & d_valid[None, :],
+            other=0.0,
+        )
+        if FP32_IEEE:  # fp32 inputs: exact products, not TF32
+            s = tl.dot(q, k, input_precision="ieee") * scale_log2
+        else:
+            s = tl.dot(q, k) * scale_log2
+        causal = (offs_n[None, :] < key_limit[:, None]) & n_valid[None, :]
+        s = tl.where(causal, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if FP32_IEEE:
+            acc = tl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None], input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None])
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(
+            output_ptr + q_tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            out.to(output_ptr.dtype.element_ty),
+            mask=row_valid[:, None] & d_valid[None, :],
+        )
+    else:
+        ws_row = (split * num_tokens + q_tok) * num_heads + head
+        tl.store(
+            ws_acc_ptr + ws_row[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_valid[:, None]
+        )
+        tl.store(ws_ml_ptr + ws_row * 2, m_i, mask=row_valid)
+        tl.store(ws_ml_ptr + ws_row * 2 + 1, l_i, mask=row_valid)
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    output_ptr,  # [num_tokens, num_heads, HEAD_SIZE]
+    ws_acc_ptr,  # [NUM_SPLITS, num_tokens, num_heads, HEAD_PAD] fp32
+    ws_ml_ptr,  # [NUM_SPLITS, num_tokens, num_heads, 2] fp32
+    query_start_loc_ptr,  # [num_reqs + 1] int32
+    num_tokens,
+    num_reqs,
+    num_heads,
+    stride_ot,
+    stride_oh,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,  # next power of two >= NUM_SPLITS
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    if token >= tl.load(query_start_loc_ptr + num_reqs):
+        return  # padding row: zeroed by the attention kernel
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_PAD)
+    s_valid = offs_s < NUM_SPLITS
+    row = (offs_s.to(tl.int64) * num_tokens + token) * num_heads + head
+    m = tl.load(ws_ml_ptr + row * 2, mask=s_valid, other=float("-inf"))
+    l_s = tl.load(ws_ml_ptr + row * 2 + 1, mask=s_valid, other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_max)  # 0 for splits that saw no key
+    denom = tl.sum(w * l_s, axis=0)
+    acc = tl.load(
+        ws_acc_ptr + row[:, None] * HEAD_PAD + offs_d[None, :], mask=s_valid[:, None], other=0.0
+    )
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(
+        output_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
+        out.to(output_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_SIZE,
+    )
+
+
+def unified_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_size]
+    output: torch.Tensor,  # [num_tokens, num_heads, head_size], written in place
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32
+    block_table: torch.Tensor,  # [>= num_reqs, max_blocks_per_req] int32
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    workspace: torch.Tensor | None = None,  # fp32, >= split_workspace_numel(...) elements
+    config: AttentionKernelConfig | None = None,
+) -> torch.Tensor:
+    """Causal paged attention over a flattened batch of prefills and decodes.
+
+    Args:
+        query: [T, num_heads, head_size] fp16/bf16/fp32, last dim contiguous.
+        kv_cache: [num_blocks, 2, block_size, num_kv_heads, head_size], the
+            query's dtype; block_size a power of two; num_heads a multiple of
+            num_kv_heads. Keys of this step must already be written.
+        output: like `query`; every row is written (padding rows with zeros).
+        query_start_loc: [R + 1] int32, non-decreasing, query_start_loc[R] <= T.
+        seq_lens: [R] int32 (keys per request; 0 for padded requests).
+        block_table: [>= R, max_blocks_per_req] int32, last dim contiguous.
+        scale: softmax scale (usually head_size ** -0.5).
+        max_query_len, max_seq_len: host upper bounds of the q_i and seq_lens;
+            they only pick tiles and the split count (a captured graph passes its
+            capture bounds; smaller real values stay correct).
+        workspace: fp32 scratch for split-KV, >= split_workspace_numel(num_splits,
+            T, num_heads, head_size) elements; None allocates one when needed.
+            Under CUDA-graph capture pass a preallocated buffer (see
+            max_split_workspace_numel, which covers every automatic choice).
+        config: tile override (benchmarks); None chooses with `select_config`.
+
+    Returns:
+        `output`.
+
+    Raises:
+        ValueError: dtypes, shapes, strides, devices or a workspace that do not
+            fit (the message names the tensor and the numbers). No host sync.
+    """
+    num_tokens, num_heads, head_size = _check_inputs(
+        query, kv_cache, output, query_start_loc, seq_lens, block_table
+    )
+    num_reqs = seq_lens.shape[0]
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    if num_tokens == 0:
+        return output
+    if num_reqs == 0:
+        return output.zero_()
+    queries_per_kv = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(queries_per_kv)
+    auto = select_config(
+        num_tokens=num_tokens,
+        num_reqs=num_reqs,
+        num_kv_heads=num_kv_heads,
+        queries_per_kv=queries_per_kv,
+        head_size=head_size,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+        dtype=query.dtype,
+        sm_count=num_sms(query.device),
+    )
+    cfg = auto if config is None else config
+    if cfg.num_splits == 0:
+        cfg = replace(cfg, num_splits=auto.num_splits)
+    check_config(cfg, group_pad)
+    hp = head_pad(head_size)
+    splits = cfg.num_splits
+    ws_acc = ws_ml = output  # unused placeholders when splits == 1
+    if splits > 1:
+        need = split_workspace_numel(splits, num_tokens, num_heads, head_size)
+        if workspace is None:
+            workspace = torch.empty(need, dtype=torch.float32, device=query.device)
+        _check_workspace(workspace, need, query.device)
+        n_acc = splits * num_tokens * num_heads * hp
+        ws_acc, ws_ml = workspace[:n_acc], workspace[n_acc:need]
+    block_q = cfg.block_m // group_pad
+    grid = ((num_tokens // block_q + num_reqs) * num_kv_heads, splits)
+    _unified_attention_kernel[grid](
+        query,
+        kv_cache,
+        output,
+        ws_acc,
+        ws_ml,
+        query_start_loc,
+        seq_lens,
+        block_table,
+        scale * _LOG2E,
+        num_tokens,
+        num_reqs,
+        num_heads,
+        num_kv_heads,
+        block_table.shape[1],
+        query.stride(0),
+        query.stride(1),
+        output.stride(0),
+        output.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        block_table.stride(0),
+        QUERIES_PER_KV=queries_per_kv,
+        GROUP_PAD=group_pad,
+        HEAD_SIZE=head_size,
+        HEAD_PAD=hp,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=cfg.block_m,
+        BLOCK_Q=block_q,
+        BLOCK_N=cfg.block_n,
+        BLOCK_R=REQUEST_SCAN_BLOCK,
+        NUM_SPLITS=splits,
+        FP32_IEEE=query.dtype == torch.float32,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        _reduce_splits_kernel[(num_tokens, num_heads)](
+            output,
+            ws_acc,
+            ws_ml,
+            query_start_loc,
+            num_tokens,
+            num_reqs,
+            num_heads,
+            output.stride(0),
+            output.stride(1),
+            HEAD_SIZE=head_size,
+            HEAD_PAD=hp,
+            NUM_SPLITS=splits,
+            SPLITS_PAD=triton.next_power_of_2(splits),
+            num_warps=4 if splits * hp >= 2048 else 2,
+        )
+    return output
+
+
+def _check_inputs(query, kv_cache, output, query_start_loc, seq_lens, block_table):
+    if query.dim() != 3:
+        raise ValueError(
+            f"query must be [num_tokens, num_heads, head_size], got {tuple(query.shape)}"
+        )
+    num_tokens, num_heads, head_size = query.shape
+    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2 or kv_cache.shape[4] != head_size:
+        raise ValueError(
+            f"kv_cache must be [num_blocks, 2, block_size, num_kv_heads, {head_size}], "
+            f"got {tuple(kv_cache.shape)}"
+        )
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(
+            f"query heads ({num_heads}) must be a multiple of kv_cache heads ({num_kv_heads})"
+        )
+    if block_size & (block_size - 1):
+        raise ValueError(f"kv_cache block_size must be a power of two, got {block_size}")
+    if output.shape != query.shape:
+        raise ValueError(f"output shape {tuple(output.shape)} != query shape {tuple(query.shape)}")
+    if query.dtype not in _SUPPORTED_DTYPES or {kv_cache.dtype, output.dtype} != {query.dtype}:
+        raise ValueError(
+            f"query, kv_cache and output must share one of {_SUPPORTED_DTYPES}, got query "
+            f"{query.dtype}, kv_cache {kv_cache.dtype}, output {output.dtype}"
+        )
+    for name, t in (("query", query), ("output", output), ("kv_cache", kv_cache)):
+        if t.numel() and t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
+    num_reqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    for name, t, shape in (
+        ("seq_lens", seq_lens, (num_reqs,)),
+        ("query_start_loc", query_start_loc, (num_reqs + 1,)),
+    ):
+        if (
+            t.dtype != torch.int32
+            or tuple(t.shape) != shape
+            or (t.numel() > 1 and t.stride(0) != 1)
+        ):
+            raise ValueError(
+                f"{name} must be contiguous int32 of shape {shape} (num_reqs = seq_lens.shape[0]), "
+                f"got {t.dtype} {tuple(t.shape)}"
+            )
+    if (
+        block_table.dtype != torch.int32
+        or block_table.dim() != 2
+        or block_table.shape[0] < num_reqs
+        or (block_table.numel() and block_table.stride(1) != 1)
+    ):
+        raise ValueError(
+            f"block_table must be int32 [>= {num_reqs}, max_blocks_per_req] with a contiguous "
+            f"last dim, got {block_table.dtype} {tuple(block_table.shape)}"
+        )
+    tensors = (query, kv_cache, output, query_start_loc, seq_lens, block_table)
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"attention tensors must be on one device, got {devices}")
+    if query.device.type != "cuda" and not _INTERPRETED:
+        raise ValueError(
+            f"the Triton attention kernel needs CUDA tensors (or TRITON_INTERPRET=1 set before "
+            f"triton is imported), got device {query.device}"
+        )
+    return num_tokens, num_heads, head_size
+
+
+def _check_workspace(workspace: torch.Tensor, need: int, device: torch.device) -> None:
+    if (
+        workspace.dtype != torch.float32
+        or workspace.device != device
+        or not workspace.is_contiguous()
+    ):
+        raise ValueError(
+            f"split-KV workspace must be contiguous float32 on {device}, got "
+            f"{workspace.dtype} on {workspace.device}"
+        )
+    if workspace.numel() < need:
+        raise ValueError(
+            f"split-KV workspace has {workspace.numel()} fp32 elements, this launch needs {need}"
+        )
+
+
+def unified_attention_ref(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_size]
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32
+    block_table: torch.Tensor,  # [>= num_reqs, max_blocks_per_req] int32
+    scale: float,
+) -> torch.Tensor:
+    """Plain-torch reference of `unified_attention` (host loop over requests).
+
+    The math runs in float64, so no TF32 setting of torch's matmuls can blur it.
+
+    Returns:
+        [num_tokens, num_heads, head_size] in query's dtype; rows of padding
+        tokens and rows with an empty causal range are zeros.
+    """
+    num_tokens, num_heads, head_size = query.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    out = torch.zeros(num_tokens, num_heads, head_size, dtype=torch.float64, device=query.device)
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        q_len = starts[i + 1] - starts[i]
+        if q_len == 0:
+            continue
+        positions = torch.arange(seq_len, device=query.device)
+        blocks = block_table[i, positions // block_size].long()
+        k = kv_cache[blocks, 0, positions % block_size].double().repeat_interleave(group, dim=1)
+        v = kv_cache[blocks, 1, positions % block_size].double().repeat_interleave(group, dim=1)
+        q = query[starts[i] : starts[i + 1]].double()
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        q_pos = seq_len - q_len + torch.arange(q_len, device=query.device)
+        scores = scores.masked_fill(positions[None, None, :] > q_pos[None, :, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # empty rows -> 0
+        out[starts[i] : starts[i + 1]] = torch.einsum("hqk,khd->qhd", probs, v)
+    return out.to(query.dtype)
