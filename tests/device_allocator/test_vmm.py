@@ -487,6 +487,7 @@ def test_cuda_driver_roundtrip_on_gpu():
     size = 256 * MiB
     va = d.reserve(4 * size)
     assert va % g == 0
+    torch.cuda.empty_cache()
     free0, _ = torch.cuda.mem_get_info()
     h = d.create(size)
     d.map(va + size, size, h)  # not at the base: offsets work too
@@ -500,6 +501,7 @@ def test_cuda_driver_roundtrip_on_gpu():
     d.synchronize()
     d.unmap(va + size, size)
     d.release(h)
+    torch.cuda.empty_cache()  # the sum above cached torch memory of its own
     free2, _ = torch.cuda.mem_get_info()
     assert abs(free2 - free0) <= 16 * MiB
     d.free_reservation(va, 4 * size)

@@ -1,0 +1,232 @@
+"""Classic vs extensible KV cache sizing at default settings, under an adversarial load.
+
+Each path runs in a fresh process on the same model shape (random weights)
+and device: start-up seconds, KV blocks and tokens of capacity, then a stress
+run while a thread samples NVML's device memory in use every 5 ms:
+max_num_seqs concurrent requests whose prompts fill the token budget,
+prompt_logprobs and n > 1 mixed in, and decodes long enough that the KV cache
+fills and requests are preempted. Reported: OOM yes/no, preemptions, and the
+HBM never used during the stress run (total - peak in use).
+
+    python benchmarks/benchmark_kv_sizing.py --shape llama3_8b --out results/kv_sizing.json \
+        --png docs/images/kv_sizing.png
+
+Targets on the H200 with the 8B shape (issue 5): extensible capacity >= classic
++ 7 % of device memory; unused HBM after stress <= 2 % of total; start-up
+<= 1.1x classic; no OOM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+
+from common import emit, model_dir_for
+
+GiB = 1 << 30
+
+
+class NvmlPeak:
+    """Samples the device's used memory (all processes) on a thread."""
+
+    def __init__(self, index: int = 0, period_s: float = 0.005) -> None:
+        import pynvml
+
+        pynvml.nvmlInit()
+        self._nvml = pynvml
+        self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        self.total = pynvml.nvmlDeviceGetMemoryInfo(self.handle).total
+        self.peak = 0
+        self.period_s = period_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            used = self._nvml.nvmlDeviceGetMemoryInfo(self.handle).used
+            self.peak = max(self.peak, used)
+            time.sleep(self.period_s)
+
+    def __enter__(self) -> NvmlPeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def stress_requests(num_seqs: int, max_model_len: int, vocab: int, seed: int = 0):
+    from vllm import SamplingParams
+
+    rng = random.Random(seed)
+    prompts, params = [], []
+    for i in range(num_seqs):
+        prompt_len = rng.randrange(max_model_len // 2, max_model_len * 3 // 4)
+        prompts.append({"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(prompt_len)]})
+        params.append(
+            SamplingParams(
+                max_tokens=min(rng.randrange(128, 512), max_model_len - prompt_len),
+                temperature=0.8 if i % 3 else 0.0,
+                top_p=0.95,
+                ignore_eos=True,
+                n=2 if i % 8 == 4 else 1,
+                prompt_logprobs=2 if i % 8 == 0 else None,
+                logprobs=1 if i % 5 == 0 else None,
+                seed=i,
+            )
+        )
+    return prompts, params
+
+
+def run_one(mode: str, shape: str, max_model_len: int, num_seqs: int) -> dict:
+    """One engine in this process: start-up, capacity, stress (called in a child)."""
+    import torch
+
+    from vllm import LLM
+
+    result: dict = {"mode": mode}
+    t0 = time.perf_counter()
+    llm = LLM(
+        model_dir_for(shape),
+        load_format="dummy",
+        dtype="bfloat16",
+        max_model_len=max_model_len,
+        enable_extensible_kv_cache=(mode == "extensible"),
+    )
+    result["startup_s"] = time.perf_counter() - t0
+    core = llm.llm_engine.engine_core
+    worker = core.worker
+    block_size = llm.llm_engine.vllm_config.cache_config.block_size
+    result["num_blocks"] = core.num_blocks
+    result["kv_tokens"] = (core.num_blocks - 1) * block_size
+    result["kv_bytes"] = worker.kv_cache_memory()["committed_bytes"]
+    result["weights_bytes"] = worker.weights_bytes
+    result["startup_breakdown_s"] = worker.startup_seconds
+    vocab = llm.llm_engine.vllm_config.model_config.get_vocab_size()
+    prompts, params = stress_requests(num_seqs, max_model_len, vocab)
+    oom = None
+    with NvmlPeak() as nvml:
+        t0 = time.perf_counter()
+        try:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            result["output_tokens"] = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        except torch.OutOfMemoryError as e:  # what classic guesses can run into
+            oom = str(e).splitlines()[0]
+        result["stress_s"] = time.perf_counter() - t0
+    stats = core.get_stats()
+    result.update(
+        oom=oom is not None,
+        oom_error=oom,
+        num_preemptions=stats.num_preemptions,
+        total_bytes=nvml.total,
+        peak_used_bytes=nvml.peak,
+        unused_bytes=nvml.total - nvml.peak,
+        unused_fraction=(nvml.total - nvml.peak) / nvml.total,
+    )
+    return result
+
+
+def plot(report: dict, png: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = ["classic", "extensible"]
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
+    panels = [
+        ("KV cache (GiB)", [report[m]["kv_bytes"] / GiB for m in modes]),
+        ("HBM never used in stress (GiB)", [report[m]["unused_bytes"] / GiB for m in modes]),
+        ("start-up (s)", [report[m]["startup_s"] for m in modes]),
+    ]
+    for ax, (title, values) in zip(axes, panels, strict=True):
+        bars = ax.bar(modes, values, color=["#888888", "#2a7ab9"])
+        ax.set_title(title)
+        for bar, v in zip(bars, values, strict=True):
+            ax.annotate(
+                f"{v:.1f}", (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom"
+            )
+    fig.suptitle(f"KV cache sizing at defaults, {report['shape']} on {report['device']}")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(png)), exist_ok=True)
+    fig.savefig(png, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="llama3_8b", choices=["smollm2", "llama3_8b"])
+    parser.add_argument("--max-model-len", type=int, default=8192)
+    parser.add_argument("--num-seqs", type=int, default=256, help="the engine's max_num_seqs")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--png", default=None)
+    parser.add_argument("--child", choices=["classic", "extensible"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.child:
+        print(
+            "RESULT "
+            + json.dumps(run_one(args.child, args.shape, args.max_model_len, args.num_seqs))
+        )
+        return
+
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmark_kv_sizing needs a CUDA GPU")
+    report: dict = {"shape": args.shape, "device": torch.cuda.get_device_name()}
+    for mode in ("classic", "extensible"):
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            mode,
+            "--shape",
+            args.shape,
+            "--max-model-len",
+            str(args.max_model_len),
+            "--num-seqs",
+            str(args.num_seqs),
+        ]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            report[mode] = {
+                "mode": mode,
+                "crashed": True,
+                "returncode": proc.returncode,
+                "stderr_tail": proc.stderr[-3000:],
+                "oom": "out of memory" in proc.stderr.lower(),
+            }
+            continue
+        report[mode] = json.loads(lines[-1][len("RESULT ") :])
+        sys.stderr.write(
+            "\n".join(line for line in proc.stdout.splitlines() if "KV cache" in line) + "\n"
+        )
+    c, e = report["classic"], report["extensible"]
+    if not c.get("crashed") and not e.get("crashed"):
+        total = e["total_bytes"]
+        report["comparison"] = {
+            "extra_kv_fraction_of_device": (e["kv_bytes"] - c["kv_bytes"]) / total,
+            "extra_kv_tokens": e["kv_tokens"] - c["kv_tokens"],
+            "startup_ratio": e["startup_s"] / c["startup_s"],
+            "targets": {
+                "extra_kv_at_least_7pct": (e["kv_bytes"] - c["kv_bytes"]) / total >= 0.07,
+                "unused_at_most_2pct": e["unused_fraction"] <= 0.02,
+                "startup_at_most_1_1x": e["startup_s"] / c["startup_s"] <= 1.1,
+                "no_oom": not e["oom"],
+            },
+        }
+        if args.png:
+            plot(report, args.png)
+    emit(report, args.out)
+
+
+if __name__ == "__main__":
+    main()

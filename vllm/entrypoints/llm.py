@@ -1,0 +1,165 @@
+"""The offline `LLM` class, as vLLM users know it."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from tqdm.auto import tqdm
+
+from vllm.engine.arg_utils import EngineArgs
+from vllm.logger import init_logger
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import SamplingParams
+from vllm.v1.engine.llm_engine import LLMEngine
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from vllm.inputs import PromptType
+
+logger = init_logger(__name__)
+
+ChatMessages = list[dict[str, Any]]
+
+
+class LLM:
+    """Generate text offline with continuous batching over the paged KV cache.
+
+    Args:
+        model: an HF model directory or a GGUF file; None serves the bundled
+            SmolLM2-135M-Instruct.
+        **kwargs: any `EngineArgs` field (dtype, max_model_len,
+            enable_extensible_kv_cache, gpu_memory_utilization, ...).
+
+    Raises:
+        ValueError / TypeError: invalid engine arguments (unknown names too).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        known = EngineArgs.__dataclass_fields__
+        unknown = sorted(set(kwargs) - set(known))
+        if unknown:
+            raise TypeError(f"LLM got unknown engine arguments: {', '.join(unknown)}")
+        engine_args = EngineArgs(model=model, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(engine_args)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.llm_engine.get_tokenizer()
+
+    # ---------------------------------------------------------------- generate
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate completions for one or many prompts; outputs in input order.
+
+        A prompt is a string, a list of token ids, or a dict with "prompt" or
+        "prompt_token_ids". A list of strings / token-id lists / dicts is many
+        prompts. `sampling_params` is one for all or one per prompt.
+
+        Raises:
+            ValueError: an invalid prompt or parameters (nothing is run then).
+        """
+        prompt_list = self._as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"got {len(params_list)} sampling params for {len(prompt_list)} prompts"
+                )
+        request_ids = self._add_requests(prompt_list, params_list)
+        return self._run_engine(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations through the model's chat template."""
+        conversations = (
+            [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        )
+        prompts = [
+            self.render_chat(
+                conv,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+            )
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def render_chat(
+        self,
+        conversation: ChatMessages,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> dict:
+        """A conversation as a prompt dict (text + token ids) via the chat template."""
+        from vllm.entrypoints.chat_utils import apply_chat_template
+
+        return apply_chat_template(
+            self.get_tokenizer(),
+            conversation,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
+
+    # ---------------------------------------------------------------- helpers
+    @staticmethod
+    def _as_prompt_list(prompts: Any) -> list:
+        if isinstance(prompts, str | dict):
+            return [prompts]
+        if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
+            return [list(prompts)]  # one prompt given as token ids
+        prompt_list = list(prompts)
+        if not prompt_list:
+            raise ValueError("no prompts given")
+        return prompt_list
+
+    def _add_requests(self, prompts: list, params_list: list[SamplingParams]) -> list[str]:
+        engine = self.llm_engine
+        ids: list[str] = []
+        try:
+            for prompt, params in zip(prompts, params_list, strict=True):
+                request_id = str(next(self._counter))
+                engine.add_request(request_id, prompt, params)
+                ids.append(request_id)
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        return ids
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request([r for r in request_ids if r not in finished])
+            raise
+        finally:
+            bar.close()
+        return [finished[r] for r in request_ids if r in finished]

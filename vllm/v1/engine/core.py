@@ -1,0 +1,79 @@
+"""EngineCore: the step loop. schedule -> execute -> update, and nothing else."""
+
+from __future__ import annotations
+
+from vllm.config import VllmConfig
+from vllm.logger import init_logger
+from vllm.v1.core.sched.scheduler import Scheduler, SchedulerStats
+from vllm.v1.engine import EngineCoreOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.worker.gpu_worker import Worker
+
+logger = init_logger(__name__)
+
+
+class EngineCore:
+    """Owns the worker and the scheduler of one engine.
+
+    Start-up follows DESIGN.md section 4: load the model, size the KV cache
+    (classic: final size; extensible: a small committed prefix), create the
+    scheduler over what is committed, warm up and capture CUDA graphs, then
+    (extensible) measure, extend and raise the scheduler's block count, and
+    only then run the hooks that need the final cache (KV connectors).
+    """
+
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        self.vllm_config = vllm_config
+        sched = vllm_config.scheduler_config
+        cache = vllm_config.cache_config
+        self.worker = Worker(vllm_config)
+        self.worker.init_device()
+        self.worker.load_model()
+        num_blocks = self.worker.initialize_kv_cache()
+        self.scheduler = Scheduler(
+            max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_model_len=vllm_config.model_config.max_model_len,
+            block_size=cache.block_size,
+            num_blocks=num_blocks,
+            enable_prefix_caching=cache.enable_prefix_caching,
+            enable_chunked_prefill=sched.enable_chunked_prefill,
+        )
+        final_num_blocks = self.worker.compile_or_warm_up_model()
+        if final_num_blocks != num_blocks:
+            self.scheduler.set_num_blocks(final_num_blocks)
+        self.worker.run_post_kv_cache_hooks()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.scheduler.num_blocks
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; raises ValueError if it can never fit."""
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests_stopped(self, request_ids: list[str]) -> None:
+        """Requests that matched a stop string in the frontend."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.worker.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.get_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()

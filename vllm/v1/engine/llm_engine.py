@@ -1,0 +1,124 @@
+"""LLMEngine: the offline engine. Tokenize, add, step, detokenize, in one thread."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from vllm.config import VllmConfig
+from vllm.logger import init_logger
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import SamplingParams
+from vllm.transformers_utils.tokenizer import get_tokenizer
+from vllm.v1.engine.core import EngineCore
+from vllm.v1.engine.output_processor import OutputProcessor, ParentRequest
+from vllm.v1.engine.processor import Processor
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.inputs import PromptType
+
+logger = init_logger(__name__)
+
+
+class LLMEngine:
+    """Offline engine over an in-process EngineCore.
+
+    Args:
+        vllm_config: the validated configuration.
+    """
+
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        self.vllm_config = vllm_config
+        model_config = vllm_config.model_config
+        self.tokenizer: PreTrainedTokenizerBase = get_tokenizer(model_config.tokenizer)
+        self.processor = Processor(
+            self.tokenizer, model_config.max_model_len, model_config.get_vocab_size()
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core = EngineCore(vllm_config)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        return cls(engine_args.create_engine_config())
+
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.tokenizer
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        queue=None,
+    ) -> None:
+        """Validate and queue a request (n > 1 fans out into n child requests).
+
+        Raises:
+            ValueError: invalid prompt, prompt + max_tokens beyond max_model_len,
+                or a request the KV cache can never hold. Nothing is queued then.
+        """
+        text, prompt_token_ids = self.processor.tokenize(prompt)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        if params.n == 1:
+            children = [(request_id, params, None, 0)]
+        else:
+            parent = ParentRequest(request_id, params.n)
+            children = [
+                (
+                    ParentRequest.child_id(i, request_id),
+                    ParentRequest.child_params(params, i),
+                    parent,
+                    i,
+                )
+                for i in range(params.n)
+            ]
+        # Validate every child before queueing any, so a rejection loses nothing.
+        requests = [
+            self.processor.make_request(cid, prompt_token_ids, cparams)
+            for cid, cparams, _, _ in children
+        ]
+        added: list[str] = []
+        try:
+            for request, (cid, _, parent, index) in zip(requests, children, strict=True):
+                self.engine_core.add_request(request)
+                added.append(cid)
+                self.output_processor.add_request(
+                    cid,
+                    text,
+                    prompt_token_ids,
+                    request.sampling_params,
+                    arrival,
+                    parent,
+                    index,
+                    queue,
+                )
+        except Exception:
+            self.engine_core.abort_requests(added)
+            self.output_processor.abort_requests(added)
+            raise
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        """Abort requests by id (a parent id aborts all its children)."""
+        dropped = self.output_processor.abort_requests(list(request_ids))
+        self.engine_core.abort_requests(dropped + list(request_ids))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine_core.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        core_outputs = self.engine_core.step()
+        processed = self.output_processor.process_outputs(core_outputs)
+        if processed.reqs_to_abort:
+            self.engine_core.finish_requests_stopped(processed.reqs_to_abort)
+        self.last_iteration_stats = processed.stats
+        return processed.request_outputs
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()

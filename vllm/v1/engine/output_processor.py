@@ -1,0 +1,313 @@
+"""Turns EngineCoreOutputs into RequestOutputs: text, logprobs, n > 1, timing.
+
+    EngineCoreOutput (token ids, logprobs, finish)
+        -> RequestState (detokenizer, logprobs so far, timing)
+        -> ParentRequest (n > 1: gathers its children's CompletionOutputs)
+        -> RequestOutput (returned, or pushed to the request's queue)
+
+Stop strings are found here; their requests are returned in `reqs_to_abort`
+so the engine can finish them in the core.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.logprobs import Logprob
+from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine import EngineCoreOutput, FinishReason
+from vllm.v1.engine.detokenizer import IncrementalDetokenizer
+from vllm.v1.metrics.stats import IterationStats, RequestTimes
+from vllm.v1.outputs import LogprobsLists
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from vllm.sampling_params import SamplingParams
+
+
+class ParentRequest:
+    """A request with n > 1: n child requests sampled independently."""
+
+    def __init__(self, request_id: str, n: int) -> None:
+        self.request_id = request_id
+        self.n = n
+        self.outputs: list[CompletionOutput | None] = [None] * n
+        self.num_finished = 0
+
+    @staticmethod
+    def child_id(index: int, request_id: str) -> str:
+        return f"{index}_{request_id}"
+
+    @staticmethod
+    def child_params(params: SamplingParams, index: int) -> SamplingParams:
+        """Child `index` samples alone (n = 1); a seed is offset so children differ."""
+        child = params.clone()
+        child.n = 1
+        if params.seed is not None:
+            child.seed = params.seed + index
+        return child
+
+    @property
+    def finished(self) -> bool:
+        return self.num_finished == self.n
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    times: RequestTimes
+    parent: ParentRequest | None = None
+    index: int = 0
+    queue: Any = None  # for AsyncLLM: an object with put_nowait(RequestOutput | Exception)
+    logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    cumulative_logprob: float | None = None
+    num_cached_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    # DELTA outputs: how many token ids / logprob entries were already sent.
+    num_sent_tokens: int = 0
+    num_sent_logprobs: int = 0
+
+
+@dataclass
+class OutputProcessorOutput:
+    request_outputs: list[RequestOutput]
+    reqs_to_abort: list[str]
+    stats: IterationStats
+
+
+class OutputProcessor:
+    """Detokenizes and assembles outputs for every live request.
+
+    Args:
+        tokenizer: used for text and for logprob tokens' text.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+        self.parents: dict[str, ParentRequest] = {}
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.states)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.states)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+        parent: ParentRequest | None = None,
+        index: int = 0,
+        queue: Any = None,
+    ) -> None:
+        if request_id in self.states:
+            raise ValueError(f"request id {request_id!r} is already running")
+        state = RequestState(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=prompt_token_ids,
+            params=params,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
+            times=RequestTimes(arrival=arrival_time),
+            parent=parent,
+            index=index,
+            queue=queue,
+            logprobs=[] if params.logprobs is not None else None,
+            cumulative_logprob=0.0 if params.logprobs is not None else None,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+        )
+        self.states[request_id] = state
+        if parent is not None:
+            self.parents[parent.request_id] = parent
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Forget requests (ids of children or parents); returns the child ids dropped."""
+        dropped = []
+        for rid in request_ids:
+            parent = self.parents.pop(rid, None)
+            ids = [ParentRequest.child_id(i, rid) for i in range(parent.n)] if parent else [rid]
+            for child in ids:
+                if self.states.pop(child, None) is not None:
+                    dropped.append(child)
+        return dropped
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> OutputProcessorOutput:
+        now = time.monotonic()
+        stats = IterationStats()
+        request_outputs: list[RequestOutput] = []
+        reqs_to_abort: list[str] = []
+        for out in outputs:
+            state = self.states.get(out.request_id)
+            if state is None:  # aborted meanwhile
+                continue
+            self._update_timing(state, out, now, stats)
+            state.num_cached_tokens = out.num_cached_tokens
+            state.token_ids.extend(out.new_token_ids)
+            finish_reason = out.finish_reason
+            stop_reason = out.stop_reason
+            stop_string = state.detokenizer.update(
+                out.new_token_ids, stop_terminated=finish_reason == FinishReason.STOP
+            )
+            if stop_string is not None and finish_reason is None:
+                finish_reason, stop_reason = FinishReason.STOP, stop_string
+                reqs_to_abort.append(out.request_id)
+            self._update_logprobs(state, out)
+            finished = finish_reason is not None
+            if finished:
+                del self.states[out.request_id]
+                stats.finished_reasons.append(str(finish_reason))
+                stats.e2e_latencies.append(now - state.times.arrival)
+            request_output = self._make_request_output(state, finish_reason, stop_reason)
+            if request_output is not None:
+                if state.queue is not None:
+                    state.queue.put_nowait(request_output)
+                else:
+                    request_outputs.append(request_output)
+        return OutputProcessorOutput(request_outputs, reqs_to_abort, stats)
+
+    def fail_requests(self, request_ids: list[str], error: BaseException) -> None:
+        """Deliver `error` to the queues of these requests (AsyncLLM) and forget them."""
+        for rid in request_ids:
+            state = self.states.pop(rid, None)
+            if state is not None and state.queue is not None:
+                state.queue.put_nowait(error)
+
+    # ---------------------------------------------------------------- helpers
+    @staticmethod
+    def _update_timing(
+        state: RequestState, out: EngineCoreOutput, now: float, stats: IterationStats
+    ) -> None:
+        n = len(out.new_token_ids)
+        if n == 0:
+            return
+        times = state.times
+        if times.first_token is None:
+            times.first_token = now
+            stats.time_to_first_tokens.append(now - times.arrival)
+            stats.num_prompt_tokens += len(state.prompt_token_ids)
+        elif times.last_token is not None:
+            stats.inter_token_latencies.append(now - times.last_token)
+        times.last_token = now
+        stats.num_generation_tokens += n
+
+    def _update_logprobs(self, state: RequestState, out: EngineCoreOutput) -> None:
+        if state.logprobs is not None and out.new_logprobs is not None:
+            self._append_logprobs(state.logprobs, out.new_logprobs, state.params.logprobs, state)
+        if state.prompt_logprobs is not None and out.new_prompt_logprobs is not None:
+            self._append_logprobs(
+                state.prompt_logprobs, out.new_prompt_logprobs, state.params.prompt_logprobs
+            )
+
+    def _append_logprobs(
+        self,
+        dest: list,
+        lists: LogprobsLists,
+        num_logprobs: int,
+        state: RequestState | None = None,
+    ) -> None:
+        for ids, lps, rank in zip(
+            lists.logprob_token_ids, lists.logprobs, lists.ranks, strict=True
+        ):
+            if not ids:
+                continue
+            entry: dict[int, Logprob] = {}
+            # Column 0 is the chosen token; 1..k the top-k (the chosen token
+            # may be among them, and then keeps its true rank).
+            entry[ids[0]] = Logprob(lps[0], rank, self._token_text(ids[0]))
+            for i in range(1, min(num_logprobs, len(ids) - 1) + 1):
+                if ids[i] not in entry:
+                    entry[ids[i]] = Logprob(lps[i], i, self._token_text(ids[i]))
+            dest.append(entry)
+            if state is not None and state.cumulative_logprob is not None:
+                state.cumulative_logprob += lps[0]
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _make_request_output(
+        self,
+        state: RequestState,
+        finish_reason: FinishReason | None,
+        stop_reason: int | str | None,
+    ) -> RequestOutput | None:
+        kind = state.params.output_kind
+        finished = finish_reason is not None
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind == RequestOutputKind.DELTA
+        completion = self._completion(state, finish_reason, stop_reason, delta)
+        parent = state.parent
+        if parent is None:
+            return self._request_output(state, state.request_id, [completion], finished)
+        # n > 1: the parent speaks for its children.
+        if finished:
+            parent.num_finished += 1
+        if delta:
+            done = parent.finished
+            if done:
+                self.parents.pop(parent.request_id, None)
+            return self._request_output(state, parent.request_id, [completion], done)
+        parent.outputs[state.index] = completion
+        if kind == RequestOutputKind.FINAL_ONLY and not parent.finished:
+            return None
+        done = parent.finished
+        if done:
+            self.parents.pop(parent.request_id, None)
+        outputs = [o for o in parent.outputs if o is not None]
+        return self._request_output(state, parent.request_id, outputs, done)
+
+    def _completion(
+        self,
+        state: RequestState,
+        finish_reason: FinishReason | None,
+        stop_reason: int | str | None,
+        delta: bool,
+    ) -> CompletionOutput:
+        finished = finish_reason is not None
+        text = state.detokenizer.get_next_output_text(finished, delta)
+        if delta:
+            token_ids = state.token_ids[state.num_sent_tokens :]
+            state.num_sent_tokens = len(state.token_ids)
+            logprobs = None
+            if state.logprobs is not None:
+                logprobs = state.logprobs[state.num_sent_logprobs :]
+                state.num_sent_logprobs = len(state.logprobs)
+        else:
+            token_ids = list(state.token_ids)
+            logprobs = list(state.logprobs) if state.logprobs is not None else None
+        return CompletionOutput(
+            index=state.index,
+            text=text,
+            token_ids=token_ids,
+            cumulative_logprob=state.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=str(finish_reason) if finished else None,
+            stop_reason=stop_reason,
+        )
+
+    @staticmethod
+    def _request_output(
+        state: RequestState, request_id: str, outputs: list[CompletionOutput], finished: bool
+    ) -> RequestOutput:
+        return RequestOutput(
+            request_id=request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            prompt_logprobs=state.prompt_logprobs,
+            outputs=outputs,
+            finished=finished,
+            num_cached_tokens=state.num_cached_tokens,
+        )

@@ -1,0 +1,99 @@
+"""Input processing: a user's prompt and SamplingParams -> a validated core Request.
+
+Shared by `LLMEngine` (offline) and `AsyncLLM` (server), so the two accept and
+reject exactly the same inputs with the same messages.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from vllm.sampling_params import SamplingParams, validate_request_lengths
+from vllm.v1.request import Request
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from vllm.inputs import PromptType
+
+
+class Processor:
+    """Tokenizes and validates prompts.
+
+    Args:
+        tokenizer: the model's tokenizer.
+        max_model_len: tokens a request may hold (prompt + output).
+        vocab_size: token ids must be below it.
+    """
+
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, max_model_len: int, vocab_size: int
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_id = tokenizer.eos_token_id
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(prompt text or None, prompt token ids).
+
+        Raises:
+            ValueError: empty prompt, token ids outside [0, vocab_size), or an
+                unsupported prompt type.
+        """
+        if isinstance(prompt, str):
+            text, token_ids = prompt, None
+        elif isinstance(prompt, dict):
+            text = prompt.get("prompt")
+            token_ids = prompt.get("prompt_token_ids")
+            if text is None and token_ids is None:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        elif isinstance(prompt, list | tuple):
+            text, token_ids = None, list(prompt)
+        else:
+            raise ValueError(
+                f"prompt must be a string, a list of token ids or a prompt dict, not "
+                f"{type(prompt).__name__}"
+            )
+        if token_ids is None:
+            if not text:
+                raise ValueError("the prompt is empty")
+            token_ids = self.tokenizer.encode(text)
+        token_ids = list(token_ids)
+        if not token_ids:
+            raise ValueError("the prompt is empty (0 tokens)")
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]!r} is out of range [0, {self.vocab_size})")
+        return text, token_ids
+
+    def make_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """A core Request for one (child) request.
+
+        Checks lengths against max_model_len (prompt + max_tokens must fit, as
+        the server requires: one rule for both), logit_bias ids against the
+        vocabulary, and makes EOS part of the stop set that min_tokens masks.
+
+        Raises:
+            ValueError: naming the numbers.
+        """
+        params = params.clone()  # one per request: the fields below are per prompt
+        params.max_tokens = validate_request_lengths(
+            len(prompt_token_ids), params.max_tokens, self.max_model_len
+        )
+        params.verify_vocab(self.vocab_size)
+        params.update_from_generation_config({}, self.eos_token_id)
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=arrival_time if arrival_time is not None else time.time(),
+        )

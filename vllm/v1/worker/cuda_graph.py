@@ -1,0 +1,95 @@
+"""Full CUDA graphs for decode-only batches.
+
+One graph per capture size B (a decode batch of B requests, one token each).
+A decode batch of n <= max(B) requests is padded to the next captured size;
+padded requests have seq_len 0 and slot -1, so they read and write nothing.
+Mixed batches (any prefill) run eagerly.
+
+The graphs read every per-step value from persistent buffers (input ids,
+positions, slot mapping, sequence lengths, block table) and address the KV
+cache through the per-layer views, whose base pointers never move: the
+extensible cache grows under the same addresses, so graphs captured against
+a small committed prefix stay valid after the growth and are never
+re-captured. `CUDAGraphManager.num_captures` counts captures so tests can
+prove that.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+
+import torch
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+class CUDAGraphManager:
+    """Captures and replays the model forward at fixed decode batch sizes.
+
+    Args:
+        capture_sizes: batch sizes (requests = tokens) to capture.
+        forward: runs the model on the first B rows of the persistent buffers
+            under a forward context whose metadata also covers B rows, and
+            returns hidden states [B, hidden_size].
+    """
+
+    # Total graphs captured in this process; tests read it.
+    num_captures: int = 0
+
+    def __init__(self, capture_sizes: list[int], forward: Callable[[int], torch.Tensor]) -> None:
+        self.capture_sizes = sorted(set(capture_sizes))
+        self._forward = forward
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        self.pool_bytes = 0
+
+    @property
+    def captured(self) -> bool:
+        return bool(self._graphs)
+
+    def padded_size(self, num_reqs: int) -> int | None:
+        """The captured size a decode batch of `num_reqs` pads to, or None."""
+        if not self._graphs:
+            return None
+        i = bisect.bisect_left(self.capture_sizes, num_reqs)
+        return self.capture_sizes[i] if i < len(self.capture_sizes) else None
+
+    def capture(self) -> None:
+        """Capture every size, largest first, sharing one memory pool.
+
+        Raises:
+            RuntimeError: if graphs were already captured (they never need
+                re-capturing; capturing twice would leak the first pool).
+        """
+        if self._graphs:
+            raise RuntimeError("CUDA graphs are already captured")
+        free_before = torch.cuda.mem_get_info()[0]
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        for size in reversed(self.capture_sizes):
+            # Warm up once outside the graph so lazy initialisation (Triton
+            # compilation, cuBLAS workspaces) is not captured.
+            self._forward(size)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                out = self._forward(size)
+            self._graphs[size] = graph
+            self._outputs[size] = out
+            CUDAGraphManager.num_captures += 1
+        torch.cuda.synchronize()
+        self.pool_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
+        logger.info(
+            "Captured %d CUDA graphs for decode batch sizes %s (%.2f GiB)",
+            len(self._graphs),
+            self.capture_sizes,
+            self.pool_bytes / 2**30,
+        )
+
+    def replay(self, size: int) -> torch.Tensor:
+        """Replay the graph of `size`; returns its hidden states [size, hidden_size]."""
+        self._graphs[size].replay()
+        return self._outputs[size]

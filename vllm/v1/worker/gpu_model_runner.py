@@ -1,0 +1,440 @@
+"""The model runner: persistent device state and the six steps of a step.
+
+    execute_model(scheduler_output)
+      1. update states      new / resumed / finished requests -> rows of InputBatch
+      2. prepare inputs     flat input ids, positions, slot mapping (numpy, one H2D copy)
+      3. attention metadata query_start_loc, seq_lens, block table
+      4. forward            CUDA graph for decode-only batches, eager otherwise
+      5. sample             rows whose prompt is complete; prompt logprobs
+      6. outputs            ModelRunnerOutput (token ids as Python lists)
+
+The runner decides nothing: which requests run, and how many tokens each, is
+the scheduler's; how much memory the KV cache gets is the worker's. Works on
+any torch device (CUDA graphs only on CUDA).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vllm.forward_context import set_forward_context
+from vllm.logger import init_logger
+from vllm.sampling_params import MAX_LOGPROBS, SamplingParams
+from vllm.v1.attention.backends.abstract import AttentionMetadata
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput
+from vllm.v1.sample.metadata import (
+    SamplingMetadata,
+    build_sampling_metadata,
+    make_request_generator,
+)
+from vllm.v1.sample.sampler import Sampler, compute_token_logprobs
+from vllm.v1.worker.cuda_graph import CUDAGraphManager
+from vllm.v1.worker.input_batch import CachedRequestState, InputBatch
+
+logger = init_logger(__name__)
+
+
+class GPUModelRunner:
+    """Runs scheduled batches through the model on one device.
+
+    Args:
+        model: a model with forward(input_ids, positions), compute_logits(hidden).
+        device: the model's device.
+        dtype: the model's dtype (also the KV cache dtype).
+        vocab_size: logits width.
+        max_num_reqs: most requests in one step (max_num_seqs).
+        max_num_tokens: most tokens in one step (max_num_batched_tokens).
+        max_model_len: most tokens per request.
+        block_size: tokens per KV block.
+        cudagraph_capture_sizes: decode batch sizes to capture; empty = eager only.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        vocab_size: int,
+        max_num_reqs: int,
+        max_num_tokens: int,
+        max_model_len: int,
+        block_size: int,
+        cudagraph_capture_sizes: list[int],
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.vocab_size = vocab_size
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.use_cuda_graph = device.type == "cuda" and bool(cudagraph_capture_sizes)
+        capture_sizes = [s for s in cudagraph_capture_sizes if s <= max_num_reqs]
+        self.max_num_tokens = max(max_num_tokens, max(capture_sizes, default=0))
+        pin = device.type == "cuda"
+
+        self.requests: dict[str, CachedRequestState] = {}
+        self.input_batch = InputBatch(max_num_reqs, max_model_len, block_size, device, pin)
+        self.sampler = Sampler()
+
+        n, r = self.max_num_tokens, max_num_reqs
+        # Persistent buffers: CUDA graphs replay fixed addresses, so every
+        # per-step input lives in one of these and is overwritten in place.
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)  # [max_num_tokens]
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)  # [max_num_tokens]
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.query_start_loc = torch.zeros(r + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(r, dtype=torch.int32, device=device)
+        # Host staging twins (pinned on CUDA) for one asynchronous copy each.
+        self.input_ids_cpu = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
+        self.positions_cpu = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
+        self.slot_mapping_cpu = torch.full((n,), -1, dtype=torch.int64, pin_memory=pin)
+        self.query_start_loc_cpu = torch.zeros(r + 1, dtype=torch.int32, pin_memory=pin)
+        self.seq_lens_cpu = torch.zeros(r, dtype=torch.int32, pin_memory=pin)
+        self._arange = np.arange(max(n, r) + 1, dtype=np.int64)
+
+        self.cuda_graphs = CUDAGraphManager(capture_sizes, self._graph_forward)
+        self.kv_caches: dict[str, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ state
+    def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.input_batch
+        # Finished first: an id can be reused by a new request in the same output.
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        batch.remove(so.finished_req_ids)
+        # Rows are rebuilt around what runs this step: drop finished and
+        # unscheduled (incl. preempted) requests; their state stays in
+        # self.requests until they finish.
+        scheduled = so.num_scheduled_tokens
+        batch.remove({r for r in batch.req_ids if r not in scheduled})
+
+        for new in so.scheduled_new_reqs:
+            params = new.sampling_params
+            generator = None
+            if params.seed is not None:
+                generator = make_request_generator(params.seed, self.device)
+            state = CachedRequestState(
+                req_id=new.req_id,
+                prompt_token_ids=list(new.prompt_token_ids),
+                sampling_params=params,
+                generator=generator,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+            )
+            self.requests[new.req_id] = state
+            batch.add(state)
+
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            if cached.resumed_from_preemption[i]:
+                state.block_ids = list(cached.new_block_ids[i])
+            else:
+                state.block_ids.extend(cached.new_block_ids[i])
+            row = batch.req_id_to_index.get(req_id)
+            if row is None or cached.resumed_from_preemption[i]:
+                if row is not None:
+                    batch.remove({req_id})
+                batch.add(state)
+            else:
+                batch.num_computed_tokens[row] = state.num_computed_tokens
+                batch.block_table.append_row(row, cached.new_block_ids[i])
+
+    # ----------------------------------------------------------------- inputs
+    def _prepare_inputs(self, so: SchedulerOutput) -> tuple[AttentionMetadata, np.ndarray]:
+        """Fill the persistent buffers for this step.
+
+        Returns the attention metadata and the per-row scheduled token counts.
+        """
+        batch = self.input_batch
+        num_reqs = batch.num_reqs
+        num_sched = np.array([so.num_scheduled_tokens[r] for r in batch.req_ids], dtype=np.int64)
+        total = int(num_sched.sum())
+        cu = np.cumsum(num_sched)
+        # Row of each flat token, and its offset inside its row's chunk.
+        req_indices = np.repeat(self._arange[:num_reqs], num_sched)
+        offsets = self._arange[:total] - np.repeat(cu - num_sched, num_sched)
+        computed = batch.num_computed_tokens[:num_reqs].astype(np.int64)
+        positions = computed[req_indices] + offsets
+
+        token_ids = batch.token_ids[req_indices, positions]
+        self.input_ids_cpu.numpy()[:total] = token_ids
+        self.positions_cpu.numpy()[:total] = positions
+        self.slot_mapping_cpu.numpy()[:total] = batch.block_table.slot_mapping(
+            req_indices, positions
+        )
+        qsl = self.query_start_loc_cpu.numpy()
+        qsl[0] = 0
+        qsl[1 : num_reqs + 1] = cu
+        seq_lens = computed + num_sched
+        self.seq_lens_cpu.numpy()[:num_reqs] = seq_lens
+
+        self.input_ids[:total].copy_(self.input_ids_cpu[:total], non_blocking=True)
+        self.positions[:total].copy_(self.positions_cpu[:total], non_blocking=True)
+        self.slot_mapping[:total].copy_(self.slot_mapping_cpu[:total], non_blocking=True)
+        self.query_start_loc[: num_reqs + 1].copy_(
+            self.query_start_loc_cpu[: num_reqs + 1], non_blocking=True
+        )
+        self.seq_lens[:num_reqs].copy_(self.seq_lens_cpu[:num_reqs], non_blocking=True)
+        block_table = batch.block_table.commit(num_reqs)
+
+        metadata = AttentionMetadata(
+            num_actual_tokens=total,
+            max_query_len=int(num_sched.max()),
+            query_start_loc=self.query_start_loc[: num_reqs + 1],
+            max_seq_len=int(seq_lens.max()),
+            seq_lens=self.seq_lens[:num_reqs],
+            block_table=block_table,
+            slot_mapping=self.slot_mapping[:total],
+            query_start_loc_cpu=self.query_start_loc_cpu[: num_reqs + 1],
+            seq_lens_cpu=self.seq_lens_cpu[:num_reqs],
+        )
+        return metadata, num_sched
+
+    # ---------------------------------------------------------------- forward
+    def _graph_forward(self, size: int) -> torch.Tensor:
+        """Decode forward over the first `size` rows of the buffers (capture target)."""
+        metadata = AttentionMetadata(
+            num_actual_tokens=size,
+            max_query_len=1,
+            query_start_loc=self.query_start_loc[: size + 1],
+            max_seq_len=self.max_model_len,
+            seq_lens=self.seq_lens[:size],
+            block_table=self.input_batch.block_table.device_tensor[:size],
+            slot_mapping=self.slot_mapping[:size],
+            query_start_loc_cpu=self.query_start_loc_cpu[: size + 1],
+            seq_lens_cpu=self.seq_lens_cpu[:size],
+        )
+        with set_forward_context(metadata):
+            return self.model(self.input_ids[:size], self.positions[:size])
+
+    def _pad_decode_batch(self, num_reqs: int, size: int) -> None:
+        """Make rows num_reqs..size of the buffers harmless padded requests."""
+        self.input_ids[num_reqs:size].zero_()
+        self.positions[num_reqs:size].zero_()
+        self.slot_mapping[num_reqs:size].fill_(-1)
+        self.seq_lens[num_reqs:size].zero_()
+        qsl = self.query_start_loc_cpu.numpy()
+        qsl[num_reqs + 1 : size + 1] = self._arange[num_reqs + 1 : size + 1]
+        self.query_start_loc[num_reqs + 1 : size + 1].copy_(
+            self.query_start_loc_cpu[num_reqs + 1 : size + 1], non_blocking=True
+        )
+
+    def _forward(self, metadata: AttentionMetadata, num_sched: np.ndarray) -> torch.Tensor:
+        num_reqs = len(num_sched)
+        total = metadata.num_actual_tokens
+        if self.use_cuda_graph and total == num_reqs:
+            size = self.cuda_graphs.padded_size(num_reqs)
+            if size is not None:
+                self._pad_decode_batch(num_reqs, size)
+                return self.cuda_graphs.replay(size)[:num_reqs]
+        with set_forward_context(metadata):
+            return self.model(self.input_ids[:total], self.positions[:total])
+
+    # ------------------------------------------------------------------ step
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        batch = self.input_batch
+        metadata, num_sched = self._prepare_inputs(so)
+        hidden = self._forward(metadata, num_sched)
+
+        num_reqs = batch.num_reqs
+        computed = batch.num_computed_tokens[:num_reqs]
+        # A row samples when its chunk reaches its last known token; a
+        # partial prefill samples nothing (and must not advance its seeded
+        # generator, or the output would depend on the chunk size).
+        done = computed + num_sched >= batch.num_tokens[:num_reqs]
+        rows = np.nonzero(done)[0]
+        last_token = np.cumsum(num_sched) - 1
+        sampled: list[list[int]] = [[] for _ in range(num_reqs)]
+        logprobs = None
+        if len(rows):
+            idx = torch.from_numpy(last_token[rows]).to(self.device, non_blocking=True)
+            logits = self.model.compute_logits(hidden[idx])
+            states = [batch.states[r] for r in rows]
+            out = self.sampler(logits, self._sampling_metadata(states))
+            token_ids = out.sampled_token_ids.tolist()
+            if out.logprobs_tensors is not None:
+                logprobs = self._scatter_logprobs(out.logprobs_tensors.tolists(), rows, num_reqs)
+            for row, tok in zip(rows.tolist(), token_ids, strict=True):
+                sampled[row] = [tok]
+                batch.states[row].output_token_ids.append(tok)
+                batch.append_token(row, tok)
+
+        prompt_logprobs = self._prompt_logprobs(hidden, num_sched)
+        # Advance the runner's view of computed tokens; the scheduler sends
+        # the authoritative count next step.
+        batch.num_computed_tokens[:num_reqs] += num_sched.astype(np.int32)
+        for row in range(num_reqs):
+            batch.states[row].num_computed_tokens = int(batch.num_computed_tokens[row])
+        return ModelRunnerOutput(
+            req_ids=list(batch.req_ids),
+            req_id_to_index=dict(batch.req_id_to_index),
+            sampled_token_ids=sampled,
+            logprobs=logprobs,
+            prompt_logprobs_dict=prompt_logprobs,
+        )
+
+    def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
+        generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
+        return build_sampling_metadata(
+            [s.sampling_params for s in states],
+            [s.prompt_token_ids for s in states],
+            [s.output_token_ids for s in states],
+            generators,
+            self.vocab_size,
+            self.device,
+        )
+
+    @staticmethod
+    def _scatter_logprobs(lists: LogprobsLists, rows: np.ndarray, num_reqs: int) -> LogprobsLists:
+        """Spread logprobs of the sampled rows over all rows (empty for the others)."""
+        if len(rows) == num_reqs:
+            return lists
+        ids: list[list[int]] = [[] for _ in range(num_reqs)]
+        lps: list[list[float]] = [[] for _ in range(num_reqs)]
+        ranks = [0] * num_reqs
+        for i, row in enumerate(rows.tolist()):
+            ids[row] = lists.logprob_token_ids[i]
+            lps[row] = lists.logprobs[i]
+            ranks[row] = lists.ranks[i]
+        return LogprobsLists(ids, lps, ranks)
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, num_sched: np.ndarray
+    ) -> dict[str, LogprobsLists]:
+        """Logprobs of the next prompt token at each prompt position computed this step.
+
+        Computed in slices of at most max_num_reqs positions, so the logits
+        never exceed the [max_num_seqs, vocab] shape the sampler warmup ran
+        (a whole 8k-token chunk at once would need tens of GiB more for a
+        large vocabulary, memory the KV sizing never held back).
+        """
+        batch = self.input_batch
+        result: dict[str, LogprobsLists] = {}
+        start = 0
+        for row in range(batch.num_reqs):
+            n = int(num_sched[row])
+            state = batch.states[row]
+            k = state.sampling_params.prompt_logprobs
+            computed = int(batch.num_computed_tokens[row])
+            # A request resumed after preemption recomputes its prompt: report
+            # only positions not reported before.
+            first = max(computed, state.num_prompt_logprobs_done)
+            # Position p predicts token p + 1; the last prompt position's
+            # prediction is the first sampled token, not a prompt logprob.
+            last = min(computed + n, state.num_prompt_tokens - 1)
+            if k is not None and first < last:
+                state.num_prompt_logprobs_done = last
+                row_start = start + first - computed  # flat index of position `first`
+                targets = torch.from_numpy(
+                    batch.token_ids[row, first + 1 : last + 1].astype(np.int64)
+                ).to(self.device)
+                parts = []
+                for lo in range(0, last - first, self.max_num_reqs):
+                    hi = min(lo + self.max_num_reqs, last - first)
+                    logits = self.model.compute_logits(hidden[row_start + lo : row_start + hi])
+                    parts.append(compute_token_logprobs(logits, targets[lo:hi], k).tolists())
+                result[state.req_id] = _concat_logprobs(parts)
+            start += n
+        return result
+
+    # ------------------------------------------------------- warmup helpers
+    def dummy_run(self, num_tokens: int, num_reqs: int, with_kv: bool) -> torch.Tensor:
+        """Forward `num_tokens` tokens split over `num_reqs` requests.
+
+        With `with_kv` the requests read and write KV block 1 (only the null
+        block and block 1 need to be committed); without, attention is
+        skipped (the memory-profiling run before the cache exists).
+        Returns hidden states [num_tokens, hidden_size].
+        """
+        num_sched = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int64)
+        num_sched[: num_tokens % num_reqs] += 1
+        metadata = None
+        if with_kv:
+            qsl = self.query_start_loc_cpu.numpy()
+            qsl[0] = 0
+            qsl[1 : num_reqs + 1] = np.cumsum(num_sched)
+            self.seq_lens_cpu.numpy()[:num_reqs] = num_sched
+            table = self.input_batch.block_table
+            self.query_start_loc[: num_reqs + 1].copy_(self.query_start_loc_cpu[: num_reqs + 1])
+            self.seq_lens[:num_reqs].copy_(self.seq_lens_cpu[:num_reqs])
+            table.device_tensor[:num_reqs].fill_(1)
+            self.slot_mapping[:num_tokens].fill_(self.block_size)  # slot 0 of block 1
+            metadata = AttentionMetadata(
+                num_actual_tokens=num_tokens,
+                max_query_len=int(num_sched.max()),
+                query_start_loc=self.query_start_loc[: num_reqs + 1],
+                max_seq_len=int(num_sched.max()),
+                seq_lens=self.seq_lens[:num_reqs],
+                block_table=table.device_tensor[:num_reqs],
+                slot_mapping=self.slot_mapping[:num_tokens],
+                query_start_loc_cpu=self.query_start_loc_cpu[: num_reqs + 1],
+                seq_lens_cpu=self.seq_lens_cpu[:num_reqs],
+            )
+        self.input_ids[:num_tokens].zero_()
+        self.positions[:num_tokens].copy_(
+            torch.from_numpy(self._arange[:num_tokens] % self.max_model_len)
+        )
+        with torch.inference_mode(), set_forward_context(metadata):
+            hidden = self.model(self.input_ids[:num_tokens], self.positions[:num_tokens])
+        if with_kv:
+            # Leave the table clean: unused entries point at the null block.
+            self.input_batch.block_table.device_tensor[:num_reqs].zero_()
+        return hidden
+
+    @torch.inference_mode()
+    def dummy_sampler_run(self, hidden: torch.Tensor, num_reqs: int) -> None:
+        """Run compute_logits + the sampler's most memory-hungry path over `num_reqs` rows."""
+        idx = torch.arange(num_reqs, device=self.device) % hidden.shape[0]
+        logits = self.model.compute_logits(hidden[idx])
+        # Random sampling with top-k, top-p and min-p: the sort and softmax
+        # temporaries are the sampler's largest allocations.
+        params = SamplingParams(
+            temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, logprobs=MAX_LOGPROBS
+        )
+        self.sampler(
+            logits,
+            build_sampling_metadata(
+                [params] * num_reqs,
+                [[0]] * num_reqs,
+                [[] for _ in range(num_reqs)],
+                {},
+                self.vocab_size,
+                self.device,
+            ),
+        )
+
+    def capture_model(self) -> None:
+        """Capture decode CUDA graphs (CUDA only); their rows address block 1 / the null block."""
+        if not self.use_cuda_graph:
+            return
+        size = max(self.cuda_graphs.capture_sizes)
+        with torch.inference_mode():
+            self.seq_lens[:size].fill_(1)
+            self.slot_mapping[:size].fill_(-1)
+            self.query_start_loc[: size + 1].copy_(
+                torch.arange(size + 1, dtype=torch.int32, device=self.device)
+            )
+            self.input_batch.block_table.device_tensor[:size].fill_(1)
+            self.cuda_graphs.capture()
+            self.input_batch.block_table.device_tensor[:size].zero_()
+            self.seq_lens[:size].zero_()
+
+
+def _concat_logprobs(parts: list[LogprobsLists]) -> LogprobsLists:
+    if len(parts) == 1:
+        return parts[0]
+    return LogprobsLists(
+        [row for p in parts for row in p.logprob_token_ids],
+        [row for p in parts for row in p.logprobs],
+        [r for p in parts for r in p.ranks],
+    )

@@ -1,0 +1,91 @@
+"""Device memory readings for sizing: totals, free, this process's usage, peaks.
+
+On CUDA the figures come from the driver (`mem_get_info`) and torch's caching
+allocator; on the CPU from /proc (MemAvailable, VmRSS, VmHWM).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from vllm.platforms.interface import Platform
+
+
+@dataclass
+class PeakReading:
+    torch_peak: int = 0  # bytes above the allocation level at entry (transient peak)
+    non_torch_growth: int = 0  # device bytes that appeared outside torch's allocator
+
+
+def _proc_status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+class DeviceMemory:
+    """Memory readings of one device, relative to the moment the worker started.
+
+    Args:
+        platform: the current platform (for mem_get_info).
+        device: the device measured.
+    """
+
+    def __init__(self, platform: Platform, device: torch.device) -> None:
+        self.platform = platform
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        free, self.total = platform.mem_get_info(device.index or 0)
+        self.free_at_start = free
+        self.rss_at_start = self._rss()
+
+    def free(self) -> int:
+        return self.platform.mem_get_info(self.device.index or 0)[0]
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device) if self.is_cuda else 0
+
+    def used_since_start(self, free_now: int | None = None) -> int:
+        """What this process took since the worker started (bytes)."""
+        if self.is_cuda:
+            return self.free_at_start - (self.free() if free_now is None else free_now)
+        return max(self._rss() - self.rss_at_start, 0)
+
+    def synchronize(self) -> None:
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+
+    @staticmethod
+    def _rss() -> int:
+        return _proc_status_kib("VmRSS") * 1024
+
+    @contextlib.contextmanager
+    def measure_peak(self) -> Iterator[PeakReading]:
+        """Measure the transient peak of the enclosed work."""
+        reading = PeakReading()
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            base_alloc = torch.cuda.memory_allocated(self.device)
+            base_reserved = torch.cuda.memory_reserved(self.device)
+            free0 = self.free()
+            yield reading
+            torch.cuda.synchronize(self.device)
+            reading.torch_peak = torch.cuda.max_memory_allocated(self.device) - base_alloc
+            reserved_growth = torch.cuda.memory_reserved(self.device) - base_reserved
+            reading.non_torch_growth = max((free0 - self.free()) - reserved_growth, 0)
+            return
+        # CPU: resident set high-water mark. Writing "5" to clear_refs resets
+        # VmHWM to the current RSS (Linux >= 4.0); where that is refused the
+        # reading is an upper bound.
+        with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        base = self._rss()
+        yield reading
+        reading.torch_peak = max(_proc_status_kib("VmHWM") * 1024 - base, 0)
