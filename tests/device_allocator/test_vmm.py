@@ -487,6 +487,13 @@ def test_cuda_driver_roundtrip_on_gpu():
     size = 256 * MiB
     va = d.reserve(4 * size)
     assert va % g == 0
+    # Load the fill/sum kernels first: lazily loaded modules take device memory
+    # that mem_get_info would otherwise count against the mapping.
+    warm = torch.zeros(4096, dtype=torch.uint8, device=d.device)
+    warm.fill_(7)
+    assert int(warm.sum(dtype=torch.int64)) == 7 * 4096
+    del warm
+    torch.cuda.synchronize()
     torch.cuda.empty_cache()
     free0, _ = torch.cuda.mem_get_info()
     h = d.create(size)

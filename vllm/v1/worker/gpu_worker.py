@@ -297,7 +297,11 @@ class Worker:
         gc.collect()
         free = self.memory.free()
         committed = ext.physical_bytes
-        held_non_kv = max(self.memory.used_since_start(free) - committed, 0)
+        # Activation memory the runtime will take back from the device (it is
+        # free now if graph capture emptied torch's cache): count it as held.
+        shortfall = self.memory.torch_shortfall(self.profile.activation_peak)
+        held_non_kv = max(self.memory.used_since_start(free) - committed, 0) + shortfall
+        free -= shortfall
         explicit = self._explicit_kv_bytes()
         if explicit is not None:
             result = sizing.SizingResult(explicit, explicit, 0)
@@ -335,7 +339,7 @@ class Worker:
             "KV cache sized after warmup: free %.2f GiB, held besides KV %.2f GiB "
             "(weights %.2f, activation peak %.2f, CUDA graph pool %.2f), buffer %.2f GiB; "
             "KV committed %.2f GiB of %.2f GiB reserved: %d blocks, %d tokens of capacity",
-            free / GiB,
+            (free + shortfall) / GiB,
             held_non_kv / GiB,
             self.weights_bytes / GiB,
             self.profile.activation_peak / GiB,

@@ -57,6 +57,21 @@ class DeviceMemory:
             return self.free_at_start - (self.free() if free_now is None else free_now)
         return max(self._rss() - self.rss_at_start, 0)
 
+    def torch_shortfall(self, activation_peak: int) -> int:
+        """Bytes torch must still obtain from the device to reach the activation peak.
+
+        The runtime needs `allocated + activation_peak` from torch's caching
+        allocator; what it reserves beyond `allocated` is already held. After
+        warmup that is usually the whole peak, but `torch.cuda.graph` empties
+        the cache when capture begins, so it may be gone; this is the part the
+        KV cache must leave free. 0 on the CPU (no caching allocator).
+        """
+        if not self.is_cuda:
+            return 0
+        allocated = torch.cuda.memory_allocated(self.device)
+        reserved = torch.cuda.memory_reserved(self.device)
+        return max(allocated + activation_peak - reserved, 0)
+
     def synchronize(self) -> None:
         if self.is_cuda:
             torch.cuda.synchronize(self.device)

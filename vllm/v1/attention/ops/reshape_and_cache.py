@@ -7,10 +7,14 @@
     kv_cache[block_id, 1, offset] <- value[t]      (V half of the block)
 
 One program per (token, head tile) copies the token's heads; the grid depends
-only on the number of tokens, so the launch is CUDA-graph capturable. Slots
-outside [0, num_blocks * block_size) are skipped rather than written: the
-launcher cannot check device values without a host sync, and an out-of-bounds
-store would corrupt memory that is not the cache.
+only on the number of tokens, so the launch is CUDA-graph capturable.
+
+Only slot -1 is skipped; there is deliberately NO upper bound from
+`kv_cache.shape[0]`. With the extensible cache the per-layer view covers the
+blocks committed *when a graph is captured* (two, during warmup); any bound
+derived from it would be baked into the graph and silently drop every write
+to a block committed later. Slots come from the scheduler's block table, which
+only hands out committed blocks; keeping them in range is its invariant.
 """
 
 from __future__ import annotations
@@ -30,7 +34,6 @@ def _reshape_and_cache_kernel(
     value_ptr,  # [num_tokens, num_kv_heads, HEAD_SIZE]
     kv_cache_ptr,  # [num_blocks, 2, BLOCK_SIZE, num_kv_heads, HEAD_SIZE]
     slot_mapping_ptr,  # [num_tokens] int64, -1 = padding
-    num_slots,  # num_blocks * BLOCK_SIZE
     num_kv_heads,
     stride_kt,
     stride_kh,
@@ -48,7 +51,7 @@ def _reshape_and_cache_kernel(
     token = tl.program_id(0)
     head_tile = tl.program_id(1)
     slot = tl.load(slot_mapping_ptr + token)
-    if (slot < 0) | (slot >= num_slots):
+    if slot < 0:
         return
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
@@ -80,8 +83,8 @@ def reshape_and_cache(
         key, value: [T, num_kv_heads, head_size], dtype of the cache, last dim contiguous.
         kv_cache: [num_blocks, 2, block_size, num_kv_heads, head_size], last dim
             contiguous; block_size a power of two.
-        slot_mapping: [T] int64 on the same device; -1 (and anything outside the
-            cache) writes nothing.
+        slot_mapping: [T] int64 on the same device; -1 writes nothing. Other
+            slots must address blocks of the cache (not checked: see above).
 
     Raises:
         ValueError: shapes, dtypes, devices or strides that do not fit (numbers given).
@@ -90,7 +93,7 @@ def reshape_and_cache(
     num_tokens, num_kv_heads, head_size = key.shape
     if num_tokens == 0:
         return
-    num_blocks, _, block_size = kv_cache.shape[:3]
+    block_size = kv_cache.shape[2]
     head_pad = max(triton.next_power_of_2(head_size), 16)
     block_h = min(
         triton.next_power_of_2(num_kv_heads), max(1, _MAX_ELEMENTS_PER_PROGRAM // head_pad)
@@ -101,7 +104,6 @@ def reshape_and_cache(
         value,
         kv_cache,
         slot_mapping,
-        num_blocks * block_size,
         num_kv_heads,
         key.stride(0),
         key.stride(1),
@@ -162,8 +164,8 @@ def reshape_and_cache_ref(
     slot_mapping: torch.Tensor,  # [num_tokens] int64
 ) -> None:
     """Plain-torch reference of `reshape_and_cache`, same semantics (in place)."""
-    num_blocks, _, block_size = kv_cache.shape[:3]
-    keep = (slot_mapping >= 0) & (slot_mapping < num_blocks * block_size)
+    block_size = kv_cache.shape[2]
+    keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     blocks, offsets = slots // block_size, slots % block_size
     kv_cache[blocks, 0, offsets] = key[keep]

@@ -1,0 +1,113 @@
+"""POST /v1/chat/completions through the official `openai` client, against a real server."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.entrypoints.openai.utils import MODEL_NAME
+from vllm.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow  # a real engine on the bundled model
+
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+MAX_TOKENS = 10
+
+
+def _chat(client, messages=MESSAGES, **kwargs):
+    kwargs.setdefault("max_completion_tokens", MAX_TOKENS)
+    return client.chat.completions.create(model=MODEL_NAME, messages=messages, temperature=0,
+                                          **kwargs)
+
+
+def test_chat_matches_offline_llm(client, server, offline_llm):
+    completion = _chat(client)
+    (offline,) = offline_llm.chat(
+        MESSAGES, SamplingParams(max_tokens=MAX_TOKENS, temperature=0), use_tqdm=False)
+    choice = completion.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == offline.outputs[0].text
+    assert "Paris" in choice.message.content
+    assert choice.finish_reason == offline.outputs[0].finish_reason
+    assert completion.object == "chat.completion"
+    assert completion.id.startswith("chatcmpl-")
+    # The prompt is the model's chat template applied to the messages.
+    rendered = httpx.post(server.url_for("tokenize"), json={"messages": MESSAGES}).json()
+    assert completion.usage.prompt_tokens == rendered["count"] == len(offline.prompt_token_ids)
+    assert rendered["tokens"] == list(offline.prompt_token_ids)
+    assert completion.usage.completion_tokens == len(offline.outputs[0].token_ids)
+
+
+def test_chat_streaming(client):
+    full = _chat(client)
+    chunks = list(_chat(client, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[0].choices[0].delta.content == ""
+    content_chunks = [c for c in chunks[1:] if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in content_chunks) == (
+        full.choices[0].message.content)
+    assert content_chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_chat_logprobs(client):
+    completion = _chat(client, logprobs=True, top_logprobs=2)
+    content = completion.choices[0].logprobs.content
+    assert len(content) == completion.usage.completion_tokens
+    text = completion.choices[0].message.content
+    tokens = "".join(entry.token for entry in content)
+    # As in vLLM, the EOS token that ended the reply has an entry too (not in the text).
+    assert tokens == text or (completion.choices[0].finish_reason == "stop"
+                              and tokens.startswith(text) and len(content[-1].token) > 1
+                              and content[-1].token not in text)
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        # Greedy: the chosen token is the most likely one.
+        assert entry.token == entry.top_logprobs[0].token
+        assert entry.bytes == list(entry.token.encode("utf-8"))
+    plain = _chat(client)
+    assert plain.choices[0].logprobs is None
+
+
+def test_chat_n_streaming(client):
+    chunks = list(_chat(client, n=2, stream=True, max_completion_tokens=4))
+    texts = {0: "", 1: ""}
+    finished = set()
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason is not None:
+                finished.add(choice.index)
+    assert finished == {0, 1}
+    greedy = _chat(client, max_completion_tokens=4).choices[0].message.content
+    assert texts == {0: greedy, 1: greedy}
+
+
+def test_chat_max_tokens_and_stop(client):
+    capped = client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, temperature=0, max_tokens=3,
+        extra_body={"ignore_eos": True})
+    assert capped.usage.completion_tokens == 3
+    assert capped.choices[0].finish_reason == "length"
+    full = _chat(client).choices[0].message.content
+    word = "Paris"
+    assert word in full
+    stopped = _chat(client, stop=[word]).choices[0]
+    assert stopped.message.content == full[: full.index(word)]
+    assert stopped.finish_reason == "stop"
+
+
+def test_chat_multi_turn_with_system(client):
+    messages = [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "Say hello."},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": [{"type": "text", "text": "Again, please."}]},
+    ]
+    completion = _chat(client, messages=messages, max_completion_tokens=5)
+    assert completion.choices[0].message.content
+    assert completion.usage.prompt_tokens > 20  # the whole conversation was rendered

@@ -1,0 +1,203 @@
+"""The `vllm` CLI: help and version, flag parsing, and one `vllm serve` with --api-key,
+--served-model-name and --enable-sleep-mode that ends with SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import subprocess
+import sys
+import threading
+
+import httpx
+import openai
+import pytest
+
+from tests.entrypoints.openai.utils import (
+    DEFAULT_SERVER_ARGS,
+    MODEL_NAME,
+    REPO_ROOT,
+    RemoteServer,
+    error_of,
+    port_is_free,
+)
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.entrypoints.cli.main import make_parser
+from vllm.entrypoints.openai.cli_args import validate_parsed_serve_args
+from vllm.version import __version__
+
+API_KEY = "test-key-1234"
+NAMES = ["my-model", "my-alias"]
+
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vllm.entrypoints.cli.main", *args],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+
+
+def _serve_actions():
+    parser = make_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return subparsers.choices["serve"]._actions
+
+
+def test_help_lists_every_flag():
+    top = _run_cli("--help")
+    serve = _run_cli("serve", "--help")
+    assert top.returncode == 0 and serve.returncode == 0
+    flags = [opt for action in _serve_actions() for opt in action.option_strings]
+    # Every engine argument has its flag.
+    for field in dataclasses.fields(AsyncEngineArgs):
+        flag = "--" + field.name.replace("_", "-")
+        assert flag in flags, flag
+    for required in ("--host", "--port", "--api-key", "--served-model-name",
+                     "--uvicorn-log-level", "--model", "--enable-sleep-mode"):
+        assert required in flags
+    for flag in flags:
+        assert flag in serve.stdout, flag
+        assert flag in top.stdout, flag
+    assert "MODEL" in serve.stdout and "serve" in top.stdout
+    for action in _serve_actions():
+        assert action.help, action.option_strings  # every flag explains itself
+
+
+def test_help_and_version_do_not_import_torch():
+    code = ("import sys\nfrom vllm.entrypoints.cli.main import main\n"
+            "for argv in (['--help'], ['serve', '--help'], ['--version']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "print('TORCH', 'torch' in sys.modules)\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "TORCH False" in result.stdout
+
+
+def test_version():
+    result = _run_cli("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == __version__
+
+
+def test_positional_model_and_flag():
+    parser = make_parser()
+    args = parser.parse_args(["serve", "/models/a", "--port", "9000"])
+    validate_parsed_serve_args(args)
+    assert args.model == "/models/a" and args.port == 9000
+    args = parser.parse_args(["serve", "--model", "/models/b"])
+    validate_parsed_serve_args(args)
+    assert args.model == "/models/b"
+    args = parser.parse_args(["serve", "/models/a", "--model", "/models/b"])
+    with pytest.raises(ValueError, match="/models/a"):
+        validate_parsed_serve_args(args)
+    args = parser.parse_args(["serve"])
+    validate_parsed_serve_args(args)
+    assert args.model is None and args.port == 8000
+
+
+def test_api_key_from_environment(monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    args = make_parser().parse_args(["serve"])
+    validate_parsed_serve_args(args)
+    assert args.api_key == "from-env"
+    args = make_parser().parse_args(["serve", "--api-key", "from-flag"])
+    validate_parsed_serve_args(args)
+    assert args.api_key == "from-flag"
+
+
+def test_bad_flag_value_exits_2():
+    result = _run_cli("serve", "--port", "many")
+    assert result.returncode == 2
+    assert "--port" in result.stderr
+
+
+# ------------------------------------------------------------------ a served instance
+@pytest.fixture(scope="module")
+def key_server():
+    remote = RemoteServer([*DEFAULT_SERVER_ARGS, "--api-key", API_KEY,
+                           "--served-model-name", *NAMES, "--enable-sleep-mode",
+                           "--uvicorn-log-level", "info"])
+    try:
+        yield remote
+    finally:
+        remote.close()
+
+
+def test_startup_log_ends_with_url(key_server):
+    lines = [line for line in key_server.startup_log.splitlines() if line.strip()]
+    assert "listening on " + key_server.url in lines[-1]
+
+
+def test_api_key_required_on_v1(key_server):
+    missing = httpx.get(key_server.url_for("v1/models"))
+    assert missing.status_code == 401
+    assert error_of(missing)["type"] == "AuthenticationError"
+    wrong = httpx.get(key_server.url_for("v1/models"),
+                      headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        key_server.get_client(api_key="nope").models.list()
+    # Outside /v1 no key is needed (health probes, Prometheus).
+    assert httpx.get(key_server.url_for("health")).status_code == 200
+    assert httpx.get(key_server.url_for("metrics")).status_code == 200
+
+
+def test_served_model_names(key_server):
+    client = key_server.get_client(api_key=API_KEY)
+    assert [m.id for m in client.models.list().data] == NAMES
+    for name in NAMES:
+        completion = client.completions.create(model=name, prompt="Hello", max_tokens=2)
+        assert completion.model == name
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=2)
+    metrics = httpx.get(key_server.url_for("metrics")).text
+    assert f'model_name="{NAMES[0]}"' in metrics
+
+
+def test_sleep_endpoints(key_server):
+    """With --enable-sleep-mode the endpoints exist; until the engine implements sleep,
+    /sleep answers 501 with the OpenAI body and the engine keeps serving."""
+    client = key_server.get_client(api_key=API_KEY)
+    assert httpx.get(key_server.url_for("is_sleeping")).json() == {"is_sleeping": False}
+    assert httpx.post(key_server.url_for("sleep"), params={"level": 3}).status_code == 400
+    response = httpx.post(key_server.url_for("sleep"), params={"level": 1})
+    if response.status_code == 501:
+        assert "sleep mode is not available" in error_of(response)["message"]
+        assert httpx.get(key_server.url_for("is_sleeping")).json() == {"is_sleeping": False}
+    else:
+        assert response.status_code == 200, response.text
+        assert httpx.get(key_server.url_for("is_sleeping")).json() == {"is_sleeping": True}
+        with pytest.raises(openai.APIStatusError) as info:
+            client.completions.create(model=NAMES[0], prompt="Hello", max_tokens=2)
+        assert info.value.status_code == 503
+        assert httpx.post(key_server.url_for("wake_up")).status_code == 200
+        assert httpx.get(key_server.url_for("is_sleeping")).json() == {"is_sleeping": False}
+    completion = client.completions.create(model=NAMES[0], prompt="Hello", max_tokens=2)
+    assert completion.usage.completion_tokens >= 1
+
+
+def test_sigterm_with_request_in_flight(key_server):
+    """SIGTERM: the in-flight stream ends properly, the process exits 0, the port is free."""
+    events: list[str] = []
+    first_event = threading.Event()
+
+    def stream() -> None:
+        body = {"model": NAMES[0], "prompt": "Once upon a time", "max_tokens": 40,
+                "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", key_server.url_for("v1/completions"), json=body,
+                          headers={"Authorization": f"Bearer {API_KEY}"},
+                          timeout=120) as response:
+            for line in response.iter_lines():
+                if line:
+                    events.append(line)
+                    first_event.set()
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    assert first_event.wait(120)
+    returncode = key_server.terminate()
+    thread.join(60)
+    assert returncode == 0
+    assert events[-1] == "data: [DONE]"
+    assert port_is_free(key_server.port)
+    log = key_server.log()
+    assert "Received SIGTERM" in log

@@ -1,0 +1,195 @@
+"""Invalid requests get the OpenAI error body and the right status, and the server keeps
+answering correctly afterwards; step failures and a dead engine (fault injection)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.entrypoints.openai.utils import (
+    DEFAULT_SERVER_ARGS,
+    MAX_MODEL_LEN,
+    MODEL_NAME,
+    RemoteServer,
+    error_of,
+    port_is_free,
+)
+from vllm.sampling_params import MAX_LOGPROBS
+
+pytestmark = pytest.mark.slow  # a real engine on the bundled model
+
+PROMPT = "The capital of France is"
+GOOD = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}],
+        "max_completion_tokens": 4, "temperature": 0}
+FAULT_LAUNCHER = str(Path(__file__).with_name("fault_injection_serve.py"))
+
+
+@pytest.fixture(scope="module")
+def reference_text(server):
+    """The greedy completion of PROMPT, taken before any bad request was sent."""
+    response = httpx.post(server.url_for("v1/completions"), json=GOOD, timeout=120)
+    assert response.status_code == 200
+    return response.json()["choices"][0]["text"]
+
+
+def _assert_still_serving(server, reference_text: str) -> None:
+    response = httpx.post(server.url_for("v1/completions"), json=GOOD, timeout=120)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == reference_text
+    assert httpx.get(server.url_for("health")).status_code == 200
+
+
+BAD_REQUESTS = [
+    # (endpoint, overrides, status, param)
+    ("completions", {"max_tokens": 0}, 400, "max_tokens"),
+    ("completions", {"temperature": -0.5}, 400, "temperature"),
+    ("completions", {"top_p": 0}, 400, "top_p"),
+    ("completions", {"top_p": 1.5}, 400, "top_p"),
+    ("completions", {"n": 0}, 400, "n"),
+    ("completions", {"logprobs": MAX_LOGPROBS + 1}, 400, "logprobs"),
+    ("completions", {"presence_penalty": 3}, 400, "presence_penalty"),
+    ("completions", {"prompt": ""}, 400, "prompt"),
+    ("completions", {"prompt": []}, 400, "prompt"),
+    ("completions", {"prompt": 12}, 400, "prompt"),
+    ("completions", {"max_tokens": "many"}, 400, "max_tokens"),
+    ("completions", {"temperature": "hot"}, 400, "temperature"),
+    ("completions", {"n": True}, 400, "n"),
+    ("completions", {"stop": [""]}, 400, "stop"),
+    ("completions", {"logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("completions", {"suffix": "!"}, 400, "suffix"),
+    ("completions", {"model": "no-such-model"}, 404, "model"),
+    ("chat/completions", {"logprobs": True, "top_logprobs": MAX_LOGPROBS + 1}, 400,
+     "top_logprobs"),
+    ("chat/completions", {"top_logprobs": 2}, 400, "top_logprobs"),
+    ("chat/completions", {"max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ("chat/completions", {"messages": []}, 400, "messages"),
+    ("chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("chat/completions", {"messages": [{"content": "no role"}]}, 400, "messages.0.role"),
+    ("chat/completions", {"model": "no-such-model"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "overrides", "status", "param"), BAD_REQUESTS,
+                         ids=[f"{e}-{'-'.join(o)}-{s}" for e, o, s, _ in BAD_REQUESTS])
+def test_bad_request(server, reference_text, endpoint, overrides, status, param):
+    base = GOOD if endpoint == "completions" else CHAT
+    response = httpx.post(server.url_for("v1", endpoint), json={**base, **overrides}, timeout=60)
+    assert response.status_code == status, response.text
+    error = error_of(response)
+    assert error["param"] == param, error
+    assert error["type"] == ("NotFoundError" if status == 404 else "BadRequestError")
+    _assert_still_serving(server, reference_text)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_prompt_plus_max_tokens_beyond_context(server, reference_text, endpoint):
+    max_tokens = MAX_MODEL_LEN - 2  # any prompt of 3+ tokens overflows
+    key = "max_tokens" if endpoint == "completions" else "max_completion_tokens"
+    base = GOOD if endpoint == "completions" else CHAT
+    response = httpx.post(server.url_for("v1", endpoint), json={**base, key: max_tokens})
+    assert response.status_code == 400, response.text
+    error = error_of(response)
+    assert str(max_tokens) in error["message"] and str(MAX_MODEL_LEN) in error["message"]
+    assert error["param"] == key
+    _assert_still_serving(server, reference_text)
+
+
+def test_prompt_longer_than_context(server, reference_text):
+    response = httpx.post(server.url_for("v1/completions"),
+                          json={**GOOD, "prompt": "hello " * (MAX_MODEL_LEN + 10)})
+    assert response.status_code == 400
+    assert str(MAX_MODEL_LEN) in error_of(response)["message"]
+    _assert_still_serving(server, reference_text)
+
+
+@pytest.mark.parametrize("body", [b'{"prompt": "x", ', b"not json", b"[1, 2]", b""])
+def test_malformed_json(server, reference_text, body):
+    response = httpx.post(server.url_for("v1/completions"), content=body,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert error_of(response)["type"] == "BadRequestError"
+    _assert_still_serving(server, reference_text)
+
+
+def test_openai_client_raises_typed_errors(client, reference_text, server):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, temperature=-1)
+    assert info.value.status_code == 400
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt=PROMPT)
+    _assert_still_serving(server, reference_text)
+
+
+def test_unknown_route_and_method(server):
+    assert error_of(httpx.get(server.url_for("v1/nothing")))["code"] == 404
+    assert error_of(httpx.post(server.url_for("v1/models")))["code"] == 405
+    # Sleep endpoints exist only with --enable-sleep-mode.
+    assert httpx.get(server.url_for("is_sleeping")).status_code == 404
+
+
+# ------------------------------------------------------------------ fault injection
+@pytest.fixture(scope="module")
+def fault_server():
+    fault_file = os.path.join(tempfile.mkdtemp(prefix="vllm-fault-"), "fault")
+    remote = RemoteServer(DEFAULT_SERVER_ARGS, env={"VLLM_TEST_FAULT_FILE": fault_file},
+                          launcher=FAULT_LAUNCHER)
+    remote.fault_file = fault_file
+    try:
+        yield remote
+    finally:
+        remote.close()
+
+
+def _inject(server, kind: str) -> None:
+    Path(server.fault_file).write_text(kind)
+
+
+def test_step_failure_fails_only_that_step(fault_server):
+    reference = httpx.post(fault_server.url_for("v1/completions"), json=GOOD, timeout=120)
+    reference_text = reference.json()["choices"][0]["text"]
+    # Non-streaming: the request's step fails -> 500 with the OpenAI body.
+    _inject(fault_server, "step")
+    failed = httpx.post(fault_server.url_for("v1/completions"), json=GOOD, timeout=120)
+    assert failed.status_code == 500, failed.text
+    assert "injected step failure" in error_of(failed)["message"]
+    _assert_still_serving(fault_server, reference_text)
+    # Streaming: headers are out, so the error arrives in-band, then [DONE].
+    body = {**GOOD, "max_tokens": 200, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", fault_server.url_for("v1/completions"), json=body,
+                      timeout=120) as response:
+        events = []
+        for line in response.iter_lines():
+            if not line:
+                continue
+            events.append(line)
+            if len(events) == 2:
+                _inject(fault_server, "step")
+    assert events[-1] == "data: [DONE]"
+    assert '"code":500' in events[-2] and "injected step failure" in events[-2]
+    assert len(events) < 200  # it did not run to the end
+    _assert_still_serving(fault_server, reference_text)
+
+
+def test_device_error_kills_engine_and_exits_nonzero(fault_server):
+    _inject(fault_server, "cuda")
+    failed = httpx.post(fault_server.url_for("v1/completions"), json=GOOD, timeout=120)
+    assert failed.status_code == 500
+    assert "CUDA error" in error_of(failed)["message"]
+    try:  # the process lingers a moment so probes see the state
+        health = httpx.get(fault_server.url_for("health"), timeout=5)
+        assert health.status_code == 503
+        assert "dead" in error_of(health)["message"]
+    except httpx.ConnectError:
+        pass  # already gone
+    deadline = time.monotonic() + 60
+    while fault_server.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert fault_server.proc.returncode == 1
+    assert port_is_free(fault_server.port)

@@ -1,0 +1,156 @@
+"""GET /metrics: vLLM's names, parsable by prometheus-client, counters that follow the
+requests, and blocks that return to the pool when a client disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from tests.entrypoints.openai.utils import MODEL_NAME, scrape_metrics
+
+pytestmark = pytest.mark.slow  # a real engine on the bundled model
+
+REQUIRED = [
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:time_to_first_token_seconds_count",
+    "vllm:inter_token_latency_seconds_count",
+    "vllm:e2e_request_latency_seconds_count",
+    "vllm:num_preemptions_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:kv_cache_committed_bytes",
+    "vllm:kv_cache_reserved_bytes",
+    "vllm:kv_cache_num_blocks",
+]
+SUCCESS_LENGTH = "vllm:request_success_total{finished_reason=length}"
+# Long enough to fill two 16-token blocks, so a repeat hits the prefix cache.
+LONG_PROMPT = ("The quick brown fox jumps over the lazy dog while the farmer watches from "
+               "the porch and the sun sets slowly behind the distant hills of the valley.")
+
+
+def _wait_for(server, predicate, timeout: float = 10.0) -> dict[str, float]:
+    """Scrape until `predicate(metrics)` holds (stats land right after the step that made
+    them, a moment after the client already has its answer)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        metrics = scrape_metrics(server)
+        if predicate(metrics) or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.05)
+
+
+def _complete(server, prompt: str, max_tokens: int, **extra) -> dict:
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            **extra}
+    response = httpx.post(server.url_for("v1/completions"), json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_names_parse_and_memory_gauges(server):
+    _complete(server, "Hello", 2)
+    metrics = scrape_metrics(server)
+    missing = [name for name in REQUIRED if name not in metrics]
+    assert not missing, missing
+    committed = metrics["vllm:kv_cache_committed_bytes"]
+    reserved = metrics["vllm:kv_cache_reserved_bytes"]
+    assert 0 < committed <= reserved
+    assert metrics["vllm:kv_cache_num_blocks"] > 1
+    assert 0.0 <= metrics["vllm:kv_cache_usage_perc"] <= 1.0
+
+
+def test_counters_follow_requests(server):
+    before = scrape_metrics(server)
+    usage = _complete(server, LONG_PROMPT, 5, ignore_eos=True)["usage"]
+    expected_prompt = before["vllm:prompt_tokens_total"] + usage["prompt_tokens"]
+    after = _wait_for(server, lambda m: m["vllm:prompt_tokens_total"] >= expected_prompt
+                      and m.get(SUCCESS_LENGTH, 0) > before.get(SUCCESS_LENGTH, 0))
+    assert usage["completion_tokens"] == 5
+    assert after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] == (
+        usage["prompt_tokens"])
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 5
+    assert after[SUCCESS_LENGTH] - before.get(SUCCESS_LENGTH, 0) == 1
+    for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        name = f"vllm:{histogram}_count"
+        assert after[name] - before[name] == 1, name
+    itl = "vllm:inter_token_latency_seconds_count"
+    assert after[itl] - before[itl] == 4  # 5 tokens, 4 gaps
+    queries = "vllm:prefix_cache_queries_total"
+    assert after[queries] > before[queries]
+    # The same prompt again: its full blocks come from the prefix cache.
+    _complete(server, LONG_PROMPT, 1)
+    hits = "vllm:prefix_cache_hits_total"
+    again = _wait_for(server, lambda m: m[hits] > after[hits])
+    assert again[hits] - after[hits] >= 16
+
+
+def _held(metrics: dict[str, float]) -> bool:
+    return metrics["vllm:num_requests_running"] > 0 and metrics["vllm:kv_cache_usage_perc"] > 0
+
+
+def _released(metrics: dict[str, float]) -> bool:
+    return (metrics["vllm:num_requests_running"] == 0
+            and metrics["vllm:num_requests_waiting"] == 0
+            and metrics["vllm:kv_cache_usage_perc"] == 0)
+
+
+def test_disconnect_mid_stream_returns_blocks(server):
+    max_tokens = 400
+    before = _wait_for(server, _released)
+    body = {"model": MODEL_NAME, "prompt": LONG_PROMPT, "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server.url_for("v1/completions"), json=body,
+                      timeout=120) as response:
+        received = 0
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                received += 1
+            if received == 3:
+                break
+        during = scrape_metrics(server)
+        assert _held(during), during  # the request really holds blocks now
+    # The connection is closed: the server must abort the request and free its blocks.
+    after = _wait_for(server, _released)
+    assert _released(after), after
+    generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
+    assert 3 <= generated < max_tokens  # aborted, not run to the end
+    assert after.get(SUCCESS_LENGTH, 0) == before.get(SUCCESS_LENGTH, 0)
+    # And the server serves the next client normally.
+    assert _complete(server, "Hello", 2)["usage"]["completion_tokens"] >= 1
+
+
+def test_disconnect_while_waiting_for_non_streaming_response(server):
+    max_tokens = 400
+    before = _wait_for(server, _released)
+    body = {"model": MODEL_NAME, "prompt": LONG_PROMPT, "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True}
+
+    async def request_then_leave() -> dict[str, float]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            request = asyncio.create_task(client.post(server.url_for("v1/completions"),
+                                                      json=body))
+            deadline = time.monotonic() + 60
+            while True:  # until the engine is generating for it
+                metrics = scrape_metrics(server)
+                if _held(metrics) or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.02)
+            request.cancel()  # the client gives up: its connection closes
+            with pytest.raises(asyncio.CancelledError):
+                await request
+            return metrics
+
+    during = asyncio.run(request_then_leave())
+    assert _held(during), during
+    after = _wait_for(server, _released)
+    assert _released(after), after
+    generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
+    assert generated < max_tokens
+    assert after.get(SUCCESS_LENGTH, 0) == before.get(SUCCESS_LENGTH, 0)

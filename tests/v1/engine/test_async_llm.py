@@ -1,0 +1,268 @@
+"""AsyncLLM over the real engine on the bundled model (CPU): outputs, admission errors,
+aborts that free blocks, the engine thread, step failures, death and shutdown.
+
+Faults are injected at the device boundary only: the worker's `execute_model`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from vllm.engine.arg_utils import EngineArgs
+from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.exceptions import (
+    EngineDeadError,
+    EngineGenerateError,
+    EngineShutdownError,
+    SleepModeUnavailableError,
+)
+
+pytestmark = pytest.mark.slow  # a real engine on the bundled model
+
+MAX_MODEL_LEN = 256
+PROMPT = "The capital of France is"
+
+
+def _args() -> EngineArgs:
+    # A small token budget and KV size keep start-up short on CPU (profiling and warmup
+    # run a worst-case batch).
+    return EngineArgs(max_model_len=MAX_MODEL_LEN, max_num_seqs=16, max_num_batched_tokens=128,
+                      kv_cache_memory_bytes=64 * 2**20, disable_log_stats=True)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    llm = AsyncLLM.from_engine_args(_args())
+    yield llm
+    llm.shutdown()
+
+
+def _params(kind=RequestOutputKind.FINAL_ONLY, max_tokens=6, **kwargs) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True,
+                          output_kind=kind, **kwargs)
+
+
+async def _collect(engine: AsyncLLM, request_id: str, params: SamplingParams,
+                   prompt: str = PROMPT) -> list:
+    return [out async for out in engine.generate(prompt, params, request_id)]
+
+
+def _idle(engine: AsyncLLM) -> bool:
+    """On the engine thread: nothing unfinished and no KV block held."""
+
+    def check() -> bool:
+        core = engine.engine
+        return (not core.has_unfinished_requests()
+                and core.engine_core.get_stats().kv_cache_usage == 0)
+
+    return asyncio.run(engine.run_in_engine_thread(check))
+
+
+def test_engine_calls_run_on_the_engine_thread(engine):
+    async def main():
+        name = await engine.run_in_engine_thread(lambda: threading.current_thread().name)
+        ids = await engine.tokenize(PROMPT)
+        text = await engine.detokenize(ids, skip_special_tokens=True)
+        return name, ids, text
+
+    name, ids, text = asyncio.run(main())
+    assert name == "vllm-engine" != threading.current_thread().name
+    assert ids and text == PROMPT
+
+
+def test_output_kinds_agree(engine):
+    async def main():
+        final = await _collect(engine, "final", _params())
+        delta = await _collect(engine, "delta", _params(RequestOutputKind.DELTA))
+        cumulative = await _collect(engine, "cum", _params(RequestOutputKind.CUMULATIVE))
+        return final, delta, cumulative
+
+    final, delta, cumulative = asyncio.run(main())
+    assert len(final) == 1 and final[0].finished
+    answer = final[0].outputs[0]
+    assert len(answer.token_ids) == 6 and answer.finish_reason == "length"
+    assert "Paris" in answer.text
+    assert len(delta) > 1 and delta[-1].finished
+    assert "".join(o.outputs[0].text for o in delta) == answer.text
+    assert [t for o in delta for t in o.outputs[0].token_ids] == list(answer.token_ids)
+    assert cumulative[-1].outputs[0].text == answer.text
+    assert _idle(engine)
+
+
+def test_concurrent_requests_get_their_own_outputs(engine):
+    prompts = [PROMPT, "One, two, three,", "The opposite of hot is"] * 3
+
+    async def main():
+        return await asyncio.gather(*(
+            _collect(engine, f"c{i}", _params(max_tokens=5), prompt=p)
+            for i, p in enumerate(prompts)))
+
+    async def alone():
+        return {p: (await _collect(engine, f"a{i}", _params(max_tokens=5), prompt=p))[-1]
+                for i, p in enumerate(prompts[:3])}
+
+    reference = asyncio.run(alone())
+    results = asyncio.run(main())
+    for prompt, outputs in zip(prompts, results, strict=True):
+        assert outputs[-1].outputs[0].text == reference[prompt].outputs[0].text
+
+
+def test_validation_error_reaches_caller_before_any_output(engine):
+    async def main():
+        gen = engine.generate(PROMPT, _params(max_tokens=MAX_MODEL_LEN), "too-long")
+        with pytest.raises(ValueError, match=str(MAX_MODEL_LEN)):
+            await anext(gen)
+        with pytest.raises(ValueError, match="request id 'dup' is already running"):
+            stream = await engine.add_request("dup", PROMPT, _params(max_tokens=50))
+            await engine.add_request("dup", PROMPT, _params())
+        engine.abort("dup")
+        del stream
+
+    asyncio.run(main())
+    assert _idle(engine)
+
+
+def test_closing_the_stream_aborts_and_frees_blocks(engine):
+    async def main():
+        gen = engine.generate(PROMPT, _params(RequestOutputKind.DELTA, max_tokens=200), "drop")
+        first = [await anext(gen), await anext(gen)]
+        held = await engine.run_in_engine_thread(
+            lambda: engine.engine.engine_core.get_stats().kv_cache_usage)
+        await gen.aclose()
+        return first, held
+
+    first, held = asyncio.run(main())
+    assert not first[-1].finished
+    assert held > 0
+    assert _idle(engine)
+
+
+def test_cancelling_the_consumer_aborts(engine):
+    async def main():
+        started = asyncio.Event()
+
+        async def consume():
+            async for _ in engine.generate(
+                    PROMPT, _params(RequestOutputKind.DELTA, max_tokens=200), "cancel"):
+                started.set()
+
+        task = asyncio.create_task(consume())
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert _idle(engine)
+
+
+def test_stat_loggers_see_every_step(engine):
+    class Recorder:
+        def __init__(self):
+            self.generation_tokens = 0
+            self.finished: list[str] = []
+
+        def record(self, scheduler_stats, iteration_stats, kv_cache_memory):
+            assert kv_cache_memory["num_blocks"] == scheduler_stats.num_blocks
+            if iteration_stats is not None:
+                self.generation_tokens += iteration_stats.num_generation_tokens
+                self.finished += iteration_stats.finished_reasons
+
+        def log(self):
+            pass
+
+    recorder = Recorder()
+    engine.add_stat_logger(recorder)
+
+    async def main():
+        await _collect(engine, "stats", _params(max_tokens=7))
+        # Outputs reach the caller inside the step; its stats are recorded right after
+        # it, before the engine thread takes the next command: wait for one.
+        await engine.run_in_engine_thread(lambda: None)
+
+    asyncio.run(main())
+    assert recorder.generation_tokens == 7
+    assert recorder.finished == ["length"]
+
+
+def test_sleep_needs_sleep_mode(engine):
+    async def main():
+        with pytest.raises(SleepModeUnavailableError, match="--enable-sleep-mode"):
+            await engine.sleep(1)
+        return await engine.is_sleeping()
+
+    assert asyncio.run(main()) is False
+
+
+def test_step_failure_fails_that_step_only(engine):
+    worker = engine.engine.engine_core.worker
+
+    def fail_once():
+        real = worker.execute_model
+
+        def execute_model(scheduler_output):
+            worker.execute_model = real
+            raise RuntimeError("injected step failure")
+
+        worker.execute_model = execute_model
+
+    async def main():
+        reference = (await _collect(engine, "before", _params()))[-1].outputs[0].text
+        await engine.run_in_engine_thread(fail_once)
+        with pytest.raises(EngineGenerateError, match="injected step failure"):
+            await _collect(engine, "failed", _params())
+        after = (await _collect(engine, "after", _params()))[-1].outputs[0].text
+        return reference, after
+
+    reference, after = asyncio.run(main())
+    assert after == reference
+    assert not engine.errored
+    assert _idle(engine)
+
+
+def test_shutdown_ends_inflight_requests(engine):
+    async def main():
+        gen = engine.generate(PROMPT, _params(RequestOutputKind.DELTA, max_tokens=200), "last")
+        await anext(gen)
+        await asyncio.to_thread(engine.shutdown)
+        with pytest.raises(EngineShutdownError):
+            async for _ in gen:
+                pass
+        with pytest.raises(EngineShutdownError):
+            await engine.add_request("late", PROMPT, _params())
+
+    asyncio.run(main())
+    assert engine.engine is None  # the LLMEngine (weights, KV cache) is released
+    assert not engine.is_running
+    assert not engine.errored
+
+
+def test_device_error_kills_the_engine():
+    engine = AsyncLLM.from_engine_args(_args())
+    died = threading.Event()
+    engine.add_dead_callback(lambda error: died.set())
+    worker = engine.engine.engine_core.worker
+
+    def device_fault(scheduler_output):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    async def main():
+        await engine.run_in_engine_thread(setattr, worker, "execute_model", device_fault)
+        with pytest.raises(EngineDeadError, match="CUDA error"):
+            await _collect(engine, "doomed", _params())
+        with pytest.raises(EngineDeadError):
+            await engine.check_health()
+        with pytest.raises(EngineDeadError):
+            await engine.add_request("after", PROMPT, _params())
+
+    try:
+        asyncio.run(main())
+        assert died.wait(10)
+        assert engine.errored and isinstance(engine.dead_error, EngineDeadError)
+        assert engine.engine is None
+    finally:
+        engine.shutdown()

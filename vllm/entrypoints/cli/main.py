@@ -1,0 +1,80 @@
+"""The `vllm` console script: `vllm serve [MODEL] [flags]`, `vllm --help`, `vllm --version`.
+
+Parsing imports only argparse and the (torch-free) EngineArgs, so `--help`
+and `--version` answer in a fraction of a second; the server (FastAPI,
+torch, the model) is imported only when `serve` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from vllm.version import __version__
+
+
+def _first_line(text: str | None) -> str:
+    return " ".join((text or "").split()).replace("%%", "%")
+
+
+def _options_summary(parser: argparse.ArgumentParser, name: str) -> str:
+    """`vllm <name>`'s options, one line each, for the top-level help's epilog."""
+    lines = [f"`vllm {name}` options (details: vllm {name} --help):"]
+    for action in parser._actions:
+        if action.help == argparse.SUPPRESS or isinstance(action, argparse._HelpAction):
+            continue
+        flags = ", ".join(action.option_strings) or (action.metavar or action.dest)
+        lines.append(f"  {flags:<36} {_first_line(action.help)}")
+    return "\n".join(lines)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+
+    parser = argparse.ArgumentParser(
+        prog="vllm",
+        description="vLLM with an extensible KV cache: serve a model over the OpenAI API.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("-v", "--version", action="version", version=__version__,
+                        help="Print the version and exit.")
+    subparsers = parser.add_subparsers(dest="subcommand", metavar="COMMAND")
+    serve = subparsers.add_parser(
+        "serve",
+        help="Start the OpenAI-compatible HTTP server (vllm serve [MODEL] [flags]).",
+        description="Start the OpenAI-compatible HTTP server for MODEL (default: the "
+                    "bundled SmolLM2-135M-Instruct).",
+        usage="vllm serve [MODEL] [options]",
+    )
+    make_arg_parser(serve)
+    serve.set_defaults(dispatch=_cmd_serve)
+    parser.epilog = _options_summary(serve, "serve")
+    return parser
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from vllm.entrypoints.openai.cli_args import validate_parsed_serve_args
+
+    try:
+        validate_parsed_serve_args(args)
+    except ValueError as e:
+        print(f"vllm serve: error: {e}", file=sys.stderr)
+        return 2
+    from vllm.entrypoints.openai.api_server import run_server
+
+    return run_server(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `vllm` script; returns the process exit code."""
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    dispatch = getattr(args, "dispatch", None)
+    if dispatch is None:
+        parser.print_help()
+        return 1
+    return dispatch(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,367 @@
+"""The OpenAI-compatible HTTP server: FastAPI app over an `AsyncLLM`, run by uvicorn.
+
+```
+vllm serve ... -> run_server(args): bind the port (fail fast), build AsyncLLM (load model,
+                  size KV cache), build_app(engine, args), uvicorn until SIGINT/SIGTERM
+build_app:  /v1/models  /v1/completions  /v1/chat/completions          (API key if set)
+            /health  /version  /metrics  /tokenize  /detokenize
+            /sleep  /wake_up  /is_sleeping                              (--enable-sleep-mode)
+```
+
+Shutdown: the first SIGINT/SIGTERM stops accepting connections, lets
+in-flight requests finish for up to `_GRACEFUL_SHUTDOWN_S` (then cancels them,
+which aborts them in the engine), closes the port, shuts the engine down
+(device memory returned) and exits 0; a second signal forces it. When the
+engine dies, /health answers 503 and the process exits 1 after
+`_DEAD_ENGINE_EXIT_DELAY_S`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import secrets
+import signal
+import socket
+import threading
+from collections.abc import Generator
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from vllm.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
+from vllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from vllm.entrypoints.openai.serving_engine import (
+    APIError,
+    cancel_on_disconnect,
+    error_from_exception,
+)
+from vllm.entrypoints.openai.serving_models import ServedModels
+from vllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from vllm.logger import init_logger
+from vllm.transformers_utils.config import BUNDLED_MODEL_NAME
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.exceptions import EngineDeadError
+from vllm.version import __version__
+
+logger = init_logger(__name__)
+
+# Seconds in-flight requests get to finish after SIGINT/SIGTERM before they are
+# cancelled (and aborted in the engine).
+_GRACEFUL_SHUTDOWN_S = 10
+# Seconds between the engine's death and the process exit: the failed requests'
+# 500s are flushed and a /health probe can see the 503.
+_DEAD_ENGINE_EXIT_DELAY_S = 1.0
+
+
+# ------------------------------------------------------------------------------ app
+def served_model_names(args: argparse.Namespace) -> list[str]:
+    """--served-model-name, else the MODEL argument, else the bundled model's name."""
+    names = getattr(args, "served_model_name", None)
+    if names:
+        return list(names)
+    model = getattr(args, "model", None)
+    return [model if model else BUNDLED_MODEL_NAME]
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """`--chat-template`: a file's contents, or the value itself when it is a template.
+
+    Raises:
+        ValueError: neither an existing file nor a Jinja template.
+    """
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        return path.read_text()
+    if "{" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+
+
+def build_app(engine_client: AsyncLLM, args: argparse.Namespace) -> FastAPI:
+    """The FastAPI app over `engine_client` (which it feeds a Prometheus logger).
+
+    `args` is the `vllm serve` namespace; read here: served_model_name, model,
+    api_key, chat_template (all optional).
+    """
+    model_config = engine_client.model_config
+    models = ServedModels(served_model_names(args), root=model_config.model,
+                          max_model_len=model_config.max_model_len)
+    metrics = PrometheusStatLogger(models.default_name)
+    engine_client.add_stat_logger(metrics)
+    chat_template = load_chat_template(getattr(args, "chat_template", None))
+
+    app = FastAPI(title="vLLM OpenAI-compatible API", version=__version__)
+    app.state.engine_client = engine_client
+    app.state.metrics = metrics
+    app.state.models = models
+    _install_error_handlers(app)
+    api_key = getattr(args, "api_key", None)
+    if api_key:
+        app.add_middleware(_APIKeyMiddleware, api_key=api_key)
+    _add_openai_routes(app, engine_client, models, chat_template)
+    _add_server_routes(app, engine_client, metrics)
+    if engine_client.vllm_config.cache_config.enable_sleep_mode:
+        _add_sleep_routes(app, engine_client)
+    return app
+
+
+def _add_openai_routes(
+    app: FastAPI, engine_client: AsyncLLM, models: ServedModels, chat_template: str | None
+) -> None:
+    completion = OpenAIServingCompletion(engine_client, models)
+    chat = OpenAIServingChat(engine_client, models, chat_template)
+    tokenization = OpenAIServingTokenization(engine_client, models, chat_template)
+
+    @app.get("/v1/models")
+    async def show_models() -> JSONResponse:
+        return JSONResponse(models.model_list().model_dump())
+
+    @app.post("/v1/completions")
+    async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+        return await cancel_on_disconnect(raw_request, completion.create_completion(request))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(
+        request: ChatCompletionRequest, raw_request: Request
+    ) -> Response:
+        return await cancel_on_disconnect(raw_request, chat.create_chat_completion(request))
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> JSONResponse:
+        return JSONResponse((await tokenization.tokenize(request)).model_dump())
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> JSONResponse:
+        return JSONResponse((await tokenization.detokenize(request)).model_dump())
+
+
+def _add_server_routes(
+    app: FastAPI, engine_client: AsyncLLM, metrics: PrometheusStatLogger
+) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            await engine_client.check_health()
+        except EngineDeadError as e:
+            return APIError(503, str(e)).response()
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
+
+    @app.get("/metrics")
+    async def show_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _add_sleep_routes(app: FastAPI, engine_client: AsyncLLM) -> None:
+    @app.post("/sleep")
+    async def sleep(level: int = 1) -> Response:
+        try:
+            await engine_client.sleep(level)
+        except Exception as e:
+            raise error_from_exception(e, "level") from e
+        return Response(status_code=200)
+
+    @app.post("/wake_up")
+    async def wake_up(tags: list[str] | None = Query(default=None)) -> Response:
+        try:
+            await engine_client.wake_up(tags)
+        except Exception as e:
+            raise error_from_exception(e, "tags") from e
+        return Response(status_code=200)
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> JSONResponse:
+        try:
+            return JSONResponse({"is_sleeping": await engine_client.is_sleeping()})
+        except Exception as e:
+            raise error_from_exception(e) from e
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail)).response(headers=exc.headers)
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    """Wrong types and malformed JSON: 400 with the first problem and its field."""
+    errors = exc.errors()
+    if not errors:
+        return APIError(400, "invalid request")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {first.get('msg')}")
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query")]
+    # A union type reports the member it tried ("str", "list[str]"): keep the field path.
+    fields = [p for p in loc if not any(c in p for c in "[]") and p not in ("str", "int")]
+    param = ".".join(fields) if fields else None
+    where = f"{param}: " if param else ""
+    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+    return APIError(400, f"{where}{first.get('msg')}{more}", param)
+
+
+class _APIKeyMiddleware:
+    """401 with the OpenAI error body unless /v1/* requests carry `Bearer <api key>`.
+
+    A plain ASGI middleware (not BaseHTTPMiddleware), so streaming responses
+    and client-disconnect detection pass through untouched.
+    """
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if (scope["type"] != "http" or scope.get("method") == "OPTIONS"
+                or not scope["path"].startswith("/v1")):
+            await self.app(scope, receive, send)
+            return
+        header = Headers(scope=scope).get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() == "bearer" and secrets.compare_digest(
+            token.strip().encode(), self.api_key.encode()
+        ):
+            await self.app(scope, receive, send)
+            return
+        message = ("Incorrect API key provided." if header else
+                   "Missing API key: send it as 'Authorization: Bearer <key>'.")
+        response = APIError(401, message).response(headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+
+# ------------------------------------------------------------------------------ serve
+class _Server(uvicorn.Server):
+    """uvicorn.Server that exits 0 on SIGINT/SIGTERM and logs its URL as the last start line.
+
+    uvicorn re-raises a captured signal after its graceful shutdown, which
+    would end the process by that signal (exit status 143 for SIGTERM); a
+    clean shutdown here returns instead, with `exit_code` 0 (1 if the engine died).
+    """
+
+    def __init__(self, config: uvicorn.Config, url: str) -> None:
+        super().__init__(config)
+        self.url = url
+        self.exit_code = 0
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        handled = (signal.SIGINT, signal.SIGTERM)
+        originals = {sig: signal.signal(sig, self._on_signal) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in originals.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, sig: int, frame) -> None:
+        if self.should_exit:
+            self.force_exit = True
+            return
+        logger.info("Received %s; shutting down gracefully", signal.Signals(sig).name)
+        self.should_exit = True
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            logger.info("vLLM API server is listening on %s", self.url)
+
+    def exit_after_engine_death(self, error: EngineDeadError) -> None:
+        """Dead-engine callback (any thread): exit 1 after a short delay."""
+        logger.error("%s; the server exits in %.1f s", error, _DEAD_ENGINE_EXIT_DELAY_S)
+        self.exit_code = 1
+        timer = threading.Timer(_DEAD_ENGINE_EXIT_DELAY_S, setattr, (self, "should_exit", True))
+        timer.daemon = True
+        timer.start()
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A bound TCP socket (listen() is called by the event loop).
+
+    Raises:
+        OSError: the address is in use or not available; the message names it.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from e
+    return sock
+
+
+def non_default_args(args: argparse.Namespace) -> dict:
+    """The `vllm serve` arguments that differ from their defaults (API key redacted)."""
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+
+    defaults = vars(make_arg_parser(argparse.ArgumentParser()).parse_args([]))
+    changed = {k: v for k, v in vars(args).items()
+               if k in defaults and k != "model_tag" and v != defaults[k]}
+    if changed.get("api_key"):
+        changed["api_key"] = "<redacted>"
+    return changed
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Serve until SIGINT/SIGTERM; returns the exit code (0 clean, 1 engine died).
+
+    The port is bound before the model loads, so a taken port fails at once.
+    """
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    host = args.host or "0.0.0.0"
+    sock = bind_socket(host, args.port)
+    try:
+        port = sock.getsockname()[1]
+        url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        logger.info("vLLM API server version %s, non-default args: %s", __version__,
+                    non_default_args(args))
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(args))
+        try:
+            app = build_app(engine, args)
+            config = uvicorn.Config(
+                app,
+                log_level=args.uvicorn_log_level,
+                access_log=not getattr(args, "disable_uvicorn_access_log", False),
+                timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
+                timeout_keep_alive=5,
+            )
+            server = _Server(config, url)
+            engine.add_dead_callback(server.exit_after_engine_death)
+            asyncio.run(server.serve(sockets=[sock]))
+            return server.exit_code
+        finally:
+            engine.shutdown()
+    finally:
+        sock.close()

@@ -1,0 +1,60 @@
+"""The flags of `vllm serve`: the server's own, then every EngineArgs flag.
+
+Imports nothing heavy (no torch, no FastAPI), so `vllm --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from vllm.engine.arg_utils import AsyncEngineArgs
+
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+DEFAULT_PORT = 8000
+
+
+def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the positional MODEL, the server flags and the engine flags to `parser`."""
+    parser.add_argument(
+        "model_tag", nargs="?", default=None, metavar="MODEL",
+        help="Model to serve: an HF model directory or a .gguf file (same as --model; "
+             "default: the bundled SmolLM2-135M-Instruct).")
+    g = parser.add_argument_group("Server")
+    g.add_argument("--host", type=str, default=None,
+                   help="Address to listen on (default: all interfaces, 0.0.0.0).")
+    g.add_argument("--port", type=int, default=DEFAULT_PORT,
+                   help=f"Port to listen on (default: {DEFAULT_PORT}; 0 picks a free one).")
+    g.add_argument("--api-key", type=str, default=None,
+                   help="Require 'Authorization: Bearer <key>' on /v1/* (default: "
+                        "$VLLM_API_KEY, else no key).")
+    g.add_argument("--served-model-name", type=str, nargs="+", default=None,
+                   help="Names the API accepts as `model`; the first is reported (default: "
+                        "the MODEL argument, or SmolLM2-135M-Instruct).")
+    g.add_argument("--chat-template", type=str, default=None,
+                   help="Chat template (a file or an inline Jinja string) replacing the model's.")
+    g.add_argument("--uvicorn-log-level", type=str, choices=UVICORN_LOG_LEVELS, default="info",
+                   help="Log level of uvicorn (the HTTP server).")
+    g.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="Do not log one line per HTTP request.")
+    AsyncEngineArgs.add_cli_args(parser)
+    return parser
+
+
+def validate_parsed_serve_args(args: argparse.Namespace) -> None:
+    """Merge MODEL into --model and check the server flags.
+
+    Raises:
+        ValueError: MODEL and --model disagree, or the port is out of range.
+    """
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(
+                f"the positional MODEL {args.model_tag!r} and --model {args.model!r} differ; "
+                "give one of them"
+            )
+        args.model = args.model_tag
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.api_key is None:
+        args.api_key = os.environ.get("VLLM_API_KEY") or None

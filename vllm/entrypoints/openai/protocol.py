@@ -1,0 +1,255 @@
+"""Pydantic models of the OpenAI-compatible API: requests, responses, stream chunks, errors.
+
+Field names and defaults follow the OpenAI API plus vLLM's extra sampling
+fields (top_k, min_p, repetition_penalty, ...). Models validate *types* only
+(strictly: "5" is not an int, true is not an int); *ranges* are checked by
+`SamplingParams` and the engine's `Processor`, the validators `LLM` uses too,
+so the server and the offline API accept and reject the same values.
+Unknown fields are ignored, as the OpenAI API does.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", protected_namespaces=())
+
+
+# ---------------------------------------------------------------------------- errors
+class ErrorInfo(OpenAIBaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(OpenAIBaseModel):
+    """`{"error": {"message", "type", "param", "code"}}`, the OpenAI error body."""
+
+    error: ErrorInfo
+
+
+# ---------------------------------------------------------------------------- models
+class ModelCard(OpenAIBaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "vllm"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIBaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------- shared
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class UsageInfo(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class SamplingFields(OpenAIBaseModel):
+    """Sampling fields common to completions and chat (OpenAI's, then vLLM's extras)."""
+
+    model: str | None = None
+    frequency_penalty: float | None = 0.0
+    presence_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    n: int | None = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    user: str | None = None
+    # vLLM's extra sampling parameters
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = 0
+    ignore_eos: bool | None = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True
+    spaces_between_special_tokens: bool | None = True
+
+
+# ---------------------------------------------------------------------------- completions
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions (https://platform.openai.com/docs/api-reference/completions)."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    best_of: int | None = None
+    echo: bool | None = False
+    logprobs: int | None = None  # top-k per token, 0..MAX_LOGPROBS
+    max_tokens: int | None = 16
+    suffix: str | None = None
+
+
+class CompletionLogProbs(OpenAIBaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo | None = None
+
+
+# ---------------------------------------------------------------------------- chat
+class ChatMessage(OpenAIBaseModel):
+    """One input message; extra keys (name, tool_call_id, ...) are passed to the template."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions (https://platform.openai.com/docs/api-reference/chat)."""
+
+    messages: list[ChatMessage]
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    # vLLM's chat template controls
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    chat_template: str | None = None
+
+
+class ChatMessageOut(OpenAIBaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionLogProb(OpenAIBaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(OpenAIBaseModel):
+    content: list[ChatCompletionLogProbsContent] | None = None
+
+
+class ChatCompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(OpenAIBaseModel):
+    """A stream delta; unset fields are left out (`{"content": "x"}`, not `"role": null`)."""
+
+    role: str | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# ---------------------------------------------------------------------------- tokenizer
+class TokenizeRequest(OpenAIBaseModel):
+    """POST /tokenize: a `prompt`, or chat `messages` rendered through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    return_token_strs: bool | None = False
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str

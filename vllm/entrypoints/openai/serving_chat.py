@@ -1,0 +1,212 @@
+"""POST /v1/chat/completions: messages -> the model's chat template -> one engine request.
+
+Streaming sends, per choice, a first chunk `delta: {"role": "assistant",
+"content": ""}`, then content deltas, the finish reason, an optional usage
+chunk and `data: [DONE]`. Logprobs follow the chat format: `logprobs: true`
+plus `top_logprobs: k` (k most likely tokens per position).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from typing import TYPE_CHECKING
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from vllm.entrypoints.openai.protocol import (
+    ChatCompletionLogProb,
+    ChatCompletionLogProbs,
+    ChatCompletionLogProbsContent,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessageOut,
+    DeltaMessage,
+    UsageInfo,
+)
+from vllm.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    APIError,
+    OpenAIServing,
+    build_sampling_params,
+    clamp_logprob,
+    final_outputs,
+    random_id,
+    sse,
+    stream_error_event,
+)
+
+if TYPE_CHECKING:
+    from vllm.entrypoints.openai.serving_models import ServedModels
+    from vllm.logprobs import SampleLogprobs
+    from vllm.v1.engine.async_llm import AsyncLLM, RequestOutputStream
+
+
+def _logprob_entry(token: str, logprob: float) -> ChatCompletionLogProb:
+    return ChatCompletionLogProb(token=token, logprob=clamp_logprob(logprob),
+                                 bytes=list(token.encode("utf-8")))
+
+
+def chat_logprobs(
+    token_ids: list[int], logprobs: SampleLogprobs, top_logprobs: int
+) -> ChatCompletionLogProbs:
+    """Per token: its text, logprob, UTF-8 bytes, and the `top_logprobs` most likely tokens."""
+    content = []
+    for token_id, step in zip(token_ids, logprobs, strict=False):
+        sampled = step.get(token_id)
+        token = (sampled.decoded_token if sampled is not None else None) or ""
+        ranked = sorted(
+            (lp for lp in step.values() if lp.rank is not None and lp.rank <= top_logprobs),
+            key=lambda lp: lp.rank,
+        )
+        content.append(ChatCompletionLogProbsContent(
+            token=token,
+            logprob=clamp_logprob(sampled.logprob) if sampled is not None else -9999.0,
+            bytes=list(token.encode("utf-8")),
+            top_logprobs=[_logprob_entry(lp.decoded_token or "", lp.logprob)
+                          for lp in ranked[:top_logprobs]],
+        ))
+    return ChatCompletionLogProbs(content=content)
+
+
+class OpenAIServingChat(OpenAIServing):
+    """The chat completions endpoint over an `AsyncLLM`.
+
+    Args:
+        chat_template: a template to use instead of the model's (`--chat-template`).
+    """
+
+    def __init__(
+        self, engine_client: AsyncLLM, models: ServedModels, chat_template: str | None = None
+    ) -> None:
+        super().__init__(engine_client, models)
+        self.chat_template = chat_template
+
+    async def create_chat_completion(
+        self, request: ChatCompletionRequest
+    ) -> JSONResponse | StreamingResponse:
+        """Serve one request.
+
+        Raises:
+            APIError: 400 invalid input, 404 unknown model, 500/503 engine failures.
+        """
+        model_name = self.models.resolve(request.model)
+        self._check_unsupported(request)
+        stream = bool(request.stream)
+        top_logprobs = request.top_logprobs or 0
+        use_completion_tokens = request.max_completion_tokens is not None
+        params = build_sampling_params(
+            request, stream, self.vocab_size,
+            max_tokens=(request.max_completion_tokens if use_completion_tokens
+                        else request.max_tokens),
+            logprobs=top_logprobs if request.logprobs else None,
+            renamed={"logprobs": "top_logprobs",
+                     "max_tokens": ("max_completion_tokens" if use_completion_tokens
+                                    else "max_tokens")},
+        )
+        prompt = await self._render(request)
+        request_id = random_id("chatcmpl")
+        length_param = "max_completion_tokens" if use_completion_tokens else "max_tokens"
+        (engine_stream,) = await self.admit_all(request_id, [prompt], params, "messages",
+                                                length_param)
+        if stream:
+            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+            generator = self._stream(request_id, model_name, engine_stream, params.n,
+                                     top_logprobs, include_usage)
+            return StreamingResponse(generator, media_type="text/event-stream")
+        (output,) = await final_outputs([engine_stream])
+        choices = []
+        for completion in sorted(output.outputs, key=lambda c: c.index):
+            logprobs = None
+            if completion.logprobs is not None:
+                logprobs = chat_logprobs(list(completion.token_ids), completion.logprobs,
+                                         top_logprobs)
+            choices.append(ChatCompletionResponseChoice(
+                index=completion.index,
+                message=ChatMessageOut(content=completion.text),
+                logprobs=logprobs,
+                finish_reason=completion.finish_reason,
+                stop_reason=completion.stop_reason,
+            ))
+        prompt_tokens = len(output.prompt_token_ids or [])
+        completion_tokens = sum(len(c.token_ids) for c in output.outputs)
+        usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                          total_tokens=prompt_tokens + completion_tokens)
+        response = ChatCompletionResponse(id=request_id, model=model_name, choices=choices,
+                                          usage=usage)
+        return JSONResponse(response.model_dump())
+
+    @staticmethod
+    def _check_unsupported(request: ChatCompletionRequest) -> None:
+        if request.tools:
+            raise APIError(400, "tools are not supported by this server", "tools")
+        if request.tool_choice not in (None, "none"):
+            raise APIError(400, "tool_choice is not supported by this server", "tool_choice")
+        response_type = (request.response_format or {}).get("type", "text")
+        if response_type != "text":
+            raise APIError(400, f"response_format {response_type!r} is not supported; "
+                           "only 'text'", "response_format")
+        if request.top_logprobs is not None and not request.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
+        if request.stream_options is not None and not request.stream:
+            raise APIError(400, "stream_options is only allowed with stream=true",
+                           "stream_options")
+
+    async def _render(self, request: ChatCompletionRequest) -> dict:
+        """The conversation as {"prompt", "prompt_token_ids"} (on the engine thread)."""
+        messages = [m.model_dump(exclude_none=True) for m in request.messages]
+        try:
+            return await self.engine_client.apply_chat_template(
+                messages,
+                chat_template=request.chat_template or self.chat_template,
+                add_generation_prompt=bool(request.add_generation_prompt),
+                continue_final_message=bool(request.continue_final_message),
+            )
+        except ValueError as e:
+            raise APIError(400, str(e), "messages") from e
+        except Exception as e:  # jinja2 errors from a template that rejects the messages
+            if type(e).__module__.startswith("jinja2"):
+                raise APIError(400, f"the chat template failed: {e}", "messages") from e
+            raise
+
+    async def _stream(
+        self, request_id: str, model_name: str, engine_stream: RequestOutputStream, n: int,
+        top_logprobs: int, include_usage: bool,
+    ) -> AsyncGenerator[str, None]:
+        def chunk(choices: list[ChatCompletionResponseStreamChoice],
+                  usage: UsageInfo | None = None) -> str:
+            return sse(ChatCompletionStreamResponse(
+                id=request_id, model=model_name, choices=choices, usage=usage).model_dump_json())
+
+        prompt_tokens = 0
+        completion_tokens = 0
+        try:
+            for index in range(n):
+                role = DeltaMessage(role="assistant", content="")
+                yield chunk([ChatCompletionResponseStreamChoice(index=index, delta=role)])
+            async for output in engine_stream:
+                prompt_tokens = len(output.prompt_token_ids or [])
+                for completion in output.outputs:
+                    completion_tokens += len(completion.token_ids)
+                    if not (completion.text or completion.finish_reason or completion.logprobs):
+                        continue
+                    logprobs = None
+                    if completion.logprobs is not None:
+                        logprobs = chat_logprobs(list(completion.token_ids), completion.logprobs,
+                                                 top_logprobs)
+                    delta = DeltaMessage(content=completion.text) if completion.text else (
+                        DeltaMessage())
+                    yield chunk([ChatCompletionResponseStreamChoice(
+                        index=completion.index, delta=delta, logprobs=logprobs,
+                        finish_reason=completion.finish_reason,
+                        stop_reason=completion.stop_reason,
+                    )])
+            if include_usage:
+                yield chunk([], UsageInfo(prompt_tokens=prompt_tokens,
+                                          completion_tokens=completion_tokens,
+                                          total_tokens=prompt_tokens + completion_tokens))
+        except Exception as e:  # headers are sent: report in-band, as vLLM does
+            yield stream_error_event(e)
+        yield SSE_DONE

@@ -1,0 +1,192 @@
+"""POST /v1/completions: prompts in, text out (whole, or as SSE chunks).
+
+A request may carry several prompts (strings or token-id lists); each becomes
+one engine request `{id}-{i}`, and its `n` samples are choices `i * n + j`.
+Streaming sends `data: {chunk}` events as tokens arrive, an optional usage
+chunk (`stream_options.include_usage`) and `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from typing import TYPE_CHECKING
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from vllm.entrypoints.openai.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+    UsageInfo,
+)
+from vllm.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    APIError,
+    OpenAIServing,
+    build_sampling_params,
+    clamp_logprob,
+    final_outputs,
+    merge_async_iterators,
+    random_id,
+    sse,
+    stream_error_event,
+)
+
+if TYPE_CHECKING:
+    from vllm.inputs import PromptType
+    from vllm.logprobs import SampleLogprobs
+    from vllm.outputs import CompletionOutput, RequestOutput
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.async_llm import RequestOutputStream
+
+
+def completion_logprobs(
+    token_ids: list[int], logprobs: SampleLogprobs, text_offset: int
+) -> CompletionLogProbs:
+    """OpenAI's completions logprobs: per token its text, logprob, char offset, and the
+    top alternatives (the sampled token plus the top-k, keyed by text)."""
+    result = CompletionLogProbs()
+    for token_id, step in zip(token_ids, logprobs, strict=False):
+        sampled = step.get(token_id)
+        token = (sampled.decoded_token if sampled is not None else None) or ""
+        result.tokens.append(token)
+        result.token_logprobs.append(
+            clamp_logprob(sampled.logprob) if sampled is not None else None
+        )
+        result.top_logprobs.append({
+            (lp.decoded_token or ""): clamp_logprob(lp.logprob) for lp in step.values()
+        })
+        result.text_offset.append(text_offset)
+        text_offset += len(token)
+    return result
+
+
+def _normalise_prompts(prompt: str | list) -> list[PromptType]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    return list(prompt)
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    """The completions endpoint over an `AsyncLLM`."""
+
+    async def create_completion(
+        self, request: CompletionRequest
+    ) -> JSONResponse | StreamingResponse:
+        """Serve one request.
+
+        Raises:
+            APIError: 400 invalid input, 404 unknown model, 500/503 engine failures.
+        """
+        model_name = self.models.resolve(request.model)
+        self._check_unsupported(request)
+        prompts = _normalise_prompts(request.prompt)
+        stream = bool(request.stream)
+        params = build_sampling_params(
+            request, stream, self.vocab_size,
+            max_tokens=request.max_tokens, logprobs=request.logprobs,
+        )
+        request_id = random_id("cmpl")
+        streams = await self.admit_all(request_id, prompts, params)
+        if stream:
+            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+            generator = self._stream(request_id, model_name, streams, params, bool(request.echo),
+                                     include_usage)
+            return StreamingResponse(generator, media_type="text/event-stream")
+        outputs = await final_outputs(streams)
+        return JSONResponse(
+            (await self._response(request_id, model_name, outputs, params, bool(request.echo)))
+            .model_dump()
+        )
+
+    @staticmethod
+    def _check_unsupported(request: CompletionRequest) -> None:
+        if request.suffix is not None:
+            raise APIError(400, "suffix is not supported", "suffix")
+        if request.best_of is not None and request.best_of != (request.n or 1):
+            raise APIError(400, f"best_of ({request.best_of}) is not supported; use n", "best_of")
+        if request.echo and request.logprobs is not None:
+            raise APIError(400, "echo together with logprobs is not supported", "echo")
+        if request.stream_options is not None and not request.stream:
+            raise APIError(400, "stream_options is only allowed with stream=true",
+                           "stream_options")
+
+    async def _prompt_text(self, output: RequestOutput) -> str:
+        if output.prompt is not None:
+            return output.prompt
+        return await self.engine_client.detokenize(list(output.prompt_token_ids or []))
+
+    async def _response(
+        self, request_id: str, model_name: str, outputs: list[RequestOutput],
+        params: SamplingParams, echo: bool,
+    ) -> CompletionResponse:
+        choices: list[CompletionResponseChoice] = []
+        usage = UsageInfo()
+        for i, output in enumerate(outputs):
+            prefix = await self._prompt_text(output) if echo else ""
+            usage.prompt_tokens += len(output.prompt_token_ids or [])
+            for completion in sorted(output.outputs, key=lambda c: c.index):
+                usage.completion_tokens += len(completion.token_ids)
+                choices.append(self._choice(i * params.n + completion.index, prefix, completion,
+                                            len(prefix)))
+        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        return CompletionResponse(id=request_id, model=model_name, choices=choices, usage=usage)
+
+    @staticmethod
+    def _choice(
+        index: int, prefix: str, completion: CompletionOutput, text_offset: int
+    ) -> CompletionResponseChoice:
+        logprobs = None
+        if completion.logprobs is not None:
+            logprobs = completion_logprobs(list(completion.token_ids), completion.logprobs,
+                                           text_offset)
+        return CompletionResponseChoice(
+            index=index,
+            text=prefix + completion.text,
+            logprobs=logprobs,
+            finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason,
+        )
+
+    async def _stream(
+        self, request_id: str, model_name: str, streams: list[RequestOutputStream],
+        params: SamplingParams, echo: bool, include_usage: bool,
+    ) -> AsyncGenerator[str, None]:
+        n = params.n
+        offsets: dict[int, int] = {}  # choice index -> characters sent (for text_offset)
+        prompt_tokens: dict[int, int] = {}
+        completion_tokens = 0
+        try:
+            async for i, output in merge_async_iterators([s.__aiter__() for s in streams]):
+                prompt_tokens.setdefault(i, len(output.prompt_token_ids or []))
+                for completion in output.outputs:
+                    index = i * n + completion.index
+                    completion_tokens += len(completion.token_ids)
+                    prefix = ""
+                    if index not in offsets:
+                        offsets[index] = 0
+                        prefix = await self._prompt_text(output) if echo else ""
+                    if not (prefix or completion.text or completion.finish_reason
+                            or completion.logprobs):
+                        continue
+                    choice = self._choice(index, prefix, completion, offsets[index])
+                    offsets[index] += len(choice.text)
+                    chunk = CompletionStreamResponse(id=request_id, model=model_name,
+                                                     choices=[choice])
+                    yield sse(chunk.model_dump_json())
+            if include_usage:
+                total_prompt = sum(prompt_tokens.values())
+                usage = UsageInfo(prompt_tokens=total_prompt, completion_tokens=completion_tokens,
+                                  total_tokens=total_prompt + completion_tokens)
+                chunk = CompletionStreamResponse(id=request_id, model=model_name, choices=[],
+                                                 usage=usage)
+                yield sse(chunk.model_dump_json())
+        except Exception as e:  # headers are sent: report in-band, as vLLM does
+            yield stream_error_event(e)
+        yield SSE_DONE

@@ -1,0 +1,323 @@
+"""What every OpenAI endpoint shares: errors, model lookup, SamplingParams, admission, streams.
+
+```
+request (pydantic, types checked) -> resolve model (404) -> SamplingParams(...) (400, param)
+    -> AsyncLLM.add_request (Processor: empty prompt / lengths -> 400) -> RequestOutputStream
+```
+
+Errors travel as `APIError(status, message, param)`; the app turns them into
+the OpenAI body `{"error": {"message", "type", "param", "code"}}`. Engine
+exceptions map to statuses in `error_from_exception`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Coroutine
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any
+
+from fastapi.responses import JSONResponse
+
+from vllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingFields
+from vllm.logger import init_logger
+from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.v1.engine.exceptions import (
+    EngineDeadError,
+    EngineGenerateError,
+    EngineShutdownError,
+    EngineSleepingError,
+    SleepModeUnavailableError,
+)
+
+if TYPE_CHECKING:
+    from fastapi import Request
+
+    from vllm.entrypoints.openai.serving_models import ServedModels
+    from vllm.inputs import PromptType
+    from vllm.v1.engine.async_llm import AsyncLLM, RequestOutputStream
+
+logger = init_logger(__name__)
+
+# vLLM's error "type" names, by status.
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    500: "InternalServerError",
+    501: "NotImplementedError",
+    503: "ServiceUnavailableError",
+}
+# JSON has no -inf: logprobs of impossible tokens are clamped here (as vLLM does).
+MIN_LOGPROB = -9999.0
+
+
+class APIError(Exception):
+    """An error answered with the OpenAI error body and `status`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = int(status)
+        self.message = message
+        self.param = param
+
+    def body(self) -> ErrorResponse:
+        error_type = _ERROR_TYPES.get(self.status) or HTTPStatus(self.status).phrase.replace(
+            " ", "") + "Error"
+        return ErrorResponse(
+            error=ErrorInfo(message=self.message, type=error_type, param=self.param,
+                            code=self.status)
+        )
+
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(self.body().model_dump(), status_code=self.status, headers=headers)
+
+
+def error_from_exception(error: BaseException, param: str | None = None) -> APIError:
+    """The HTTP status an engine-side exception deserves."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, ValueError):
+        return APIError(400, str(error), param)
+    if isinstance(error, EngineSleepingError | EngineShutdownError):
+        return APIError(503, str(error))
+    if isinstance(error, SleepModeUnavailableError):
+        return APIError(501, str(error))
+    if isinstance(error, EngineGenerateError | EngineDeadError):
+        return APIError(500, str(error))
+    logger.exception("unexpected error while serving a request", exc_info=error)
+    return APIError(500, f"internal error: {error!r}")
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def clamp_logprob(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
+def _leading_field(message: str) -> str:
+    return message.split(" ", 1)[0].rstrip(":,")
+
+
+def build_sampling_params(
+    request: SamplingFields,
+    stream: bool,
+    vocab_size: int,
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    renamed: dict[str, str] | None = None,
+) -> SamplingParams:
+    """SamplingParams from the request's fields; SamplingParams itself checks the ranges.
+
+    Args:
+        request: the parsed request.
+        stream: DELTA outputs when streaming, else FINAL_ONLY.
+        vocab_size: logit_bias keys must be below it.
+        max_tokens / logprobs: already resolved by the endpoint (their names differ).
+        renamed: SamplingParams field -> request field for error `param`s
+            (chat: logprobs -> top_logprobs).
+
+    Raises:
+        APIError(400): a value SamplingParams rejects; `param` names the request field.
+    """
+    renamed = renamed or {}
+    logit_bias = None
+    if request.logit_bias is not None:
+        try:
+            logit_bias = {int(k): v for k, v in request.logit_bias.items()}
+        except ValueError as e:
+            raise APIError(400, f"logit_bias keys must be token ids, got {e}", "logit_bias") from e
+    kwargs: dict[str, Any] = {
+        "n": request.n,
+        "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "repetition_penalty": request.repetition_penalty,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "top_k": request.top_k,
+        "min_p": request.min_p,
+        "seed": request.seed,
+        "stop": request.stop,
+        "stop_token_ids": request.stop_token_ids,
+        "ignore_eos": request.ignore_eos,
+        "min_tokens": request.min_tokens,
+        "logprobs": logprobs,
+        "include_stop_str_in_output": request.include_stop_str_in_output,
+        "skip_special_tokens": request.skip_special_tokens,
+        "spaces_between_special_tokens": request.spaces_between_special_tokens,
+        "logit_bias": logit_bias,
+    }
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    kwargs["max_tokens"] = max_tokens  # None is meaningful: "as many as fit"
+    kwargs["output_kind"] = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+    try:
+        params = SamplingParams(**kwargs)
+        params.verify_vocab(vocab_size)
+    except (ValueError, TypeError) as e:
+        message = str(e)
+        field = _leading_field(message)
+        if field not in SamplingParams.__dataclass_fields__:
+            raise APIError(400, message) from e
+        param = renamed.get(field, field)
+        if param != field:
+            message = param + message[len(field):]
+        raise APIError(400, message, param) from e
+    return params
+
+
+class OpenAIServing:
+    """Base of the endpoint classes: the engine client and the served model names."""
+
+    def __init__(self, engine_client: AsyncLLM, models: ServedModels) -> None:
+        self.engine_client = engine_client
+        self.models = models
+        self.max_model_len = engine_client.model_config.max_model_len
+        self.vocab_size = engine_client.model_config.get_vocab_size()
+
+    async def admit(
+        self, request_id: str, prompt: PromptType, params: SamplingParams,
+        prompt_param: str = "prompt", length_param: str = "max_tokens",
+    ) -> RequestOutputStream:
+        """Hand a request to the engine; validation failures become APIError(400).
+
+        `prompt_param` / `length_param` name the request fields a prompt or a
+        length error is about (chat: "messages", "max_completion_tokens").
+        """
+        try:
+            return await self.engine_client.add_request(request_id, prompt, params)
+        except ValueError as e:
+            message = str(e)
+            param = None
+            if "max_tokens" in message:
+                param = length_param
+            elif "prompt" in message:
+                param = prompt_param
+            raise APIError(400, message, param) from e
+        except Exception as e:
+            raise error_from_exception(e) from e
+
+    async def admit_all(
+        self, request_id: str, prompts: list[PromptType], params: SamplingParams,
+        prompt_param: str = "prompt", length_param: str = "max_tokens",
+    ) -> list[RequestOutputStream]:
+        """Admit several prompts as `{request_id}-{i}`; all or none (earlier ones aborted)."""
+        streams: list[RequestOutputStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                streams.append(await self.admit(rid, prompt, params, prompt_param, length_param))
+        except BaseException:
+            self.engine_client.abort([s.request_id for s in streams])
+            raise
+        return streams
+
+
+async def merge_async_iterators(
+    iterators: list[AsyncIterator[Any]],
+) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave several async iterators as (index, item), in arrival order.
+
+    Leaving early closes all of them (for request streams: aborts the unfinished).
+    """
+    if len(iterators) == 1:
+        try:
+            async for item in iterators[0]:
+                yield 0, item
+        finally:
+            await _aclose(iterators[0])
+        return
+    pending: dict[asyncio.Future, int] = {
+        asyncio.ensure_future(anext(it)): i for i, it in enumerate(iterators)
+    }
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending.keys(), return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                i = pending.pop(future)
+                try:
+                    item = future.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(iterators[i]))] = i
+                yield i, item
+    finally:
+        for future in pending:
+            future.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for it in iterators:
+            await _aclose(it)
+
+
+async def _aclose(iterator: AsyncIterator[Any]) -> None:
+    aclose = getattr(iterator, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+async def final_outputs(streams: list[RequestOutputStream]) -> list[Any]:
+    """The last output of each stream (non-streaming requests); errors -> APIError.
+
+    A failure or cancellation aborts every stream still running.
+    """
+
+    async def last(stream: RequestOutputStream) -> Any:
+        last_output = None
+        async for output in stream:
+            last_output = output
+        return last_output
+
+    tasks = [asyncio.ensure_future(last(s)) for s in streams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException as e:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if isinstance(e, Exception):
+            raise error_from_exception(e) from e
+        raise
+
+
+async def cancel_on_disconnect(raw_request: Request, handler: Coroutine[Any, Any, Any]) -> Any:
+    """Run `handler`, cancelling it (and so aborting its requests) if the client leaves.
+
+    Streaming responses need no help: Starlette cancels their body iterator on
+    disconnect. This covers the wait before a non-streaming response.
+    """
+    task = asyncio.ensure_future(handler)
+
+    async def wait_for_disconnect() -> None:
+        while True:
+            message = await raw_request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(wait_for_disconnect())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled():
+        return JSONResponse({}, status_code=499)  # nobody reads it
+    return task.result()
+
+
+def sse(payload: str) -> str:
+    """One server-sent event."""
+    return f"data: {payload}\n\n"
+
+
+SSE_DONE = sse("[DONE]")
+
+
+def stream_error_event(error: BaseException) -> str:
+    """The error event of a stream that already sent its headers (status 200)."""
+    return sse(error_from_exception(error).body().model_dump_json())

@@ -1,0 +1,55 @@
+"""POST /tokenize and POST /detokenize (vLLM's extra endpoints), on the engine thread."""
+
+from __future__ import annotations
+
+from vllm.entrypoints.openai.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from vllm.entrypoints.openai.serving_engine import APIError, OpenAIServing
+from vllm.sampling_params import validate_token_ids
+
+
+class OpenAIServingTokenization(OpenAIServing):
+    """Text (or a chat conversation) <-> token ids with the served model's tokenizer."""
+
+    def __init__(self, engine_client, models, chat_template: str | None = None) -> None:
+        super().__init__(engine_client, models)
+        self.chat_template = chat_template
+
+    async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+        """Raises APIError: 404 unknown model, 400 neither or both of prompt / messages."""
+        self.models.resolve(request.model)
+        if (request.prompt is None) == (request.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", "prompt")
+        if request.messages is not None:
+            try:
+                rendered = await self.engine_client.apply_chat_template(
+                    [m.model_dump(exclude_none=True) for m in request.messages],
+                    chat_template=request.chat_template or self.chat_template,
+                    add_generation_prompt=request.add_generation_prompt,
+                    continue_final_message=request.continue_final_message,
+                )
+            except ValueError as e:
+                raise APIError(400, str(e), "messages") from e
+            tokens = list(rendered["prompt_token_ids"])
+        else:
+            tokens = await self.engine_client.tokenize(
+                request.prompt, add_special_tokens=request.add_special_tokens
+            )
+        token_strs = None
+        if request.return_token_strs:
+            token_strs = await self.engine_client.convert_ids_to_tokens(tokens)
+        return TokenizeResponse(count=len(tokens), max_model_len=self.max_model_len,
+                                tokens=tokens, token_strs=token_strs)
+
+    async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+        """Raises APIError: 404 unknown model, 400 a token id outside the vocabulary."""
+        self.models.resolve(request.model)
+        try:
+            validate_token_ids(request.tokens, self.vocab_size, what="the")
+        except ValueError as e:
+            raise APIError(400, str(e), "tokens") from e
+        return DetokenizeResponse(prompt=await self.engine_client.detokenize(request.tokens))
