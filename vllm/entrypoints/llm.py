@@ -122,6 +122,25 @@ class LLM:
             continue_final_message=continue_final_message,
         )
 
+    # ------------------------------------------------------------------ sleep
+    def sleep(self, level: int = 1) -> None:
+        """Free the device memory of weights and KV cache (needs enable_sleep_mode=True).
+
+        Level 1 offloads the weights to host memory; level 2 discards them, for a
+        caller that reloads or updates weights after waking. The KV cache is
+        discarded at both levels, with the prefix cache. Addresses are kept, so
+        waking needs no CUDA-graph re-capture.
+        """
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back "weights" and/or "kv_cache" (both when tags is None)."""
+        self.llm_engine.wake_up(tags)
+
+    def reload_weights(self) -> None:
+        """Reload weights from the checkpoint (after sleep(level=2) and wake_up())."""
+        self.llm_engine.reload_weights()
+
     # ---------------------------------------------------------------- helpers
     @staticmethod
     def _as_prompt_list(prompts: Any) -> list:

@@ -46,6 +46,25 @@ class CudaAlikePlatform(Platform):
             return torch.float16
         return torch.bfloat16 if self._bf16_supported() else torch.float16
 
+    def configure_torch_allocator(self) -> None:
+        """Expandable segments for torch's caching allocator, unless the user chose.
+
+        The extensible KV cache leaves only a small buffer free after warmup, so
+        activations at runtime must fit in what warmup left in torch's pool.
+        With fixed-size segments that pool fragments (seen on the H200: an OOM
+        for 318 MiB with 781 MiB cached but split over segments); expandable
+        segments keep each pool one growable mapping (PyTorch's documented
+        remedy, "expandable_segments:True" of PYTORCH_CUDA_ALLOC_CONF).
+        """
+        if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
+            return
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+        # The variable is read when the allocator starts; if it already has,
+        # apply the setting to the segments created from now on.
+        settings = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+        if settings is not None and torch.cuda.is_initialized():
+            settings("expandable_segments:True")
+
     def synchronize(self) -> None:
         torch.cuda.synchronize()
 

@@ -89,6 +89,9 @@ class Platform:
         """
         return None
 
+    def configure_torch_allocator(self) -> None:
+        """Settings for torch's device allocator, before the engine allocates anything."""
+
     def synchronize(self) -> None:
         pass
 

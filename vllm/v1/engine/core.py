@@ -69,6 +69,27 @@ class EngineCore:
         runner_output = self.worker.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
+    # ----------------------------------------------------------------- sleep
+    def sleep(self, level: int = 1) -> None:
+        """Release the device memory of weights and KV cache (addresses are kept).
+
+        Requests still queued or running are aborted first: their KV contents
+        are about to be discarded. The prefix cache is emptied with them.
+        """
+        self.abort_requests(list(self.scheduler.requests))
+        self.worker.sleep(level)
+        self.scheduler.reset_prefix_cache()
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Map memory back ("weights", "kv_cache", or both); see Worker.wake_up."""
+        return self.worker.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return bool(self.worker.sleeping_tags())
+
+    def reload_weights(self) -> None:
+        self.worker.reload_weights()
+
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()
 

@@ -11,6 +11,7 @@ from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.tokenizer import get_tokenizer
 from vllm.v1.engine.core import EngineCore
+from vllm.v1.engine.exceptions import EngineSleepingError
 from vllm.v1.engine.output_processor import OutputProcessor, ParentRequest
 from vllm.v1.engine.processor import Processor
 
@@ -61,6 +62,10 @@ class LLMEngine:
             ValueError: invalid prompt, prompt + max_tokens beyond max_model_len,
                 or a request the KV cache can never hold. Nothing is queued then.
         """
+        if self.engine_core.is_sleeping():
+            raise EngineSleepingError(
+                "the engine is asleep (sleep mode): call wake_up() before adding requests"
+            )
         text, prompt_token_ids = self.processor.tokenize(prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         if params.n == 1:
@@ -119,6 +124,32 @@ class LLMEngine:
             self.engine_core.finish_requests_stopped(processed.reqs_to_abort)
         self.last_iteration_stats = processed.stats
         return processed.request_outputs
+
+    # ----------------------------------------------------------------- sleep
+    def sleep(self, level: int = 1) -> None:
+        """Abort unfinished requests and release weights' and KV cache's device memory.
+
+        Level 1 keeps the weights in host memory; level 2 discards them (reload
+        with `reload_weights()` after `wake_up()`).
+        """
+        self.abort_request(list(self.output_processor.states))
+        self.engine_core.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Recommit "weights" and/or "kv_cache" (both when None) at the same addresses.
+
+        Raises:
+            VmmError: not enough device memory now; the engine stays asleep for
+                what could not be mapped, and a later call can succeed.
+        """
+        self.engine_core.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine_core.is_sleeping()
+
+    def reload_weights(self) -> None:
+        """Load the checkpoint into the model again (after a level-2 sleep)."""
+        self.engine_core.reload_weights()
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

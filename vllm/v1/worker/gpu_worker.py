@@ -38,6 +38,7 @@ from vllm.v1.worker import kv_cache_sizing as sizing
 from vllm.v1.worker.extensible_kv_cache import ExtensibleKVCache
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.memory import DeviceMemory
+from vllm.v1.worker.weight_arena import WeightArena
 
 logger = init_logger(__name__)
 GiB = sizing.GiB
@@ -72,10 +73,12 @@ class Worker:
         # register committed memory only, so they must wait for the extension).
         self.post_kv_cache_hooks: list[Callable[[dict[str, torch.Tensor]], None]] = []
         self.startup_seconds: dict[str, float] = {}
+        self.weight_arena: WeightArena | None = None  # with enable_sleep_mode
 
     # ---------------------------------------------------------------- device
     def init_device(self) -> None:
         t0 = time.perf_counter()
+        self.platform.configure_torch_allocator()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             torch.cuda.init()
@@ -141,6 +144,11 @@ class Worker:
             block_size=self.config.cache_config.block_size,
             cudagraph_capture_sizes=capture_sizes,
         )
+        if self.config.cache_config.enable_sleep_mode:
+            driver = self.platform.get_vmm_driver(self.device.index or 0)
+            self.weight_arena = WeightArena(model, driver)
+            gc.collect()
+            self.platform.empty_cache()  # the parameters' old storage
         self.startup_seconds["load_model"] = time.perf_counter() - t0
         logger.info(
             "Model loaded: weights %.2f GiB (%s, %s) in %.1f s",
@@ -280,10 +288,18 @@ class Worker:
         runner = self.model_runner
         sc = self.config.scheduler_config
         num_tokens = runner.max_num_tokens
-        hidden = runner.dummy_run(num_tokens, min(sc.max_num_seqs, num_tokens), with_kv=True)
+        num_reqs = min(sc.max_num_seqs, num_tokens)
+        hidden = runner.dummy_run(num_tokens, num_reqs, with_kv=True)
         runner.dummy_sampler_run(hidden, sc.max_num_seqs)
         del hidden
-        runner.capture_model()
+        if runner.use_cuda_graph:
+            runner.capture_model()
+            # torch.cuda.graph empties torch's cache when capture begins, so the
+            # activation pool is gone; run the worst case once more so the pool
+            # holds it again, in runtime's allocation pattern, before measuring.
+            hidden = runner.dummy_run(num_tokens, num_reqs, with_kv=True)
+            runner.dummy_sampler_run(hidden, sc.max_num_seqs)
+            del hidden
         self.memory.synchronize()
         self.startup_seconds["warmup"] = time.perf_counter() - t0
         if self.extensible is not None:
@@ -372,6 +388,64 @@ class Worker:
         for hook in self.post_kv_cache_hooks:
             hook(self.kv_caches)
 
+    # ----------------------------------------------------------------- sleep
+    def sleep(self, level: int) -> None:
+        """Release weights' and KV cache's pages, keeping every address.
+
+        Level 1 keeps a host copy of the weights; level 2 keeps nothing (reload
+        with `reload_weights` after waking). KV contents are discarded at both.
+        torch's cached (unused) memory is returned too.
+        """
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self.weight_arena is None or self.extensible is None:
+            raise RuntimeError("sleep needs enable_sleep_mode=True and the extensible KV cache")
+        self.memory.synchronize()
+        self.weight_arena.sleep(keep_on_host=level == 1)
+        self.extensible.release()
+        gc.collect()
+        self.platform.empty_cache()
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Map fresh pages for "weights" and/or "kv_cache" (both when tags is None).
+
+        Returns:
+            False if weights were woken after a level-2 sleep and must be reloaded.
+
+        Raises:
+            ValueError: an unknown tag.
+            VmmError: not enough device memory; what could not be mapped stays
+                asleep (a later call can retry).
+        """
+        tags = ["weights", "kv_cache"] if tags is None else list(tags)
+        unknown = set(tags) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"unknown wake_up tags {sorted(unknown)}; use 'weights', 'kv_cache'")
+        restored = True
+        if "weights" in tags:
+            restored = self.weight_arena.wake_up()
+        if "kv_cache" in tags and self.extensible.tensor.is_released:
+            self.extensible.recommit()
+        return restored
+
+    def sleeping_tags(self) -> list[str]:
+        """Which of "weights" / "kv_cache" are asleep now."""
+        tags = []
+        if self.weight_arena is not None and self.weight_arena.is_sleeping:
+            tags.append("weights")
+        if self.extensible is not None and self.extensible.tensor.is_released:
+            tags.append("kv_cache")
+        return tags
+
+    def reload_weights(self) -> None:
+        """Load the checkpoint again into the (awake) parameters, in place."""
+        from vllm.model_executor.model_loader import get_model_loader
+
+        mc = self.config.model_config
+        loader = get_model_loader(mc.load_format, mc.model_path)
+        with torch.inference_mode(False), torch.no_grad():
+            loader.load_weights(self.model_runner.model, mc.model_path)
+
     # ------------------------------------------------------------------ step
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
@@ -398,5 +472,8 @@ class Worker:
         if self.extensible is not None:
             self.extensible.free()
         self.model_runner = None
+        if self.weight_arena is not None:
+            self.weight_arena.free()
+            self.weight_arena = None
         gc.collect()
         self.platform.empty_cache()

@@ -50,9 +50,10 @@ BUFFER_FLOOR_BYTES = 128 * MiB
 # tensors, sampler temporaries for unusual parameter mixes). Every such
 # allocation in this engine is bounded by a shape warmup already ran (prompt
 # logprobs are computed in max_num_seqs-row slices), so the share is small on
-# purpose: the point is to leave (almost) no idle HBM. 0.2 % of an H200 is
-# ~0.28 GiB; the classic path leaves 8 % idle.
-POST_WARMUP_FRACTION = 0.002
+# purpose: the point is to leave (almost) no idle HBM. 0.1 % of an H200 is
+# ~0.14 GiB; the classic path leaves 8 % idle. Measured with
+# benchmarks/benchmark_kv_sizing.py (8B shape, adversarial stress, no OOM).
+POST_WARMUP_FRACTION = 0.001
 
 
 class KVCacheSizingError(RuntimeError):

@@ -1,0 +1,143 @@
+"""Sleep mode over the VMM reservation (CPU: the host backend gives the same semantics)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from vllm import LLM, SamplingParams
+from vllm.device_allocator.vmm import VmmError
+from vllm.v1.engine.exceptions import EngineSleepingError
+
+PROMPTS = ["The capital of France is", "List three colors:"]
+GREEDY = SamplingParams(max_tokens=12, temperature=0)
+LONG = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+def _texts(llm: LLM) -> list[str]:
+    return [o.outputs[0].text for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    engine = LLM(
+        max_model_len=256,
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        enable_sleep_mode=True,
+        kv_cache_memory_bytes=256 << 20,
+    )
+    yield engine
+    engine.llm_engine.shutdown()
+    gc.collect()
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
+    return _texts(llm)
+
+
+def test_level1_outputs_identical_and_kv_pages_released(llm, reference):
+    # Touch KV pages (8 x ~80 tokens x 46 KiB per token ~ 29 MiB), then sleep.
+    llm.generate(["Tell me a story about the sea."] * 8, LONG, use_tqdm=False)
+    worker = llm.llm_engine.engine_core.worker
+    kv_before = worker.extensible.physical_bytes
+    rss_awake = _rss_mib()
+    llm.sleep(level=1)
+    assert llm.llm_engine.is_sleeping()
+    assert worker.extensible.physical_bytes == 0 and worker.weight_arena.physical_bytes == 0
+    assert rss_awake - _rss_mib() > 20  # the touched KV pages left (weights moved to a host copy)
+    base = worker.extensible.tensor.base
+    llm.wake_up()
+    assert not llm.llm_engine.is_sleeping()
+    assert worker.extensible.tensor.base == base
+    assert worker.extensible.physical_bytes == kv_before
+    assert _texts(llm) == reference
+
+
+def test_level2_releases_weights_and_reload_restores_outputs(llm, reference):
+    worker = llm.llm_engine.engine_core.worker
+    weights = worker.weight_arena.nbytes
+    rss_awake = _rss_mib()
+    llm.sleep(level=2)
+    assert rss_awake - _rss_mib() > 0.8 * weights / 2**20
+    llm.wake_up()
+    llm.reload_weights()
+    assert _texts(llm) == reference
+
+
+def test_requests_while_asleep_are_rejected(llm, reference):
+    llm.sleep(level=1)
+    try:
+        with pytest.raises(EngineSleepingError, match="wake_up"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert not llm.llm_engine.has_unfinished_requests()
+    finally:
+        llm.wake_up()
+    assert _texts(llm) == reference
+
+
+def test_prefix_cache_is_empty_after_wake(llm):
+    prompt = "A long shared prefix that fills more than one block of sixteen tokens for sure. " * 2
+    llm.generate([prompt], GREEDY, use_tqdm=False)
+    hit = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert hit.num_cached_tokens > 0
+    llm.sleep(level=1)
+    llm.wake_up()
+    miss = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert miss.num_cached_tokens == 0
+    assert miss.outputs[0].text == hit.outputs[0].text
+
+
+def test_ten_cycles_leave_no_growth(llm, reference):
+    llm.sleep(level=1)
+    llm.wake_up()
+    start = _rss_mib()
+    for _ in range(10):
+        llm.sleep(level=1)
+        llm.wake_up()
+    assert _rss_mib() - start < 32
+    assert _texts(llm) == reference
+
+
+def test_failed_wake_stays_asleep_and_a_later_wake_succeeds(llm, reference, monkeypatch):
+    worker = llm.llm_engine.engine_core.worker
+    driver = worker.extensible.driver
+    llm.sleep(level=1)
+    real_create = driver.create
+    calls = {"n": 0}
+
+    def create_fails_once(size):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise VmmError(f"create({size}) failed: out of memory (another process took it)")
+        return real_create(size)
+
+    monkeypatch.setattr(driver, "create", create_fails_once)
+    with pytest.raises(VmmError):
+        llm.wake_up(tags=["kv_cache"])
+    assert llm.llm_engine.is_sleeping()
+    assert worker.sleeping_tags() == ["weights", "kv_cache"]
+    with pytest.raises(EngineSleepingError):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm.wake_up()
+    assert not llm.llm_engine.is_sleeping()
+    assert _texts(llm) == reference
+
+
+def test_sleep_needs_sleep_mode():
+    engine = LLM(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=128)
+    try:
+        with pytest.raises(RuntimeError, match="enable_sleep_mode"):
+            engine.sleep(1)
+    finally:
+        engine.llm_engine.shutdown()
