@@ -19,7 +19,7 @@ SHAPES = {"smollm2": smollm2_config, "llama3_8b": llama3_8b_config}
 
 def model_dir_for(shape: str) -> str:
     """A config-only model directory for `shape` (load with load_format="dummy")."""
-    directory = Path(tempfile.gettempdir()) / f"vllm-bench-{shape}"
+    directory = Path(tempfile.gettempdir()) / f"vllm-bench-{shape}-v2"
     if not (directory / "config.json").exists():
         make_model_dir(directory, SHAPES[shape](), weights=False)
     return str(directory)

@@ -20,10 +20,13 @@ _CORPUS = [
 ]
 
 
-def write_tokenizer(directory: Path, vocab_size: int = 400) -> None:
+def write_tokenizer(directory: Path, vocab_size: int = 400, model_vocab_size: int = 0) -> None:
     """A byte-level BPE tokenizer (trained on a tiny corpus) saved with a ChatML template.
 
     Token ids: 0 = <|endoftext|> (BOS/EOS/pad), 1 = <|im_start|>, 2 = <|im_end|>.
+    Ids from the trained vocabulary up to `model_vocab_size` are added tokens
+    " w<id>", so every id a random-weight model samples decodes to text (a
+    streaming client then sees one chunk per token).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -45,6 +48,8 @@ def write_tokenizer(directory: Path, vocab_size: int = 400) -> None:
         pad_token="<|endoftext|>",
     )
     fast.chat_template = CHATML_TEMPLATE
+    if model_vocab_size > len(fast):
+        fast.add_tokens([f" w{i}" for i in range(len(fast), model_vocab_size)])
     fast.save_pretrained(directory)
 
 
@@ -74,7 +79,7 @@ def make_model_dir(directory: Path, config, *, weights: bool, seed: int = 0) -> 
         model.save_pretrained(directory)
     else:
         config.save_pretrained(directory)
-    write_tokenizer(directory)
+    write_tokenizer(directory, model_vocab_size=config.vocab_size)
     return directory
 
 

@@ -61,7 +61,9 @@ class CudaAlikePlatform(Platform):
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
         # The variable is read when the allocator starts; if it already has,
         # apply the setting to the segments created from now on.
-        settings = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+        settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or getattr(
+            torch.cuda.memory, "_set_allocator_settings", None
+        )
         if settings is not None and torch.cuda.is_initialized():
             settings("expandable_segments:True")
 

@@ -16,6 +16,10 @@ sync and no data-dependent shape (CUDA-graph safe). Features past
 Llama 3 scaling (`rope_type: "llama3"`, Meta's Llama 3.1 release) stretches
 the low frequencies by `factor`, keeps the high ones and blends in between;
 see `Llama3RotaryEmbedding`.
+
+On CUDA the rotation of query and key runs as one Triton launch
+(`ops/rotary.py`), which reads any cache, so the Llama 3 variant shares it;
+elsewhere, and as the kernel's reference, the torch code in `forward_native`.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from vllm.model_executor.layers.ops import use_fused_ops
+
 
 class RotaryEmbedding(nn.Module):
     """Plain RoPE.
@@ -34,7 +40,8 @@ class RotaryEmbedding(nn.Module):
         head_size: features per head.
         rotary_dim: features rotated (<= head_size, even).
         max_position_embeddings: positions covered by the cache; larger
-            positions are out of range (index error).
+            positions are out of range (an index error on the torch path,
+            NaN rotated features from the CUDA kernel, which cannot sync).
         base: rope theta.
         is_neox_style: rotate halves (True, HF Llama/Qwen) or interleaved pairs.
     """
@@ -87,7 +94,38 @@ class RotaryEmbedding(nn.Module):
         """Rotate query [T, num_heads * head_size] and key [T, num_kv_heads * head_size].
 
         positions: [T] int64 token positions. Returns new tensors, same shapes and dtypes.
+        query/key may be strided slices of the qkv projection (row stride > width).
+        Runs `forward_cuda` (one Triton launch) for CUDA tensors of
+        float16/bfloat16/float32 when Triton imports, else `forward_native`.
         """
+        if use_fused_ops(query):
+            return self.forward_cuda(positions, query, key)
+        return self.forward_native(positions, query, key)
+
+    def forward_cuda(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One Triton launch for query and key; same contract as `forward_native`.
+
+        A position outside the cache gives NaN features instead of an index
+        error (no host sync under a captured graph).
+        """
+        from vllm.model_executor.layers.ops.rotary import rotary_embedding
+
+        q, k = rotary_embedding(
+            positions,
+            _rows_with_unit_stride(query),
+            _rows_with_unit_stride(key),
+            self.cos_sin_cache,
+            self.head_size,
+            self.is_neox_style,
+        )
+        return q.view(query.shape), k.view(key.shape)
+
+    def forward_native(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch path: the CPU implementation and the kernel's reference."""
         num_tokens = positions.shape[0]
         cos_sin = self.cos_sin_cache.index_select(0, positions).to(query.dtype)
         cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)
@@ -101,6 +139,12 @@ class RotaryEmbedding(nn.Module):
             f"max_position_embeddings={self.max_position_embeddings}, base={self.base}, "
             f"is_neox_style={self.is_neox_style}"
         )
+
+
+def _rows_with_unit_stride(x: torch.Tensor) -> torch.Tensor:
+    """x [T, ...] as [T, width] with a contiguous last dim (a view when possible)."""
+    rows = x.flatten(1) if x.dim() > 2 else x
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 class Llama3RotaryEmbedding(RotaryEmbedding):
