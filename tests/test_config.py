@@ -212,7 +212,7 @@ def test_scheduler_defaults_per_device():
     assert (s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len) == (256, 8192, 4096)
     s = SchedulerConfig()
     s.resolve(max_model_len=4096, device_type="cpu")
-    assert (s.max_num_seqs, s.max_num_batched_tokens) == (128, 2048)
+    assert (s.max_num_seqs, s.max_num_batched_tokens) == (64, 512)
     s = SchedulerConfig(max_num_seqs=10000)
     s.resolve(max_model_len=4096, device_type="cuda")
     assert s.max_num_batched_tokens == 10000  # default budget raised to hold every sequence
