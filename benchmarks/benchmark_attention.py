@@ -31,15 +31,17 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+from common import (  # puts the checkout on sys.path
+    add_smoke_flag,
+    copy_bandwidth,
+    no_gpu_message,
+    smoke_env_problem,
+)
 
 TARGET_DECODE_RATIO = 0.7
 GiB = 1 << 30
@@ -90,14 +92,6 @@ def _bench(fn) -> float:
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
-
-
-def copy_bandwidth() -> dict:
-    size = PLAN.copy_bytes
-    src = torch.empty(size, dtype=torch.uint8, device=PLAN.device).random_(0, 255)
-    dst = torch.empty_like(src)
-    ms = _bench(lambda: dst.copy_(src))
-    return {"bytes": 2 * size, "time_ms": ms, "bytes_per_s": 2 * size / (ms * 1e-3)}
 
 
 def matmul_flops() -> dict:
@@ -303,7 +297,7 @@ def measure(dtype: torch.dtype, do_tune: bool) -> dict:
         },
         "conventions": CONVENTIONS,
     }
-    copy = result["copy_bandwidth"] = copy_bandwidth()
+    copy = result["copy_bandwidth"] = copy_bandwidth(PLAN.copy_bytes, _bench, PLAN.device)
     result["matmul"] = matmul_flops()
     copy_bps, matmul_fps = copy["bytes_per_s"], result["matmul"]["flops_per_s"]
     longest = max(PLAN.batches) * max(PLAN.contexts)
@@ -355,27 +349,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--no-tune", action="store_true", help="skip the config grids")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    parser.add_argument(
-        "--smoke",
-        action="store_true",
-        help="tiny shapes on the CPU under TRITON_INTERPRET=1 (code path only)",
-    )
+    add_smoke_flag(parser)
     args = parser.parse_args(argv)
     if args.smoke:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            print(
-                "benchmark_attention: --smoke needs TRITON_INTERPRET=1 in the environment",
-                file=sys.stderr,
-            )
+        problem = smoke_env_problem("benchmark_attention")
+        if problem is not None:
+            print(problem, file=sys.stderr)
             return 2
         PLAN = SMOKE
     elif not torch.cuda.is_available():
-        print(
-            "benchmark_attention: needs a CUDA GPU (torch.cuda.is_available() is False); "
-            "nothing measured. On the CPU, TRITON_INTERPRET=1 ... --smoke runs the code path "
-            "on tiny shapes.",
-            file=sys.stderr,
-        )
+        print(no_gpu_message("benchmark_attention"), file=sys.stderr)
         return 2
     dtype = getattr(torch, args.dtype)
     if PLAN.device == "cpu" and dtype == torch.bfloat16:

@@ -15,7 +15,9 @@ llama3 rope (theta 5e5, max position 131072); query/key are slices of one qkv
 row as in the model.
 
 Prints one JSON document (and writes it to --out):
-  copy_bandwidth     bytes_per_s of dst.copy_(src) over 2 GiB, bytes = read + write
+  copy_bandwidth     bytes_per_s of dst.copy_(src) of a 1 GiB buffer, bytes = 2 x size
+                     (read + write; common.copy_bandwidth, the convention of
+                     benchmark_attention too), mean of 20 copies between CUDA events
   ops[op][T]         fused_us, torch_us (per call), speedup = torch / fused,
                      bytes = what the op must read and write once:
                        rms_norm (with residual)  4 x T x hidden x s + hidden x s
@@ -33,13 +35,18 @@ at T = 1 the time is the per-node cost, not bandwidth.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from dataclasses import dataclass
 
 import torch
-from common import copy_bandwidth_bytes_per_s, emit  # puts the checkout on sys.path
+from common import (  # puts the checkout on sys.path
+    add_smoke_flag,
+    copy_bandwidth_bytes_per_s,
+    emit,
+    no_gpu_message,
+    smoke_env_problem,
+)
 
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.layernorm import RMSNorm
@@ -191,26 +198,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument(
-        "--smoke",
-        action="store_true",
-        help="tiny shapes on the CPU under TRITON_INTERPRET=1 (code path only)",
-    )
+    add_smoke_flag(parser)
     args = parser.parse_args(argv)
     if args.smoke:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            print(
-                "benchmark_fused_ops: --smoke needs TRITON_INTERPRET=1 in the environment",
-                file=sys.stderr,
-            )
+        problem = smoke_env_problem("benchmark_fused_ops")
+        if problem is not None:
+            print(problem, file=sys.stderr)
             return 2
         plan = SMOKE
     elif not torch.cuda.is_available():
-        print(
-            "benchmark_fused_ops: needs a CUDA GPU (torch.cuda.is_available() is False); "
-            "nothing measured. On the CPU, TRITON_INTERPRET=1 ... --smoke runs the code path "
-            "on tiny shapes."
-        )
+        print(no_gpu_message("benchmark_fused_ops"))
         return 0
     else:
         plan = GPU

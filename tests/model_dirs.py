@@ -83,19 +83,26 @@ def make_model_dir(directory: Path, config, *, weights: bool, seed: int = 0) -> 
     return directory
 
 
+# The layout every tiny test model shares (llama_config here, the checkpoints of
+# tests/model_executor/hf_checkpoints.py): hidden 64, 2 layers, 4 query / 2 KV heads.
+TINY_LAYOUT = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+)
+
+
 def llama_config(**overrides):
     """A small Llama config (fast on CPU), overridable."""
     from transformers import LlamaConfig
 
     base = dict(
+        TINY_LAYOUT,
         vocab_size=512,
-        hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=1024,
-        rms_norm_eps=1e-5,
         tie_word_embeddings=False,
     )
     return LlamaConfig(**{**base, **overrides})
@@ -116,9 +123,9 @@ def smollm2_config():
     )
 
 
-def llama3_8b_config():
-    """Llama-3-8B's shape."""
-    return llama_config(
+def llama3_8b_config(**overrides):
+    """Llama-3-8B's shape (8192 positions, plain rope theta 5e5), overridable."""
+    shape = dict(
         vocab_size=128256,
         hidden_size=4096,
         intermediate_size=14336,
@@ -129,6 +136,7 @@ def llama3_8b_config():
         rope_theta=500000.0,
         tie_word_embeddings=False,
     )
+    return llama_config(**{**shape, **overrides})
 
 
 def read_json(path: Path) -> dict:

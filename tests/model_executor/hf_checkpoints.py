@@ -14,16 +14,9 @@ from transformers import (
     Qwen3Config,
 )
 
-_COMMON = dict(
-    vocab_size=101,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    rms_norm_eps=1e-5,
-)
+from tests.model_dirs import TINY_LAYOUT
+
+_COMMON = dict(TINY_LAYOUT, vocab_size=101, intermediate_size=96, max_position_embeddings=128)
 
 # name -> (config class, overrides)
 CONFIGS: dict[str, tuple[type[PretrainedConfig], dict]] = {

@@ -5,8 +5,8 @@ Each check builds the layer, runs `forward_cuda` (the Triton launch) and
 compares them; inputs are also checked to be left untouched.
 
 * CPU (CI): the Triton interpreter. TRITON_INTERPRET=1 must be set before the
-  kernels are decorated, so the interpreted cases run in ONE subprocess (as in
-  tests/v1/attention/test_triton_kernels.py) that prints one JSON line; each
+  kernels are decorated, so the interpreted cases run in ONE subprocess
+  (tests/triton_interpreter.py) that prints one JSON line; each
   parametrised test checks its own entry. The Triton 3.9 interpreter rounds
   float32 -> bfloat16 casts toward zero (GPUs round to nearest even), so
   interpreted bf16 cases are checked with a tolerance; fp32/fp16 are exact or
@@ -29,28 +29,27 @@ Rules (what is true, and why):
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import os
 import subprocess
 import sys
-import traceback
 import zlib
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.triton_interpreter import (
+    REPO_ROOT,
+    check_result,
+    needs_triton,
+    run_checks,
+    run_interpreted,
+)
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.ops import use_fused_ops
 from vllm.model_executor.layers.rotary_embedding import get_rope
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-REPO_ROOT = Path(__file__).resolve().parents[2]
-_RESULT_MARK = "INTERPRETED_RESULTS="
 _LLAMA3_SCALING = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -297,48 +296,23 @@ INTERPRETED_SILU = [
     SiluCase("silu_bf16_d64_strided", "bfloat16", 64, (6,), strided=True),
     SiluCase("silu_fp16_d300_strided", "float16", 300, (3,), strided=True),
 ]
-_SKIP = "__skip__"
 
 
 def _run_interpreted_cases() -> dict[str, str]:
     """Run every interpreted case on the CPU; name -> "ok" or the traceback."""
-    results = {}
-    for check, cases in (
-        (check_rms_norm, INTERPRETED_NORM),
-        (check_rotary, INTERPRETED_ROPE),
-        (check_rotary_out_of_range, INTERPRETED_ROPE_RANGE),
-        (check_silu_and_mul, INTERPRETED_SILU),
-    ):
-        for case in cases:
-            try:
-                check(case, "cpu")
-                results[case.name] = "ok"
-            except Exception:  # reported per case by the parent process
-                results[case.name] = traceback.format_exc()
-    return results
+    return run_checks(
+        (
+            (check_rms_norm, INTERPRETED_NORM),
+            (check_rotary, INTERPRETED_ROPE),
+            (check_rotary_out_of_range, INTERPRETED_ROPE_RANGE),
+            (check_silu_and_mul, INTERPRETED_SILU),
+        )
+    )
 
 
 @pytest.fixture(scope="module")
 def interpreted_results() -> dict[str, str]:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO_ROOT))
-    code = (
-        "import json, tests.model_executor.test_fused_ops as t; "
-        f"print({_RESULT_MARK!r} + json.dumps(t._run_interpreted_cases()))"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith(_RESULT_MARK):
-            return json.loads(line[len(_RESULT_MARK) :])
-    pytest.fail(
-        f"interpreter subprocess failed (rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
-    )
+    return run_interpreted("tests.model_executor.test_fused_ops", timeout_s=300)
 
 
 _INTERPRETED_NAMES = [
@@ -349,9 +323,7 @@ _INTERPRETED_NAMES = [
 @needs_triton
 @pytest.mark.parametrize("name", _INTERPRETED_NAMES)
 def test_interpreted(name: str, interpreted_results: dict[str, str]) -> None:
-    if _SKIP in interpreted_results:
-        pytest.skip(interpreted_results[_SKIP])
-    assert interpreted_results[name] == "ok", interpreted_results[name]
+    check_result(interpreted_results, name)
 
 
 # --- CPU: dispatch and launcher errors --------------------------------------------------------

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.model_dirs import llama3_8b_config
 from tests.model_executor.generation import greedy, hf_greedy, run_schedule, schedule_sequences
 from tests.model_executor.hf_checkpoints import make_hf_model, save_checkpoint
 from tests.model_executor.paged_kv import PagedKVHarness
@@ -81,17 +82,8 @@ def test_bundled_bf16_answers_paris(bundled_cuda):
 
 def test_llama3_8b_dummy_weights_on_gpu():
     """Benchmark shapes with no checkpoint: built directly on the GPU in bf16, runs a step."""
-    from transformers import LlamaConfig
-
-    config = LlamaConfig(
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
+    config = llama3_8b_config(
         max_position_embeddings=131072,
-        rms_norm_eps=1e-5,
         rope_parameters={
             "rope_type": "llama3",
             "rope_theta": 500000.0,

@@ -5,9 +5,10 @@ Two ways to run the same checks:
 * CPU (CI): the Triton interpreter. TRITON_INTERPRET=1 must be set before the
   kernels are decorated, which a pytest process that may already have imported
   them cannot promise, so the interpreted cases run in ONE subprocess started
-  with the variable set. It imports this module, runs `_run_interpreted_cases`
-  and prints one JSON line; each parametrised test checks its own entry. The
-  3.9 interpreter's bf16 `tl.dot` is wrong, so interpreted cases use fp32/fp16.
+  with the variable set (tests/triton_interpreter.py). It imports this module,
+  runs `_run_interpreted_cases` and prints one JSON line; each parametrised
+  test checks its own entry. The 3.9 interpreter's bf16 `tl.dot` is wrong, so
+  interpreted cases use fp32/fp16.
 * CUDA (marker `cuda`): the full sweep in fp32/bf16/fp16 in this process, plus
   a CUDA-graph test (capture once at upper bounds, replay other batches).
 
@@ -18,23 +19,13 @@ row the kernel forgets to write shows up as NaN.
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-import traceback
 import zlib
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-REPO_ROOT = Path(__file__).resolve().parents[3]
-_RESULT_MARK = "INTERPRETED_RESULTS="
+from tests.triton_interpreter import check_result, needs_triton, run_checks, run_interpreted
 
 
 @dataclass(frozen=True)
@@ -302,80 +293,24 @@ INTERPRETED_BACKEND = [
         "backend_gqa4_bs16_d64", "float32", 16, 8, 2, 64, ((5, 11), (1, 30), (0, 0)), pad_tokens=2
     ),
 ]
-_SKIP = "__skip__"
-
-
-def _interpreter_problem() -> str | None:
-    """Why this Triton's interpreter cannot run the kernels, or None.
-
-    Triton 3.6's interpreter turns loop bounds into ints with int() on 1-element
-    arrays, which NumPy >= 2.4 rejects (fixed in Triton 3.9); the kernels loop
-    over runtime bounds, so such a machine can only run the CUDA tests.
-    """
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _probe(out_ptr, n):
-        total = 0
-        for _ in range(0, n):
-            total += 1
-        tl.store(out_ptr, total)
-
-    out = torch.zeros(1, dtype=torch.int32)
-    try:
-        _probe[(1,)](out, 3)
-    except Exception as e:  # the interpreter's own failure, reported as the skip reason
-        import numpy
-
-        return (
-            f"triton {triton.__version__}'s interpreter cannot loop over runtime bounds "
-            f"with numpy {numpy.__version__}: {e}"
-        )
-    return None if int(out[0]) == 3 else f"interpreter probe returned {int(out[0])}, expected 3"
 
 
 def _run_interpreted_cases() -> dict[str, str]:
-    """Run every interpreted case on the CPU; name -> "ok" or the traceback."""
-    problem = _interpreter_problem()
-    if problem is not None:
-        return {_SKIP: problem}
-    results = {}
-    for check, cases in (
-        (check_attention, INTERPRETED_ATTENTION),
-        (check_reshape_and_cache, INTERPRETED_CACHE),
-        (check_backend, INTERPRETED_BACKEND),
-    ):
-        for case in cases:
-            try:
-                check(case, "cpu")
-                results[case.name] = "ok"
-            except Exception:  # reported per case by the parent process
-                results[case.name] = traceback.format_exc()
-    return results
+    """Run every interpreted case on the CPU; name -> "ok" or the traceback (or a skip
+    reason when this Triton's interpreter cannot loop over runtime bounds)."""
+    return run_checks(
+        (
+            (check_attention, INTERPRETED_ATTENTION),
+            (check_reshape_and_cache, INTERPRETED_CACHE),
+            (check_backend, INTERPRETED_BACKEND),
+        ),
+        probe=True,
+    )
 
 
 @pytest.fixture(scope="module")
 def interpreted_results() -> dict[str, str]:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO_ROOT))
-    code = (
-        "import json, tests.v1.attention.test_triton_kernels as t; "
-        f"print({_RESULT_MARK!r} + json.dumps(t._run_interpreted_cases()))"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith(_RESULT_MARK):
-            return json.loads(line[len(_RESULT_MARK) :])
-    pytest.fail(
-        f"interpreter subprocess failed (rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
-    )
+    return run_interpreted("tests.v1.attention.test_triton_kernels", timeout_s=600)
 
 
 @needs_triton
@@ -383,9 +318,7 @@ def interpreted_results() -> dict[str, str]:
     "name", [c.name for c in INTERPRETED_ATTENTION + INTERPRETED_CACHE + INTERPRETED_BACKEND]
 )
 def test_interpreted(name: str, interpreted_results: dict[str, str]) -> None:
-    if _SKIP in interpreted_results:
-        pytest.skip(interpreted_results[_SKIP])
-    assert interpreted_results[name] == "ok", interpreted_results[name]
+    check_result(interpreted_results, name)
 
 
 # --- CUDA: the full sweep -------------------------------------------------------------------

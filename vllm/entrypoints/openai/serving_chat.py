@@ -35,7 +35,10 @@ from vllm.entrypoints.openai.serving_engine import (
     final_outputs,
     random_id,
     sse,
+    sse_response,
     stream_error_event,
+    stream_settings,
+    usage_info,
 )
 
 if TYPE_CHECKING:
@@ -94,7 +97,7 @@ class OpenAIServingChat(OpenAIServing):
         """
         model_name = self.models.resolve(request.model)
         self._check_unsupported(request)
-        stream = bool(request.stream)
+        stream, include_usage = stream_settings(request)
         top_logprobs = request.top_logprobs or 0
         use_completion_tokens = request.max_completion_tokens is not None
         params = build_sampling_params(
@@ -112,10 +115,8 @@ class OpenAIServingChat(OpenAIServing):
         (engine_stream,) = await self.admit_all(request_id, [prompt], params, "messages",
                                                 length_param)
         if stream:
-            include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            generator = self._stream(request_id, model_name, engine_stream, params.n,
-                                     top_logprobs, include_usage)
-            return StreamingResponse(generator, media_type="text/event-stream")
+            return sse_response(self._stream(request_id, model_name, engine_stream, params.n,
+                                             top_logprobs, include_usage))
         (output,) = await final_outputs([engine_stream])
         choices = []
         for completion in sorted(output.outputs, key=lambda c: c.index):
@@ -132,10 +133,8 @@ class OpenAIServingChat(OpenAIServing):
             ))
         prompt_tokens = len(output.prompt_token_ids or [])
         completion_tokens = sum(len(c.token_ids) for c in output.outputs)
-        usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                          total_tokens=prompt_tokens + completion_tokens)
         response = ChatCompletionResponse(id=request_id, model=model_name, choices=choices,
-                                          usage=usage)
+                                          usage=usage_info(prompt_tokens, completion_tokens))
         return JSONResponse(response.model_dump())
 
     @staticmethod
@@ -150,9 +149,6 @@ class OpenAIServingChat(OpenAIServing):
                            "only 'text'", "response_format")
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
-        if request.stream_options is not None and not request.stream:
-            raise APIError(400, "stream_options is only allowed with stream=true",
-                           "stream_options")
 
     async def _render(self, request: ChatCompletionRequest) -> dict:
         """The conversation as {"prompt", "prompt_token_ids"} (on the engine thread)."""
@@ -204,9 +200,7 @@ class OpenAIServingChat(OpenAIServing):
                         stop_reason=completion.stop_reason,
                     )])
             if include_usage:
-                yield chunk([], UsageInfo(prompt_tokens=prompt_tokens,
-                                          completion_tokens=completion_tokens,
-                                          total_tokens=prompt_tokens + completion_tokens))
+                yield chunk([], usage_info(prompt_tokens, completion_tokens))
         except Exception as e:  # headers are sent: report in-band, as vLLM does
             yield stream_error_event(e)
         yield SSE_DONE

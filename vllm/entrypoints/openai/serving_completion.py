@@ -31,7 +31,10 @@ from vllm.entrypoints.openai.serving_engine import (
     merge_async_iterators,
     random_id,
     sse,
+    sse_response,
     stream_error_event,
+    stream_settings,
+    usage_info,
 )
 
 if TYPE_CHECKING:
@@ -86,8 +89,8 @@ class OpenAIServingCompletion(OpenAIServing):
         """
         model_name = self.models.resolve(request.model)
         self._check_unsupported(request)
+        stream, include_usage = stream_settings(request)
         prompts = _normalise_prompts(request.prompt)
-        stream = bool(request.stream)
         params = build_sampling_params(
             request, stream, self.vocab_size,
             max_tokens=request.max_tokens, logprobs=request.logprobs,
@@ -95,10 +98,8 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = random_id("cmpl")
         streams = await self.admit_all(request_id, prompts, params)
         if stream:
-            include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            generator = self._stream(request_id, model_name, streams, params, bool(request.echo),
-                                     include_usage)
-            return StreamingResponse(generator, media_type="text/event-stream")
+            return sse_response(self._stream(request_id, model_name, streams, params,
+                                             bool(request.echo), include_usage))
         outputs = await final_outputs(streams)
         return JSONResponse(
             (await self._response(request_id, model_name, outputs, params, bool(request.echo)))
@@ -113,9 +114,6 @@ class OpenAIServingCompletion(OpenAIServing):
             raise APIError(400, f"best_of ({request.best_of}) is not supported; use n", "best_of")
         if request.echo and request.logprobs is not None:
             raise APIError(400, "echo together with logprobs is not supported", "echo")
-        if request.stream_options is not None and not request.stream:
-            raise APIError(400, "stream_options is only allowed with stream=true",
-                           "stream_options")
 
     async def _prompt_text(self, output: RequestOutput) -> str:
         if output.prompt is not None:
@@ -181,9 +179,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                                      choices=[choice])
                     yield sse(chunk.model_dump_json())
             if include_usage:
-                total_prompt = sum(prompt_tokens.values())
-                usage = UsageInfo(prompt_tokens=total_prompt, completion_tokens=completion_tokens,
-                                  total_tokens=total_prompt + completion_tokens)
+                usage = usage_info(sum(prompt_tokens.values()), completion_tokens)
                 chunk = CompletionStreamResponse(id=request_id, model=model_name, choices=[],
                                                  usage=usage)
                 yield sse(chunk.model_dump_json())

@@ -18,9 +18,14 @@ from collections.abc import AsyncIterator, Coroutine
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
-from vllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingFields
+from vllm.entrypoints.openai.protocol import (
+    ErrorInfo,
+    ErrorResponse,
+    SamplingFields,
+    UsageInfo,
+)
 from vllm.logger import init_logger
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine.exceptions import (
@@ -97,6 +102,24 @@ def random_id(prefix: str) -> str:
 
 def clamp_logprob(value: float) -> float:
     return max(value, MIN_LOGPROB)
+
+
+def stream_settings(request: SamplingFields) -> tuple[bool, bool]:
+    """(stream, include_usage) of a completions or chat request.
+
+    Raises:
+        APIError(400, param "stream_options"): stream_options without stream=true.
+    """
+    if request.stream_options is not None and not request.stream:
+        raise APIError(400, "stream_options is only allowed with stream=true", "stream_options")
+    include_usage = bool(request.stream_options and request.stream_options.include_usage)
+    return bool(request.stream), include_usage
+
+
+def usage_info(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    """The `usage` object: token counts and their sum."""
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
 
 
 def _leading_field(message: str) -> str:
@@ -316,6 +339,11 @@ def sse(payload: str) -> str:
 
 
 SSE_DONE = sse("[DONE]")
+
+
+def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+    """The HTTP response of a streaming request: `events` as text/event-stream."""
+    return StreamingResponse(events, media_type="text/event-stream")
 
 
 def stream_error_event(error: BaseException) -> str:
