@@ -62,6 +62,18 @@ def test_invalid_values_name_field_and_range(kwargs, message):
     assert message in str(e.value)
 
 
+NON_FINITE = [float("inf"), float("-inf"), float("nan"), 10**400]
+
+
+@pytest.mark.parametrize("value", NON_FINITE, ids=["inf", "-inf", "nan", "huge-int"])
+@pytest.mark.parametrize("name", ["temperature", "top_p", "min_p", "presence_penalty",
+                                  "frequency_penalty", "repetition_penalty"])
+def test_non_finite_floats_rejected_naming_the_field(name, value):
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**{name: value})
+    assert str(e.value).startswith(f"{name} must be a finite number, got ")
+
+
 def test_min_tokens_above_max_tokens_names_both():
     with pytest.raises(ValueError, match=r"min_tokens must be <= max_tokens \(4\), got 5"):
         SamplingParams(max_tokens=4, min_tokens=5)

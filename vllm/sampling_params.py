@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +55,22 @@ def _is_int(value: Any) -> bool:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+# Float fields that must be finite: inf / nan would pass (or oddly fail) the
+# range checks below and turn every logit into inf or nan.
+_FINITE_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty",
+                  "temperature", "top_p", "min_p")
+
+
+def _is_finite(value: Any) -> bool:
+    """A number that is neither inf nor nan (nor an int too large for a float)."""
+    if not _is_number(value):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _check(ok: bool, name: str, allowed: str, value: Any) -> None:
@@ -151,6 +168,9 @@ class SamplingParams:
 
     def _verify_args(self) -> None:
         _check(_is_int(self.n) and self.n >= 1, "n", "an int >= 1", self.n)
+        for name in _FINITE_FIELDS:
+            value = getattr(self, name)
+            _check(_is_finite(value), name, "a finite number", value)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(_is_number(value) and -2.0 <= value <= 2.0, name, "in [-2, 2]", value)

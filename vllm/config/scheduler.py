@@ -12,7 +12,8 @@ from dataclasses import dataclass
 # tokens of the 135M bundled model take ~6 s each, 512 take ~1.5 s, and
 # chunked prefill keeps long prompts working at that budget. 64 sequences
 # keep the sampler's warmup small while serving dozens of clients.
-_DEFAULT_LIMITS = {"cuda": (256, 8192), "cpu": (64, 512)}
+# `vllm serve --help` prints these numbers (EngineArgs.add_cli_args reads them).
+DEFAULT_LIMITS = {"cuda": (256, 8192), "cpu": (64, 512)}
 
 
 def _check_positive_int(name: str, value: object) -> None:
@@ -52,7 +53,7 @@ class SchedulerConfig:
 
     def resolve(self, max_model_len: int, device_type: str) -> None:
         """Fill the defaults for `device_type` ("cuda" or "cpu") and check the limits."""
-        default_seqs, default_tokens = _DEFAULT_LIMITS.get(device_type, _DEFAULT_LIMITS["cpu"])
+        default_seqs, default_tokens = DEFAULT_LIMITS.get(device_type, DEFAULT_LIMITS["cpu"])
         self.max_model_len = max_model_len
         if self.max_num_seqs is None:
             self.max_num_seqs = default_seqs

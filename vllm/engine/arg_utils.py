@@ -29,6 +29,7 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.config.model import DTYPE_CHOICES, LOAD_FORMAT_CHOICES
+from vllm.config.scheduler import DEFAULT_LIMITS
 
 # Suffixes for integer flags. vLLM's convention: lowercase k/m/g/t are decimal
 # (1k = 1000, decimals allowed: 25.6k), uppercase K/M/G/T binary (1K = 1024).
@@ -158,11 +159,15 @@ class EngineArgs:
                        help="Reuse KV cache blocks of shared prompt prefixes.")
         g.add_argument("--enable-sleep-mode", action=bool_flag, default=d.enable_sleep_mode,
                        help="Allow sleep()/wake_up() to release and restore KV cache memory.")
+        (cuda_seqs, cuda_tokens), (cpu_seqs, cpu_tokens) = (DEFAULT_LIMITS["cuda"],
+                                                            DEFAULT_LIMITS["cpu"])
         g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
-                       help="Most requests per step (default: 256 on CUDA, 128 on CPU).")
+                       help=f"Most requests per step, and the most samples (n) of one "
+                            f"request (default: {cuda_seqs} on CUDA, {cpu_seqs} on CPU).")
         g.add_argument("--max-num-batched-tokens", type=human_readable_int,
                        default=d.max_num_batched_tokens,
-                       help="Token budget per step (default: 8192 on CUDA, 2048 on CPU).")
+                       help=f"Token budget per step (default: {cuda_tokens} on CUDA, "
+                            f"{cpu_tokens} on CPU).")
         g.add_argument("--enforce-eager", action=bool_flag, default=d.enforce_eager,
                        help="Never capture CUDA graphs.")
         g.add_argument("-O", "--compilation-config",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from vllm.inputs import check_unicode_text, check_unicode_values
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -36,13 +38,17 @@ def apply_chat_template(
     tokens.
 
     Raises:
-        ValueError: no chat template, an empty conversation, or a malformed message.
+        ValueError: no chat template, an empty conversation, a malformed message,
+            or text that is not valid Unicode (a lone UTF-16 surrogate).
     """
     if not conversation:
         raise ValueError("messages must not be empty")
     for i, message in enumerate(conversation):
         if not isinstance(message, dict) or "role" not in message:
             raise ValueError(f"messages[{i}] must be an object with a 'role'")
+    check_unicode_values(conversation, "messages")
+    if chat_template is not None:
+        check_unicode_text(chat_template, "chat_template")
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             "the model has no chat template; pass chat_template or use completions"

@@ -134,7 +134,12 @@ class LLM:
         self.llm_engine.sleep(level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """Bring back "weights" and/or "kv_cache" (both when tags is None)."""
+        """Bring back "weights" and/or "kv_cache" (both when tags is None).
+
+        After `sleep(level=2)` the woken weights hold nothing: call
+        `reload_weights()` (or load your own) before generating. (`vllm serve`
+        reloads from the checkpoint itself.)
+        """
         self.llm_engine.wake_up(tags)
 
     def reload_weights(self) -> None:

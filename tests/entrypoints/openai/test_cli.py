@@ -21,6 +21,7 @@ from tests.entrypoints.openai.utils import (
     error_of,
     port_is_free,
 )
+from vllm.config import SchedulerConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.entrypoints.cli.main import make_parser
 from vllm.entrypoints.openai.cli_args import validate_parsed_serve_args
@@ -110,6 +111,61 @@ def test_bad_flag_value_exits_2():
     assert "--port" in result.stderr
 
 
+def test_unknown_flag_reports_serve_usage():
+    result = _run_cli("serve", "--bogus-flag")
+    assert result.returncode == 2
+    lines = result.stderr.splitlines()
+    assert lines[0] == "usage: vllm serve [MODEL] [options]", result.stderr
+    assert lines[-1] == "vllm serve: error: unrecognized arguments: --bogus-flag"
+
+
+def test_help_states_the_scheduler_defaults_in_use():
+    cpu = SchedulerConfig()
+    cpu.resolve(max_model_len=512, device_type="cpu")
+    cuda = SchedulerConfig()
+    cuda.resolve(max_model_len=512, device_type="cuda")
+    helps = {opt: action.help for action in _serve_actions() for opt in action.option_strings}
+    assert (f"{cuda.max_num_seqs} on CUDA, {cpu.max_num_seqs} on CPU"
+            in helps["--max-num-seqs"])
+    assert (f"{cuda.max_num_batched_tokens} on CUDA, {cpu.max_num_batched_tokens} on CPU"
+            in helps["--max-num-batched-tokens"])
+
+
+CONFIG_ERRORS = [
+    (["--gpu-memory-utilization", "2"], "gpu_memory_utilization must be in (0, 1], got 2.0"),
+    (["--block-size", "7"], "block_size must be a power of two"),
+    (["--tensor-parallel-size", "2"], "tensor_parallel_size=2 is not supported"),
+    (["/nonexistent/model-dir"], "model '/nonexistent/model-dir' not found"),
+]
+
+
+def test_config_errors_are_one_line_and_exit_2():
+    """No traceback: `vllm serve: error: <message>` on stderr, exit 2 (run in parallel)."""
+    procs = [subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve",
+                               *args, "--port", "0"], cwd=REPO_ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for args, _ in CONFIG_ERRORS]
+    for proc, (args, message) in zip(procs, CONFIG_ERRORS, strict=True):
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 2, (args, stderr)
+        assert "Traceback" not in stderr, stderr
+        errors = [line for line in stderr.splitlines() if line.startswith("vllm serve: error:")]
+        assert len(errors) == 1 and errors[0].startswith(f"vllm serve: error: {message}"), stderr
+        assert stderr.rstrip("\n").endswith(errors[0]), stderr
+
+
+def test_other_start_up_errors_are_not_swallowed(monkeypatch):
+    from vllm.entrypoints.cli.main import main
+    from vllm.entrypoints.openai import api_server
+
+    def broken(args):
+        raise RuntimeError("not a configuration problem")
+
+    monkeypatch.setattr(api_server, "build_engine_config", broken)
+    with pytest.raises(RuntimeError, match="not a configuration problem"):
+        main(["serve", "--port", "0"])
+
+
 # ------------------------------------------------------------------ a served instance
 @pytest.fixture(scope="module")
 def key_server():
@@ -173,6 +229,41 @@ def test_sleep_endpoints(key_server):
         assert httpx.get(key_server.url_for("is_sleeping")).json() == {"is_sleeping": False}
     completion = client.completions.create(model=NAMES[0], prompt="Hello", max_tokens=2)
     assert completion.usage.completion_tokens >= 1
+
+
+def test_startup_log_mentions_graph_pool_only_with_cuda_graphs(key_server):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the server captured CUDA graphs: the pool is part of the sizing line")
+    (line,) = [ln for ln in key_server.startup_log.splitlines()
+               if "KV cache sized after warmup" in ln]
+    assert "(weights " in line and "activation peak" in line
+    assert "graph pool" not in line
+
+
+def test_level2_sleep_then_wake_reloads_the_weights(key_server):
+    """Level 2 discards the weights; waking them reloads the checkpoint, so greedy output
+    is the same as before the sleep (waking only the KV cache keeps the server asleep)."""
+    client = key_server.get_client(api_key=API_KEY)
+
+    def greedy() -> str:
+        completion = client.completions.create(model=NAMES[0], prompt="The capital of France is",
+                                               max_tokens=8, temperature=0)
+        return completion.choices[0].text
+
+    before = greedy()
+    # Reloading the checkpoint takes seconds on 2 shared CPU cores.
+    assert httpx.post(key_server.url_for("sleep"), params={"level": 2},
+                      timeout=120).status_code == 200
+    assert httpx.post(key_server.url_for("wake_up"), params={"tags": "kv_cache"},
+                      timeout=120).status_code == 200
+    assert httpx.get(key_server.url_for("is_sleeping")).json() == {"is_sleeping": True}
+    assert httpx.post(key_server.url_for("wake_up"), params={"tags": "weights"},
+                      timeout=120).status_code == 200
+    assert httpx.get(key_server.url_for("is_sleeping")).json() == {"is_sleeping": False}
+    assert greedy() == before
+    assert "reloading the weights" in key_server.log()
 
 
 def test_sigterm_with_request_in_flight(key_server):

@@ -3,6 +3,8 @@ answering correctly afterwards; step failures and a dead engine (fault injection
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import tempfile
 import time
@@ -73,6 +75,28 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": "hi"}, 400, "messages"),
     ("chat/completions", {"messages": [{"content": "no role"}]}, 400, "messages.0.role"),
     ("chat/completions", {"model": "no-such-model"}, 404, "model"),
+    # Non-finite floats (Python's JSON reads Infinity / NaN).
+    ("completions", {"temperature": float("inf")}, 400, "temperature"),
+    ("completions", {"top_p": float("nan")}, 400, "top_p"),
+    ("completions", {"min_p": float("nan")}, 400, "min_p"),
+    ("completions", {"repetition_penalty": float("inf")}, 400, "repetition_penalty"),
+    ("chat/completions", {"frequency_penalty": float("-inf")}, 400, "frequency_penalty"),
+    # n is bounded by --max-num-seqs (32 on the shared server).
+    ("completions", {"n": 33}, 400, "n"),
+    ("completions", {"n": 10**20}, 400, "n"),
+    ("chat/completions", {"n": 33}, 400, "n"),
+    # A lone UTF-16 surrogate in any string.
+    ("completions", {"prompt": "\ud800"}, 400, "prompt"),
+    ("completions", {"prompt": ["ok", "x\udfff"]}, 400, "prompt.1"),
+    ("completions", {"model": "\ud800"}, 400, "model"),
+    ("completions", {"stop": ["\ud800"]}, 400, "stop.0"),
+    ("completions", {"logit_bias": {"\udc00": 1}}, 400, "logit_bias"),
+    ("completions", {"user": "\ud800"}, 400, "user"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, 400,
+     "messages.0.content"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "\udfff"}]}]}, 400, "messages.0.content.0.text"),
+    ("chat/completions", {"model": "\ud800"}, 400, "model"),
 ]
 
 
@@ -80,11 +104,40 @@ BAD_REQUESTS = [
                          ids=[f"{e}-{'-'.join(o)}-{s}" for e, o, s, _ in BAD_REQUESTS])
 def test_bad_request(server, reference_text, endpoint, overrides, status, param):
     base = GOOD if endpoint == "completions" else CHAT
-    response = httpx.post(server.url_for("v1", endpoint), json={**base, **overrides}, timeout=60)
+    response = _post_raw_json(server.url_for("v1", endpoint), {**base, **overrides})
     assert response.status_code == status, response.text
     error = error_of(response)
     assert error["param"] == param, error
     assert error["type"] == ("NotFoundError" if status == 404 else "BadRequestError")
+    value = overrides.get(param)
+    if isinstance(value, float) and not math.isfinite(value):
+        assert error["message"] == f"{param} must be a finite number, got {value}", error
+    if param == "n" and value > 32:  # names both numbers
+        assert error["message"].startswith(f"n ({value}) must be <= max_num_seqs (32)"), error
+    if "surrogate" in error["message"]:
+        assert param in error["message"], error
+    _assert_still_serving(server, reference_text)
+
+
+def _post_raw_json(url: str, body: object, timeout: float = 60) -> httpx.Response:
+    """POST `body` as Python's json.dumps writes it: ASCII with \\uXXXX escapes (so lone
+    surrogates travel) and Infinity / NaN, which httpx's own encoder refuses."""
+    return httpx.post(url, content=json.dumps(body), timeout=timeout,
+                      headers={"content-type": "application/json"})
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("tokenize", {"prompt": "\ud800"}, "prompt"),
+    ("tokenize", {"messages": [{"role": "user", "content": "\udfff"}]}, "messages.0.content"),
+    ("tokenize", {"model": "\ud800", "prompt": "hi"}, "model"),
+    ("detokenize", {"model": "\ud800", "tokens": [1]}, "model"),
+])
+def test_lone_surrogate_on_tokenizer_endpoints(server, reference_text, path, body, param):
+    response = _post_raw_json(server.url_for(path), body)
+    assert response.status_code == 400, response.text
+    error = error_of(response)
+    assert error["param"] == param
+    assert error["message"].startswith(f"{param} contains a lone UTF-16 surrogate U+D")
     _assert_still_serving(server, reference_text)
 
 

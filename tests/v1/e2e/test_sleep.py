@@ -57,7 +57,7 @@ def test_level1_outputs_identical_and_kv_pages_released(llm, reference):
     assert worker.extensible.physical_bytes == 0 and worker.weight_arena.physical_bytes == 0
     assert rss_awake - _rss_mib() > 20  # the touched KV pages left (weights moved to a host copy)
     base = worker.extensible.tensor.base
-    llm.wake_up()
+    assert llm.llm_engine.wake_up() is False  # level 1 kept the weights: nothing to reload
     assert not llm.llm_engine.is_sleeping()
     assert worker.extensible.tensor.base == base
     assert worker.extensible.physical_bytes == kv_before
@@ -70,7 +70,8 @@ def test_level2_releases_weights_and_reload_restores_outputs(llm, reference):
     rss_awake = _rss_mib()
     llm.sleep(level=2)
     assert rss_awake - _rss_mib() > 0.8 * weights / 2**20
-    llm.wake_up()
+    assert llm.llm_engine.wake_up() is True  # the weights must be reloaded
+    assert _texts(llm) != reference  # the offline engine leaves the reload to its caller
     llm.reload_weights()
     assert _texts(llm) == reference
 

@@ -126,6 +126,25 @@ def test_validation_error_reaches_caller_before_any_output(engine):
     assert _idle(engine)
 
 
+def test_n_beyond_max_num_seqs_and_invalid_text_are_rejected(engine):
+    """n is bounded by max_num_seqs (16 here), even a huge n (no OverflowError, no
+    per-sample allocation); a lone surrogate is a ValueError, not a tokenizer TypeError."""
+
+    async def main():
+        await engine.add_request("n-max", PROMPT, _params(n=16, max_tokens=2))
+        for n in (17, 10**20):
+            with pytest.raises(ValueError, match=rf"^n \({n}\) must be <= max_num_seqs \(16\)"):
+                await engine.add_request(f"n-{n}", PROMPT, _params(n=n))
+        with pytest.raises(ValueError, match="^prompt contains a lone UTF-16 surrogate U\\+D800"):
+            await engine.add_request("bad-text", "\ud800", _params())
+        with pytest.raises(ValueError, match="^prompt contains a lone UTF-16 surrogate"):
+            await engine.tokenize("x\udfff")
+        engine.abort("n-max")
+
+    asyncio.run(main())
+    assert _idle(engine)
+
+
 def test_closing_the_stream_aborts_and_frees_blocks(engine):
     async def main():
         gen = engine.generate(PROMPT, _params(RequestOutputKind.DELTA, max_tokens=200), "drop")

@@ -28,6 +28,20 @@ def _options_summary(parser: argparse.ArgumentParser, name: str) -> str:
     return "\n".join(lines)
 
 
+class _SubcommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: unknown flags are reported with *its* usage line.
+
+    argparse hands a subparser's leftovers back to the top-level parser, whose
+    error would print `usage: vllm [-h] ...` for `vllm serve --bogus-flag`.
+    """
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
 def make_parser() -> argparse.ArgumentParser:
     from vllm.entrypoints.openai.cli_args import make_arg_parser
 
@@ -38,7 +52,8 @@ def make_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--version", action="version", version=__version__,
                         help="Print the version and exit.")
-    subparsers = parser.add_subparsers(dest="subcommand", metavar="COMMAND")
+    subparsers = parser.add_subparsers(dest="subcommand", metavar="COMMAND",
+                                       parser_class=_SubcommandParser)
     serve = subparsers.add_parser(
         "serve",
         help="Start the OpenAI-compatible HTTP server (vllm serve [MODEL] [flags]).",
@@ -53,16 +68,31 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    """Check the flags and build the engine config, then serve.
+
+    A bad flag value or a missing model (ValueError / FileNotFoundError while
+    building the config) is a usage error: one line on stderr, exit 2, no
+    traceback. Anything raised later (loading, KV sizing) propagates.
+    """
     from vllm.entrypoints.openai.cli_args import validate_parsed_serve_args
 
     try:
         validate_parsed_serve_args(args)
     except ValueError as e:
-        print(f"vllm serve: error: {e}", file=sys.stderr)
-        return 2
-    from vllm.entrypoints.openai.api_server import run_server
+        return _usage_error("serve", e)
+    from vllm.entrypoints.openai.api_server import build_engine_config, run_server
 
-    return run_server(args)
+    try:
+        vllm_config = build_engine_config(args)
+    except (ValueError, FileNotFoundError) as e:
+        return _usage_error("serve", e)
+    return run_server(args, vllm_config)
+
+
+def _usage_error(subcommand: str, error: Exception) -> int:
+    """Print `vllm <subcommand>: error: <message>` as one line on stderr; returns 2."""
+    print(f"vllm {subcommand}: error: {' '.join(str(error).split())}", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:

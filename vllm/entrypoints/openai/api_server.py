@@ -27,6 +27,7 @@ import socket
 import threading
 from collections.abc import Generator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import uvicorn
 from fastapi import FastAPI, Query, Request
@@ -37,6 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vllm.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
 from vllm.entrypoints.openai.protocol import (
+    INVALID_UNICODE_ERROR,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -56,6 +58,9 @@ from vllm.transformers_utils.config import BUNDLED_MODEL_NAME
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.version import __version__
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 logger = init_logger(__name__)
 
@@ -216,6 +221,9 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     if not errors:
         return APIError(400, "invalid request")
     first = errors[0]
+    if first.get("type") == INVALID_UNICODE_ERROR:  # a lone surrogate; ctx names the field
+        ctx = first.get("ctx") or {}
+        return APIError(400, str(ctx.get("message", first.get("msg"))), ctx.get("field"))
     if first.get("type") == "json_invalid":
         return APIError(400, f"the request body is not valid JSON: {first.get('msg')}")
     loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query")]
@@ -333,13 +341,26 @@ def non_default_args(args: argparse.Namespace) -> dict:
     return changed
 
 
-def run_server(args: argparse.Namespace) -> int:
-    """Serve until SIGINT/SIGTERM; returns the exit code (0 clean, 1 engine died).
+def build_engine_config(args: argparse.Namespace) -> VllmConfig:
+    """The validated engine config of a `vllm serve` namespace (no model is loaded).
 
-    The port is bound before the model loads, so a taken port fails at once.
+    Raises:
+        ValueError / FileNotFoundError: an invalid flag value or a missing
+            model; `vllm serve` prints the message as a usage error (exit 2).
     """
     from vllm.engine.arg_utils import AsyncEngineArgs
 
+    return AsyncEngineArgs.from_cli_args(args).create_engine_config()
+
+
+def run_server(args: argparse.Namespace, vllm_config: VllmConfig | None = None) -> int:
+    """Serve until SIGINT/SIGTERM; returns the exit code (0 clean, 1 engine died).
+
+    `vllm_config` is `build_engine_config(args)` when not given. The port is
+    bound before the model loads, so a taken port fails at once.
+    """
+    if vllm_config is None:
+        vllm_config = build_engine_config(args)
     host = args.host or "0.0.0.0"
     sock = bind_socket(host, args.port)
     try:
@@ -347,7 +368,11 @@ def run_server(args: argparse.Namespace) -> int:
         url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
         logger.info("vLLM API server version %s, non-default args: %s", __version__,
                     non_default_args(args))
-        engine = AsyncLLM.from_engine_args(AsyncEngineArgs.from_cli_args(args))
+        engine = AsyncLLM.from_vllm_config(
+            vllm_config,
+            log_stats=not getattr(args, "disable_log_stats", False),
+            log_requests=bool(getattr(args, "enable_log_requests", False)),
+        )
         try:
             app = build_app(engine, args)
             config = uvicorn.Config(

@@ -5,7 +5,11 @@ fields (top_k, min_p, repetition_penalty, ...). Models validate *types* only
 (strictly: "5" is not an int, true is not an int); *ranges* are checked by
 `SamplingParams` and the engine's `Processor`, the validators `LLM` uses too,
 so the server and the offline API accept and reject the same values.
-Unknown fields are ignored, as the OpenAI API does.
+Unknown fields are ignored, as the OpenAI API does. Every string of a request
+body (keys, unknown fields and nested messages included) must be valid Unicode:
+a lone UTF-16 surrogate (`"\\ud800"`) is rejected before any field is read,
+with `vllm.inputs.check_unicode_values`, the check the offline engine runs on
+its prompts.
 """
 
 from __future__ import annotations
@@ -13,11 +17,33 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic_core import PydanticCustomError
+
+from vllm.inputs import InvalidUnicodeError, check_unicode_values
+
+# The pydantic error type of a request string that is not valid Unicode; its
+# context carries "message" and "field" (the app answers 400 with param=field).
+INVALID_UNICODE_ERROR = "invalid_unicode"
 
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", protected_namespaces=())
+
+
+class OpenAIRequest(OpenAIBaseModel):
+    """A request body: before any field is validated, every string in it is checked."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_unicode(cls, data: Any) -> Any:
+        try:
+            check_unicode_values(data)
+        except InvalidUnicodeError as e:
+            # "{message}" as the template: the message itself is never formatted.
+            raise PydanticCustomError(INVALID_UNICODE_ERROR, "{message}",
+                                      {"message": str(e), "field": e.field}) from None
+        return data
 
 
 # ---------------------------------------------------------------------------- errors
@@ -62,7 +88,7 @@ class UsageInfo(OpenAIBaseModel):
     total_tokens: int = 0
 
 
-class SamplingFields(OpenAIBaseModel):
+class SamplingFields(OpenAIRequest):
     """Sampling fields common to completions and chat (OpenAI's, then vLLM's extras)."""
 
     model: str | None = None
@@ -226,7 +252,7 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
 
 
 # ---------------------------------------------------------------------------- tokenizer
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(OpenAIRequest):
     """POST /tokenize: a `prompt`, or chat `messages` rendered through the chat template."""
 
     model: str | None = None
@@ -246,7 +272,7 @@ class TokenizeResponse(OpenAIBaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(OpenAIRequest):
     model: str | None = None
     tokens: list[int]
 

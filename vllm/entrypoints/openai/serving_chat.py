@@ -161,7 +161,7 @@ class OpenAIServingChat(OpenAIServing):
                 continue_final_message=bool(request.continue_final_message),
             )
         except ValueError as e:
-            raise APIError(400, str(e), "messages") from e
+            raise APIError(400, str(e), getattr(e, "field", None) or "messages") from e
         except Exception as e:  # jinja2 errors from a template that rejects the messages
             if type(e).__module__.startswith("jinja2"):
                 raise APIError(400, f"the chat template failed: {e}", "messages") from e

@@ -59,14 +59,28 @@ _ERROR_TYPES = {
 MIN_LOGPROB = -9999.0
 
 
+def encodable(text: str) -> str:
+    """`text` with anything UTF-8 cannot encode (lone surrogates) as `\\udXXX` escapes.
+
+    Error messages may quote user input (an unknown model name); the body must
+    still encode, or the client gets a plain-text 500 instead of the error.
+    """
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class APIError(Exception):
-    """An error answered with the OpenAI error body and `status`."""
+    """An error answered with the OpenAI error body and `status`.
+
+    `message` and `param` are made UTF-8 encodable (`encodable`), so building
+    the response never fails, whatever user text they quote.
+    """
 
     def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        message = encodable(str(message))
         super().__init__(message)
         self.status = int(status)
         self.message = message
-        self.param = param
+        self.param = encodable(param) if param is not None else None
 
     def body(self) -> ErrorResponse:
         error_type = _ERROR_TYPES.get(self.status) or HTTPStatus(self.status).phrase.replace(
@@ -218,6 +232,8 @@ class OpenAIServing:
             param = None
             if "max_tokens" in message:
                 param = length_param
+            elif _leading_field(message) in SamplingParams.__dataclass_fields__:
+                param = _leading_field(message)  # engine limits on a parameter: "n (3000) ..."
             elif "prompt" in message:
                 param = prompt_param
             raise APIError(400, message, param) from e

@@ -33,12 +33,15 @@ class OpenAIServingTokenization(OpenAIServing):
                     continue_final_message=request.continue_final_message,
                 )
             except ValueError as e:
-                raise APIError(400, str(e), "messages") from e
+                raise APIError(400, str(e), getattr(e, "field", None) or "messages") from e
             tokens = list(rendered["prompt_token_ids"])
         else:
-            tokens = await self.engine_client.tokenize(
-                request.prompt, add_special_tokens=request.add_special_tokens
-            )
+            try:
+                tokens = await self.engine_client.tokenize(
+                    request.prompt, add_special_tokens=request.add_special_tokens
+                )
+            except ValueError as e:
+                raise APIError(400, str(e), "prompt") from e
         token_strs = None
         if request.return_token_strs:
             token_strs = await self.engine_client.convert_ids_to_tokens(tokens)

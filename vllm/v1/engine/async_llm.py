@@ -25,6 +25,9 @@ Sleep (`--enable-sleep-mode`): `sleep()` runs between steps, aborts the
 requests in flight (each gets `EngineSleepingError`), then calls the engine's
 `sleep(level)`; requests arriving while asleep are rejected with
 `EngineSleepingError`. Engines without `sleep` raise `SleepModeUnavailableError`.
+`wake_up()` after a level-2 sleep (weights discarded) reloads the weights from
+the checkpoint before the engine serves again, so outputs match those before
+the sleep; until a reload succeeds the engine counts as asleep.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from vllm.inputs import check_unicode_text
 from vllm.logger import init_logger
 from vllm.outputs import RequestOutput
 from vllm.v1.engine.exceptions import (
@@ -191,6 +195,7 @@ class AsyncLLM:
         self._children: dict[str, list[str]] = {}  # request id -> child ids (n > 1)
         self._stop = False
         self._sleeping = False
+        self._weights_stale = False  # woken after a level-2 sleep, reload not done yet
         self._consecutive_failures = 0
         self._last_log = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="vllm-engine", daemon=True)
@@ -201,15 +206,27 @@ class AsyncLLM:
         cls, engine_args: EngineArgs, stat_loggers: Iterable[StatLoggerBase] = ()
     ) -> AsyncLLM:
         """Build the engine (loads the model, sizes the KV cache) and start the loop."""
-        from vllm.v1.engine.llm_engine import LLMEngine
-
-        engine = LLMEngine.from_engine_args(engine_args)
-        return cls(
-            engine,
+        return cls.from_vllm_config(
+            engine_args.create_engine_config(),
             stat_loggers=stat_loggers,
             log_stats=not engine_args.disable_log_stats,
             log_requests=getattr(engine_args, "enable_log_requests", False),
         )
+
+    @classmethod
+    def from_vllm_config(
+        cls,
+        vllm_config: VllmConfig,
+        *,
+        stat_loggers: Iterable[StatLoggerBase] = (),
+        log_stats: bool = True,
+        log_requests: bool = False,
+    ) -> AsyncLLM:
+        """Build the engine from a validated config and start the loop."""
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        return cls(LLMEngine(vllm_config), stat_loggers=stat_loggers, log_stats=log_stats,
+                   log_requests=log_requests)
 
     # ------------------------------------------------------------------ state
     @property
@@ -301,6 +318,8 @@ class AsyncLLM:
         return await self._call(partial(fn, *args, **kwargs))
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; ValueError if it has a lone UTF-16 surrogate."""
+        check_unicode_text(text, "prompt")
         return await self._call(
             lambda: list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
         )
@@ -330,7 +349,17 @@ class AsyncLLM:
         await self._call(self._sleep_now, level)
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
-        """Wake the engine (all of it, or the `tags`, e.g. ["weights"], ["kv_cache"])."""
+        """Wake the engine (all of it, or the `tags`, e.g. ["weights"], ["kv_cache"]).
+
+        Weights woken after a level-2 sleep are reloaded from the checkpoint
+        (`LLMEngine.reload_weights`) before this returns.
+
+        Raises:
+            ValueError: an unknown tag.
+            VmmError: no device memory now (the engine stays asleep; retry later).
+            RuntimeError: loading the checkpoint failed (the cause is chained);
+                the engine stays asleep and the next `wake_up` retries the reload.
+        """
         await self._call(self._wake_now, tags)
 
     async def is_sleeping(self) -> bool:
@@ -560,10 +589,27 @@ class AsyncLLM:
         self._sleeping = True
 
     def _wake_now(self, tags: list[str] | None) -> None:
-        self._sleep_method("wake_up")(tags)
+        # True: the weights' pages are fresh after a level-2 sleep (see LLMEngine.wake_up).
+        if self._sleep_method("wake_up")(tags):
+            self._weights_stale = True
+        if self._weights_stale:  # also retries a reload that failed on an earlier wake_up
+            logger.info("wake_up after a level-2 sleep: reloading the weights from %s",
+                        self.model_config.model)
+            start = time.monotonic()
+            try:
+                self._sleep_method("reload_weights")()
+            except Exception as e:  # not the caller's input: never a 400
+                raise RuntimeError(
+                    f"reloading the weights after a level-2 sleep failed ({e!r}); the engine "
+                    "stays asleep and the next wake_up retries"
+                ) from e
+            self._weights_stale = False
+            logger.info("weights reloaded in %.1f s", time.monotonic() - start)
         self._sleeping = self._engine_is_sleeping()
 
     def _engine_is_sleeping(self) -> bool:
+        if self._weights_stale:
+            return True
         method = getattr(self.engine, "is_sleeping", None)
         return bool(method()) if method is not None else self._sleeping
 

@@ -36,7 +36,10 @@ class LLMEngine:
         model_config = vllm_config.model_config
         self.tokenizer: PreTrainedTokenizerBase = get_tokenizer(model_config.tokenizer)
         self.processor = Processor(
-            self.tokenizer, model_config.max_model_len, model_config.get_vocab_size()
+            self.tokenizer,
+            model_config.max_model_len,
+            model_config.get_vocab_size(),
+            vllm_config.scheduler_config.max_num_seqs,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = EngineCore(vllm_config)
@@ -59,13 +62,15 @@ class LLMEngine:
         """Validate and queue a request (n > 1 fans out into n child requests).
 
         Raises:
-            ValueError: invalid prompt, prompt + max_tokens beyond max_model_len,
-                or a request the KV cache can never hold. Nothing is queued then.
+            ValueError: invalid prompt, n > max_num_seqs, prompt + max_tokens
+                beyond max_model_len, or a request the KV cache can never hold.
+                Nothing is queued then.
         """
         if self.engine_core.is_sleeping():
             raise EngineSleepingError(
                 "the engine is asleep (sleep mode): call wake_up() before adding requests"
             )
+        self.processor.validate_params(params)
         text, prompt_token_ids = self.processor.tokenize(prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         if params.n == 1:
@@ -135,14 +140,21 @@ class LLMEngine:
         self.abort_request(list(self.output_processor.states))
         self.engine_core.sleep(level)
 
-    def wake_up(self, tags: list[str] | None = None) -> None:
+    def wake_up(self, tags: list[str] | None = None) -> bool:
         """Recommit "weights" and/or "kv_cache" (both when None) at the same addresses.
+
+        Returns:
+            True when the weights were woken after a level-2 sleep: their pages
+            are fresh (garbage) and the caller must call `reload_weights()`
+            before generating. The server (`AsyncLLM`) does so itself; the
+            offline `LLM` leaves it to its caller. False otherwise.
 
         Raises:
             VmmError: not enough device memory now; the engine stays asleep for
                 what could not be mapped, and a later call can succeed.
         """
-        self.engine_core.wake_up(tags)
+        # EngineCore / Worker report whether the weights' contents were restored.
+        return not self.engine_core.wake_up(tags)
 
     def is_sleeping(self) -> bool:
         return self.engine_core.is_sleeping()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from vllm.inputs import check_unicode_text
 from vllm.sampling_params import SamplingParams, validate_request_lengths
 from vllm.v1.request import Request
 
@@ -25,21 +26,45 @@ class Processor:
         tokenizer: the model's tokenizer.
         max_model_len: tokens a request may hold (prompt + output).
         vocab_size: token ids must be below it.
+        max_num_seqs: the most sequences one step runs (the scheduler's limit);
+            a request's `n` may not exceed it.
     """
 
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, max_model_len: int, vocab_size: int
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        max_model_len: int,
+        vocab_size: int,
+        max_num_seqs: int,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.max_num_seqs = max_num_seqs
         self.eos_token_id = tokenizer.eos_token_id
+
+    def validate_params(self, params: SamplingParams) -> None:
+        """Engine limits SamplingParams cannot know: `n` <= max_num_seqs.
+
+        Why the bound: the n samples of a prompt are n sequences; more than a
+        step can run would never finish together, and a huge n (10**6) only
+        allocates per-sample state while every other client waits.
+
+        Raises:
+            ValueError: naming n and max_num_seqs.
+        """
+        if params.n > self.max_num_seqs:
+            raise ValueError(
+                f"n ({params.n}) must be <= max_num_seqs ({self.max_num_seqs}), the most "
+                "sequences this engine runs at once; ask for fewer samples per request"
+            )
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, prompt token ids).
 
         Raises:
-            ValueError: empty prompt, token ids outside [0, vocab_size), or an
+            ValueError: empty prompt, text that is not valid Unicode (a lone
+                UTF-16 surrogate), token ids outside [0, vocab_size), or an
                 unsupported prompt type.
         """
         if isinstance(prompt, str):
@@ -56,6 +81,10 @@ class Processor:
                 f"prompt must be a string, a list of token ids or a prompt dict, not "
                 f"{type(prompt).__name__}"
             )
+        if text is not None:  # also when token ids come with it: outputs echo the text
+            if not isinstance(text, str):
+                raise ValueError(f"the prompt text must be a string, not {type(text).__name__}")
+            check_unicode_text(text, "prompt")
         if token_ids is None:
             if not text:
                 raise ValueError("the prompt is empty")

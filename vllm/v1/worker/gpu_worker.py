@@ -351,15 +351,18 @@ class Worker:
         sizing.check_min_blocks(num_blocks, result.kv_bytes, bytes_per_block)
         self.extend_kv_cache(num_blocks)
         self.startup_seconds["extend"] = time.perf_counter() - t0
+        graphs = self.model_runner.cuda_graphs
+        # The graph pool exists only where graphs were captured (not on CPU, not eager).
+        pool = f", CUDA graph pool {graphs.pool_bytes / GiB:.2f}" if graphs.captured else ""
         logger.info(
             "KV cache sized after warmup: free %.2f GiB, held besides KV %.2f GiB "
-            "(weights %.2f, activation peak %.2f, CUDA graph pool %.2f), buffer %.2f GiB; "
+            "(weights %.2f, activation peak %.2f%s), buffer %.2f GiB; "
             "KV committed %.2f GiB of %.2f GiB reserved: %d blocks, %d tokens of capacity",
             (free + shortfall) / GiB,
             held_non_kv / GiB,
             self.weights_bytes / GiB,
             self.profile.activation_peak / GiB,
-            self.model_runner.cuda_graphs.pool_bytes / GiB,
+            pool,
             result.buffer_bytes / GiB,
             ext.physical_bytes / GiB,
             ext.reserved_bytes / GiB,

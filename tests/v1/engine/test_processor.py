@@ -1,0 +1,45 @@
+"""Processor: prompt text validity and the engine limit on n, with the bundled tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm.sampling_params import SamplingParams
+from vllm.transformers_utils.config import get_bundled_model_path
+from vllm.transformers_utils.tokenizer import get_tokenizer
+from vllm.v1.engine.processor import Processor
+
+MAX_NUM_SEQS = 8
+
+
+@pytest.fixture(scope="module")
+def processor() -> Processor:
+    tokenizer = get_tokenizer(get_bundled_model_path())
+    return Processor(tokenizer, max_model_len=256, vocab_size=len(tokenizer),
+                     max_num_seqs=MAX_NUM_SEQS)
+
+
+@pytest.mark.parametrize(("prompt", "code", "offset"), [
+    ("\ud800", "D800", 0),
+    ({"prompt": "Hello \udfff world"}, "DFFF", 6),
+    ({"prompt_token_ids": [1, 2], "prompt": "a\ud8ff"}, "D8FF", 1),  # echoed in outputs
+])
+def test_lone_surrogate_is_a_clear_value_error(processor, prompt, code, offset):
+    with pytest.raises(ValueError) as e:
+        processor.tokenize(prompt)
+    assert str(e.value).startswith(
+        f"prompt contains a lone UTF-16 surrogate U+{code} at character {offset}")
+
+
+def test_valid_unicode_still_tokenizes(processor):
+    paired = "\ud83d\ude00".encode("utf-16", "surrogatepass").decode("utf-16")  # one emoji
+    text, ids = processor.tokenize(f"héllo {paired}")
+    assert text == "héllo 😀" and ids == processor.tokenizer.encode("héllo 😀")
+
+
+def test_n_up_to_max_num_seqs(processor):
+    processor.validate_params(SamplingParams(n=MAX_NUM_SEQS))
+    for n in (MAX_NUM_SEQS + 1, 10**20):
+        with pytest.raises(ValueError) as e:
+            processor.validate_params(SamplingParams(n=n))
+        assert str(e.value).startswith(f"n ({n}) must be <= max_num_seqs ({MAX_NUM_SEQS})")
