@@ -465,8 +465,6 @@ class Worker:
         return {"committed_bytes": size, "reserved_bytes": size, "num_blocks": self.num_blocks}
 
     def shutdown(self) -> None:
-        for layer_cache in self.kv_caches.values():
-            del layer_cache
         self.kv_caches.clear()
         if self.model_runner is not None:
             layers, _ = self._kv_cache_specs()
