@@ -514,7 +514,7 @@ class AsyncLLM:
             self._record_stats(None)
             return
         self._consecutive_failures = 0
-        self._record_stats(getattr(self.engine, "last_iteration_stats", None))
+        self._record_stats(self.engine.last_iteration_stats)
 
     def _requests_in_step(self) -> list[str]:
         """Ids of the requests scheduled in the failed step (all live ones when unknown)."""

@@ -14,6 +14,7 @@ from vllm.v1.engine.core import EngineCore
 from vllm.v1.engine.exceptions import EngineSleepingError
 from vllm.v1.engine.output_processor import OutputProcessor, ParentRequest
 from vllm.v1.engine.processor import Processor
+from vllm.v1.metrics.stats import IterationStats
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -43,6 +44,8 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = EngineCore(vllm_config)
+        # What the last step produced (timings, token counts), for metrics.
+        self.last_iteration_stats: IterationStats | None = None
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:

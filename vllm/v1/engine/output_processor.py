@@ -178,13 +178,6 @@ class OutputProcessor:
                     request_outputs.append(request_output)
         return OutputProcessorOutput(request_outputs, reqs_to_abort, stats)
 
-    def fail_requests(self, request_ids: list[str], error: BaseException) -> None:
-        """Deliver `error` to the queues of these requests (AsyncLLM) and forget them."""
-        for rid in request_ids:
-            state = self.states.pop(rid, None)
-            if state is not None and state.queue is not None:
-                state.queue.put_nowait(error)
-
     # ---------------------------------------------------------------- helpers
     @staticmethod
     def _update_timing(

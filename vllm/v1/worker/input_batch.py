@@ -79,9 +79,6 @@ class InputBatch:
         max_blocks = -(-max_model_len // block_size)
         self.block_table = BlockTable(max_num_reqs, max_blocks, block_size, device, pin_memory)
         self.states: list[CachedRequestState] = []
-        # Bumped whenever rows change, so derived per-batch data (sampling
-        # metadata) is rebuilt only when it has to be.
-        self.version = 0
 
     @property
     def num_reqs(self) -> int:
@@ -109,7 +106,6 @@ class InputBatch:
         self.num_prompt_tokens[row] = n_prompt
         self.num_computed_tokens[row] = state.num_computed_tokens
         self.block_table.set_row(row, state.block_ids)
-        self.version += 1
         return row
 
     def remove(self, req_ids: set[str]) -> None:
@@ -126,8 +122,6 @@ class InputBatch:
             self.req_ids.pop()
             self.states.pop()
             self.block_table.clear_row(last)
-        if rows:
-            self.version += 1
 
     def _move(self, src: int, dst: int) -> None:
         n = int(self.num_tokens[src])
