@@ -108,14 +108,18 @@ def test_disconnect_mid_stream_returns_blocks(server):
             "temperature": 0, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", server.url_for("v1/completions"), json=body,
                       timeout=120) as response:
+        # Hold one iterator over the stream and never leave it with `break`: leaving a
+        # `for` over iter_lines() closes the generator, and with it the connection, so the
+        # server would (rightly) abort the request while the scrape below still runs.
+        lines = response.iter_lines()
         received = 0
-        for line in response.iter_lines():
-            if line.startswith("data: "):
+        while received < 3:
+            if next(lines).startswith("data: "):
                 received += 1
-            if received == 3:
-                break
-        during = scrape_metrics(server)
-        assert _held(during), during  # the request really holds blocks now
+        # The stream is still open and unread: the request runs (or waits on the
+        # socket's back-pressure) and holds its blocks until the client leaves.
+        during = _wait_for(server, _held)
+        assert _held(during), during
     # The connection is closed: the server must abort the request and free its blocks.
     after = _wait_for(server, _released)
     assert _released(after), after
