@@ -6,7 +6,8 @@ import random
 import pytest
 import torch
 
-from vllm.device_allocator.vmm import HostVmmDriver, VmmDriver, VmmError
+from vllm.device_allocator.host_vmm import HostVmmDriver
+from vllm.device_allocator.vmm import VmmDriver, VmmError
 from vllm.utils.extensible_tensor import ExtensibleTensor
 
 MiB = 1 << 20
