@@ -9,7 +9,7 @@ from tests.v1.core.fake_runner import (
     run_until_done,
     step,
 )
-from vllm.v1.engine import FinishReason
+from vllm.v1.outputs import FinishReason
 from vllm.v1.request import RequestStatus
 
 

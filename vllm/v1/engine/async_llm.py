@@ -333,8 +333,11 @@ class AsyncLLM:
         return await self._call(lambda: list(self.tokenizer.convert_ids_to_tokens(token_ids)))
 
     async def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> dict:
-        """`chat_utils.apply_chat_template` on the engine thread: {"prompt", "prompt_token_ids"}."""
-        from vllm.entrypoints.chat_utils import apply_chat_template
+        """`chat_templates.apply_chat_template` on the engine thread.
+
+        Returns {"prompt", "prompt_token_ids"}.
+        """
+        from vllm.transformers_utils.chat_templates import apply_chat_template
 
         return await self._call(lambda: apply_chat_template(self.tokenizer, messages, **kwargs))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.v1.core.sched.scheduler import Scheduler, SchedulerStats
-from vllm.v1.engine import EngineCoreOutput
+from vllm.v1.outputs import EngineCoreOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.worker.gpu_worker import Worker
 

@@ -15,14 +15,14 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from vllm.exceptions import VLLMValidationError
 from vllm.logger import init_logger
 from vllm.v1.core.kv_cache_manager import KVCacheManager, cdiv
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.core.sched.stats import SchedulerStats
 from vllm.v1.core.sched.utils import check_stop
-from vllm.v1.engine import EngineCoreOutput
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import EngineCoreOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
 logger = init_logger(__name__)
@@ -120,19 +120,23 @@ class Scheduler:
         """Queue a new request (FCFS).
 
         Raises:
-            ValueError: duplicate id, empty prompt, prompt longer than
-                max_model_len, or a sequence that needs more blocks than the
-                whole cache; the message names the numbers.
+            ValueError: duplicate id. VLLMValidationError (a ValueError whose
+                `parameter` is "prompt" or "max_tokens"): empty prompt, prompt
+                longer than max_model_len, or a sequence that needs more blocks
+                than the whole cache; the message names the numbers.
         """
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
         if request.num_prompt_tokens == 0:
-            raise ValueError(f"request {request.request_id!r} has an empty prompt")
+            raise VLLMValidationError(
+                f"request {request.request_id!r} has an empty prompt", parameter="prompt"
+            )
         if request.num_prompt_tokens > self.max_model_len:
-            raise ValueError(
+            raise VLLMValidationError(
                 f"the prompt of request {request.request_id!r} is "
                 f"{request.num_prompt_tokens} tokens long, longer than the maximum model "
-                f"length max_model_len={self.max_model_len}"
+                f"length max_model_len={self.max_model_len}",
+                parameter="prompt",
             )
         self._check_fits_cache(request, self.num_blocks)
         self.requests[request.request_id] = request
@@ -445,12 +449,13 @@ class Scheduler:
         blocks_needed = cdiv(num_slots, self.block_size)
         usable = num_blocks - 1
         if blocks_needed > usable:
-            raise ValueError(
+            raise VLLMValidationError(
                 f"request {request.request_id!r} can never fit in the KV cache: its "
                 f"{request.num_prompt_tokens} prompt tokens and up to {max_len} tokens in total "
                 f"need {blocks_needed} blocks of {self.block_size} tokens, but the cache has "
                 f"only {usable} usable blocks (num_blocks={num_blocks}, block 0 is reserved); "
-                "lower max_tokens or max_model_len, or give the KV cache more memory"
+                "lower max_tokens or max_model_len, or give the KV cache more memory",
+                parameter="max_tokens",
             )
 
 
