@@ -72,3 +72,18 @@ class EngineCoreOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class KVCacheMemory:
+    """What the KV cache holds now (for metrics), from the worker up to the frontend.
+
+    Attributes:
+        committed_bytes: physical memory backing the cache (granule-rounded).
+        reserved_bytes: address space reserved (== committed on the classic path).
+        num_blocks: committed blocks, counting the null block.
+    """
+
+    committed_bytes: int
+    reserved_bytes: int
+    num_blocks: int

@@ -414,21 +414,17 @@ class Scheduler:
         """KV cache blocks including the null block."""
         return self.kv_cache_manager.num_blocks
 
-    def set_num_blocks(self, num_blocks: int) -> None:
-        """Adopt the final block count after the extensible KV cache grew.
+    def resize_kv_cache(self, num_blocks: int) -> None:
+        """Adopt a new KV block count (the worker committed more blocks).
 
-        Growing is always allowed. Shrinking (warmup committed more than the
-        final budget) is allowed only while no block is allocated and every
-        queued request still fits.
+        The engine builds the scheduler once, with the final count; this is
+        the seam for the elastic cache, which commits blocks while serving.
+        See `BlockPool.resize` (grow-only today).
 
         Raises:
-            ValueError: shrinking while blocks are in use, or below what a
-                queued request needs.
+            ValueError: a count below the current one.
         """
-        if num_blocks < self.num_blocks:
-            for request in self.requests.values():
-                self._check_fits_cache(request, num_blocks)
-        self.kv_cache_manager.set_num_blocks(num_blocks)
+        self.kv_cache_manager.resize(num_blocks)
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached blocks; False while any request holds blocks."""
