@@ -4,7 +4,7 @@ the classic allocate + zero?
 Prints JSON (and writes it to --out):
   * "commit": latency of one create + map + set_access (and of unmap + release)
     by chunk size, with the implied GiB/s;
-  * "grow": time for ExtensibleTensor.resize_segments_ to grow by N bytes
+  * "grow": time for ExtensibleTensor.grow_segments_ to grow by N bytes
     *including zeroing*, next to `torch.empty(N, dtype=uint8).zero_()` of the
     same size (a fresh allocation: the caching allocator is emptied first),
     measured in the same run, and their ratio.
@@ -123,10 +123,10 @@ def _extensible(n: int, driver, on_gpu: bool, touch: bool) -> float:
     g = driver.granularity
     et = ExtensibleTensor([g + n], driver)  # reserving is start-up work, not timed
     try:
-        et.resize_segments_([g])  # the warmup prefix
+        et.grow_segments_([g])  # the warmup prefix
         _sync(on_gpu)
         t0 = time.perf_counter()
-        et.resize_segments_([g + n], zero_new=True)
+        et.grow_segments_([g + n], zero_new=True)
         if touch:
             et.segment_view(0)[g:].fill_(1)
         _sync(on_gpu)

@@ -12,7 +12,7 @@ def test_text_check_names_field_code_point_and_offset():
     check_unicode_text("naïve 😀 文字", "prompt")
     with pytest.raises(InvalidUnicodeError) as e:
         check_unicode_text("ab\udc80", "stop.1")
-    assert isinstance(e.value, ValueError) and e.value.field == "stop.1"
+    assert isinstance(e.value, ValueError) and e.value.parameter == "stop.1"
     assert str(e.value).startswith(
         "stop.1 contains a lone UTF-16 surrogate U+DC80 at character 2")
 
@@ -29,7 +29,7 @@ def test_text_check_names_field_code_point_and_offset():
 def test_values_check_walks_dicts_lists_and_keys(value, field, starts):
     with pytest.raises(InvalidUnicodeError) as e:
         check_unicode_values(value)
-    assert e.value.field == field
+    assert e.value.parameter == field
     assert str(e.value).startswith(starts)
 
 

@@ -169,3 +169,28 @@ def test_validate_token_ids():
         validate_token_ids([3, 10], 10)
     with pytest.raises(ValueError, match="token id -1 at position 0"):
         validate_token_ids([-1], 10)
+
+
+@pytest.mark.parametrize(("kwargs", "parameter"), [
+    ({"top_p": 0}, "top_p"),
+    ({"n": 0}, "n"),
+    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ({"stop": [""]}, "stop"),
+])
+def test_errors_carry_the_offending_parameter(kwargs, parameter):
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError) as e:
+        SamplingParams(**kwargs)
+    assert e.value.parameter == parameter
+
+
+def test_length_errors_name_prompt_or_max_tokens():
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError) as e:
+        validate_request_lengths(10, None, 10)
+    assert e.value.parameter == "prompt"
+    with pytest.raises(VLLMValidationError) as e:
+        validate_request_lengths(4, 7, 10)
+    assert e.value.parameter == "max_tokens"

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import NotRequired, TypedDict
 
+from vllm.exceptions import VLLMValidationError
+
 
 class TextPrompt(TypedDict):
     prompt: str
@@ -18,12 +20,8 @@ class TokensPrompt(TypedDict):
 PromptType = str | list[int] | TextPrompt | TokensPrompt
 
 
-class InvalidUnicodeError(ValueError):
-    """A string with a lone UTF-16 surrogate; `field` names it ("messages.0.content")."""
-
-    def __init__(self, message: str, field: str | None) -> None:
-        super().__init__(message)
-        self.field = field
+class InvalidUnicodeError(VLLMValidationError):
+    """A string with a lone UTF-16 surrogate; `parameter` names it ("messages.0.content")."""
 
 
 def check_unicode_text(text: str, field: str, *, what: str | None = None) -> None:
@@ -41,7 +39,7 @@ def check_unicode_text(text: str, field: str, *, what: str | None = None) -> Non
         what: how the message names it, when not `field` ("a key of logit_bias").
 
     Raises:
-        InvalidUnicodeError (a ValueError): naming the field, the code point
+        InvalidUnicodeError (a VLLMValidationError): naming the field, the code point
             and its character offset.
     """
     if text.isascii():  # the common case, without a copy
@@ -52,7 +50,7 @@ def check_unicode_text(text: str, field: str, *, what: str | None = None) -> Non
         raise InvalidUnicodeError(
             f"{what or field} contains a lone UTF-16 surrogate U+{ord(text[e.start]):04X} at "
             f"character {e.start}; text must be valid Unicode (surrogates only in pairs)",
-            field or None,
+            parameter=field or None,
         ) from None
 
 
@@ -64,7 +62,7 @@ def check_unicode_values(value: object, field: str = "") -> None:
     Iterative, so deeply nested JSON cannot exhaust the recursion limit.
 
     Raises:
-        InvalidUnicodeError (a ValueError): the first invalid string found.
+        InvalidUnicodeError (a VLLMValidationError): the first invalid string found.
     """
     stack: list[tuple[object, str]] = [(value, field)]
     while stack:

@@ -1,8 +1,9 @@
 """`SamplingParams`: how to sample one request, validated at construction.
 
 Field names, defaults and ranges follow vLLM's, so user code written for vLLM
-runs unchanged. Every invalid value raises `ValueError` naming the field and
-the allowed range. Also here: the request-level checks both the offline `LLM`
+runs unchanged. Every invalid value raises `VLLMValidationError` (a
+`ValueError`) naming the field and the allowed range; its `parameter` is the
+field. Also here: the request-level checks both the offline `LLM`
 and the OpenAI server run before a request reaches the engine
 (`validate_request_lengths`, `validate_token_ids`).
 """
@@ -15,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm.exceptions import VLLMValidationError
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -75,7 +77,8 @@ def _is_finite(value: Any) -> bool:
 
 def _check(ok: bool, name: str, allowed: str, value: Any) -> None:
     if not ok:
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+        raise VLLMValidationError(f"{name} must be {allowed}, got {value!r}", parameter=name,
+                                  value=value)
 
 
 @dataclass
@@ -191,8 +194,9 @@ class SamplingParams:
         _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "an int >= 0",
                self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            raise VLLMValidationError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
+                parameter="min_tokens",
             )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
@@ -203,8 +207,9 @@ class SamplingParams:
         for t_id in self.stop_token_ids:
             _check(_is_int(t_id) and t_id >= 0, "stop_token_ids", "token ids >= 0", t_id)
         if not isinstance(self.output_kind, RequestOutputKind):
-            raise ValueError(
-                f"output_kind must be a RequestOutputKind, got {self.output_kind!r}"
+            raise VLLMValidationError(
+                f"output_kind must be a RequestOutputKind, got {self.output_kind!r}",
+                parameter="output_kind",
             )
         if self.logit_bias is not None:
             for tok, bias in self.logit_bias.items():
@@ -262,9 +267,10 @@ class SamplingParams:
         if self.logit_bias:
             bad = sorted(t for t in self.logit_bias if t >= vocab_size)
             if bad:
-                raise ValueError(
+                raise VLLMValidationError(
                     f"logit_bias has token ids {bad} outside the vocabulary "
-                    f"(vocab_size {vocab_size})"
+                    f"(vocab_size {vocab_size})",
+                    parameter="logit_bias",
                 )
 
     def clone(self) -> SamplingParams:
@@ -301,20 +307,24 @@ def validate_request_lengths(
             max_model_len when required; the message gives all the numbers.
     """
     if num_prompt_tokens < 1:
-        raise ValueError("the prompt is empty: it must have at least 1 token")
+        raise VLLMValidationError(
+            "the prompt is empty: it must have at least 1 token", parameter="prompt"
+        )
     if num_prompt_tokens >= max_model_len:
-        raise ValueError(
+        raise VLLMValidationError(
             f"prompt has {num_prompt_tokens} tokens, which leaves no room to generate within "
-            f"max_model_len {max_model_len}; shorten the prompt"
+            f"max_model_len {max_model_len}; shorten the prompt",
+            parameter="prompt",
         )
     room = max_model_len - num_prompt_tokens
     if max_tokens is None:
         return room
     if require_room_for_max_tokens and max_tokens > room:
-        raise ValueError(
+        raise VLLMValidationError(
             f"prompt has {num_prompt_tokens} tokens, plus max_tokens {max_tokens} exceeds "
             f"max_model_len {max_model_len}; reduce the prompt or max_tokens "
-            f"(at most {room} here)"
+            f"(at most {room} here)",
+            parameter="max_tokens",
         )
     return max_tokens
 
@@ -323,15 +333,23 @@ def validate_request_lengths(
 validate_prompt_length = validate_request_lengths
 
 
-def validate_token_ids(token_ids: list[int], vocab_size: int, what: str = "prompt") -> None:
+def validate_token_ids(
+    token_ids: list[int], vocab_size: int, what: str = "prompt", parameter: str = "prompt"
+) -> None:
     """Check user-given token ids (a token-id prompt) against the vocabulary.
 
+    Args:
+        what: how the message names the ids ("prompt" -> "prompt token id 7 ...").
+        parameter: the request field they came from.
+
     Raises:
-        ValueError: an id < 0 or >= vocab_size; names the position and both numbers.
+        VLLMValidationError: an id < 0 or >= vocab_size; names the position and
+            both numbers.
     """
     for pos, tok in enumerate(token_ids):
         if not _is_int(tok) or not 0 <= tok < vocab_size:
-            raise ValueError(
+            raise VLLMValidationError(
                 f"{what} token id {tok!r} at position {pos} is out of the vocabulary "
-                f"[0, {vocab_size})"
+                f"[0, {vocab_size})",
+                parameter=parameter,
             )

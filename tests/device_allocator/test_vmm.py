@@ -16,13 +16,9 @@ import pytest
 import torch
 
 from vllm.device_allocator import vmm
-from vllm.device_allocator.vmm import (
-    MIN_GRANULARITY,
-    CudaVmmDriver,
-    HipVmmDriver,
-    HostVmmDriver,
-    VmmError,
-)
+from vllm.device_allocator.gpu_vmm import CudaVmmDriver, HipVmmDriver
+from vllm.device_allocator.host_vmm import HostVmmDriver
+from vllm.device_allocator.vmm import MIN_GRANULARITY, VmmError
 
 MiB = 1 << 20
 

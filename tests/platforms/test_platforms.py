@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import vllm.platforms as platforms
-from vllm.device_allocator.vmm import CudaVmmDriver, HipVmmDriver, HostVmmDriver
+from vllm.device_allocator.gpu_vmm import CudaVmmDriver, HipVmmDriver
+from vllm.device_allocator.host_vmm import HostVmmDriver
 from vllm.platforms.cpu import DEFAULT_CPU_KV_CACHE_BYTES, CpuPlatform, read_host_memory
 from vllm.platforms.cuda import CudaPlatform, parse_pci_bus_id
 from vllm.platforms.interface import DeviceProcess

@@ -6,7 +6,8 @@ import random
 import pytest
 import torch
 
-from vllm.device_allocator.vmm import HostVmmDriver, VmmDriver, VmmError
+from vllm.device_allocator.host_vmm import HostVmmDriver
+from vllm.device_allocator.vmm import VmmDriver, VmmError
 from vllm.utils.extensible_tensor import ExtensibleTensor
 
 MiB = 1 << 20
@@ -143,11 +144,11 @@ def test_base_stable_and_data_intact_across_growth(host):
     et = ExtensibleTensor([40 * MiB, 40 * MiB], host)
     base = et.base
     full = et.full_view()
-    et.resize_segments_([3 * MiB + 17, 1 * MiB])
+    et.grow_segments_([3 * MiB + 17, 1 * MiB])
     et.segment_view(0).copy_(torch.arange(3 * MiB + 17, dtype=torch.int64).to(torch.uint8))
     et.segment_view(1).fill_(5)
     for sizes in ([10 * MiB, 9 * MiB], [40 * MiB, 40 * MiB]):
-        et.resize_segments_(sizes)
+        et.grow_segments_(sizes)
         assert et.base == base and et.full_view() is full and full.data_ptr() == base
         seg0 = et.segment_view(0)
         assert seg0.data_ptr() == base and seg0.numel() == sizes[0]
@@ -159,10 +160,10 @@ def test_base_stable_and_data_intact_across_growth(host):
 
 def test_new_bytes_read_zero(host):
     et = ExtensibleTensor([8 * MiB, 8 * MiB], host)
-    et.resize_segments_([1 * MiB, 1 * MiB])
+    et.grow_segments_([1 * MiB, 1 * MiB])
     et.segment_view(0).fill_(1)
     et.segment_view(1).fill_(1)
-    et.resize_segments_([8 * MiB, 6 * MiB])
+    et.grow_segments_([8 * MiB, 6 * MiB])
     assert int(et.segment_view(0)[1 * MiB:].count_nonzero()) == 0
     assert int(et.segment_view(1)[1 * MiB:].count_nonzero()) == 0
     assert int(et.segment_view(0)[: 1 * MiB].sum()) == 1 * MiB
@@ -174,10 +175,10 @@ def test_zeroing_on_drivers_without_zeroed_pages_covers_exposed_bytes_only(host)
     # including bytes in a granule mapped earlier, and must not clobber live data.
     d = CountingDriver(host, fresh_pages_zeroed=False)
     et = ExtensibleTensor([3 * MiB, 3 * MiB], d)
-    et.resize_segments_([1 * MiB, 0])  # maps granule 0 = [0, 2 MiB)
+    et.grow_segments_([1 * MiB, 0])  # maps granule 0 = [0, 2 MiB)
     et.segment_view(0).fill_(9)
     et.full_view()[1 * MiB: 2 * MiB].fill_(0xEE)  # garbage in the mapped, unexposed tail
-    et.resize_segments_([2 * MiB, 3 * MiB])
+    et.grow_segments_([2 * MiB, 3 * MiB])
     seg0 = et.segment_view(0)
     assert int((seg0[: 1 * MiB] != 9).sum()) == 0  # old data kept
     assert int(seg0[1 * MiB:].count_nonzero()) == 0  # newly exposed bytes zeroed
@@ -188,7 +189,7 @@ def test_zeroing_on_drivers_without_zeroed_pages_covers_exposed_bytes_only(host)
 def test_large_commit_costs_no_resident_memory_on_host(host):
     et = ExtensibleTensor([1024 * MiB], host)
     before = rss_bytes()
-    et.resize_segments_([1024 * MiB], zero_new=True)
+    et.grow_segments_([1024 * MiB], zero_new=True)
     assert et.physical_bytes == 1024 * MiB
     assert rss_bytes() - before < 16 * MiB  # zero_new does not touch host pages
     et.free()
@@ -197,12 +198,12 @@ def test_large_commit_costs_no_resident_memory_on_host(host):
 def test_one_driver_allocation_per_segment_per_growth(host):
     d = CountingDriver(host)
     et = ExtensibleTensor([64 * MiB] * 4, d)
-    et.resize_segments_([10 * MiB, 20 * MiB, 0, 64 * MiB])
+    et.grow_segments_([10 * MiB, 20 * MiB, 0, 64 * MiB])
     assert d.counts["create"] == 3 and et.num_physical_chunks == 3
-    et.resize_segments_([30 * MiB, 20 * MiB, 5 * MiB, 64 * MiB])
+    et.grow_segments_([30 * MiB, 20 * MiB, 5 * MiB, 64 * MiB])
     assert d.counts["create"] == 5  # segments 0 and 2 grew; 1 and 3 did not
     assert d.counts["create"] == d.counts["map"] == d.counts["set_access"]
-    et.resize_segments_([30 * MiB, 20 * MiB, 5 * MiB, 64 * MiB])  # no-op
+    et.grow_segments_([30 * MiB, 20 * MiB, 5 * MiB, 64 * MiB])  # no-op
     assert d.counts["create"] == 5
     assert et.physical_bytes == len(committed_granules(et)) * G
     et.free()
@@ -213,7 +214,7 @@ def test_shared_granule_is_mapped_once(host):
     # the start of segment 1. HostVmmDriver refuses to map a range twice.
     d = CountingDriver(host)
     et = ExtensibleTensor([3 * MiB, 3 * MiB], d)
-    et.resize_segments_([3 * MiB, 3 * MiB])
+    et.grow_segments_([3 * MiB, 3 * MiB])
     assert et.physical_bytes == 6 * MiB  # 3 granules, not 4
     assert et.physical_chunks() == [(0, 4 * MiB), (4 * MiB, 2 * MiB)]
     et.segment_view(0).fill_(1)
@@ -227,11 +228,11 @@ def test_shared_granule_is_mapped_once(host):
 
 def test_shared_granule_grown_from_the_second_segment_first(host):
     et = ExtensibleTensor([3 * MiB, 3 * MiB], host)
-    et.resize_segments_([0, 1])  # segment 1 maps granule 1 (shared)
+    et.grow_segments_([0, 1])  # segment 1 maps granule 1 (shared)
     assert et.physical_chunks() == [(2 * MiB, 2 * MiB)]
-    et.resize_segments_([3 * MiB, 1])  # segment 0 needs granules 0-1: only 0 is missing
+    et.grow_segments_([3 * MiB, 1])  # segment 0 needs granules 0-1: only 0 is missing
     assert et.physical_chunks() == [(0, 2 * MiB), (2 * MiB, 2 * MiB)]
-    et.resize_segments_([3 * MiB, 3 * MiB])
+    et.grow_segments_([3 * MiB, 3 * MiB])
     assert et.physical_bytes == 6 * MiB
     et.free()
 
@@ -244,7 +245,7 @@ def test_random_growth_matches_granule_model(host):
     for _ in range(12):
         sizes = [min(c, s + rng.choice([0, 0, rng.randrange(1, 3 * MiB)]))
                  for c, s in zip(caps, sizes, strict=True)]
-        et.resize_segments_(sizes)
+        et.grow_segments_(sizes)
         assert list(et.segment_sizes) == sizes
         assert et.physical_bytes == len(committed_granules(et)) * G  # each granule once
         assert host.num_mappings == et.num_physical_chunks
@@ -260,19 +261,19 @@ def test_random_growth_matches_granule_model(host):
 
 def test_resize_errors_name_the_numbers(host):
     et = ExtensibleTensor([4 * MiB, 4 * MiB], host)
-    et.resize_segments_([2 * MiB, 1000])
+    et.grow_segments_([2 * MiB, 1000])
     with pytest.raises(ValueError, match=r"expected 2 sizes \(one per segment\), got 3"):
-        et.resize_segments_([1, 2, 3])
+        et.grow_segments_([1, 2, 3])
     with pytest.raises(ValueError, match=r"segment 1: size -1 is negative"):
-        et.resize_segments_([2 * MiB, -1])
+        et.grow_segments_([2 * MiB, -1])
     with pytest.raises(ValueError, match=rf"segment 0: size {4 * MiB + 1} bytes exceeds its "
                                          rf"capacity {4 * MiB} bytes"):
-        et.resize_segments_([4 * MiB + 1, 1000])
+        et.grow_segments_([4 * MiB + 1, 1000])
     with pytest.raises(ValueError, match=r"segment 1: size 999 bytes is below its committed "
                                          r"size 1000 bytes"):
-        et.resize_segments_([2 * MiB, 999])
+        et.grow_segments_([2 * MiB, 999])
     with pytest.raises(TypeError, match="segment 0: size must be an int"):
-        et.resize_segments_([2.0 * MiB, 1000])
+        et.grow_segments_([2.0 * MiB, 1000])
     with pytest.raises(IndexError, match="segment index 2 out of range for 2 segments"):
         et.segment_view(2)
     assert et.segment_sizes == (2 * MiB, 1000)  # nothing changed
@@ -283,18 +284,18 @@ def test_resize_errors_name_the_numbers(host):
 def test_failure_part_way_rolls_back(host, call, nth):
     d = CountingDriver(host)
     et = ExtensibleTensor([8 * MiB] * 3, d)
-    et.resize_segments_([1 * MiB, 0, 0])
+    et.grow_segments_([1 * MiB, 0, 0])
     et.segment_view(0).fill_(3)
     before = (et.segment_sizes, et.physical_chunks(), host.num_mappings)
     d.counts.clear()
     d.fail_at[call] = nth
     with pytest.raises(VmmError, match="INJECTED_OUT_OF_MEMORY"):
-        et.resize_segments_([8 * MiB, 8 * MiB, 8 * MiB])
+        et.grow_segments_([8 * MiB, 8 * MiB, 8 * MiB])
     assert (et.segment_sizes, et.physical_chunks(), host.num_mappings) == before
     assert len(d.live_handles) == et.num_physical_chunks  # every rolled-back handle released
     assert int((et.segment_view(0) != 3).sum()) == 0
     d.fail_at.clear()
-    et.resize_segments_([8 * MiB, 8 * MiB, 8 * MiB])  # a retry works
+    et.grow_segments_([8 * MiB, 8 * MiB, 8 * MiB])  # a retry works
     assert et.physical_bytes == 24 * MiB
     et.free()
     assert (host.num_mappings, host.num_reservations, len(d.live_handles)) == (0, 0, 0)
@@ -302,12 +303,12 @@ def test_failure_part_way_rolls_back(host, call, nth):
 
 def test_use_after_free_and_double_free(host):
     et = ExtensibleTensor([4 * MiB], host)
-    et.resize_segments_([1 * MiB])
+    et.grow_segments_([1 * MiB])
     et.free()
     et.free()  # safe
     assert et.is_freed and host.num_reservations == 0 and host.num_mappings == 0
-    for fn in (et.full_view, lambda: et.segment_view(0), lambda: et.resize_segments_([2 * MiB]),
-               et.release_physical, et.recommit_, et.defragment_, et.discard_released_sizes_):
+    for fn in (et.full_view, lambda: et.segment_view(0), lambda: et.grow_segments_([2 * MiB]),
+               et.release_physical, et.recommit_, et.defragment_):
         with pytest.raises(RuntimeError, match=r"used after free\(\)"):
             fn()
 
@@ -326,7 +327,7 @@ def test_release_drops_rss_and_recommit_brings_it_back(host):
     size = 96 * MiB
     et = ExtensibleTensor([size // 2, size // 2], host)
     base = et.base
-    et.resize_segments_([size // 2, size // 2 - 12345])
+    et.grow_segments_([size // 2, size // 2 - 12345])
     r0 = rss_bytes()
     et.full_view()[: size - 12345].fill_(7)
     r1 = rss_bytes()
@@ -353,7 +354,7 @@ def test_release_drops_rss_and_recommit_brings_it_back(host):
 def test_failed_recommit_stays_released_and_can_retry(host):
     d = CountingDriver(host)
     et = ExtensibleTensor([4 * MiB, 4 * MiB], d)
-    et.resize_segments_([4 * MiB, 4 * MiB])
+    et.grow_segments_([4 * MiB, 4 * MiB])
     et.release_physical()
     d.counts.clear()
     d.fail_at["map"] = 2
@@ -369,14 +370,14 @@ def test_failed_recommit_stays_released_and_can_retry(host):
 def test_release_then_commit_smaller_sizes(host):
     et = ExtensibleTensor([8 * MiB, 8 * MiB], host)
     base = et.base
-    et.resize_segments_([8 * MiB, 8 * MiB])
+    et.grow_segments_([8 * MiB, 8 * MiB])
     et.segment_view(0).fill_(1)
     et.release_physical()
-    et.discard_released_sizes_()
-    assert not et.is_released and et.segment_sizes == (0, 0)
+    assert et.is_released and et.segment_sizes == (0, 0)
+    et.grow_segments_([2 * MiB, 2 * MiB])  # smaller than before the release
+    assert not et.is_released
     with pytest.raises(RuntimeError, match="needs a prior release_physical"):
-        et.recommit_()
-    et.resize_segments_([2 * MiB, 2 * MiB])  # smaller than before the release
+        et.recommit_()  # the sizes from before the release are gone
     assert et.base == base and et.physical_bytes == 4 * MiB
     assert int(et.segment_view(0).count_nonzero()) == 0
     et.free()
@@ -386,7 +387,7 @@ def test_defragment_leaves_one_chunk_per_segment(host):
     et = ExtensibleTensor([16 * MiB] * 3, host)
     base = et.base
     for step in range(1, 5):
-        et.resize_segments_([4 * MiB * step - 1] * 3)
+        et.grow_segments_([4 * MiB * step - 1] * 3)
     assert et.num_physical_chunks == 12
     et.segment_view(2).fill_(4)
     sizes = et.segment_sizes
@@ -406,7 +407,7 @@ def test_defragment_leaves_one_chunk_per_segment(host):
 
 def test_finalizer_releases_when_tensor_and_views_die(host):
     et = ExtensibleTensor([4 * MiB, 4 * MiB], host)
-    et.resize_segments_([4 * MiB, 1])
+    et.grow_segments_([4 * MiB, 1])
     view = et.segment_view(0)
     view.fill_(2)
     del et
@@ -440,10 +441,10 @@ def test_cuda_growth_semantics():
     base = et.base
     full = et.full_view()
     assert full.device.type == "cuda" and full.data_ptr() == base
-    et.resize_segments_([g + 5, 3])
+    et.grow_segments_([g + 5, 3])
     et.segment_view(0).fill_(7)
     et.segment_view(1).fill_(8)
-    et.resize_segments_(list(et.segment_capacities))
+    et.grow_segments_(list(et.segment_capacities))
     torch.cuda.synchronize()
     assert et.base == base and et.full_view().data_ptr() == base
     s0, s1 = et.segment_view(0), et.segment_view(1)
@@ -466,7 +467,7 @@ def test_cuda_mem_get_info_follows_commits():
     et = _cuda_et([commit + g, commit + g])
     torch.cuda.synchronize()
     free0, _ = torch.cuda.mem_get_info()
-    et.resize_segments_([commit, commit])
+    et.grow_segments_([commit, commit])
     torch.cuda.synchronize()
     free1, _ = torch.cuda.mem_get_info()
     assert abs((free0 - free1) - 2 * commit) <= 32 * MiB
@@ -490,7 +491,7 @@ def test_cuda_graph_captured_before_growth_writes_into_grown_region():
     g = _cuda_driver().granularity
     capacity = 4096 * MiB
     et = _cuda_et([capacity])
-    et.resize_segments_([g])  # small prefix at capture time
+    et.grow_segments_([g])  # small prefix at capture time
     full = et.full_view()
     index = torch.zeros(4, dtype=torch.int64, device="cuda")
     values = torch.tensor([11, 22, 33, 44], dtype=torch.uint8, device="cuda")
@@ -509,7 +510,7 @@ def test_cuda_graph_captured_before_growth_writes_into_grown_region():
         full.index_put_((index,), values)
         torch.index_select(full, 0, index, out=out)
 
-    et.resize_segments_([capacity])  # grow by ~4 GiB under the captured graph
+    et.grow_segments_([capacity])  # grow by ~4 GiB under the captured graph
     assert et.full_view().data_ptr() == full.data_ptr() == et.base
     targets = torch.tensor([capacity - 4, capacity - 3, 3 * g + 1, g], device="cuda")
     index.copy_(targets)
@@ -532,10 +533,10 @@ def test_cuda_oom_part_way_rolls_back_and_leaks_nothing():
     torch.cuda.synchronize()
     free0, _ = torch.cuda.mem_get_info()
     with pytest.raises(VmmError, match="CUDA_ERROR_OUT_OF_MEMORY"):
-        et.resize_segments_([half, half])  # segment 0 fits, segment 1 does not
+        et.grow_segments_([half, half])  # segment 0 fits, segment 1 does not
     free1, _ = torch.cuda.mem_get_info()
     assert abs(free1 - free0) <= 32 * MiB
     assert et.segment_sizes == (0, 0) and et.physical_bytes == 0
-    et.resize_segments_([g, g])  # still usable
+    et.grow_segments_([g, g])  # still usable
     assert et.physical_bytes == 2 * g
     et.free()

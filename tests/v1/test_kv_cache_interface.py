@@ -9,12 +9,12 @@ from vllm.attention.layer import Attention
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheLayout,
-    allocate_and_reshape_kv_cache,
     bind_kv_cache,
     bytes_per_block,
     get_kv_cache_config,
     reshape_kv_cache,
 )
+from vllm.v1.worker.kv_cache import allocate_and_reshape_kv_cache
 
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
 # 2 (K, V) x 16 tokens x 2 heads x 8 dims x 2 bytes = 1024 bytes per block per layer

@@ -112,7 +112,7 @@ class LLM:
         continue_final_message: bool = False,
     ) -> dict:
         """A conversation as a prompt dict (text + token ids) via the chat template."""
-        from vllm.entrypoints.chat_utils import apply_chat_template
+        from vllm.transformers_utils.chat_templates import apply_chat_template
 
         return apply_chat_template(
             self.get_tokenizer(),

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from vllm.device_allocator.vmm import HostVmmDriver
+from vllm.device_allocator.host_vmm import HostVmmDriver
 from vllm.logger import init_logger
 from vllm.platforms.interface import Platform
 

@@ -262,7 +262,7 @@ class ExtensibleTensor:
 
     # ----------------------------------------------------------------- growth
 
-    def resize_segments_(self, sizes: Sequence[int], zero_new: bool = True) -> None:
+    def grow_segments_(self, sizes: Sequence[int], zero_new: bool = True) -> None:
         """Grow each segment's committed prefix to `sizes[i]` bytes (grow-only).
 
         Maps the missing granules of each growing segment as ONE driver
@@ -326,7 +326,7 @@ class ExtensibleTensor:
             if s < self._sizes[i]:
                 raise ValueError(
                     f"segment {i}: size {s} bytes is below its committed size "
-                    f"{self._sizes[i]} bytes; resize_segments_ only grows "
+                    f"{self._sizes[i]} bytes; grow_segments_ only grows "
                     "(release_physical() drops everything)"
                 )
             out.append(s)
@@ -408,18 +408,7 @@ class ExtensibleTensor:
         self._check_alive()
         if self._saved_sizes is None:
             raise RuntimeError("recommit_() needs a prior release_physical(); nothing is released")
-        self.resize_segments_(self._saved_sizes, zero_new=zero_new)
-
-    def discard_released_sizes_(self) -> None:
-        """Forget the sizes `release_physical()` remembered: `recommit_()` is then refused.
-
-        For re-sizing after warmup: release, discard, then `resize_segments_` to
-        the new (possibly smaller) sizes. (`resize_segments_` after a release
-        works without this too; this makes "the old sizes are gone" explicit.)
-        A no-op when nothing is released.
-        """
-        self._check_alive()
-        self._saved_sizes = None
+        self.grow_segments_(self._saved_sizes, zero_new=zero_new)
 
     def defragment_(self, zero_new: bool = True) -> None:
         """Remap each segment as a single allocation; CONTENTS ARE DISCARDED.
@@ -463,6 +452,45 @@ class ExtensibleTensor:
             f"physical_bytes={self.physical_bytes}, chunks={self.num_physical_chunks}, "
             f"released={self.is_released}, freed={self._freed})"
         )
+
+
+class ExtensibleReserve:
+    """A `reserve(size, num_segments)` hook that backs an allocation with an ExtensibleTensor.
+
+    Passed down, once, to an allocator that would otherwise `torch.zeros` its
+    backing (`allocate_and_reshape_kv_cache(..., reserve=...)`): calling it
+    reserves `size` bytes as `num_segments` equal segments, commits the first
+    `prefix_bytes` of every segment (zeroed), and returns `full_view()`. The
+    reservation is then `self.tensor`, for the owner to grow, release and free.
+    Nothing here knows what the bytes hold.
+
+    Args:
+        driver: the VMM backend (probe passed).
+        prefix_bytes: bytes to commit at the start of each segment (>= 0).
+    """
+
+    def __init__(self, driver: VmmDriver, prefix_bytes: int) -> None:
+        self.driver = driver
+        self.prefix_bytes = _as_size("prefix_bytes", None, prefix_bytes)
+        self.tensor: ExtensibleTensor | None = None
+
+    def __call__(self, size: int, num_segments: int) -> torch.Tensor:
+        """uint8 tensor `[size]` over the new reservation; its data_ptr() is the base.
+
+        Raises:
+            RuntimeError: called twice (one hook, one reservation).
+            ValueError / VmmError: as `ExtensibleTensor.from_capacity` and `grow_segments_`.
+        """
+        if self.tensor is not None:
+            raise RuntimeError("ExtensibleReserve already reserved its tensor")
+        tensor = ExtensibleTensor.from_capacity(size, num_segments, self.driver)
+        try:
+            tensor.grow_segments_([self.prefix_bytes] * num_segments)
+        except BaseException:
+            tensor.free()
+            raise
+        self.tensor = tensor
+        return tensor.full_view()
 
 
 # ------------------------------------------------------------------ helpers

@@ -3,7 +3,10 @@
 A `KVCacheSpec` says what one block of one layer holds; a `KVCacheConfig` says
 where each layer's blocks sit in a single byte range, so that the range can come
 either from a plain `torch.zeros` or from the extensible reservation
-(`ExtensibleTensor`), whose base address never moves while it grows.
+(`ExtensibleTensor`), whose base address never moves while it grows. The
+allocation itself is the worker's (`vllm/v1/worker/kv_cache.py`,
+`allocate_and_reshape_kv_cache`); this module only places blocks and builds
+views over a given backing (`reshape_kv_cache`).
 
 Layouts (P = page_size_bytes of one block of one layer, N = num_blocks,
 L = number of layers):
@@ -48,10 +51,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
-
-# reserve(size_bytes, num_segments) -> uint8 tensor spanning size_bytes whose
-# data_ptr() is the base of the allocation (the extensible cache's hook).
-ReserveFn = Callable[[int, int], torch.Tensor]
 
 
 class KVCacheLayout(enum.Enum):
@@ -346,46 +345,6 @@ def reshape_kv_cache(
             storage_offset=typed.storage_offset() + t.offset // itemsize,
         )
     return views
-
-
-def allocate_and_reshape_kv_cache(
-    kv_cache_config: KVCacheConfig,
-    device: torch.device | str,
-    reserve: ReserveFn | None = None,
-    num_blocks: int | None = None,
-) -> dict[str, torch.Tensor]:
-    """Allocate the one backing range and return the per-layer views over it.
-
-    Args:
-        kv_cache_config: the placement; the allocation spans `size_bytes`.
-        device: where the default allocation goes.
-        reserve: `reserve(size_bytes, num_segments) -> uint8 tensor` spanning
-            size_bytes with data_ptr() at the base (the extensible cache's hook).
-            None: a plain zeroed `torch.zeros(size_bytes, dtype=uint8)`.
-        num_blocks: committed blocks per layer the views cover (default: all
-            `kv_cache_config.num_blocks`); with `reserve` only this prefix of
-            each segment is backed, so views must not reach past it.
-
-    Returns:
-        layer name -> view [num_blocks, 2, block_size, num_kv_heads, head_size].
-
-    Raises:
-        ValueError: `reserve` returned something that does not span the
-            allocation, or num_blocks is out of range (see `reshape_kv_cache`).
-    """
-    size = kv_cache_config.size_bytes
-    if reserve is None:
-        backing = torch.zeros(size, dtype=torch.uint8, device=device)
-    else:
-        backing = reserve(size, kv_cache_config.num_segments)
-        if not isinstance(backing, torch.Tensor):
-            raise ValueError(
-                f"reserve({size}, {kv_cache_config.num_segments}) returned "
-                f"{type(backing).__name__}, expected a uint8 torch.Tensor"
-            )
-    return reshape_kv_cache(
-        kv_cache_config, backing, kv_cache_config.num_blocks if num_blocks is None else num_blocks
-    )
 
 
 def bind_kv_cache(

@@ -1,7 +1,15 @@
-"""What the model runner returns to the scheduler each step (torch-free)."""
+"""What crosses a layer boundary upward each step (torch-free, imports nothing from vllm).
+
+    model runner --ModelRunnerOutput--> scheduler --EngineCoreOutput--> frontend
+
+`ModelRunnerOutput` carries sampled token ids and logprobs per scheduled
+request; `EngineCoreOutput` the news of one request (new tokens, logprobs,
+finish reason). Both are plain dataclasses so every layer can import them.
+"""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 
@@ -38,3 +46,44 @@ class ModelRunnerOutput:
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request finished; `str()` gives the OpenAI `finish_reason`."""
+
+    STOP = 0  # EOS, a stop token id or a stop string
+    LENGTH = 1  # max_tokens or max_model_len reached
+    ABORT = 2  # aborted by the client, or failed
+
+    def __str__(self) -> str:
+        return ("stop", "length", "abort")[self.value]
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: LogprobsLists | None = None
+    new_prompt_logprobs: LogprobsLists | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that matched
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class KVCacheMemory:
+    """What the KV cache holds now (for metrics), from the worker up to the frontend.
+
+    Attributes:
+        committed_bytes: physical memory backing the cache (granule-rounded).
+        reserved_bytes: address space reserved (== committed on the classic path).
+        num_blocks: committed blocks, counting the null block.
+    """
+
+    committed_bytes: int
+    reserved_bytes: int
+    num_blocks: int

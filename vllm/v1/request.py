@@ -7,11 +7,10 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, overload
 
-from vllm.v1.engine import FinishReason
+from vllm.v1.outputs import FinishReason
 
 if TYPE_CHECKING:
     from vllm.sampling_params import SamplingParams
-    from vllm.v1.core.kv_cache_utils import BlockHash
 
 
 class RequestStatus(enum.IntEnum):
@@ -133,7 +132,7 @@ class Request:
 
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1
-        self.block_hashes: list[BlockHash] = []
+        self.block_hashes: list[bytes] = []  # kv_cache_utils.BlockHash digests
         self.num_preemptions = 0
 
     @property

@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.engine import EngineCoreOutput, FinishReason
-from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
+from vllm.v1.outputs import EngineCoreOutput, FinishReason, LogprobsLists, ModelRunnerOutput
 from vllm.v1.request import Request
 
 EOS = 2

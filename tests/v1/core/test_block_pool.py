@@ -1,4 +1,4 @@
-"""BlockPool: exact block ids, reference counts, eviction order, growth and shrinking."""
+"""BlockPool: exact block ids, reference counts, eviction order, growth."""
 
 import pytest
 
@@ -144,7 +144,7 @@ def test_grow_appends_new_blocks_at_queue_tail_and_keeps_state():
     pool.cache_full_blocks(blocks, hashes, 0, 2)
     pool.free_blocks([blocks[1]])  # queue: 4, 2 (2 cached)
     pool.touch([blocks[0]])  # block 1 ref 2
-    pool.grow(8)
+    pool.resize(8)
     assert pool.num_blocks == 8
     assert _ids(pool.blocks) == list(range(8))
     assert _free_ids(pool) == [4, 2, 5, 6, 7]
@@ -152,36 +152,17 @@ def test_grow_appends_new_blocks_at_queue_tail_and_keeps_state():
     assert pool.get_cached_block(hashes[0]) is blocks[0]
     assert pool.get_cached_block(hashes[1]) is blocks[1]
     assert pool.get_usage() == pytest.approx(2 / 7)
-    pool.grow(8)  # same size: no-op
+    pool.resize(8)  # same size: no-op
     assert pool.num_blocks == 8
     with pytest.raises(ValueError, match="cannot shrink the block pool from 8 to 6 blocks"):
-        pool.grow(6)
+        pool.resize(6)
+    assert pool.num_blocks == 8 and _free_ids(pool) == [4, 2, 5, 6, 7]
 
 
 def test_pool_of_only_the_null_block_grows():
     pool = BlockPool(1, enable_caching=True)
     assert pool.get_num_free_blocks() == 0 and pool.get_usage() == 0.0
-    pool.grow(3)
+    pool.resize(3)
     assert _ids(pool.get_new_blocks(2)) == [1, 2]
     with pytest.raises(ValueError, match="num_blocks must be >= 1"):
         BlockPool(0, enable_caching=True)
-
-
-def test_set_num_blocks_shrinks_only_when_nothing_allocated():
-    pool = BlockPool(8, enable_caching=True)
-    blocks = pool.get_new_blocks(6)  # 1..6
-    hashes = _hashes(6)
-    pool.cache_full_blocks(blocks, hashes, 0, 6)
-    with pytest.raises(ValueError, match="from 8 to 4 blocks while 6 blocks are in use"):
-        pool.set_num_blocks(4)
-    pool.free_blocks(reversed(blocks))  # queue: 7, 6, 5, 4, 3, 2, 1
-    pool.set_num_blocks(4)
-    assert pool.num_blocks == 4
-    assert _free_ids(pool) == [3, 2, 1]
-    assert set(pool.cached_block_hash_to_block) == set(hashes[:3])
-    assert pool.get_cached_block(hashes[3]) is None
-    pool.set_num_blocks(6)  # grows again with fresh blocks
-    assert _free_ids(pool) == [3, 2, 1, 4, 5]
-    assert pool.blocks[4].block_hash is None
-    with pytest.raises(ValueError, match="num_blocks must be >= 1"):
-        pool.set_num_blocks(0)

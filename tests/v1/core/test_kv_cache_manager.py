@@ -161,19 +161,17 @@ def test_slots_capped_at_max_model_len():
     assert m.max_blocks_per_request == 3
 
 
-def test_grow_set_num_blocks_and_reset_passthrough():
+def test_resize_and_reset_passthrough():
     m = _manager(num_blocks=3)
     a = make_request("a", list(range(8)))
     _admit(m, a)
     assert m.allocate_slots(make_request("b", 4), 4) is None
-    m.grow(5)
+    m.resize(5)
     assert m.num_blocks == 5 and m.get_num_free_blocks() == 2
-    with pytest.raises(ValueError, match="from 5 to 3 blocks while 2 blocks are in use"):
-        m.set_num_blocks(3)
+    with pytest.raises(ValueError, match="cannot shrink the block pool from 5 to 3 blocks"):
+        m.resize(3)
     assert m.reset_prefix_cache() is False
     m.free(a)
     assert m.reset_prefix_cache() is True
-    m.set_num_blocks(2)
-    assert m.num_blocks == 2 and m.get_num_free_blocks() == 1
     with pytest.raises(ValueError, match="block_size must be >= 1, got 0"):
         KVCacheManager(4, 0, True, 16)

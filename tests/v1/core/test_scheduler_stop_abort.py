@@ -14,8 +14,7 @@ from tests.v1.core.fake_runner import (
     step,
 )
 from vllm.v1.core.sched.utils import check_stop
-from vllm.v1.engine import FinishReason
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, FinishReason
 from vllm.v1.request import RequestStatus
 
 STOP = FinishReason.STOP

@@ -100,7 +100,7 @@ def test_classic_and_extensible_paths_byte_identical(tmp_path, shape):
     # Graphs were captured once, before the extension, and never again.
     assert captured == len(worker.model_runner.cuda_graphs.capture_sizes) > 0
     assert CUDAGraphManager.num_captures - captures_before == captured
-    assert worker.extensible.num_blocks == ext_blocks
+    assert worker.kv_cache.committed_blocks == ext_blocks
     _shutdown(ext)
 
     assert ext_out == classic_out

@@ -14,6 +14,7 @@ import pytest
 
 from vllm import LLM, SamplingParams
 from vllm.transformers_utils.config import get_bundled_model_path
+from vllm.v1.worker.kv_cache import ClassicKVCacheBuffers, ExtensibleKVCacheBuffers
 
 PROMPTS = [
     "The capital of France is",
@@ -119,16 +120,17 @@ def test_seeded_sampling_is_reproducible(llm):
 def test_extensible_cache_grows_after_warmup_and_matches_classic(llm, reference):
     worker = llm.llm_engine.engine_core.worker
     assert llm.llm_engine.vllm_config.cache_config.enable_extensible_kv_cache
-    ext = worker.extensible
+    ext = worker.kv_cache
+    assert isinstance(ext, ExtensibleKVCacheBuffers)
     # Warmup ran against the null block + one block; the cache grew after it.
-    assert ext.num_blocks == llm.llm_engine.engine_core.num_blocks > 2
+    assert ext.committed_blocks == llm.llm_engine.engine_core.num_blocks > 2
     base = ext.tensor.full_view().data_ptr()
-    first_layer = next(iter(worker.kv_caches.values()))
+    first_layer = next(iter(ext.views.values()))
     assert first_layer.data_ptr() == base
-    assert first_layer.shape[0] == ext.num_blocks
+    assert first_layer.shape[0] == ext.committed_blocks
     classic = LLM(**SMALL, enable_extensible_kv_cache=False)
     try:
-        assert classic.llm_engine.engine_core.worker.extensible is None
+        assert isinstance(classic.llm_engine.engine_core.worker.kv_cache, ClassicKVCacheBuffers)
         out = classic.generate(PROMPTS, GREEDY, use_tqdm=False)
     finally:
         _close(classic)

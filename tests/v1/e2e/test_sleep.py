@@ -50,17 +50,17 @@ def test_level1_outputs_identical_and_kv_pages_released(llm, reference):
     # Touch KV pages (8 x ~80 tokens x 46 KiB per token ~ 29 MiB), then sleep.
     llm.generate(["Tell me a story about the sea."] * 8, LONG, use_tqdm=False)
     worker = llm.llm_engine.engine_core.worker
-    kv_before = worker.extensible.physical_bytes
+    kv_before = worker.kv_cache.committed_bytes
     rss_awake = _rss_mib()
     llm.sleep(level=1)
     assert llm.llm_engine.is_sleeping()
-    assert worker.extensible.physical_bytes == 0 and worker.weight_arena.physical_bytes == 0
+    assert worker.kv_cache.committed_bytes == 0 and worker.weight_arena.physical_bytes == 0
     assert rss_awake - _rss_mib() > 20  # the touched KV pages left (weights moved to a host copy)
-    base = worker.extensible.tensor.base
+    base = worker.kv_cache.tensor.base
     assert llm.llm_engine.wake_up() is False  # level 1 kept the weights: nothing to reload
     assert not llm.llm_engine.is_sleeping()
-    assert worker.extensible.tensor.base == base
-    assert worker.extensible.physical_bytes == kv_before
+    assert worker.kv_cache.tensor.base == base
+    assert worker.kv_cache.committed_bytes == kv_before
     assert _texts(llm) == reference
 
 
@@ -112,7 +112,7 @@ def test_ten_cycles_leave_no_growth(llm, reference):
 
 def test_failed_wake_stays_asleep_and_a_later_wake_succeeds(llm, reference, monkeypatch):
     worker = llm.llm_engine.engine_core.worker
-    driver = worker.extensible.driver
+    driver = worker.kv_cache.driver
     llm.sleep(level=1)
     real_create = driver.create
     calls = {"n": 0}

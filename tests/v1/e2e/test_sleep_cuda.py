@@ -44,7 +44,7 @@ def test_sleep_wake_keeps_graphs_and_returns_memory(tmp_path):
         assert worker.model_runner.cuda_graphs.captured
         reference = _tokens(llm)
         captures = CUDAGraphManager.num_captures
-        kv_base = worker.extensible.tensor.base
+        kv_base = worker.kv_cache.tensor.base
         weight_ptr = next(worker.model_runner.model.parameters()).data_ptr()
 
         for level in (1, 2):
@@ -58,7 +58,7 @@ def test_sleep_wake_keeps_graphs_and_returns_memory(tmp_path):
             if level == 2:
                 llm.reload_weights()
             assert _tokens(llm) == reference
-            assert worker.extensible.tensor.base == kv_base
+            assert worker.kv_cache.tensor.base == kv_base
             assert next(worker.model_runner.model.parameters()).data_ptr() == weight_ptr
         assert CUDAGraphManager.num_captures == captures  # no re-capture
     finally:

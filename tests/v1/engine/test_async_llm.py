@@ -186,7 +186,7 @@ def test_stat_loggers_see_every_step(engine):
             self.finished: list[str] = []
 
         def record(self, scheduler_stats, iteration_stats, kv_cache_memory):
-            assert kv_cache_memory["num_blocks"] == scheduler_stats.num_blocks
+            assert kv_cache_memory.num_blocks == scheduler_stats.num_blocks
             if iteration_stats is not None:
                 self.generation_tokens += iteration_stats.num_generation_tokens
                 self.finished += iteration_stats.finished_reasons

@@ -1,19 +1,28 @@
-"""Sizing arithmetic from given memory snapshots (both paths, buffer, caps, rounding)."""
+"""Sizing arithmetic from given memory snapshots (both paths, buffer, caps, rounding).
+
+Expected values are literal numbers worked out by hand (the comments show the
+arithmetic), never recomputed from the module's constants: changing a buffer
+constant, the warmup block count or a rounding rule makes these tests fail,
+and whoever changes it must update the numbers on purpose.
+"""
 
 import pytest
 
 from vllm.v1.worker.kv_cache_sizing import (
-    ACTIVATION_HEADROOM_FRACTION,
-    BUFFER_FLOOR_BYTES,
-    POST_WARMUP_FRACTION,
+    WARMUP_NUM_BLOCKS,
     GiB,
     KVCacheSizingError,
     MemoryProfile,
+    MemorySnapshot,
     MiB,
+    capacity_blocks,
     check_min_blocks,
     classic_kv_cache_bytes,
+    classic_num_blocks,
     committed_bytes_for_blocks,
     extensible_kv_cache_bytes,
+    final_num_blocks,
+    min_across_ranks,
     num_blocks_for_bytes,
 )
 
@@ -23,7 +32,8 @@ TOTAL = 140 * GiB
 def test_classic_subtracts_weights_peak_and_non_torch_from_utilization_share():
     profile = MemoryProfile(total=TOTAL, weights=16 * GiB, activation_peak=2 * GiB, non_torch=GiB)
     result = classic_kv_cache_bytes(profile, 0.92)
-    assert result.kv_bytes == int(0.92 * TOTAL) - 19 * GiB
+    # int(0.92 x 150323855360) = 138297946931; less 19 GiB (20401094656).
+    assert result.kv_bytes == int(0.92 * TOTAL) - 19 * GiB == 117896852275
     assert result.buffer_bytes == 0
 
 
@@ -43,11 +53,11 @@ def test_extensible_budget_is_free_plus_committed_less_buffer():
         activation_peak=peak,
         gpu_memory_utilization=1.0,
     )
-    budget = 101 * GiB
-    buffer = int(ACTIVATION_HEADROOM_FRACTION * peak) + int(POST_WARMUP_FRACTION * budget)
+    budget = 101 * GiB  # 108447924224
+    # 10 % of the 4 GiB peak (429496729) + 0.1 % of the budget (108447924)
     assert r.budget_bytes == budget
-    assert r.buffer_bytes == buffer
-    assert r.kv_bytes == budget - buffer
+    assert r.buffer_bytes == 537944653
+    assert r.kv_bytes == budget - 537944653 == 107909979571
 
 
 def test_extensible_buffer_has_absolute_floor():
@@ -59,7 +69,8 @@ def test_extensible_buffer_has_absolute_floor():
         activation_peak=MiB,  # tiny peak: the floor applies
         gpu_memory_utilization=1.0,
     )
-    assert r.buffer_bytes == BUFFER_FLOOR_BYTES + int(POST_WARMUP_FRACTION * 50 * GiB)
+    # the 128 MiB floor (134217728) + 0.1 % of 50 GiB (53687091)
+    assert r.buffer_bytes == 187904819
 
 
 def test_extensible_never_exceeds_utilization_share_of_total():
@@ -147,3 +158,92 @@ def test_device_too_small_for_one_block_says_how_much():
     with pytest.raises(KVCacheSizingError, match=r"0\.00 GiB available.*2097152 bytes"):
         check_min_blocks(1, 1000, 2 * MiB)
     check_min_blocks(2, 4 * MiB, 2 * MiB)
+
+
+# ---- the entry points the worker calls, from snapshots ----
+
+# An 8B-like layout on an H200-like device: 32 layers (segments) of 64 KiB
+# blocks (2 x 16 tokens x 8 heads x 128 dims x 2 bytes), 2 MiB granules.
+STRIDE, SEGMENTS, GRANULE = 64 * 1024, 32, 2 * MiB
+
+
+def test_capacity_is_the_whole_device_rounded_to_granules():
+    # 140 GiB / (64 KiB x 32) = 71680 blocks; align = 2 MiB / 64 KiB = 32 divides it.
+    assert capacity_blocks(TOTAL, STRIDE, SEGMENTS, GRANULE) == 71680
+    # 140 GiB / 720 KiB = 203889.8 -> 203889; align = 2 MiB / 8 KiB = 256 -> 797 x 256.
+    assert capacity_blocks(TOTAL, 24 * 1024, 30, GRANULE) == 204032
+    # A device smaller than the warmup blocks still reserves them.
+    assert capacity_blocks(10 * MiB, 3 * MiB, 4, GRANULE) == WARMUP_NUM_BLOCKS == 2
+
+
+def test_final_count_from_a_snapshot_after_warmup():
+    snapshot = MemorySnapshot(total=TOTAL, free=100 * GiB, kv_committed=64 * MiB,
+                              used_since_start=30 * GiB)
+    size = final_num_blocks(snapshot, activation_peak=4 * GiB, gpu_memory_utilization=1.0,
+                            block_stride=STRIDE, num_segments=SEGMENTS, granularity=GRANULE,
+                            capacity=71680)
+    # budget = min(100 GiB + 64 MiB free+committed, 140 GiB - (30 GiB - 64 MiB) held)
+    #        = 107441291264; buffer = 429496729 + 107441291 = 536938020
+    # kv = 106904353244 -> 3340761038 per segment -> 1592 granules -> 50944 blocks
+    assert size.bytes.budget_bytes == 107441291264
+    assert size.bytes.buffer_bytes == 536938020
+    assert size.bytes.kv_bytes == 106904353244
+    assert size.num_blocks == 50944
+
+
+def test_final_count_counts_the_torch_shortfall_as_held_and_the_floor_applies():
+    snapshot = MemorySnapshot(total=TOTAL, free=100 * GiB, kv_committed=64 * MiB,
+                              used_since_start=30 * GiB, torch_shortfall=GiB)
+    assert snapshot.held_non_kv == 31 * GiB - 64 * MiB
+    assert snapshot.available == 99 * GiB
+    size = final_num_blocks(snapshot, activation_peak=256 * MiB, gpu_memory_utilization=0.9,
+                            block_stride=STRIDE, num_segments=SEGMENTS, granularity=GRANULE,
+                            capacity=71680)
+    # cap = int(0.9 x 140 GiB) - held = 135291469824 - 33218887680 = 102072582144
+    # buffer = 128 MiB floor + 102072582 = 236290310
+    assert size.bytes.budget_bytes == 102072582144
+    assert size.bytes.buffer_bytes == 236290310
+    assert size.num_blocks == 48544
+
+
+def test_final_count_explicit_bytes_and_capacity_cap():
+    snapshot = MemorySnapshot(total=TOTAL, free=100 * GiB, kv_committed=64 * MiB,
+                              used_since_start=30 * GiB)
+    common = dict(activation_peak=4 * GiB, gpu_memory_utilization=1.0, block_stride=STRIDE,
+                  num_segments=SEGMENTS, granularity=GRANULE)
+    # 10 GiB explicit = 5120 whole 2 MiB blocks, no granule rounding down.
+    explicit = final_num_blocks(snapshot, capacity=71680, explicit_bytes=10 * GiB, **common)
+    assert explicit.num_blocks == 5120 and explicit.bytes.buffer_bytes == 0
+    assert final_num_blocks(snapshot, capacity=4096, **common).num_blocks == 4096
+    with pytest.raises(KVCacheSizingError, match="exceeds the 100.06 GiB available"):
+        final_num_blocks(snapshot, capacity=71680, explicit_bytes=101 * GiB, **common)
+    # The CPU platform's cap bounds the budget: 4 GiB - 128 MiB - 4 MiB buffer.
+    capped = final_num_blocks(snapshot, capacity=71680, budget_cap=4 * GiB,
+                              **{**common, "activation_peak": MiB})
+    assert capped.bytes.kv_bytes == 4 * GiB - 134217728 - 4294967 == 4156454601
+    # 129889206 bytes per segment -> 61 granules -> 61 x 32 blocks
+    assert capped.num_blocks == 1952
+
+
+def test_classic_count_from_a_profile():
+    profile = MemoryProfile(total=TOTAL, weights=16 * GiB, activation_peak=2 * GiB, non_torch=GiB)
+    # 117896852275 bytes / 2 MiB per block = 56217.4 -> 56217
+    assert classic_num_blocks(profile, 2 * MiB, gpu_memory_utilization=0.92).num_blocks == 56217
+    explicit = classic_num_blocks(profile, 2 * MiB, gpu_memory_utilization=0.92,
+                                  explicit_bytes=GiB)
+    assert explicit.num_blocks == 512
+    # Where the platform caps the cache (CPU), the cap and free memory decide.
+    cpu = classic_num_blocks(profile, 2 * MiB, gpu_memory_utilization=0.92,
+                             free=3 * GiB, budget_cap=4 * GiB)
+    assert cpu.num_blocks == 1536
+    with pytest.raises(KVCacheSizingError, match="too small for even one KV cache block"):
+        classic_num_blocks(profile, 2 * MiB, gpu_memory_utilization=0.92, explicit_bytes=MiB)
+
+
+def test_min_across_ranks():
+    assert min_across_ranks([50944]) == 50944
+    assert min_across_ranks([50944, 50912, 51008]) == 50912
+    with pytest.raises(ValueError, match="one block count >= 1 per rank"):
+        min_across_ranks([])
+    with pytest.raises(ValueError, match="one block count >= 1 per rank"):
+        min_across_ranks([4, 0])

@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from vllm.entrypoints.openai.errors import APIError, error_from_exception
 from vllm.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
 from vllm.entrypoints.openai.protocol import (
     INVALID_UNICODE_ERROR,
@@ -46,11 +47,7 @@ from vllm.entrypoints.openai.protocol import (
 )
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from vllm.entrypoints.openai.serving_engine import (
-    APIError,
-    cancel_on_disconnect,
-    error_from_exception,
-)
+from vllm.entrypoints.openai.serving_engine import cancel_on_disconnect
 from vllm.entrypoints.openai.serving_models import ServedModels
 from vllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from vllm.logger import init_logger

@@ -25,6 +25,7 @@ from prometheus_client import (
 if TYPE_CHECKING:
     from vllm.v1.core.sched.stats import SchedulerStats
     from vllm.v1.metrics.stats import IterationStats
+    from vllm.v1.outputs import KVCacheMemory
 
 __all__ = ["CONTENT_TYPE_LATEST", "PrometheusStatLogger"]
 
@@ -101,7 +102,7 @@ class PrometheusStatLogger:
         self,
         scheduler_stats: SchedulerStats,
         iteration_stats: IterationStats | None,
-        kv_cache_memory: dict[str, int] | None,
+        kv_cache_memory: KVCacheMemory | None,
     ) -> None:
         s = scheduler_stats
         self.num_requests_running.set(s.num_running_reqs)
@@ -114,9 +115,9 @@ class PrometheusStatLogger:
         self._last_prefix_hits = _advance(self.prefix_cache_hits, s.prefix_cache_hits,
                                           self._last_prefix_hits)
         if kv_cache_memory is not None:
-            self.kv_cache_committed_bytes.set(kv_cache_memory["committed_bytes"])
-            self.kv_cache_reserved_bytes.set(kv_cache_memory["reserved_bytes"])
-            self.kv_cache_num_blocks.set(kv_cache_memory["num_blocks"])
+            self.kv_cache_committed_bytes.set(kv_cache_memory.committed_bytes)
+            self.kv_cache_reserved_bytes.set(kv_cache_memory.reserved_bytes)
+            self.kv_cache_num_blocks.set(kv_cache_memory.num_blocks)
         else:
             self.kv_cache_num_blocks.set(s.num_blocks)
         if iteration_stats is not None:

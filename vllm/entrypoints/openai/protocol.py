@@ -42,7 +42,7 @@ class OpenAIRequest(OpenAIBaseModel):
         except InvalidUnicodeError as e:
             # "{message}" as the template: the message itself is never formatted.
             raise PydanticCustomError(INVALID_UNICODE_ERROR, "{message}",
-                                      {"message": str(e), "field": e.field}) from None
+                                      {"message": str(e), "field": e.parameter}) from None
         return data
 
 

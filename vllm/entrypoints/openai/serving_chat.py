@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from vllm.entrypoints.openai.errors import APIError, validation_error
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -28,7 +29,6 @@ from vllm.entrypoints.openai.protocol import (
 )
 from vllm.entrypoints.openai.serving_engine import (
     SSE_DONE,
-    APIError,
     OpenAIServing,
     build_sampling_params,
     clamp_logprob,
@@ -161,7 +161,7 @@ class OpenAIServingChat(OpenAIServing):
                 continue_final_message=bool(request.continue_final_message),
             )
         except ValueError as e:
-            raise APIError(400, str(e), getattr(e, "field", None) or "messages") from e
+            raise validation_error(e, default="messages") from e
         except Exception as e:  # jinja2 errors from a template that rejects the messages
             if type(e).__module__.startswith("jinja2"):
                 raise APIError(400, f"the chat template failed: {e}", "messages") from e

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from vllm.entrypoints.openai.errors import APIError
 from vllm.entrypoints.openai.protocol import (
     CompletionLogProbs,
     CompletionRequest,
@@ -23,7 +24,6 @@ from vllm.entrypoints.openai.protocol import (
 )
 from vllm.entrypoints.openai.serving_engine import (
     SSE_DONE,
-    APIError,
     OpenAIServing,
     build_sampling_params,
     clamp_logprob,

@@ -5,9 +5,9 @@ request (pydantic, types checked) -> resolve model (404) -> SamplingParams(...) 
     -> AsyncLLM.add_request (Processor: empty prompt / lengths -> 400) -> RequestOutputStream
 ```
 
-Errors travel as `APIError(status, message, param)`; the app turns them into
-the OpenAI body `{"error": {"message", "type", "param", "code"}}`. Engine
-exceptions map to statuses in `error_from_exception`.
+Errors travel as `APIError(status, message, param)` (errors.py); the app turns
+them into the OpenAI body `{"error": {"message", "type", "param", "code"}}`.
+A validation error names its own field (`VLLMValidationError.parameter`).
 """
 
 from __future__ import annotations
@@ -15,26 +15,14 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Coroutine
-from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from vllm.entrypoints.openai.protocol import (
-    ErrorInfo,
-    ErrorResponse,
-    SamplingFields,
-    UsageInfo,
-)
+from vllm.entrypoints.openai.errors import APIError, error_from_exception, validation_error
+from vllm.entrypoints.openai.protocol import SamplingFields, UsageInfo
 from vllm.logger import init_logger
 from vllm.sampling_params import RequestOutputKind, SamplingParams
-from vllm.v1.engine.exceptions import (
-    EngineDeadError,
-    EngineGenerateError,
-    EngineShutdownError,
-    EngineSleepingError,
-    SleepModeUnavailableError,
-)
 
 if TYPE_CHECKING:
     from fastapi import Request
@@ -45,69 +33,8 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-# vLLM's error "type" names, by status.
-_ERROR_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    404: "NotFoundError",
-    405: "MethodNotAllowedError",
-    500: "InternalServerError",
-    501: "NotImplementedError",
-    503: "ServiceUnavailableError",
-}
 # JSON has no -inf: logprobs of impossible tokens are clamped here (as vLLM does).
 MIN_LOGPROB = -9999.0
-
-
-def encodable(text: str) -> str:
-    """`text` with anything UTF-8 cannot encode (lone surrogates) as `\\udXXX` escapes.
-
-    Error messages may quote user input (an unknown model name); the body must
-    still encode, or the client gets a plain-text 500 instead of the error.
-    """
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-class APIError(Exception):
-    """An error answered with the OpenAI error body and `status`.
-
-    `message` and `param` are made UTF-8 encodable (`encodable`), so building
-    the response never fails, whatever user text they quote.
-    """
-
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        message = encodable(str(message))
-        super().__init__(message)
-        self.status = int(status)
-        self.message = message
-        self.param = encodable(param) if param is not None else None
-
-    def body(self) -> ErrorResponse:
-        error_type = _ERROR_TYPES.get(self.status) or HTTPStatus(self.status).phrase.replace(
-            " ", "") + "Error"
-        return ErrorResponse(
-            error=ErrorInfo(message=self.message, type=error_type, param=self.param,
-                            code=self.status)
-        )
-
-    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
-        return JSONResponse(self.body().model_dump(), status_code=self.status, headers=headers)
-
-
-def error_from_exception(error: BaseException, param: str | None = None) -> APIError:
-    """The HTTP status an engine-side exception deserves."""
-    if isinstance(error, APIError):
-        return error
-    if isinstance(error, ValueError):
-        return APIError(400, str(error), param)
-    if isinstance(error, EngineSleepingError | EngineShutdownError):
-        return APIError(503, str(error))
-    if isinstance(error, SleepModeUnavailableError):
-        return APIError(501, str(error))
-    if isinstance(error, EngineGenerateError | EngineDeadError):
-        return APIError(500, str(error))
-    logger.exception("unexpected error while serving a request", exc_info=error)
-    return APIError(500, f"internal error: {error!r}")
 
 
 def random_id(prefix: str) -> str:
@@ -134,10 +61,6 @@ def usage_info(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
     """The `usage` object: token counts and their sum."""
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                      total_tokens=prompt_tokens + completion_tokens)
-
-
-def _leading_field(message: str) -> str:
-    return message.split(" ", 1)[0].rstrip(":,")
 
 
 def build_sampling_params(
@@ -195,15 +118,10 @@ def build_sampling_params(
     try:
         params = SamplingParams(**kwargs)
         params.verify_vocab(vocab_size)
-    except (ValueError, TypeError) as e:
-        message = str(e)
-        field = _leading_field(message)
-        if field not in SamplingParams.__dataclass_fields__:
-            raise APIError(400, message) from e
-        param = renamed.get(field, field)
-        if param != field:
-            message = param + message[len(field):]
-        raise APIError(400, message, param) from e
+    except ValueError as e:
+        raise validation_error(e, renamed) from e
+    except TypeError as e:
+        raise APIError(400, str(e)) from e
     return params
 
 
@@ -228,15 +146,7 @@ class OpenAIServing:
         try:
             return await self.engine_client.add_request(request_id, prompt, params)
         except ValueError as e:
-            message = str(e)
-            param = None
-            if "max_tokens" in message:
-                param = length_param
-            elif _leading_field(message) in SamplingParams.__dataclass_fields__:
-                param = _leading_field(message)  # engine limits on a parameter: "n (3000) ..."
-            elif "prompt" in message:
-                param = prompt_param
-            raise APIError(400, message, param) from e
+            raise validation_error(e, {"prompt": prompt_param, "max_tokens": length_param}) from e
         except Exception as e:
             raise error_from_exception(e) from e
 

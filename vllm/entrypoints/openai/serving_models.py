@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
+from vllm.entrypoints.openai.errors import APIError
 from vllm.entrypoints.openai.protocol import ModelCard, ModelList
-from vllm.entrypoints.openai.serving_engine import APIError
 
 
 class ServedModels:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from vllm.entrypoints.openai.errors import APIError, validation_error
 from vllm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeRequest,
     TokenizeResponse,
 )
-from vllm.entrypoints.openai.serving_engine import APIError, OpenAIServing
+from vllm.entrypoints.openai.serving_engine import OpenAIServing
 from vllm.sampling_params import validate_token_ids
 
 
@@ -33,7 +34,7 @@ class OpenAIServingTokenization(OpenAIServing):
                     continue_final_message=request.continue_final_message,
                 )
             except ValueError as e:
-                raise APIError(400, str(e), getattr(e, "field", None) or "messages") from e
+                raise validation_error(e, default="messages") from e
             tokens = list(rendered["prompt_token_ids"])
         else:
             try:
@@ -41,7 +42,7 @@ class OpenAIServingTokenization(OpenAIServing):
                     request.prompt, add_special_tokens=request.add_special_tokens
                 )
             except ValueError as e:
-                raise APIError(400, str(e), "prompt") from e
+                raise validation_error(e, default="prompt") from e
         token_strs = None
         if request.return_token_strs:
             token_strs = await self.engine_client.convert_ids_to_tokens(tokens)
@@ -52,7 +53,7 @@ class OpenAIServingTokenization(OpenAIServing):
         """Raises APIError: 404 unknown model, 400 a token id outside the vocabulary."""
         self.models.resolve(request.model)
         try:
-            validate_token_ids(request.tokens, self.vocab_size, what="the")
+            validate_token_ids(request.tokens, self.vocab_size, what="the", parameter="tokens")
         except ValueError as e:
-            raise APIError(400, str(e), "tokens") from e
+            raise validation_error(e) from e
         return DetokenizeResponse(prompt=await self.engine_client.detokenize(request.tokens))

@@ -168,53 +168,28 @@ class BlockPool:
             block.reset_hash()
         return True
 
-    def grow(self, new_num_blocks: int) -> None:
-        """Raise the block count (the extensible KV cache grew after warmup).
+    def resize(self, num_blocks: int) -> None:
+        """The one way to change the pool's size: after warmup, and for the elastic cache.
 
-        New blocks `num_blocks .. new_num_blocks - 1` join the tail of the free
-        queue in id order; existing blocks, hashes, reference counts and queue
-        order are untouched. Equal counts are a no-op.
+        Growing appends blocks `num_blocks_before .. num_blocks - 1` at the tail
+        of the free queue in id order; existing blocks, hashes, reference
+        counts and queue order are untouched. Equal counts are a no-op.
+
+        Shrinking is not supported yet: the elastic KV cache will add it here
+        (release free *tail* blocks, so live blocks never move); nothing in the
+        engine asks for it today.
 
         Raises:
-            ValueError: new_num_blocks < num_blocks (use `set_num_blocks` to shrink).
+            ValueError: num_blocks < the current count (names both numbers).
         """
-        if new_num_blocks < self.num_blocks:
+        if num_blocks < self.num_blocks:
             raise ValueError(
-                f"grow() cannot shrink the block pool from {self.num_blocks} to "
-                f"{new_num_blocks} blocks"
+                f"cannot shrink the block pool from {self.num_blocks} to {num_blocks} blocks: "
+                "only growing is supported"
             )
-        new_blocks = [KVCacheBlock(i) for i in range(self.num_blocks, new_num_blocks)]
+        new_blocks = [KVCacheBlock(i) for i in range(self.num_blocks, num_blocks)]
         self.blocks += new_blocks
         self.free_block_queue.append_n(new_blocks)
-
-    def set_num_blocks(self, num_blocks: int) -> None:
-        """Grow, or shrink while no block is allocated.
-
-        Shrinking exists for the case where warmup committed more blocks than
-        the final budget: blocks `num_blocks ..` are dropped (their cached
-        hashes with them); the remaining free blocks keep their queue order and
-        hashes.
-
-        Raises:
-            ValueError: num_blocks < 1, or shrinking while blocks are in use.
-        """
-        if num_blocks >= self.num_blocks:
-            self.grow(num_blocks)
-            return
-        if num_blocks < 1:
-            raise ValueError(
-                f"num_blocks must be >= 1 (block 0 is the null block), got {num_blocks}"
-            )
-        num_used = self.num_blocks - 1 - self.get_num_free_blocks()
-        if num_used > 0:
-            raise ValueError(
-                f"cannot shrink the block pool from {self.num_blocks} to {num_blocks} blocks "
-                f"while {num_used} blocks are in use"
-            )
-        for block in self.blocks[num_blocks:]:
-            self.free_block_queue.remove(block)
-            self._evict_cached_block(block)
-        del self.blocks[num_blocks:]
 
     def _evict_cached_block(self, block: KVCacheBlock) -> None:
         """Drop `block`'s prefix-cache entry, if it has one."""

@@ -86,13 +86,9 @@ class KVCacheManager:
     def get_num_free_blocks(self) -> int:
         return self.block_pool.get_num_free_blocks()
 
-    def grow(self, num_blocks: int) -> None:
-        """Raise the block count; see BlockPool.grow."""
-        self.block_pool.grow(num_blocks)
-
-    def set_num_blocks(self, num_blocks: int) -> None:
-        """Grow, or shrink while nothing is allocated; see BlockPool.set_num_blocks."""
-        self.block_pool.set_num_blocks(num_blocks)
+    def resize(self, num_blocks: int) -> None:
+        """Change the block count; see BlockPool.resize (grow-only today)."""
+        self.block_pool.resize(num_blocks)
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached hashes; False while any block is in use."""

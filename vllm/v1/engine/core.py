@@ -5,7 +5,7 @@ from __future__ import annotations
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.v1.core.sched.scheduler import Scheduler, SchedulerStats
-from vllm.v1.engine import EngineCoreOutput
+from vllm.v1.outputs import EngineCoreOutput, KVCacheMemory
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.worker.gpu_worker import Worker
 
@@ -16,10 +16,14 @@ class EngineCore:
     """Owns the worker and the scheduler of one engine.
 
     Start-up follows DESIGN.md section 4: load the model, size the KV cache
-    (classic: final size; extensible: a small committed prefix), create the
-    scheduler over what is committed, warm up and capture CUDA graphs, then
-    (extensible) measure, extend and raise the scheduler's block count, and
-    only then run the hooks that need the final cache (KV connectors).
+    (classic: final size; extensible: a small committed prefix), warm up and
+    capture CUDA graphs, then (extensible) measure and extend, run the hooks
+    that need the final cache (KV connectors), and only then build the
+    scheduler, once, with the final block count.
+
+    What the frontend needs from here comes as return values (`get_stats`,
+    `kv_cache_memory`, `scheduled_request_ids`, `wake_up`, `is_sleeping`),
+    never by reaching into the scheduler or the worker.
     """
 
     def __init__(self, vllm_config: VllmConfig) -> None:
@@ -29,7 +33,9 @@ class EngineCore:
         self.worker = Worker(vllm_config)
         self.worker.init_device()
         self.worker.load_model()
-        num_blocks = self.worker.initialize_kv_cache()
+        self.worker.initialize_kv_cache()
+        num_blocks = self.worker.compile_or_warm_up_model()
+        self.worker.run_post_kv_cache_hooks()
         self.scheduler = Scheduler(
             max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
@@ -39,10 +45,7 @@ class EngineCore:
             enable_prefix_caching=cache.enable_prefix_caching,
             enable_chunked_prefill=sched.enable_chunked_prefill,
         )
-        final_num_blocks = self.worker.compile_or_warm_up_model()
-        if final_num_blocks != num_blocks:
-            self.scheduler.set_num_blocks(final_num_blocks)
-        self.worker.run_post_kv_cache_hooks()
+        self._scheduled_req_ids: list[str] = []  # of the last (possibly failed) step
 
     @property
     def num_blocks(self) -> int:
@@ -63,11 +66,17 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
+        self._scheduled_req_ids = []
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self.scheduler.schedule()
+        self._scheduled_req_ids = list(scheduler_output.num_scheduled_tokens)
         runner_output = self.worker.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def scheduled_request_ids(self) -> list[str]:
+        """Ids of the requests the last `step()` scheduled (also when it raised)."""
+        return list(self._scheduled_req_ids)
 
     # ----------------------------------------------------------------- sleep
     def sleep(self, level: int = 1) -> None:
@@ -81,7 +90,12 @@ class EngineCore:
         self.scheduler.reset_prefix_cache()
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
-        """Map memory back ("weights", "kv_cache", or both); see Worker.wake_up."""
+        """Map memory back ("weights", "kv_cache", or both).
+
+        Returns:
+            True when the weights must be reloaded (woken after a level-2
+            sleep); see `Worker.wake_up`.
+        """
         return self.worker.wake_up(tags)
 
     def is_sleeping(self) -> bool:
@@ -92,6 +106,10 @@ class EngineCore:
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()
+
+    def kv_cache_memory(self) -> KVCacheMemory:
+        """Committed / reserved bytes and committed blocks of the KV cache."""
+        return self.worker.kv_cache_memory()
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()

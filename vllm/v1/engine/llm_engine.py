@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 
     from vllm.engine.arg_utils import EngineArgs
     from vllm.inputs import PromptType
+    from vllm.v1.core.sched.stats import SchedulerStats
+    from vllm.v1.outputs import KVCacheMemory
 
 logger = init_logger(__name__)
 
@@ -156,8 +158,7 @@ class LLMEngine:
             VmmError: not enough device memory now; the engine stays asleep for
                 what could not be mapped, and a later call can succeed.
         """
-        # EngineCore / Worker report whether the weights' contents were restored.
-        return not self.engine_core.wake_up(tags)
+        return self.engine_core.wake_up(tags)
 
     def is_sleeping(self) -> bool:
         return self.engine_core.is_sleeping()
@@ -165,6 +166,19 @@ class LLMEngine:
     def reload_weights(self) -> None:
         """Load the checkpoint into the model again (after a level-2 sleep)."""
         self.engine_core.reload_weights()
+
+    # ------------------------------------------------------------ figures
+    def get_scheduler_stats(self) -> SchedulerStats:
+        """Running / waiting requests, KV usage, prefix-cache and preemption counts."""
+        return self.engine_core.get_stats()
+
+    def get_kv_cache_memory(self) -> KVCacheMemory:
+        """Committed / reserved bytes and committed blocks of the KV cache."""
+        return self.engine_core.kv_cache_memory()
+
+    def get_scheduled_request_ids(self) -> list[str]:
+        """Ids of the (child) requests the last step scheduled, also when it raised."""
+        return self.engine_core.scheduled_request_ids()
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

@@ -18,10 +18,9 @@ from typing import TYPE_CHECKING, Any
 from vllm.logprobs import Logprob
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind
-from vllm.v1.engine import EngineCoreOutput, FinishReason
 from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 from vllm.v1.metrics.stats import IterationStats, RequestTimes
-from vllm.v1.outputs import LogprobsLists
+from vllm.v1.outputs import EngineCoreOutput, FinishReason, LogprobsLists
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

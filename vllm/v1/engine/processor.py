@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from vllm.exceptions import VLLMValidationError
 from vllm.inputs import check_unicode_text
 from vllm.sampling_params import SamplingParams, validate_request_lengths
 from vllm.v1.request import Request
@@ -51,21 +52,22 @@ class Processor:
         allocates per-sample state while every other client waits.
 
         Raises:
-            ValueError: naming n and max_num_seqs.
+            VLLMValidationError (parameter "n"): naming n and max_num_seqs.
         """
         if params.n > self.max_num_seqs:
-            raise ValueError(
+            raise VLLMValidationError(
                 f"n ({params.n}) must be <= max_num_seqs ({self.max_num_seqs}), the most "
-                "sequences this engine runs at once; ask for fewer samples per request"
+                "sequences this engine runs at once; ask for fewer samples per request",
+                parameter="n",
             )
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, prompt token ids).
 
         Raises:
-            ValueError: empty prompt, text that is not valid Unicode (a lone
-                UTF-16 surrogate), token ids outside [0, vocab_size), or an
-                unsupported prompt type.
+            VLLMValidationError (parameter "prompt"): empty prompt, text that is
+                not valid Unicode (a lone UTF-16 surrogate), token ids outside
+                [0, vocab_size), or an unsupported prompt type.
         """
         if isinstance(prompt, str):
             text, token_ids = prompt, None
@@ -73,28 +75,30 @@ class Processor:
             text = prompt.get("prompt")
             token_ids = prompt.get("prompt_token_ids")
             if text is None and token_ids is None:
-                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+                raise _prompt_error("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         elif isinstance(prompt, list | tuple):
             text, token_ids = None, list(prompt)
         else:
-            raise ValueError(
+            raise _prompt_error(
                 f"prompt must be a string, a list of token ids or a prompt dict, not "
                 f"{type(prompt).__name__}"
             )
         if text is not None:  # also when token ids come with it: outputs echo the text
             if not isinstance(text, str):
-                raise ValueError(f"the prompt text must be a string, not {type(text).__name__}")
+                raise _prompt_error(f"the prompt text must be a string, not {type(text).__name__}")
             check_unicode_text(text, "prompt")
         if token_ids is None:
             if not text:
-                raise ValueError("the prompt is empty")
+                raise _prompt_error("the prompt is empty")
             token_ids = self.tokenizer.encode(text)
         token_ids = list(token_ids)
         if not token_ids:
-            raise ValueError("the prompt is empty (0 tokens)")
+            raise _prompt_error("the prompt is empty (0 tokens)")
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]!r} is out of range [0, {self.vocab_size})")
+            raise _prompt_error(
+                f"prompt token id {bad[0]!r} is out of range [0, {self.vocab_size})"
+            )
         return text, token_ids
 
     def make_request(
@@ -111,7 +115,7 @@ class Processor:
         vocabulary, and makes EOS part of the stop set that min_tokens masks.
 
         Raises:
-            ValueError: naming the numbers.
+            VLLMValidationError: naming the numbers and the parameter at fault.
         """
         params = params.clone()  # one per request: the fields below are per prompt
         params.max_tokens = validate_request_lengths(
@@ -126,3 +130,7 @@ class Processor:
             eos_token_id=self.eos_token_id,
             arrival_time=arrival_time if arrival_time is not None else time.time(),
         )
+
+
+def _prompt_error(message: str) -> VLLMValidationError:
+    return VLLMValidationError(message, parameter="prompt")

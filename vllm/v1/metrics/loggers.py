@@ -16,6 +16,7 @@ from vllm.logger import init_logger
 if TYPE_CHECKING:
     from vllm.v1.core.sched.stats import SchedulerStats
     from vllm.v1.metrics.stats import IterationStats
+    from vllm.v1.outputs import KVCacheMemory
 
 logger = init_logger(__name__)
 
@@ -27,7 +28,7 @@ class StatLoggerBase(Protocol):
         self,
         scheduler_stats: SchedulerStats,
         iteration_stats: IterationStats | None,
-        kv_cache_memory: dict[str, int] | None,
+        kv_cache_memory: KVCacheMemory | None,
     ) -> None:
         """After every step (with that step's IterationStats) and after commands (None)."""
 
@@ -49,7 +50,7 @@ class LoggingStatLogger:
         self,
         scheduler_stats: SchedulerStats,
         iteration_stats: IterationStats | None,
-        kv_cache_memory: dict[str, int] | None,
+        kv_cache_memory: KVCacheMemory | None,
     ) -> None:
         self._scheduler_stats = scheduler_stats
         if iteration_stats is not None:

@@ -5,7 +5,8 @@
         slot = block_ids[r][p // block_size] * block_size + p % block_size
 
 The host copy is edited incrementally as the scheduler hands out blocks; the
-device copy is refreshed once per step (one H2D copy of the rows in use).
+device copy is refreshed once per step (`copy_to_device`: one H2D copy of the
+rows in use; named so it cannot be mistaken for the VMM commit of KV pages).
 Unused entries hold 0, the null block, so a stray read stays in bounds.
 """
 
@@ -83,7 +84,7 @@ class BlockTable:
         block_numbers = self.np[req_indices, positions // self.block_size].astype(np.int64)
         return block_numbers * self.block_size + positions % self.block_size
 
-    def commit(self, num_reqs: int) -> torch.Tensor:
+    def copy_to_device(self, num_reqs: int) -> torch.Tensor:
         """Copy the first `num_reqs` rows to the device; returns the device rows."""
         self.device_tensor[:num_reqs].copy_(self.cpu[:num_reqs], non_blocking=True)
         return self.device_tensor[:num_reqs]

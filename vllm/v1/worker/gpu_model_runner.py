@@ -20,9 +20,11 @@ import torch
 
 from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
+from vllm.model_executor.models.utils import get_attention_layers
 from vllm.sampling_params import MAX_LOGPROBS, SamplingParams
 from vllm.v1.attention.backends.abstract import AttentionMetadata
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.kv_cache_interface import KVCacheSpec, bind_kv_cache
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, LogprobsLists, ModelRunnerOutput
 from vllm.v1.sample.metadata import (
     SamplingMetadata,
@@ -97,7 +99,33 @@ class GPUModelRunner:
         self._arange = np.arange(max(n, r) + 1, dtype=np.int64)
 
         self.cuda_graphs = CUDAGraphManager(capture_sizes, self._graph_forward)
+        # layer name -> view [num_blocks, 2, block_size, num_kv_heads, head_size]
         self.kv_caches: dict[str, torch.Tensor] = {}
+
+    # --------------------------------------------------------------- KV cache
+    def get_kv_cache_specs(self, dtype: torch.dtype) -> dict[str, KVCacheSpec]:
+        """Attention layer name -> what one of its KV blocks holds, in layer order."""
+        return {
+            name: layer.get_kv_cache_spec(self.block_size, dtype)
+            for name, layer in get_attention_layers(self.model).items()
+        }
+
+    def bind_kv_cache(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Point every attention layer at its view (after allocation and after each growth).
+
+        An empty dict unbinds them (shutdown).
+
+        Raises:
+            ValueError: layers and views differ (see `kv_cache_interface.bind_kv_cache`).
+        """
+        layers = get_attention_layers(self.model)
+        if not kv_caches:
+            for layer in layers.values():
+                layer.kv_cache = None
+            self.kv_caches = {}
+            return
+        bind_kv_cache(kv_caches, layers)
+        self.kv_caches = dict(kv_caches)
 
     # ------------------------------------------------------------------ state
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -181,7 +209,7 @@ class GPUModelRunner:
             self.query_start_loc_cpu[: num_reqs + 1], non_blocking=True
         )
         self.seq_lens[:num_reqs].copy_(self.seq_lens_cpu[:num_reqs], non_blocking=True)
-        block_table = batch.block_table.commit(num_reqs)
+        block_table = batch.block_table.copy_to_device(num_reqs)
 
         metadata = AttentionMetadata(
             num_actual_tokens=total,

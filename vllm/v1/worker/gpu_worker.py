@@ -4,20 +4,24 @@
     load_model      weights (bytes measured)
     initialize_kv_cache
         profile     one worst-case forward + the sampler over max_num_seqs
-        classic     KV = utilization x total - held; allocate it all
-        extensible  reserve the capacity, commit the null block + 1 warmup block
+        KV cache    the one place that picks the KV cache object:
+                      classic     final size from the profile; allocate it all
+                      extensible  reserve the capacity, commit the warmup blocks
     compile_or_warm_up_model
         warmup      worst-case prefill with the KV cache, sampler, CUDA graphs
-        extensible  measure free memory, size, extend under the same base
+        size        what is free now -> final block count (kv_cache_sizing.py),
+                    agreed across ranks; a fully committed cache keeps its size
+        extend      extend_kv_cache(final) under the same base, rebind the views
+    run_post_kv_cache_hooks   (KV connectors: they see the final, committed cache)
     execute_model   one scheduled step
 
-Each stage logs one INFO line with its GiB figures.
+Each stage logs one INFO line with its GiB figures. The worker holds one
+`KVCacheBuffers` (kv_cache.py) and never asks which kind it is after creating it.
 """
 
 from __future__ import annotations
 
 import gc
-import math
 import time
 from collections.abc import Callable
 
@@ -27,27 +31,20 @@ from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.kv_cache_interface import (
-    KVCacheConfig,
-    allocate_and_reshape_kv_cache,
-    bind_kv_cache,
-    get_kv_cache_config,
-)
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.kv_cache_interface import KVCacheSpec, get_kv_cache_config
+from vllm.v1.outputs import KVCacheMemory, ModelRunnerOutput
 from vllm.v1.worker import kv_cache_sizing as sizing
-from vllm.v1.worker.extensible_kv_cache import ExtensibleKVCache
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+from vllm.v1.worker.kv_cache import (
+    ClassicKVCacheBuffers,
+    ExtensibleKVCacheBuffers,
+    KVCacheBuffers,
+)
 from vllm.v1.worker.memory import DeviceMemory
 from vllm.v1.worker.weight_arena import WeightArena
 
 logger = init_logger(__name__)
 GiB = sizing.GiB
-
-# Blocks committed before warmup on the extensible path: the null block and
-# block 1, which every warmup batch and captured graph addresses (block
-# tables of dummy requests point only at it). Warmup thus commits two blocks'
-# worth of pages per segment, never memory the activation peak needs.
-WARMUP_NUM_BLOCKS = 2
 
 
 class Worker:
@@ -55,23 +52,30 @@ class Worker:
 
     Args:
         vllm_config: the validated engine configuration.
+        agree_num_blocks: the seam where ranks agree on a block count: takes
+            this rank's count, returns the one every rank uses (the minimum
+            across ranks, `kv_cache_sizing.min_across_ranks` over all ranks'
+            counts). Default: this rank alone.
     """
 
-    def __init__(self, vllm_config: VllmConfig) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        agree_num_blocks: Callable[[int], int] | None = None,
+    ) -> None:
         self.config = vllm_config
         self.platform = current_platform
         self.device = self.platform.device(0)
+        self.agree_num_blocks = agree_num_blocks or (lambda n: sizing.min_across_ranks([n]))
         self.model_runner: GPUModelRunner | None = None
-        self.kv_cache_config: KVCacheConfig | None = None
-        self.extensible: ExtensibleKVCache | None = None
-        self.kv_caches: dict[str, torch.Tensor] = {}
+        self.kv_cache: KVCacheBuffers | None = None
         self.memory: DeviceMemory | None = None
         self.profile: sizing.MemoryProfile | None = None
         self.weights_bytes = 0
-        self.num_blocks = 0
         # Run once the KV cache has its final size (KV-transfer connectors
-        # register committed memory only, so they must wait for the extension).
-        self.post_kv_cache_hooks: list[Callable[[dict[str, torch.Tensor]], None]] = []
+        # register committed memory only, `KVCacheBuffers.committed_spans()`,
+        # so they must wait for the extension).
+        self.post_kv_cache_hooks: list[Callable[[KVCacheBuffers], None]] = []
         self.startup_seconds: dict[str, float] = {}
         self.weight_arena: WeightArena | None = None  # with enable_sleep_mode
 
@@ -158,15 +162,8 @@ class Worker:
             self.startup_seconds["load_model"],
         )
 
-    def _kv_cache_specs(self):
-        from vllm.model_executor.models.utils import get_attention_layers
-
-        block_size = self.config.cache_config.block_size
-        dtype = self.config.model_config.dtype
-        layers = get_attention_layers(self.model_runner.model)
-        return layers, {
-            name: layer.get_kv_cache_spec(block_size, dtype) for name, layer in layers.items()
-        }
+    def _kv_cache_specs(self) -> dict[str, KVCacheSpec]:
+        return self.model_runner.get_kv_cache_specs(self.config.model_config.dtype)
 
     # --------------------------------------------------------------- profile
     def _profile(self) -> sizing.MemoryProfile:
@@ -198,91 +195,83 @@ class Worker:
 
     # --------------------------------------------------------------- KV cache
     def initialize_kv_cache(self) -> int:
-        """Profile, then allocate the KV cache (classic: final; extensible: warmup prefix).
+        """Profile, then create and allocate the KV cache (classic: final; extensible: warmup).
 
         Returns:
-            the number of blocks the scheduler may use now (counting the null block).
+            the number of blocks committed now (counting the null block).
         """
         t0 = time.perf_counter()
         self.profile = self._profile()
-        layers, specs = self._kv_cache_specs()
+        self.kv_cache = self._new_kv_cache(self._kv_cache_specs())
+        self.model_runner.bind_kv_cache(self.kv_cache.views)
+        self.startup_seconds["initialize_kv_cache"] = time.perf_counter() - t0
+        return self.kv_cache.committed_blocks
+
+    def _new_kv_cache(self, specs: dict[str, KVCacheSpec]) -> KVCacheBuffers:
+        """The one place that picks the KV cache object; everything else asks it."""
+        if self.config.cache_config.enable_extensible_kv_cache:
+            return self._reserve_extensible(specs)
+        return self._allocate_classic(specs)
+
+    def _allocate_classic(self, specs: dict[str, KVCacheSpec]) -> KVCacheBuffers:
         cache = self.config.cache_config
         bytes_per_block = sum(s.page_size_bytes for s in specs.values())
-        if cache.enable_extensible_kv_cache:
-            num_blocks = self._reserve_extensible(specs, bytes_per_block)
-        else:
-            num_blocks = self._allocate_classic(specs, bytes_per_block)
-        bind_kv_cache(self.kv_caches, layers)
-        self.num_blocks = num_blocks
-        self.startup_seconds["initialize_kv_cache"] = time.perf_counter() - t0
-        return num_blocks
-
-    def _explicit_kv_bytes(self) -> int | None:
-        return self.config.cache_config.kv_cache_memory_bytes
-
-    def _allocate_classic(self, specs, bytes_per_block: int) -> int:
-        cache = self.config.cache_config
-        explicit = self._explicit_kv_bytes()
-        if explicit is not None:
-            kv_bytes = explicit
-        elif self.device.type == "cpu":
-            kv_bytes = self._cpu_budget(self.memory.free())
-        else:
-            kv_bytes = sizing.classic_kv_cache_bytes(
-                self.profile, cache.gpu_memory_utilization
-            ).kv_bytes
-        num_blocks = kv_bytes // bytes_per_block
-        sizing.check_min_blocks(num_blocks, kv_bytes, bytes_per_block)
-        self.kv_cache_config = get_kv_cache_config(specs, num_blocks)
-        self.kv_caches = allocate_and_reshape_kv_cache(self.kv_cache_config, self.device)
+        cap = self._budget_cap()
+        size = sizing.classic_num_blocks(
+            self.profile,
+            bytes_per_block,
+            gpu_memory_utilization=cache.gpu_memory_utilization,
+            explicit_bytes=cache.kv_cache_memory_bytes,
+            free=self.memory.free_bytes() if cap is not None else 0,
+            budget_cap=cap,
+        )
+        num_blocks = self.agree_num_blocks(size.num_blocks)
+        kv_cache = ClassicKVCacheBuffers(get_kv_cache_config(specs, num_blocks), self.device)
+        kv_cache.allocate(num_blocks)
         logger.info(
             "KV cache (classic): %.2f GiB, %d blocks, %d tokens of capacity",
-            self.kv_cache_config.size_bytes / GiB,
+            kv_cache.config.size_bytes / GiB,
             num_blocks,
             (num_blocks - 1) * cache.block_size,
         )
-        return num_blocks
+        return kv_cache
 
-    def _cpu_budget(self, available: int) -> int:
-        """Host memory is shared with everything else: a bounded default."""
-        cap = self.platform.default_kv_cache_bytes_cap()
-        return min(cap, available) if cap is not None else available
+    def _budget_cap(self) -> int | None:
+        """The platform's bound on a KV cache of unspecified size (CPU), if it has one."""
+        if self.config.cache_config.kv_cache_memory_bytes is not None:
+            return None  # an explicit size needs no default bound
+        return self.platform.default_kv_cache_bytes_cap()
 
-    def _reserve_extensible(self, specs, bytes_per_block: int) -> int:
+    def _reserve_extensible(self, specs: dict[str, KVCacheSpec]) -> KVCacheBuffers:
         driver = self.platform.get_vmm_driver(self.device.index or 0)
         probe = driver.probe()
         if probe is not None:  # config resolution already checked; the device may differ
             raise RuntimeError(f"extensible KV cache unavailable on {self.device}: {probe}")
-        # Capacity: the most blocks that could ever fit the device. Reserving
-        # address space costs nothing physical. Rounded so every segment's
-        # capacity ends on a granule (no granule shared between segments).
-        probe_config = get_kv_cache_config(specs, 1)
-        stride = probe_config.block_stride
-        granularity = driver.granularity
-        align = granularity // math.gcd(granularity, stride)
-        capacity = max(self.memory.total // bytes_per_block, WARMUP_NUM_BLOCKS)
-        capacity = -(-capacity // align) * align
-        self.kv_cache_config = get_kv_cache_config(specs, capacity)
-        self.extensible = ExtensibleKVCache(self.kv_cache_config, driver, self.device)
-        self.kv_caches = self.extensible.allocate(WARMUP_NUM_BLOCKS)
+        layout = get_kv_cache_config(specs, 1)
+        capacity = sizing.capacity_blocks(
+            self.memory.total, layout.block_stride, layout.num_segments, driver.granularity
+        )
+        kv_cache = ExtensibleKVCacheBuffers(
+            get_kv_cache_config(specs, capacity), driver, self.device
+        )
+        kv_cache.allocate(sizing.WARMUP_NUM_BLOCKS)
         logger.info(
             "KV cache (extensible): reserved %.2f GiB for %d blocks, committed %.3f GiB "
             "(%d blocks) for warmup",
-            self.extensible.reserved_bytes / GiB,
+            kv_cache.reserved_bytes / GiB,
             capacity,
-            self.extensible.physical_bytes / GiB,
-            WARMUP_NUM_BLOCKS,
+            kv_cache.committed_bytes / GiB,
+            sizing.WARMUP_NUM_BLOCKS,
         )
-        return WARMUP_NUM_BLOCKS
+        return kv_cache
 
     # ----------------------------------------------------------------- warmup
     def compile_or_warm_up_model(self) -> int:
-        """Warm up (worst-case prefill with KV, sampler) and capture CUDA graphs.
-
-        On the extensible path, then measure and extend the cache.
+        """Warm up (worst-case prefill with KV, sampler), capture CUDA graphs, size, extend.
 
         Returns:
-            the final number of KV blocks (counting the null block).
+            the final number of KV blocks (counting the null block), the same on
+            every rank.
         """
         t0 = time.perf_counter()
         runner = self.model_runner
@@ -302,55 +291,40 @@ class Worker:
             del hidden
         self.memory.synchronize()
         self.startup_seconds["warmup"] = time.perf_counter() - t0
-        if self.extensible is not None:
-            self.num_blocks = self._extend_after_warmup()
-        return self.num_blocks
-
-    def _extend_after_warmup(self) -> int:
+        kv_cache = self.kv_cache
+        if kv_cache.committed_blocks == kv_cache.capacity_blocks:
+            # Fully committed (the classic cache, sized before warmup): nothing
+            # to grow into, so nothing to measure.
+            return kv_cache.committed_blocks
         t0 = time.perf_counter()
-        cache = self.config.cache_config
-        ext = self.extensible
-        gc.collect()
-        free = self.memory.free()
-        committed = ext.physical_bytes
-        # Activation memory the runtime will take back from the device (it is
-        # free now if graph capture emptied torch's cache): count it as held.
-        shortfall = self.memory.torch_shortfall(self.profile.activation_peak)
-        held_non_kv = max(self.memory.used_since_start(free) - committed, 0) + shortfall
-        free -= shortfall
-        explicit = self._explicit_kv_bytes()
-        if explicit is not None:
-            result = sizing.SizingResult(explicit, explicit, 0)
-            if explicit > free + committed:
-                raise sizing.KVCacheSizingError(
-                    f"kv_cache_memory_bytes={explicit} exceeds the "
-                    f"{(free + committed) / GiB:.2f} GiB available after warmup"
-                )
-        else:
-            cap = self._cpu_budget(free + committed) if self.device.type == "cpu" else None
-            result = sizing.extensible_kv_cache_bytes(
-                total=self.memory.total,
-                free=free,
-                kv_committed=committed,
-                held_non_kv=held_non_kv,
-                activation_peak=self.profile.activation_peak,
-                gpu_memory_utilization=cache.gpu_memory_utilization,
-                budget_cap=cap,
-            )
-        bytes_per_block = ext.block_stride * ext.num_segments
-        if explicit is not None:
-            # An explicit size is a number of KV bytes the user wants: that many
-            # blocks; the commit rounds each segment up to the granularity.
-            num_blocks = explicit // bytes_per_block
-        else:
-            # A measured budget is a hard limit: round down to whole granules.
-            num_blocks = sizing.num_blocks_for_bytes(
-                result.kv_bytes, ext.block_stride, ext.num_segments, ext.driver.granularity
-            )
-        num_blocks = min(num_blocks, ext.capacity_blocks)
-        sizing.check_min_blocks(num_blocks, result.kv_bytes, bytes_per_block)
+        snapshot, size, num_blocks = self._size_after_warmup()
         self.extend_kv_cache(num_blocks)
         self.startup_seconds["extend"] = time.perf_counter() - t0
+        self._log_final_size(snapshot, size, num_blocks)
+        return num_blocks
+
+    def _size_after_warmup(self) -> tuple[sizing.MemorySnapshot, sizing.KVCacheSize, int]:
+        """This rank's measured size, and the block count agreed across ranks."""
+        cache = self.config.cache_config
+        kv_cache = self.kv_cache
+        gc.collect()
+        snapshot = self.memory.snapshot(kv_cache.committed_bytes, self.profile.activation_peak)
+        size = sizing.final_num_blocks(
+            snapshot,
+            activation_peak=self.profile.activation_peak,
+            gpu_memory_utilization=cache.gpu_memory_utilization,
+            block_stride=kv_cache.config.block_stride,
+            num_segments=kv_cache.config.num_segments,
+            granularity=kv_cache.driver.granularity,
+            capacity=kv_cache.capacity_blocks,
+            explicit_bytes=cache.kv_cache_memory_bytes,
+            budget_cap=self._budget_cap(),
+        )
+        return snapshot, size, self.agree_num_blocks(size.num_blocks)
+
+    def _log_final_size(
+        self, snapshot: sizing.MemorySnapshot, size: sizing.KVCacheSize, num_blocks: int
+    ) -> None:
         graphs = self.model_runner.cuda_graphs
         # The graph pool exists only where graphs were captured (not on CPU, not eager).
         pool = f", CUDA graph pool {graphs.pool_bytes / GiB:.2f}" if graphs.captured else ""
@@ -358,38 +332,34 @@ class Worker:
             "KV cache sized after warmup: free %.2f GiB, held besides KV %.2f GiB "
             "(weights %.2f, activation peak %.2f%s), buffer %.2f GiB; "
             "KV committed %.2f GiB of %.2f GiB reserved: %d blocks, %d tokens of capacity",
-            (free + shortfall) / GiB,
-            held_non_kv / GiB,
+            snapshot.free / GiB,
+            snapshot.held_non_kv / GiB,
             self.weights_bytes / GiB,
             self.profile.activation_peak / GiB,
             pool,
-            result.buffer_bytes / GiB,
-            ext.physical_bytes / GiB,
-            ext.reserved_bytes / GiB,
+            size.bytes.buffer_bytes / GiB,
+            self.kv_cache.committed_bytes / GiB,
+            self.kv_cache.reserved_bytes / GiB,
             num_blocks,
-            (num_blocks - 1) * cache.block_size,
+            (num_blocks - 1) * self.config.cache_config.block_size,
         )
-        return num_blocks
 
     def extend_kv_cache(self, num_blocks: int) -> None:
         """Commit the cache to `num_blocks` blocks under the same base and rebind the views.
 
-        Grows in place; if warmup committed more than `num_blocks`, remaps smaller
-        (warmup's contents are garbage).
+        Grow-only; equal counts are a no-op. CUDA graphs captured before stay
+        valid (same addresses). The elastic cache will call this while serving.
+
+        Raises:
+            ValueError: past the capacity, below what is committed, or any
+                change of a classic cache.
         """
-        ext = self.extensible
-        if num_blocks >= ext.num_blocks:
-            views = ext.commit(num_blocks)
-        else:
-            views = ext.remap(num_blocks)
-        self.kv_caches.update(views)
-        layers, _ = self._kv_cache_specs()
-        bind_kv_cache(self.kv_caches, layers)
-        self.num_blocks = num_blocks
+        self.model_runner.bind_kv_cache(self.kv_cache.extend_kv_cache(num_blocks))
 
     def run_post_kv_cache_hooks(self) -> None:
+        """Call each hook with the KV cache at its final size (connectors register here)."""
         for hook in self.post_kv_cache_hooks:
-            hook(self.kv_caches)
+            hook(self.kv_cache)
 
     # ----------------------------------------------------------------- sleep
     def sleep(self, level: int) -> None:
@@ -398,14 +368,19 @@ class Worker:
         Level 1 keeps a host copy of the weights; level 2 keeps nothing (reload
         with `reload_weights` after waking). KV contents are discarded at both.
         torch's cached (unused) memory is returned too.
+
+        Raises:
+            ValueError: a level other than 1 or 2.
+            RuntimeError: sleep mode is off (no weight arena), or the KV cache
+                cannot release its memory (the classic cache).
         """
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
-        if self.weight_arena is None or self.extensible is None:
+        if self.weight_arena is None:
             raise RuntimeError("sleep needs enable_sleep_mode=True and the extensible KV cache")
         self.memory.synchronize()
+        self.kv_cache.release()
         self.weight_arena.sleep(keep_on_host=level == 1)
-        self.extensible.release()
         gc.collect()
         self.platform.empty_cache()
 
@@ -413,7 +388,9 @@ class Worker:
         """Map fresh pages for "weights" and/or "kv_cache" (both when tags is None).
 
         Returns:
-            False if weights were woken after a level-2 sleep and must be reloaded.
+            True when the woken weights are empty (after a level-2 sleep) and
+            must be reloaded (`reload_weights`) before generating; False
+            otherwise. The same meaning at every layer up to `LLMEngine.wake_up`.
 
         Raises:
             ValueError: an unknown tag.
@@ -424,19 +401,19 @@ class Worker:
         unknown = set(tags) - {"weights", "kv_cache"}
         if unknown:
             raise ValueError(f"unknown wake_up tags {sorted(unknown)}; use 'weights', 'kv_cache'")
-        restored = True
+        needs_reload = False
         if "weights" in tags:
-            restored = self.weight_arena.wake_up()
-        if "kv_cache" in tags and self.extensible.tensor.is_released:
-            self.extensible.recommit()
-        return restored
+            needs_reload = self.weight_arena.wake_up()
+        if "kv_cache" in tags and self.kv_cache.is_released:
+            self.kv_cache.recommit()
+        return needs_reload
 
     def sleeping_tags(self) -> list[str]:
         """Which of "weights" / "kv_cache" are asleep now."""
         tags = []
         if self.weight_arena is not None and self.weight_arena.is_sleeping:
             tags.append("weights")
-        if self.extensible is not None and self.extensible.tensor.is_released:
+        if self.kv_cache is not None and self.kv_cache.is_released:
             tags.append("kv_cache")
         return tags
 
@@ -453,25 +430,17 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
 
-    def kv_cache_memory(self) -> dict[str, int]:
-        """Bytes committed and reserved, and blocks, for metrics."""
-        if self.extensible is not None:
-            return {
-                "committed_bytes": self.extensible.physical_bytes,
-                "reserved_bytes": self.extensible.reserved_bytes,
-                "num_blocks": self.num_blocks,
-            }
-        size = self.kv_cache_config.size_bytes if self.kv_cache_config else 0
-        return {"committed_bytes": size, "reserved_bytes": size, "num_blocks": self.num_blocks}
+    def kv_cache_memory(self) -> KVCacheMemory:
+        """Bytes committed and reserved, and committed blocks, for metrics."""
+        if self.kv_cache is None:
+            return KVCacheMemory(0, 0, 0)
+        return self.kv_cache.memory()
 
     def shutdown(self) -> None:
-        self.kv_caches.clear()
         if self.model_runner is not None:
-            layers, _ = self._kv_cache_specs()
-            for layer in layers.values():
-                layer.kv_cache = None
-        if self.extensible is not None:
-            self.extensible.free()
+            self.model_runner.bind_kv_cache({})
+        if self.kv_cache is not None:
+            self.kv_cache.free()
         self.model_runner = None
         if self.weight_arena is not None:
             self.weight_arena.free()

@@ -1,7 +1,12 @@
-"""KV cache sizing arithmetic, from memory figures the worker measured.
+"""KV cache sizing: every rule that turns memory figures into a block count.
 
-Pure functions over plain ints (bytes), so every rule is tested from given
-snapshots without a device. Two paths (DESIGN.md sections 4 and 5):
+The one home of the arithmetic (block geometry, the reservation's capacity,
+the classic budget, the post-warmup count, the buffer constants, granule
+rounding, and the "minimum across ranks" agreement). Pure functions over
+plain ints (bytes) and two snapshot dataclasses the worker fills from its
+measurements (`MemoryProfile` before the cache exists, `MemorySnapshot`
+after warmup), so every rule is tested from given snapshots without a device.
+Two paths (DESIGN.md sections 4 and 5):
 
 Classic (vLLM's): decided before warmup, from the profile alone.
 
@@ -21,11 +26,20 @@ Extensible: decided after warmup and graph capture, from what is really free.
                                                                   ^ grows into here
 
 Both results are turned into a whole number of blocks after granule rounding
-by `num_blocks_for_bytes`.
+by `num_blocks_for_bytes`. The worker calls three entry points, in order:
+
+    classic_num_blocks(profile, ...)        classic: the final count, before warmup
+    capacity_blocks(total, ...)             extensible: the reservation, before warmup
+    final_num_blocks(snapshot, ...)         extensible: the count after warmup
+
+and passes each count through `min_across_ranks` (every rank must use the
+same block count; with one rank it is the identity).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 MiB = 1 << 20
@@ -56,6 +70,13 @@ BUFFER_FLOOR_BYTES = 128 * MiB
 POST_WARMUP_FRACTION = 0.001
 
 
+# Blocks committed before warmup on the extensible path: the null block and
+# block 1, which every warmup batch and captured graph addresses (block
+# tables of dummy requests point only at it). Warmup thus commits two blocks'
+# worth of pages per segment, never memory the activation peak needs.
+WARMUP_NUM_BLOCKS = 2
+
+
 class KVCacheSizingError(RuntimeError):
     """The device cannot hold the KV cache asked for (message has the numbers)."""
 
@@ -84,10 +105,56 @@ class MemoryProfile:
 
 
 @dataclass(frozen=True)
+class MemorySnapshot:
+    """Device memory after warmup and graph capture, as the worker read it; all bytes.
+
+    Attributes:
+        total: device memory.
+        free: free device memory now.
+        kv_committed: bytes committed to the KV cache now (counted as available:
+            they are the cache's already).
+        used_since_start: what this process took from the device since the
+            worker started, the KV cache included.
+        torch_shortfall: activation memory torch's allocator must still take
+            back from the device to reach the profiled peak (`torch.cuda.graph`
+            empties its cache when capture begins); 0 on the CPU.
+    """
+
+    total: int
+    free: int
+    kv_committed: int
+    used_since_start: int
+    torch_shortfall: int = 0
+
+    @property
+    def held_non_kv(self) -> int:
+        """What this process holds besides the KV cache, counting the shortfall as held."""
+        return max(self.used_since_start - self.kv_committed, 0) + self.torch_shortfall
+
+    @property
+    def available(self) -> int:
+        """Free memory the KV cache may grow into: free now, less the shortfall."""
+        return self.free - self.torch_shortfall
+
+
+@dataclass(frozen=True)
 class SizingResult:
     kv_bytes: int  # bytes the KV cache may use
     budget_bytes: int  # before the buffer (extensible); equal to kv_bytes (classic)
     buffer_bytes: int  # held back for post-warmup allocations (0 on the classic path)
+
+
+@dataclass(frozen=True)
+class KVCacheSize:
+    """A block count and the bytes it came from.
+
+    Attributes:
+        num_blocks: blocks per layer, counting the null block 0.
+        bytes: the budget the count was derived from.
+    """
+
+    num_blocks: int
+    bytes: SizingResult
 
 
 def classic_kv_cache_bytes(profile: MemoryProfile, gpu_memory_utilization: float) -> SizingResult:
@@ -197,6 +264,140 @@ def check_min_blocks(num_blocks: int, available_bytes: int, bytes_per_block: int
             f"available for the cache, one block needs {bytes_per_block} bytes "
             f"(plus the null block, rounded to the allocation granularity)"
         )
+
+
+def classic_num_blocks(
+    profile: MemoryProfile,
+    bytes_per_block: int,
+    *,
+    gpu_memory_utilization: float,
+    explicit_bytes: int | None = None,
+    free: int = 0,
+    budget_cap: int | None = None,
+) -> KVCacheSize:
+    """The classic path's final block count, decided before warmup.
+
+    Args:
+        profile: the pre-warmup profile.
+        bytes_per_block: bytes one block id costs across all layers.
+        gpu_memory_utilization: the share of total the engine may hold.
+        explicit_bytes: `kv_cache_memory_bytes`, if given: used as is.
+        free: free memory now (read only with `budget_cap`).
+        budget_cap: the platform's own bound on the KV cache, where it has one
+            (CPU: host memory is shared with everything else; see
+            `Platform.default_kv_cache_bytes_cap`). There the budget is
+            `min(budget_cap, free)` instead of vLLM's profile rule.
+
+    Raises:
+        KVCacheSizingError: nothing left, or fewer than two blocks (the null
+            block and one usable); the message has the numbers.
+    """
+    if explicit_bytes is not None:
+        result = SizingResult(explicit_bytes, explicit_bytes, 0)
+    elif budget_cap is not None:
+        kv = min(budget_cap, free)
+        result = SizingResult(kv, kv, 0)
+    else:
+        result = classic_kv_cache_bytes(profile, gpu_memory_utilization)
+    num_blocks = result.kv_bytes // bytes_per_block
+    check_min_blocks(num_blocks, result.kv_bytes, bytes_per_block)
+    return KVCacheSize(num_blocks, result)
+
+
+def capacity_blocks(total: int, block_stride: int, num_segments: int, granularity: int) -> int:
+    """The most blocks the extensible reservation is made for: what the whole device holds.
+
+    Reserving address space costs nothing physical, so the capacity is
+    `total / bytes_per_block` (at least `WARMUP_NUM_BLOCKS`), rounded up so
+    every segment's capacity ends on a granule: a granule is then never shared
+    between two segments' capacities.
+
+        align    = granularity / gcd(granularity, block_stride)
+        n        = max(total / (block_stride x num_segments), WARMUP_NUM_BLOCKS)
+        capacity = ceil(n / align) x align
+    """
+    align = granularity // math.gcd(granularity, block_stride)
+    capacity = max(total // (block_stride * num_segments), WARMUP_NUM_BLOCKS)
+    return -(-capacity // align) * align
+
+
+def final_num_blocks(
+    snapshot: MemorySnapshot,
+    *,
+    activation_peak: int,
+    gpu_memory_utilization: float,
+    block_stride: int,
+    num_segments: int,
+    granularity: int,
+    capacity: int,
+    explicit_bytes: int | None = None,
+    budget_cap: int | None = None,
+) -> KVCacheSize:
+    """The extensible path's block count after warmup, from what is really free.
+
+    A measured budget (`extensible_kv_cache_bytes`) is a hard limit: its blocks
+    are rounded down to whole granules per segment (`num_blocks_for_bytes`).
+    An explicit `kv_cache_memory_bytes` is a number of KV bytes the user
+    wants: that many whole blocks, each segment's commit rounded up to the
+    granularity. Either way at most `capacity` blocks.
+
+    Args:
+        snapshot: memory after warmup.
+        activation_peak: the profiled transient peak (sizes the buffer).
+        gpu_memory_utilization: the share of total the engine may hold.
+        block_stride / num_segments: the layout (`KVCacheConfig`).
+        granularity: the VMM commit unit, bytes.
+        capacity: blocks the reservation holds.
+        explicit_bytes: `kv_cache_memory_bytes`, if given.
+        budget_cap: the platform's bound on the KV cache (CPU), if any.
+
+    Raises:
+        KVCacheSizingError: the explicit size exceeds what is available, the
+            buffer leaves nothing, or fewer than two blocks fit.
+    """
+    available = snapshot.available + snapshot.kv_committed
+    bytes_per_block = block_stride * num_segments
+    if explicit_bytes is not None:
+        if explicit_bytes > available:
+            raise KVCacheSizingError(
+                f"kv_cache_memory_bytes={explicit_bytes} exceeds the "
+                f"{available / GiB:.2f} GiB available after warmup"
+            )
+        result = SizingResult(explicit_bytes, explicit_bytes, 0)
+        num_blocks = explicit_bytes // bytes_per_block
+    else:
+        result = extensible_kv_cache_bytes(
+            total=snapshot.total,
+            free=snapshot.available,
+            kv_committed=snapshot.kv_committed,
+            held_non_kv=snapshot.held_non_kv,
+            activation_peak=activation_peak,
+            gpu_memory_utilization=gpu_memory_utilization,
+            budget_cap=budget_cap,
+        )
+        num_blocks = num_blocks_for_bytes(result.kv_bytes, block_stride, num_segments, granularity)
+    num_blocks = min(num_blocks, capacity)
+    check_min_blocks(num_blocks, result.kv_bytes, bytes_per_block)
+    return KVCacheSize(num_blocks, result)
+
+
+def min_across_ranks(num_blocks_per_rank: Iterable[int]) -> int:
+    """The block count every rank uses: the smallest any rank can hold.
+
+    Block ids mean the same tokens on every rank (the scheduler hands out one
+    id per block for all of them), so each rank must have the same count, and
+    only the minimum fits everywhere. With one rank this is its own count.
+    The tensor-parallel engine gathers one count per rank (through the
+    executor's `collective_rpc`, or an all-gather of the ranks' counts) and
+    calls this with them.
+
+    Raises:
+        ValueError: no counts, or a count below 1.
+    """
+    counts = list(num_blocks_per_rank)
+    if not counts or min(counts) < 1:
+        raise ValueError(f"min_across_ranks needs one block count >= 1 per rank, got {counts}")
+    return min(counts)
 
 
 def _gib(nbytes: int) -> str:

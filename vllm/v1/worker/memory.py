@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm.platforms.interface import Platform
+from vllm.v1.worker.kv_cache_sizing import MemorySnapshot
 
 
 @dataclass
@@ -45,7 +46,8 @@ class DeviceMemory:
         self.free_at_start = free
         self.rss_at_start = self._rss()
 
-    def free(self) -> int:
+    def free_bytes(self) -> int:
+        """Free device memory now (bytes); on the CPU, MemAvailable."""
         return self.platform.mem_get_info(self.device.index or 0)[0]
 
     def allocated(self) -> int:
@@ -54,7 +56,7 @@ class DeviceMemory:
     def used_since_start(self, free_now: int | None = None) -> int:
         """What this process took since the worker started (bytes)."""
         if self.is_cuda:
-            return self.free_at_start - (self.free() if free_now is None else free_now)
+            return self.free_at_start - (self.free_bytes() if free_now is None else free_now)
         return max(self._rss() - self.rss_at_start, 0)
 
     def torch_shortfall(self, activation_peak: int) -> int:
@@ -71,6 +73,22 @@ class DeviceMemory:
         allocated = torch.cuda.memory_allocated(self.device)
         reserved = torch.cuda.memory_reserved(self.device)
         return max(allocated + activation_peak - reserved, 0)
+
+    def snapshot(self, kv_committed: int, activation_peak: int) -> MemorySnapshot:
+        """What sizing after warmup needs, read now (bytes).
+
+        Args:
+            kv_committed: bytes the KV cache has committed now.
+            activation_peak: the profiled peak (for the torch shortfall).
+        """
+        free = self.free_bytes()
+        return MemorySnapshot(
+            total=self.total,
+            free=free,
+            kv_committed=kv_committed,
+            used_since_start=self.used_since_start(free),
+            torch_shortfall=self.torch_shortfall(activation_peak),
+        )
 
     def synchronize(self) -> None:
         if self.is_cuda:
@@ -89,12 +107,12 @@ class DeviceMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             base_alloc = torch.cuda.memory_allocated(self.device)
             base_reserved = torch.cuda.memory_reserved(self.device)
-            free0 = self.free()
+            free0 = self.free_bytes()
             yield reading
             torch.cuda.synchronize(self.device)
             reading.torch_peak = torch.cuda.max_memory_allocated(self.device) - base_alloc
             reserved_growth = torch.cuda.memory_reserved(self.device) - base_reserved
-            reading.non_torch_growth = max((free0 - self.free()) - reserved_growth, 0)
+            reading.non_torch_growth = max((free0 - self.free_bytes()) - reserved_growth, 0)
             return
         # CPU: resident set high-water mark. Writing "5" to clear_refs resets
         # VmHWM to the current RSS (Linux >= 4.0); where that is refused the

@@ -42,7 +42,7 @@ class WeightArena:
             total += -(-p.numel() * p.element_size() // _ALIGN) * _ALIGN
         self.nbytes = total
         self.tensor = ExtensibleTensor([max(total, 1)], driver)
-        self.tensor.resize_segments_([total], zero_new=False)
+        self.tensor.grow_segments_([total], zero_new=False)
         arena = self.tensor.full_view()
         for p, off in zip(params, offsets, strict=True):
             nbytes = p.numel() * p.element_size()
@@ -74,25 +74,26 @@ class WeightArena:
         self.tensor.release_physical()
 
     def wake_up(self) -> bool:
-        """Map fresh pages at the same addresses; returns True if the weights were restored.
+        """Map fresh pages at the same addresses; returns True if the weights must be reloaded.
 
-        After a level-2 sleep nothing was kept: the pages are zero and the caller
-        must load weights (returns False).
+        After a level-1 sleep the host copy is written back (returns False).
+        After a level-2 sleep nothing was kept: the pages are zero and the
+        caller must load weights (returns True). Awake already: False.
 
         Raises:
             VmmError: the device has no room (nothing stays mapped; call again later).
         """
         if not self.is_sleeping:
-            return True
+            return False
         self.tensor.recommit_(zero_new=self._host is None)
         if self._host is None:
-            return False
+            return True
         self.tensor.full_view()[: self.nbytes].copy_(self._host)
         if not self._host.is_pinned():
             # A plain host copy (CPU platform) is freed; a pinned one is kept for
             # the next sleep, since pinning gigabytes takes seconds.
             self._host = None
-        return True
+        return False
 
     def free(self) -> None:
         self.tensor.free()

@@ -15,14 +15,14 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from vllm.exceptions import VLLMValidationError
 from vllm.logger import init_logger
 from vllm.v1.core.kv_cache_manager import KVCacheManager, cdiv
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.core.sched.stats import SchedulerStats
 from vllm.v1.core.sched.utils import check_stop
-from vllm.v1.engine import EngineCoreOutput
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import EngineCoreOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
 logger = init_logger(__name__)
@@ -120,19 +120,23 @@ class Scheduler:
         """Queue a new request (FCFS).
 
         Raises:
-            ValueError: duplicate id, empty prompt, prompt longer than
-                max_model_len, or a sequence that needs more blocks than the
-                whole cache; the message names the numbers.
+            ValueError: duplicate id. VLLMValidationError (a ValueError whose
+                `parameter` is "prompt" or "max_tokens"): empty prompt, prompt
+                longer than max_model_len, or a sequence that needs more blocks
+                than the whole cache; the message names the numbers.
         """
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
         if request.num_prompt_tokens == 0:
-            raise ValueError(f"request {request.request_id!r} has an empty prompt")
+            raise VLLMValidationError(
+                f"request {request.request_id!r} has an empty prompt", parameter="prompt"
+            )
         if request.num_prompt_tokens > self.max_model_len:
-            raise ValueError(
+            raise VLLMValidationError(
                 f"the prompt of request {request.request_id!r} is "
                 f"{request.num_prompt_tokens} tokens long, longer than the maximum model "
-                f"length max_model_len={self.max_model_len}"
+                f"length max_model_len={self.max_model_len}",
+                parameter="prompt",
             )
         self._check_fits_cache(request, self.num_blocks)
         self.requests[request.request_id] = request
@@ -410,21 +414,17 @@ class Scheduler:
         """KV cache blocks including the null block."""
         return self.kv_cache_manager.num_blocks
 
-    def set_num_blocks(self, num_blocks: int) -> None:
-        """Adopt the final block count after the extensible KV cache grew.
+    def resize_kv_cache(self, num_blocks: int) -> None:
+        """Adopt a new KV block count (the worker committed more blocks).
 
-        Growing is always allowed. Shrinking (warmup committed more than the
-        final budget) is allowed only while no block is allocated and every
-        queued request still fits.
+        The engine builds the scheduler once, with the final count; this is
+        the seam for the elastic cache, which commits blocks while serving.
+        See `BlockPool.resize` (grow-only today).
 
         Raises:
-            ValueError: shrinking while blocks are in use, or below what a
-                queued request needs.
+            ValueError: a count below the current one.
         """
-        if num_blocks < self.num_blocks:
-            for request in self.requests.values():
-                self._check_fits_cache(request, num_blocks)
-        self.kv_cache_manager.set_num_blocks(num_blocks)
+        self.kv_cache_manager.resize(num_blocks)
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached blocks; False while any request holds blocks."""
@@ -445,12 +445,13 @@ class Scheduler:
         blocks_needed = cdiv(num_slots, self.block_size)
         usable = num_blocks - 1
         if blocks_needed > usable:
-            raise ValueError(
+            raise VLLMValidationError(
                 f"request {request.request_id!r} can never fit in the KV cache: its "
                 f"{request.num_prompt_tokens} prompt tokens and up to {max_len} tokens in total "
                 f"need {blocks_needed} blocks of {self.block_size} tokens, but the cache has "
                 f"only {usable} usable blocks (num_blocks={num_blocks}, block 0 is reserved); "
-                "lower max_tokens or max_model_len, or give the KV cache more memory"
+                "lower max_tokens or max_model_len, or give the KV cache more memory",
+                parameter="max_tokens",
             )
 
 

@@ -1,9 +1,14 @@
-"""Chat conversations -> prompts through the model's chat template (transformers)."""
+"""Chat conversations -> prompts through the model's chat template (transformers).
+
+Used by the offline `LLM.chat` and, on the engine thread, by `AsyncLLM` for the
+OpenAI server's chat and tokenize endpoints: one renderer, one set of errors.
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from vllm.exceptions import VLLMValidationError
 from vllm.inputs import check_unicode_text, check_unicode_values
 
 if TYPE_CHECKING:
@@ -18,7 +23,9 @@ def _normalise_content(message: dict[str, Any]) -> dict[str, Any]:
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text":
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ValueError(f"unsupported message content part of type {kind!r}")
+                raise VLLMValidationError(
+                    f"unsupported message content part of type {kind!r}", parameter="messages"
+                )
             texts.append(part.get("text", ""))
         message = {**message, "content": "".join(texts)}
     return message
@@ -38,14 +45,17 @@ def apply_chat_template(
     tokens.
 
     Raises:
-        ValueError: no chat template, an empty conversation, a malformed message,
-            or text that is not valid Unicode (a lone UTF-16 surrogate).
+        VLLMValidationError: an empty conversation or a malformed message
+            (parameter "messages"), text that is not valid Unicode (a lone UTF-16
+            surrogate; parameter names the field). ValueError: no chat template.
     """
     if not conversation:
-        raise ValueError("messages must not be empty")
+        raise VLLMValidationError("messages must not be empty", parameter="messages")
     for i, message in enumerate(conversation):
         if not isinstance(message, dict) or "role" not in message:
-            raise ValueError(f"messages[{i}] must be an object with a 'role'")
+            raise VLLMValidationError(
+                f"messages[{i}] must be an object with a 'role'", parameter="messages"
+            )
     check_unicode_values(conversation, "messages")
     if chat_template is not None:
         check_unicode_text(chat_template, "chat_template")

@@ -1,0 +1,361 @@
+"""The KV cache object: one backing allocation, its per-layer views, and what is committed.
+
+Every KV cache is a `KVCacheBuffers`; the worker holds one and never asks which:
+
+    KVCacheBuffers                 views, committed_blocks, capacity_blocks,
+       |                           committed_bytes, reserved_bytes, committed_spans(),
+       |                           allocate, extend_kv_cache, release / recommit, free
+       +-- ClassicKVCacheBuffers     torch.zeros of the final size; capacity == committed
+       +-- ExtensibleKVCacheBuffers  an ExtensibleTensor reserved for the capacity;
+                                     a committed prefix of every segment that grows
+
+Allocation walks strictly downward, through the one seam:
+
+    KVCacheBuffers.allocate(n)
+      -> allocate_and_reshape_kv_cache(kv_cache_config, device, reserve=None | ExtensibleReserve)
+           -> reserve(size, num_segments)          (vllm/utils/extensible_tensor.py)
+                -> ExtensibleTensor -> VmmDriver   (vllm/device_allocator)
+           -> reshape_kv_cache(config, backing, n) (vllm/v1/kv_cache_interface.py)
+
+Extensible growth maps new pages at the end of every segment under the same
+addresses (a block keeps its address for the engine's life), rebuilds the
+per-layer views over the committed bytes (same data pointers, larger first
+dimension), and so leaves CUDA graphs captured earlier valid:
+
+    segment (layer) i:  [ blk0 | blk1 | ... | blk n-1 |..... reserved, unmapped .....]
+                        ^ base + i * capacity * block_stride   (fixed forever)
+                        |<--- committed: n * block_stride --->|
+
+Which block counts to use is decided in `kv_cache_sizing.py`, never here.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import torch
+
+from vllm.device_allocator.vmm import VmmDriver
+from vllm.utils.extensible_tensor import ExtensibleReserve, ExtensibleTensor
+from vllm.v1.kv_cache_interface import KVCacheConfig, reshape_kv_cache
+from vllm.v1.outputs import KVCacheMemory
+
+# reserve(size_bytes, num_segments) -> uint8 tensor spanning size_bytes whose
+# data_ptr() is the base of the allocation (`ExtensibleReserve`).
+ReserveFn = Callable[[int, int], torch.Tensor]
+
+
+def allocate_and_reshape_kv_cache(
+    kv_cache_config: KVCacheConfig,
+    device: torch.device | str,
+    reserve: ReserveFn | None = None,
+    *,
+    num_blocks: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Allocate the one backing range and return the per-layer views over it.
+
+    The single allocation seam of the KV cache: the classic cache passes no
+    `reserve` (a zeroed `torch.zeros`), the extensible one an
+    `ExtensibleReserve` hook, so the strategy is handed down once and nothing
+    below calls back up.
+
+    Args:
+        kv_cache_config: the placement; the allocation spans `size_bytes`.
+        device: where the default allocation goes.
+        reserve: `reserve(size_bytes, num_segments) -> uint8 tensor` spanning
+            size_bytes with data_ptr() at the base. None: a plain zeroed
+            `torch.zeros(size_bytes, dtype=uint8)`.
+        num_blocks: committed blocks per layer the views cover (default: all
+            `kv_cache_config.num_blocks`); with `reserve` only this prefix of
+            each segment may be backed, so views must not reach past it.
+
+    Returns:
+        layer name -> view [num_blocks, 2, block_size, num_kv_heads, head_size].
+
+    Raises:
+        ValueError: `reserve` returned something that does not span the
+            allocation, or num_blocks is out of range (see `reshape_kv_cache`).
+    """
+    size = kv_cache_config.size_bytes
+    if reserve is None:
+        backing = torch.zeros(size, dtype=torch.uint8, device=device)
+    else:
+        backing = reserve(size, kv_cache_config.num_segments)
+        if not isinstance(backing, torch.Tensor):
+            raise ValueError(
+                f"reserve({size}, {kv_cache_config.num_segments}) returned "
+                f"{type(backing).__name__}, expected a uint8 torch.Tensor"
+            )
+    return reshape_kv_cache(
+        kv_cache_config, backing, kv_cache_config.num_blocks if num_blocks is None else num_blocks
+    )
+
+
+def spans_of_views(views: dict[str, torch.Tensor]) -> list[tuple[int, int]]:
+    """(base address, length in bytes) of each contiguous byte range the views cover, sorted.
+
+    Derived from the views' data pointers, shapes and strides, never from
+    `untyped_storage().nbytes()` (on the extensible cache every view shares one
+    storage spanning the whole, mostly unmapped, reservation). Overlapping or
+    touching ranges are merged: one span for a fully backed allocation, one per
+    committed segment prefix for a grown one.
+    """
+    ranges = []
+    for view in views.values():
+        if view.numel() == 0:
+            continue
+        itemsize = view.element_size()
+        shape_strides = zip(view.shape, view.stride(), strict=True)
+        last = sum((size - 1) * stride for size, stride in shape_strides)
+        ranges.append((view.data_ptr(), view.data_ptr() + (last + 1) * itemsize))
+    spans: list[list[int]] = []
+    for start, end in sorted(ranges):
+        if spans and start <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], end)
+        else:
+            spans.append([start, end])
+    return [(start, end - start) for start, end in spans]
+
+
+class KVCacheBuffers(ABC):
+    """The KV cache's memory: per-layer views over the committed blocks of one allocation.
+
+    Args:
+        kv_cache_config: the layout at the *capacity* (`num_blocks` = the most
+            blocks the allocation can ever commit).
+        device: the device the views live on.
+
+    Attributes:
+        views: layer name -> view [committed_blocks, 2, block_size, num_kv_heads,
+            head_size]; empty until `allocate`.
+        committed_blocks: blocks backed by memory, counting the null block; the
+            block pool may hand out ids below it.
+    """
+
+    def __init__(self, kv_cache_config: KVCacheConfig, device: torch.device) -> None:
+        self.config = kv_cache_config
+        self.device = device
+        self.views: dict[str, torch.Tensor] = {}
+        self.committed_blocks = 0
+
+    @property
+    def capacity_blocks(self) -> int:
+        """The most blocks this cache can commit (its layout's `num_blocks`)."""
+        return self.config.num_blocks
+
+    @property
+    @abstractmethod
+    def committed_bytes(self) -> int:
+        """Physical bytes backing the cache now (0 while released)."""
+
+    @property
+    @abstractmethod
+    def reserved_bytes(self) -> int:
+        """Address space the cache spans (== committed_bytes for a fully backed cache)."""
+
+    @property
+    @abstractmethod
+    def is_released(self) -> bool:
+        """True between `release()` and `recommit()` (sleep)."""
+
+    @abstractmethod
+    def allocate(self, num_blocks: int) -> dict[str, torch.Tensor]:
+        """Back the cache and commit its first `num_blocks` blocks; returns the views."""
+
+    @abstractmethod
+    def extend_kv_cache(self, num_blocks: int) -> dict[str, torch.Tensor]:
+        """Commit blocks up to `num_blocks` under the same addresses; returns the new views.
+
+        Equal counts are a no-op. Raises ValueError past the capacity or below
+        what is committed. (Releasing free tail blocks while serving, the
+        elastic cache's shrink, belongs next to this as `release_tail_blocks`.)
+        """
+
+    @abstractmethod
+    def release(self) -> None:
+        """Drop the physical pages and keep every address (sleep); contents are lost."""
+
+    @abstractmethod
+    def recommit(self) -> None:
+        """Fresh zeroed pages for the blocks held before `release` (wake)."""
+
+    @abstractmethod
+    def free(self) -> None:
+        """Return everything now; the views become invalid. Safe to call twice."""
+
+    def committed_spans(self) -> list[tuple[int, int]]:
+        """(base address, length in bytes) of each committed region, from the views.
+
+        What a KV connector registers: one span for a fully backed allocation,
+        one per committed segment prefix for a grown one (see `spans_of_views`).
+        Empty while released.
+        """
+        return [] if self.is_released else spans_of_views(self.views)
+
+    def memory(self) -> KVCacheMemory:
+        """Committed and reserved bytes and committed blocks, for metrics."""
+        return KVCacheMemory(self.committed_bytes, self.reserved_bytes, self.committed_blocks)
+
+
+class ClassicKVCacheBuffers(KVCacheBuffers):
+    """vLLM's KV cache: one `torch.zeros` of the final size, allocated before warmup.
+
+    Capacity and committed blocks are the same number; it can neither grow
+    nor release its memory (sleep needs the extensible cache).
+    """
+
+    @property
+    def committed_bytes(self) -> int:
+        return self.config.size_bytes if self.views else 0
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self.committed_bytes
+
+    @property
+    def is_released(self) -> bool:
+        return False
+
+    def allocate(self, num_blocks: int) -> dict[str, torch.Tensor]:
+        """Allocate all `num_blocks` (== the capacity) blocks, zeroed.
+
+        Raises:
+            ValueError: num_blocks differs from the layout's capacity.
+            RuntimeError: allocated already.
+        """
+        if self.views:
+            raise RuntimeError("the KV cache is already allocated")
+        if num_blocks != self.capacity_blocks:
+            raise ValueError(
+                f"the classic KV cache allocates its whole layout: {num_blocks} blocks asked, "
+                f"the layout has {self.capacity_blocks}"
+            )
+        self.views = allocate_and_reshape_kv_cache(self.config, self.device)
+        self.committed_blocks = num_blocks
+        return self.views
+
+    def extend_kv_cache(self, num_blocks: int) -> dict[str, torch.Tensor]:
+        if num_blocks != self.committed_blocks:
+            raise ValueError(
+                f"the classic KV cache has a fixed size of {self.committed_blocks} blocks; "
+                f"it cannot change to {num_blocks} (the extensible KV cache can grow)"
+            )
+        return self.views
+
+    def release(self) -> None:
+        raise RuntimeError(
+            "the classic KV cache cannot release its memory: sleep needs "
+            "enable_sleep_mode=True and the extensible KV cache"
+        )
+
+    def recommit(self) -> None:
+        self.release()
+
+    def free(self) -> None:
+        self.views = {}
+        self.committed_blocks = 0
+
+
+class ExtensibleKVCacheBuffers(KVCacheBuffers):
+    """The extensible KV cache: a reservation for the capacity, a growing committed prefix.
+
+    Args:
+        kv_cache_config: the layout at the capacity (the most blocks that could
+            ever fit); reserving it costs address space only.
+        driver: the platform's VMM driver (probe passed).
+        device: the device the views live on.
+    """
+
+    def __init__(
+        self, kv_cache_config: KVCacheConfig, driver: VmmDriver, device: torch.device
+    ) -> None:
+        super().__init__(kv_cache_config, device)
+        self.driver = driver
+        self.tensor: ExtensibleTensor | None = None
+
+    @property
+    def block_stride(self) -> int:
+        return self.config.block_stride
+
+    @property
+    def num_segments(self) -> int:
+        return self.config.num_segments
+
+    @property
+    def committed_bytes(self) -> int:
+        return 0 if self.tensor is None else self.tensor.physical_bytes
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self.config.size_bytes
+
+    @property
+    def is_released(self) -> bool:
+        return self.tensor is not None and self.tensor.is_released
+
+    def allocate(self, num_blocks: int) -> dict[str, torch.Tensor]:
+        """Reserve the capacity and commit the first `num_blocks` blocks of every segment.
+
+        Raises:
+            RuntimeError: allocated already.
+            ValueError: num_blocks outside [1, capacity].
+            VmmError: the driver could not reserve or commit.
+        """
+        if self.tensor is not None:
+            raise RuntimeError("the KV cache reservation already exists")
+        self._check_range(num_blocks)
+        reserve = ExtensibleReserve(self.driver, num_blocks * self.block_stride)
+        self.views = allocate_and_reshape_kv_cache(
+            self.config, self.device, reserve, num_blocks=num_blocks
+        )
+        self.tensor = reserve.tensor
+        self.committed_blocks = num_blocks
+        return self.views
+
+    def extend_kv_cache(self, num_blocks: int) -> dict[str, torch.Tensor]:
+        """Grow every segment to `num_blocks` blocks (new bytes zero) under the same base.
+
+        Raises:
+            ValueError: more blocks than the capacity, or fewer than committed.
+            RuntimeError: not allocated, or released (asleep).
+            VmmError: the driver failed (nothing from this call stays mapped).
+        """
+        tensor = self._allocated()
+        if tensor.is_released:
+            raise RuntimeError("the KV cache is released (asleep): recommit() it before growing")
+        self._check_range(num_blocks)
+        if num_blocks < self.committed_blocks:
+            raise ValueError(
+                f"extend_kv_cache only grows: {num_blocks} blocks < {self.committed_blocks} "
+                f"committed"
+            )
+        tensor.grow_segments_([num_blocks * self.block_stride] * self.num_segments)
+        self.committed_blocks = num_blocks
+        self.views = reshape_kv_cache(self.config, tensor.full_view(), num_blocks)
+        return self.views
+
+    def release(self) -> None:
+        self._allocated().release_physical()
+
+    def recommit(self) -> None:
+        self._allocated().recommit_()
+
+    def free(self) -> None:
+        self.views = {}
+        if self.tensor is not None:
+            self.tensor.free()
+            self.tensor = None
+        self.committed_blocks = 0
+
+    def _allocated(self) -> ExtensibleTensor:
+        if self.tensor is None:
+            raise RuntimeError("the KV cache is not allocated yet: allocate() first")
+        return self.tensor
+
+    def _check_range(self, num_blocks: int) -> None:
+        if not 1 <= num_blocks <= self.capacity_blocks:
+            raise ValueError(
+                f"cannot commit {num_blocks} KV blocks: the reservation holds "
+                f"{self.capacity_blocks} (and block 0, the null block, is always committed)"
+            )
