@@ -30,6 +30,7 @@ from vllm.config import (
 )
 from vllm.config.model import DTYPE_CHOICES, LOAD_FORMAT_CHOICES
 from vllm.config.scheduler import DEFAULT_LIMITS
+from vllm.transformers_utils.model_path import check_model_path
 
 # Suffixes for integer flags. vLLM's convention: lowercase k/m/g/t are decimal
 # (1k = 1000, decimals allowed: 25.6k), uppercase K/M/G/T binary (1K = 1024).
@@ -190,6 +191,24 @@ class EngineArgs:
         """Build from a namespace parsed with `add_cli_args` (extra attributes ignored)."""
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
 
+    def validate(self) -> None:
+        """Check every value that needs neither torch nor the model's files.
+
+        That is the ranges and combinations of the cache, scheduler, parallel,
+        compilation and KV-transfer configs (built and dropped here: their
+        constructors check them) and that the model path exists. `vllm serve`
+        runs this before importing torch, so a bad flag fails in a fraction of a
+        second; `create_engine_config` runs the same checks and then those that
+        need the platform or the model's config (dtype, max_model_len, the VMM
+        probe).
+
+        Raises:
+            ValueError / FileNotFoundError: the first invalid value, naming it.
+        """
+        self._configs_without_model()
+        if self.model is not None:
+            check_model_path(self.model)
+
     def create_engine_config(self) -> VllmConfig:
         """Build and validate the engine's `VllmConfig` (the one place args are checked).
 
@@ -204,6 +223,14 @@ class EngineArgs:
             seed=self.seed,
             load_format=self.load_format,
         )
+        return VllmConfig(
+            model_config=model_config,
+            device_config=DeviceConfig(),
+            **self._configs_without_model(),
+        )
+
+    def _configs_without_model(self) -> dict[str, Any]:
+        """The sub-configs that need neither torch nor the model (each checks itself)."""
         cache_config = CacheConfig(
             block_size=self.block_size,
             gpu_memory_utilization=self.gpu_memory_utilization,
@@ -212,8 +239,7 @@ class EngineArgs:
             enable_extensible_kv_cache=self.enable_extensible_kv_cache,
             enable_sleep_mode=self.enable_sleep_mode,
         )
-        return VllmConfig(
-            model_config=model_config,
+        return dict(
             cache_config=cache_config,
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -221,7 +247,6 @@ class EngineArgs:
             ),
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             compilation_config=self._compilation_config(),
-            device_config=DeviceConfig(),
             kv_transfer_config=self._kv_transfer_config(),
         )
 

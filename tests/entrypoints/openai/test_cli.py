@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import socket
 import subprocess
 import sys
 import threading
@@ -152,6 +153,39 @@ def test_config_errors_are_one_line_and_exit_2():
         errors = [line for line in stderr.splitlines() if line.startswith("vllm serve: error:")]
         assert len(errors) == 1 and errors[0].startswith(f"vllm serve: error: {message}"), stderr
         assert stderr.rstrip("\n").endswith(errors[0]), stderr
+
+
+_MAIN_THEN_REPORT_TORCH = (
+    "import sys\nfrom vllm.entrypoints.cli.main import main\n"
+    "rc = main(sys.argv[1:])\n"
+    "print('TORCH', 'torch' in sys.modules, 'TRANSFORMERS', 'transformers' in sys.modules)\n"
+    "sys.exit(rc)\n"
+)
+
+
+def test_flag_errors_and_a_taken_port_fail_before_torch_is_imported():
+    """Flag values, the model path, the chat template and the port are checked before the
+    heavy imports: one line, exit 2, and neither torch nor transformers was loaded."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cases = [
+            (["--host", "127.0.0.1", "--port", str(port)],
+             f"cannot listen on 127.0.0.1:{port}: Address already in use"),
+            (["--chat-template", "no-such-file"], "--chat-template 'no-such-file' is neither"),
+            *[(args, message) for args, message in CONFIG_ERRORS],
+        ]
+        procs = [subprocess.Popen([sys.executable, "-c", _MAIN_THEN_REPORT_TORCH, "serve",
+                                   *args], cwd=REPO_ROOT, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                 for args, _ in cases]
+        for proc, (args, message) in zip(procs, cases, strict=True):
+            stdout, stderr = proc.communicate(timeout=120)
+            assert proc.returncode == 2, (args, stderr)
+            assert stderr == f"vllm serve: error: {message}" + stderr.split(message, 1)[1], stderr
+            assert len(stderr.splitlines()) == 1, stderr
+            assert "TORCH False TRANSFORMERS False" in stdout, (args, stdout)
 
 
 def test_other_start_up_errors_are_not_swallowed(monkeypatch):

@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP server: FastAPI app over an `AsyncLLM`, run by uvicorn.
 
 ```
-vllm serve ... -> run_server(args): bind the port (fail fast), build AsyncLLM (load model,
-                  size KV cache), build_app(engine, args), uvicorn until SIGINT/SIGTERM
+vllm serve ... -> (cli) check flags, bind the port: before torch is imported, so both fail fast
+             -> run_server(args, config, sock): build AsyncLLM (load model, size KV cache),
+                  build_app(engine, args), uvicorn until SIGINT/SIGTERM
 build_app:  /v1/models  /v1/completions  /v1/chat/completions          (API key if set)
             /health  /version  /metrics  /tokenize  /detokenize
             /sleep  /wake_up  /is_sleeping                              (--enable-sleep-mode)
@@ -26,7 +27,6 @@ import signal
 import socket
 import threading
 from collections.abc import Generator
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import uvicorn
@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from vllm.entrypoints.openai.cli_args import bind_socket, load_chat_template
 from vllm.entrypoints.openai.errors import APIError, error_from_exception
 from vllm.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
 from vllm.entrypoints.openai.protocol import (
@@ -77,22 +78,6 @@ def served_model_names(args: argparse.Namespace) -> list[str]:
         return list(names)
     model = getattr(args, "model", None)
     return [model if model else BUNDLED_MODEL_NAME]
-
-
-def load_chat_template(value: str | None) -> str | None:
-    """`--chat-template`: a file's contents, or the value itself when it is a template.
-
-    Raises:
-        ValueError: neither an existing file nor a Jinja template.
-    """
-    if value is None:
-        return None
-    path = Path(value)
-    if path.is_file():
-        return path.read_text()
-    if "{" in value:
-        return value
-    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
 
 
 def build_app(engine_client: AsyncLLM, args: argparse.Namespace) -> FastAPI:
@@ -309,23 +294,6 @@ class _Server(uvicorn.Server):
         timer.start()
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A bound TCP socket (listen() is called by the event loop).
-
-    Raises:
-        OSError: the address is in use or not available; the message names it.
-    """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from e
-    return sock
-
-
 def non_default_args(args: argparse.Namespace) -> dict:
     """The `vllm serve` arguments that differ from their defaults (API key redacted)."""
     from vllm.entrypoints.openai.cli_args import make_arg_parser
@@ -350,16 +318,23 @@ def build_engine_config(args: argparse.Namespace) -> VllmConfig:
     return AsyncEngineArgs.from_cli_args(args).create_engine_config()
 
 
-def run_server(args: argparse.Namespace, vllm_config: VllmConfig | None = None) -> int:
+def run_server(
+    args: argparse.Namespace,
+    vllm_config: VllmConfig | None = None,
+    sock: socket.socket | None = None,
+) -> int:
     """Serve until SIGINT/SIGTERM; returns the exit code (0 clean, 1 engine died).
 
-    `vllm_config` is `build_engine_config(args)` when not given. The port is
-    bound before the model loads, so a taken port fails at once.
+    `vllm_config` is `build_engine_config(args)` and `sock` is
+    `bind_socket(host, port)` when not given (`vllm serve` binds before it
+    imports this module, so a taken port fails at once). The socket is closed
+    on return.
     """
     if vllm_config is None:
         vllm_config = build_engine_config(args)
     host = args.host or "0.0.0.0"
-    sock = bind_socket(host, args.port)
+    if sock is None:
+        sock = bind_socket(host, args.port)
     try:
         port = sock.getsockname()[1]
         url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
