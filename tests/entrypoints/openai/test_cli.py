@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import socket
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import openai
@@ -205,7 +207,7 @@ def test_other_start_up_errors_are_not_swallowed(monkeypatch):
 def key_server():
     remote = RemoteServer([*DEFAULT_SERVER_ARGS, "--api-key", API_KEY,
                            "--served-model-name", *NAMES, "--enable-sleep-mode",
-                           "--uvicorn-log-level", "info"])
+                           "--uvicorn-log-level", "info", "--shutdown-timeout", "1"])
     try:
         yield remote
     finally:
@@ -301,29 +303,58 @@ def test_level2_sleep_then_wake_reloads_the_weights(key_server):
     assert "reloading the weights" in key_server.log()
 
 
-def test_sigterm_with_request_in_flight(key_server):
-    """SIGTERM: the in-flight stream ends properly, the process exits 0, the port is free."""
-    events: list[str] = []
+def _requests_running(server) -> float:
+    from tests.entrypoints.openai.utils import scrape_metrics
+
+    return scrape_metrics(server).get("vllm:num_requests_running", 0.0)
+
+
+def test_sigterm_fails_in_flight_requests_cleanly(key_server):
+    """SIGTERM with a non-streaming and a streaming request that cannot finish within
+    --shutdown-timeout: the first gets 503 with the OpenAI body, the second an SSE error
+    event and then [DONE]; one log line says so, nothing is cancelled (no traceback), the
+    process exits 0 and the port is free."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": NAMES[0], "prompt": "Once upon a time", "max_tokens": 480,
+            "ignore_eos": True}
+    url = key_server.url_for("v1/completions")
+    results: dict = {}
     first_event = threading.Event()
 
+    def plain() -> None:
+        results["plain"] = httpx.post(url, json=body, headers=headers, timeout=120)
+
     def stream() -> None:
-        body = {"model": NAMES[0], "prompt": "Once upon a time", "max_tokens": 40,
-                "stream": True, "ignore_eos": True}
-        with httpx.stream("POST", key_server.url_for("v1/completions"), json=body,
-                          headers={"Authorization": f"Bearer {API_KEY}"},
+        events = []
+        with httpx.stream("POST", url, json={**body, "stream": True}, headers=headers,
                           timeout=120) as response:
             for line in response.iter_lines():
                 if line:
                     events.append(line)
                     first_event.set()
+        results["stream"] = events
 
-    thread = threading.Thread(target=stream)
-    thread.start()
+    threads = [threading.Thread(target=plain), threading.Thread(target=stream)]
+    for thread in threads:
+        thread.start()
     assert first_event.wait(120)
-    returncode = key_server.terminate()
-    thread.join(60)
-    assert returncode == 0
+    deadline = time.monotonic() + 60
+    while _requests_running(key_server) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    log_before = len(key_server.log())
+    assert key_server.terminate() == 0
+    for thread in threads:
+        thread.join(60)
+    plain_response = results["plain"]
+    assert plain_response.status_code == 503, plain_response.text
+    assert "shut down" in error_of(plain_response)["message"]
+    events = results["stream"]
     assert events[-1] == "data: [DONE]"
+    error_event = json.loads(events[-2].removeprefix("data: "))
+    assert error_event["error"]["code"] == 503, events[-2]
+    assert '"text_completion"' in events[0]  # it streamed tokens before the error
     assert port_is_free(key_server.port)
-    log = key_server.log()
-    assert "Received SIGTERM" in log
+    log = key_server.log()[log_before:]
+    assert "Shutdown timeout (1 s) is over: failing 2 in-flight request(s) with 503" in log, log
+    assert "Traceback" not in log and "CancelledError" not in log, log
+    assert "timeout graceful shutdown exceeded" not in log, log  # nothing was cancelled

@@ -10,9 +10,10 @@ build_app:  /v1/models  /v1/completions  /v1/chat/completions          (API key 
 ```
 
 Shutdown: the first SIGINT/SIGTERM stops accepting connections, lets
-in-flight requests finish for up to `_GRACEFUL_SHUTDOWN_S` (then cancels them,
-which aborts them in the engine), closes the port, shuts the engine down
-(device memory returned) and exits 0; a second signal forces it. When the
+in-flight requests finish for up to `--shutdown-timeout` seconds, then shuts
+the engine down (device memory returned), which fails the requests still
+running: 503 with the OpenAI error body, or an SSE error event and `[DONE]`
+on a stream. The process exits 0; a second signal forces it. When the
 engine dies, /health answers 503 and the process exits 1 after
 `_DEAD_ENGINE_EXIT_DELAY_S`.
 """
@@ -36,7 +37,11 @@ from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from vllm.entrypoints.openai.cli_args import bind_socket, load_chat_template
+from vllm.entrypoints.openai.cli_args import (
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    bind_socket,
+    load_chat_template,
+)
 from vllm.entrypoints.openai.errors import APIError, error_from_exception
 from vllm.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
 from vllm.entrypoints.openai.protocol import (
@@ -62,9 +67,10 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-# Seconds in-flight requests get to finish after SIGINT/SIGTERM before they are
-# cancelled (and aborted in the engine).
-_GRACEFUL_SHUTDOWN_S = 10
+# Seconds the requests failed at the end of --shutdown-timeout get to send their
+# error responses before uvicorn cancels what is left (a backstop: failed handlers
+# return within milliseconds).
+_SHUTDOWN_FLUSH_S = 5.0
 # Seconds between the engine's death and the process exit: the failed requests'
 # 500s are flushed and a /health probe can see the 503.
 _DEAD_ENGINE_EXIT_DELAY_S = 1.0
@@ -248,16 +254,28 @@ class _APIKeyMiddleware:
 
 # ------------------------------------------------------------------------------ serve
 class _Server(uvicorn.Server):
-    """uvicorn.Server that exits 0 on SIGINT/SIGTERM and logs its URL as the last start line.
+    """uvicorn.Server with vLLM's shutdown: drain, then fail what is left, then exit 0.
+
+    On the first SIGINT/SIGTERM it stops accepting connections and gives
+    in-flight requests `shutdown_timeout` seconds to finish. Then it shuts the
+    engine down, which fails every request still running with
+    `EngineShutdownError`: a non-streaming client gets HTTP 503 with the OpenAI
+    error body, a streaming one a final SSE error event and `data: [DONE]`. The
+    handlers return on their own, so nothing is cancelled (no CancelledError
+    traceback) and uvicorn's own deadline (`_SHUTDOWN_FLUSH_S` later) is only
+    a backstop. A second signal forces the exit.
 
     uvicorn re-raises a captured signal after its graceful shutdown, which
     would end the process by that signal (exit status 143 for SIGTERM); a
     clean shutdown here returns instead, with `exit_code` 0 (1 if the engine died).
     """
 
-    def __init__(self, config: uvicorn.Config, url: str) -> None:
+    def __init__(self, config: uvicorn.Config, url: str, engine: AsyncLLM,
+                 shutdown_timeout: float) -> None:
         super().__init__(config)
         self.url = url
+        self.engine = engine
+        self.shutdown_timeout = shutdown_timeout
         self.exit_code = 0
 
     @contextlib.contextmanager
@@ -277,13 +295,30 @@ class _Server(uvicorn.Server):
         if self.should_exit:
             self.force_exit = True
             return
-        logger.info("Received %s; shutting down gracefully", signal.Signals(sig).name)
+        logger.info("Received %s; shutting down: no new connections, in-flight requests get "
+                    "up to %g s (--shutdown-timeout)", signal.Signals(sig).name,
+                    self.shutdown_timeout)
         self.should_exit = True
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets=sockets)
         if self.started:
             logger.info("vLLM API server is listening on %s", self.url)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        deadline = asyncio.ensure_future(self._fail_in_flight_after(self.shutdown_timeout))
+        try:
+            await super().shutdown(sockets=sockets)
+        finally:
+            deadline.cancel()
+
+    async def _fail_in_flight_after(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        running = len(self.server_state.tasks)
+        if running:
+            logger.info("Shutdown timeout (%g s) is over: failing %d in-flight request(s) "
+                        "with 503", delay, running)
+        await asyncio.to_thread(self.engine.shutdown)
 
     def exit_after_engine_death(self, error: EngineDeadError) -> None:
         """Dead-engine callback (any thread): exit 1 after a short delay."""
@@ -347,14 +382,15 @@ def run_server(
         )
         try:
             app = build_app(engine, args)
+            shutdown_timeout = getattr(args, "shutdown_timeout", DEFAULT_SHUTDOWN_TIMEOUT_S)
             config = uvicorn.Config(
                 app,
                 log_level=args.uvicorn_log_level,
                 access_log=not getattr(args, "disable_uvicorn_access_log", False),
-                timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
+                timeout_graceful_shutdown=shutdown_timeout + _SHUTDOWN_FLUSH_S,
                 timeout_keep_alive=5,
             )
-            server = _Server(config, url)
+            server = _Server(config, url, engine, shutdown_timeout)
             engine.add_dead_callback(server.exit_after_engine_death)
             asyncio.run(server.serve(sockets=[sock]))
             return server.exit_code

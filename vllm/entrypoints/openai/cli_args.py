@@ -17,6 +17,10 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 DEFAULT_PORT = 8000
+# Seconds in-flight requests get to finish after SIGTERM/SIGINT (vLLM's
+# --shutdown-timeout; vLLM defaults to 0, i.e. fail them at once: here a short
+# drain is the default, as the server always had).
+DEFAULT_SHUTDOWN_TIMEOUT_S = 10
 
 
 def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -38,6 +42,10 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "the MODEL argument, or SmolLM2-135M-Instruct).")
     g.add_argument("--chat-template", type=str, default=None,
                    help="Chat template (a file or an inline Jinja string) replacing the model's.")
+    g.add_argument("--shutdown-timeout", type=int, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                   help="Seconds in-flight requests get to finish after SIGTERM/SIGINT; then "
+                        "they fail with 503 (a stream gets an error event and [DONE]) and the "
+                        f"server exits (default: {DEFAULT_SHUTDOWN_TIMEOUT_S}; 0: at once).")
     g.add_argument("--uvicorn-log-level", type=str, choices=UVICORN_LOG_LEVELS, default="info",
                    help="Log level of uvicorn (the HTTP server).")
     g.add_argument("--disable-uvicorn-access-log", action="store_true",
@@ -62,6 +70,8 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
         args.model = args.model_tag
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     if args.api_key is None:
         args.api_key = os.environ.get("VLLM_API_KEY") or None
     load_chat_template(args.chat_template)
