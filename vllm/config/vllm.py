@@ -51,6 +51,7 @@ class VllmConfig:
         from vllm import platforms
 
         platform = platforms.current_platform
+        platform.verify_environment()
         self.scheduler_config.resolve(self.model_config.max_model_len, platform.device_type)
         self.compilation_config.resolve(
             self.scheduler_config.max_num_seqs, graphs_supported=platform.is_cuda_alike()

@@ -279,6 +279,17 @@ def test_startup_log_mentions_graph_pool_exactly_when_graphs_are_captured(key_se
     assert ("CUDA graph pool" in line) == graphs_captured, line
 
 
+def test_startup_log_names_the_cpu_threads(key_server):
+    import torch
+
+    lines = [ln for ln in key_server.startup_log.splitlines() if "CPU threads: " in ln]
+    if torch.cuda.is_available():
+        assert lines == []  # a GPU engine leaves host threads alone
+        return
+    (line,) = lines
+    assert "VLLM_CPU_OMP_THREADS_BIND=auto" in line and "physical core(s) allowed" in line
+
+
 def test_level2_sleep_then_wake_reloads_the_weights(key_server):
     """Level 2 discards the weights; waking them reloads the checkpoint, so greedy output
     is the same as before the sleep (waking only the KV cache keeps the server asleep)."""

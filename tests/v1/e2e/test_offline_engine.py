@@ -170,3 +170,17 @@ def test_invalid_requests_are_rejected_and_engine_keeps_serving(llm):
         SamplingParams(temperature=-1)
     assert not llm.llm_engine.has_unfinished_requests()
     assert llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].text.startswith(" Paris")
+
+
+def test_cpu_threads_follow_vllm_cpu_rules(llm):
+    """On the CPU the engine computes with one thread per physical core it may use, less
+    one reserved core (vLLM's VLLM_CPU_OMP_THREADS_BIND=auto), not torch's default."""
+    import torch
+
+    from vllm.platforms import current_platform
+    from vllm.platforms.cpu_threads import plan_cpu_threads
+
+    if current_platform.device_type != "cpu":
+        pytest.skip("host threads are chosen on the CPU platform only")
+    expected = plan_cpu_threads().num_threads
+    assert expected is not None and torch.get_num_threads() == expected
