@@ -1,4 +1,5 @@
-"""Shared test setup: the `cuda` marker skips cleanly where no NVIDIA GPU is present."""
+"""Shared test setup: the `cuda` marker skips cleanly where no NVIDIA GPU is present, and
+one offline engine on the bundled model for every module that only reads from it."""
 
 import pytest
 
@@ -22,3 +23,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def bundled_llm():
+    """The offline `LLM` on the bundled model (the server tests' context length and budget).
+
+    Shared by the whole session: starting an engine is the slowest thing a test can do
+    on the CPU. Tests that use it only generate (and read counters as differences);
+    anything that changes an engine's state (sleep, another config) builds its own.
+    """
+    from tests.entrypoints.openai.utils import ENGINE_KWARGS
+    from vllm import LLM
+
+    llm = LLM(**ENGINE_KWARGS)
+    yield llm
+    llm.llm_engine.shutdown()
