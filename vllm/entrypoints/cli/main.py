@@ -86,8 +86,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         sock = bind_socket(args.host or "0.0.0.0", args.port)
     except (ValueError, FileNotFoundError) as e:
         return _usage_error("serve", e)
-    except OSError as e:
-        return _usage_error("serve", e.strerror or e)
+    except OSError as e:  # the port (its message names it), or an unreadable template file
+        where = f" ({e.filename})" if e.filename else ""
+        return _usage_error("serve", f"{e.strerror or e}{where}")
     try:
         from vllm.entrypoints.openai.api_server import build_engine_config, run_server
 
