@@ -237,6 +237,8 @@ def test_partial_prefill_defaults_and_errors():
             s.long_prefill_token_threshold) == (4, 1, 0)
     s = SchedulerConfig(enable_chunked_prefill=False, max_num_batched_tokens=4096)
     assert s.max_num_partial_prefills == 1  # without chunks there is nothing to share
+    with pytest.raises(ValueError, match="max_num_partial_prefills=2 needs chunked prefill"):
+        SchedulerConfig(enable_chunked_prefill=False, max_num_partial_prefills=2)
     with pytest.raises(ValueError, match=r"max_long_partial_prefills \(3\) must be <= "
                                          r"max_num_partial_prefills \(2\)"):
         SchedulerConfig(max_num_partial_prefills=2, max_long_partial_prefills=3)

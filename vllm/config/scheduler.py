@@ -77,6 +77,11 @@ class SchedulerConfig:
         if self.max_num_partial_prefills is None:
             self.max_num_partial_prefills = (DEFAULT_MAX_NUM_PARTIAL_PREFILLS
                                              if self.enable_chunked_prefill else 1)
+        if self.max_num_partial_prefills > 1 and not self.enable_chunked_prefill:
+            raise ValueError(
+                f"max_num_partial_prefills={self.max_num_partial_prefills} needs chunked "
+                "prefill, which is disabled"
+            )
         if self.max_long_partial_prefills > self.max_num_partial_prefills:
             raise ValueError(
                 f"max_long_partial_prefills ({self.max_long_partial_prefills}) must be <= "
