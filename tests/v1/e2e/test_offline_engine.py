@@ -60,14 +60,13 @@ def reference(llm):
     return llm.generate(PROMPTS, GREEDY, use_tqdm=False)
 
 
-def test_greedy_equals_transformers_on_the_same_gguf(reference):
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def test_greedy_equals_transformers_on_the_same_gguf(reference, bundled_hf_model):
+    from transformers import AutoTokenizer
 
     path = get_bundled_model_path()
     directory, name = path.rsplit("/", 1)
     tok = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    hf = bundled_hf_model
     for prompt, out in zip(PROMPTS, reference, strict=True):
         ids = tok(prompt, return_tensors="pt").input_ids
         assert ids[0].tolist() == out.prompt_token_ids
