@@ -47,7 +47,7 @@ def test_values_check_accepts_valid_and_non_string_values():
         parent[path[-1]] = "\udfff"
         with pytest.raises(InvalidUnicodeError) as e:
             check_unicode_values(bad)
-        assert e.value.field == field
+        assert e.value.parameter == field
 
 
 def test_deep_nesting_does_not_recurse():
