@@ -1,4 +1,6 @@
-"""Shared test setup: the `cuda` marker skips cleanly where no NVIDIA GPU is present."""
+"""Shared test setup: the `cuda` marker skips cleanly where no NVIDIA GPU is present; one
+offline engine on the bundled model for every module that only reads from it, and one
+transformers model of the same file as the reference."""
 
 import pytest
 
@@ -13,6 +15,14 @@ def _cuda_available() -> bool:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs an NVIDIA GPU (CUDA); skipped without one")
+    if not _cuda_available():
+        # The test process computes (transformers references, model tests) with the
+        # threads an engine would choose, from the start: otherwise its speed depends on
+        # whether an engine happened to be built earlier in the session, and torch's
+        # default (every core) runs ~10x slower on a loaded machine (issue 17).
+        from vllm.platforms.cpu_threads import apply_cpu_thread_plan, plan_cpu_threads
+
+        apply_cpu_thread_plan(plan_cpu_threads())
 
 
 def pytest_collection_modifyitems(config, items):
@@ -22,3 +32,39 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def bundled_llm():
+    """The offline `LLM` on the bundled model (the server tests' context length and budget).
+
+    Shared by the whole session: starting an engine is the slowest thing a test can do
+    on the CPU. Tests that use it only generate (and read counters as differences);
+    anything that changes an engine's state (sleep, another config) builds its own.
+    """
+    from tests.entrypoints.openai.utils import ENGINE_KWARGS
+    from vllm import LLM
+
+    llm = LLM(**ENGINE_KWARGS)
+    yield llm
+    llm.llm_engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def bundled_hf_model():
+    """transformers' own model for the bundled GGUF (fp32, eval): the greedy reference.
+
+    Loading it dequantizes the whole file; one copy serves every module that compares
+    against it.
+    """
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from vllm.transformers_utils.config import get_bundled_model_path
+
+    path = Path(get_bundled_model_path())
+    return AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()

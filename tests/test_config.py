@@ -230,6 +230,40 @@ def test_scheduler_errors():
         SchedulerConfig(max_num_seqs=0)
 
 
+def test_partial_prefill_defaults_and_errors():
+    s = SchedulerConfig()
+    s.resolve(max_model_len=4096, device_type="cpu")
+    assert (s.max_num_partial_prefills, s.max_long_partial_prefills,
+            s.long_prefill_token_threshold) == (4, 1, 0)
+    s = SchedulerConfig(enable_chunked_prefill=False, max_num_batched_tokens=4096)
+    assert s.max_num_partial_prefills == 1  # without chunks there is nothing to share
+    with pytest.raises(ValueError, match="max_num_partial_prefills=2 needs chunked prefill"):
+        SchedulerConfig(enable_chunked_prefill=False, max_num_partial_prefills=2)
+    with pytest.raises(ValueError, match=r"max_long_partial_prefills \(3\) must be <= "
+                                         r"max_num_partial_prefills \(2\)"):
+        SchedulerConfig(max_num_partial_prefills=2, max_long_partial_prefills=3)
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be an int >= 0"):
+        SchedulerConfig(long_prefill_token_threshold=-1)
+    with pytest.raises(ValueError, match=r"long_prefill_token_threshold \(5000\) must be <= "
+                                         r"max_model_len \(4096\)"):
+        SchedulerConfig(long_prefill_token_threshold=5000).resolve(4096, "cpu")
+
+
+def test_partial_prefill_flags_reach_the_config():
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.entrypoints.cli.main import make_parser
+
+    args = make_parser().parse_args(["serve", "--max-num-partial-prefills", "3",
+                                     "--max-long-partial-prefills", "2",
+                                     "--long-prefill-token-threshold", "1k"])
+    engine_args = EngineArgs.from_cli_args(args)
+    assert (engine_args.max_num_partial_prefills, engine_args.max_long_partial_prefills,
+            engine_args.long_prefill_token_threshold) == (3, 2, 1000)
+    sched = engine_args._configs_without_model()["scheduler_config"]
+    assert (sched.max_num_partial_prefills, sched.max_long_partial_prefills,
+            sched.long_prefill_token_threshold) == (3, 2, 1000)
+
+
 def test_tensor_parallel_rejected():
     with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported yet"):
         ParallelConfig(tensor_parallel_size=2)

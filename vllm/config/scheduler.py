@@ -14,6 +14,14 @@ from dataclasses import dataclass
 # keep the sampler's warmup small while serving dozens of clients.
 # `vllm serve --help` prints these numbers (EngineArgs.add_cli_args reads them).
 DEFAULT_LIMITS = {"cuda": (256, 8192), "cpu": (64, 512)}
+# Concurrent partial prefills (see v1/core/sched/partial_prefills.py). vLLM
+# defaults to 1, with which a short request arriving during a long prefill waits
+# for all of it (issue 17: 33.7 s for a chat behind a 4000-token prompt on the
+# CPU). With 4, the prefills of a step share its budget, so the short prompt is
+# admitted at once and samples its first token the next step; a prefill running
+# alone still takes the whole budget. benchmarks/benchmark_prefill_ttft.py
+# measures the TTFT with both.
+DEFAULT_MAX_NUM_PARTIAL_PREFILLS = 4
 
 
 def _check_positive_int(name: str, value: object) -> None:
@@ -34,6 +42,14 @@ class SchedulerConfig:
             max_model_len when chunked prefill is off.
         enable_chunked_prefill: split long prompts across steps. When False
             the budget must hold a whole max_model_len prompt.
+        max_num_partial_prefills: most requests mid-prefill at once; above 1
+            the prefills of a step share its budget (vLLM's flag); None = 4
+            (vLLM: 1), and 1 when chunked prefill is off.
+        max_long_partial_prefills: most prompts longer than the threshold
+            prefilled at once (<= max_num_partial_prefills).
+        long_prefill_token_threshold: tokens; a longer prompt is long, and is
+            computed at most this many tokens a step; 0 = 4 % of max_model_len
+            counts as long (vLLM's rule), with no cap.
         max_model_len: copied from ModelConfig by `resolve` (not an argument
             users set).
 
@@ -45,11 +61,32 @@ class SchedulerConfig:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
+    max_num_partial_prefills: int | None = None
+    max_long_partial_prefills: int = 1
+    long_prefill_token_threshold: int = 0
     max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         _check_positive_int("max_num_seqs", self.max_num_seqs)
         _check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _check_positive_int("max_num_partial_prefills", self.max_num_partial_prefills)
+        _check_positive_int("max_long_partial_prefills", self.max_long_partial_prefills)
+        threshold = self.long_prefill_token_threshold
+        if not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be an int >= 0, got {threshold!r}")
+        if self.max_num_partial_prefills is None:
+            self.max_num_partial_prefills = (DEFAULT_MAX_NUM_PARTIAL_PREFILLS
+                                             if self.enable_chunked_prefill else 1)
+        if self.max_num_partial_prefills > 1 and not self.enable_chunked_prefill:
+            raise ValueError(
+                f"max_num_partial_prefills={self.max_num_partial_prefills} needs chunked "
+                "prefill, which is disabled"
+            )
+        if self.max_long_partial_prefills > self.max_num_partial_prefills:
+            raise ValueError(
+                f"max_long_partial_prefills ({self.max_long_partial_prefills}) must be <= "
+                f"max_num_partial_prefills ({self.max_num_partial_prefills})"
+            )
 
     def resolve(self, max_model_len: int, device_type: str) -> None:
         """Fill the defaults for `device_type` ("cuda" or "cpu") and check the limits."""
@@ -66,6 +103,11 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs}): every running request needs a token"
+            )
+        if self.max_num_partial_prefills > 1 and self.long_prefill_token_threshold > max_model_len:
+            raise ValueError(
+                f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) must be <= "
+                f"max_model_len ({max_model_len})"
             )
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
             raise ValueError(

@@ -51,6 +51,7 @@ class VllmConfig:
         from vllm import platforms
 
         platform = platforms.current_platform
+        platform.verify_environment()
         self.scheduler_config.resolve(self.model_config.max_model_len, platform.device_type)
         self.compilation_config.resolve(
             self.scheduler_config.max_num_seqs, graphs_supported=platform.is_cuda_alike()
@@ -71,6 +72,9 @@ class VllmConfig:
             f"kv_cache_memory_bytes={c.kv_cache_memory_bytes}, "
             f"enable_prefix_caching={c.enable_prefix_caching}, max_num_seqs={s.max_num_seqs}, "
             f"max_num_batched_tokens={s.max_num_batched_tokens}, "
+            f"max_num_partial_prefills={s.max_num_partial_prefills}, "
+            f"max_long_partial_prefills={s.max_long_partial_prefills}, "
+            f"long_prefill_token_threshold={s.long_prefill_token_threshold}, "
             f"cudagraphs={self.compilation_config.use_cudagraph}, "
             f"tensor_parallel_size={self.parallel_config.tensor_parallel_size}"
         )

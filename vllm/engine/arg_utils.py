@@ -29,7 +29,8 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.config.model import DTYPE_CHOICES, LOAD_FORMAT_CHOICES
-from vllm.config.scheduler import DEFAULT_LIMITS
+from vllm.config.scheduler import DEFAULT_LIMITS, DEFAULT_MAX_NUM_PARTIAL_PREFILLS
+from vllm.transformers_utils.model_path import check_model_path
 
 # Suffixes for integer flags. vLLM's convention: lowercase k/m/g/t are decimal
 # (1k = 1000, decimals allowed: 25.6k), uppercase K/M/G/T binary (1K = 1024).
@@ -116,6 +117,9 @@ class EngineArgs:
     enable_sleep_mode: bool = False
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    max_num_partial_prefills: int | None = None
+    max_long_partial_prefills: int = 1
+    long_prefill_token_threshold: int = 0
     enforce_eager: bool = False
     compilation_config: CompilationConfig | dict[str, Any] | None = None
     tensor_parallel_size: int = 1
@@ -168,6 +172,20 @@ class EngineArgs:
                        default=d.max_num_batched_tokens,
                        help=f"Token budget per step (default: {cuda_tokens} on CUDA, "
                             f"{cpu_tokens} on CPU).")
+        g.add_argument("--max-num-partial-prefills", type=int,
+                       default=d.max_num_partial_prefills,
+                       help=f"Most requests mid-prefill at once; above 1 the prefills of a step "
+                            f"share its budget, so a short prompt is not stuck behind a long "
+                            f"one (default: {DEFAULT_MAX_NUM_PARTIAL_PREFILLS}; vLLM's: 1).")
+        g.add_argument("--max-long-partial-prefills", type=int,
+                       default=d.max_long_partial_prefills,
+                       help="Most prompts longer than --long-prefill-token-threshold prefilled "
+                            "at once; shorter prompts may go ahead of the others (default: 1).")
+        g.add_argument("--long-prefill-token-threshold", type=human_readable_int,
+                       default=d.long_prefill_token_threshold,
+                       help="Prompts with more tokens to compute are long, and compute at most "
+                            "this many tokens a step (default: 0 = 4%% of --max-model-len count "
+                            "as long, no cap).")
         g.add_argument("--enforce-eager", action=bool_flag, default=d.enforce_eager,
                        help="Never capture CUDA graphs.")
         g.add_argument("-O", "--compilation-config",
@@ -190,6 +208,24 @@ class EngineArgs:
         """Build from a namespace parsed with `add_cli_args` (extra attributes ignored)."""
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
 
+    def validate(self) -> None:
+        """Check every value that needs neither torch nor the model's files.
+
+        That is the ranges and combinations of the cache, scheduler, parallel,
+        compilation and KV-transfer configs (built and dropped here: their
+        constructors check them) and that the model path exists. `vllm serve`
+        runs this before importing torch, so a bad flag fails in a fraction of a
+        second; `create_engine_config` runs the same checks and then those that
+        need the platform or the model's config (dtype, max_model_len, the VMM
+        probe).
+
+        Raises:
+            ValueError / FileNotFoundError: the first invalid value, naming it.
+        """
+        self._configs_without_model()
+        if self.model is not None:
+            check_model_path(self.model)
+
     def create_engine_config(self) -> VllmConfig:
         """Build and validate the engine's `VllmConfig` (the one place args are checked).
 
@@ -204,6 +240,14 @@ class EngineArgs:
             seed=self.seed,
             load_format=self.load_format,
         )
+        return VllmConfig(
+            model_config=model_config,
+            device_config=DeviceConfig(),
+            **self._configs_without_model(),
+        )
+
+    def _configs_without_model(self) -> dict[str, Any]:
+        """The sub-configs that need neither torch nor the model (each checks itself)."""
         cache_config = CacheConfig(
             block_size=self.block_size,
             gpu_memory_utilization=self.gpu_memory_utilization,
@@ -212,16 +256,17 @@ class EngineArgs:
             enable_extensible_kv_cache=self.enable_extensible_kv_cache,
             enable_sleep_mode=self.enable_sleep_mode,
         )
-        return VllmConfig(
-            model_config=model_config,
+        return dict(
             cache_config=cache_config,
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
+                max_num_partial_prefills=self.max_num_partial_prefills,
+                max_long_partial_prefills=self.max_long_partial_prefills,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
             ),
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
             compilation_config=self._compilation_config(),
-            device_config=DeviceConfig(),
             kv_transfer_config=self._kv_transfer_config(),
         )
 

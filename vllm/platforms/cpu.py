@@ -1,4 +1,5 @@
-"""The CPU platform: host memory figures, the host VMM backend, float32 by default."""
+"""The CPU platform: host memory figures, the host VMM backend, float32 by default, and
+vLLM's CPU thread rules (`cpu_threads.py`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,11 @@ import torch
 
 from vllm.device_allocator.host_vmm import HostVmmDriver
 from vllm.logger import init_logger
+from vllm.platforms.cpu_threads import (
+    apply_cpu_thread_plan,
+    check_cpu_threads_env,
+    plan_cpu_threads,
+)
 from vllm.platforms.interface import Platform
 
 logger = init_logger(__name__)
@@ -152,6 +158,27 @@ class CpuPlatform(Platform):
 
     def default_dtype(self, config_dtype: torch.dtype | None) -> torch.dtype:
         return torch.float32  # the reference kernels are fastest and exact in fp32
+
+    def verify_environment(self) -> None:
+        """VLLM_CPU_OMP_THREADS_BIND and VLLM_CPU_NUM_OF_RESERVED_CPU are well formed.
+
+        Raises:
+            ValueError: naming the variable.
+        """
+        check_cpu_threads_env()
+
+    def configure_threads(self) -> None:
+        """vLLM's CPU thread rules (`cpu_threads.py`): one thread per physical core this
+        process may use, one core reserved for the rest, bound; logged."""
+        plan = plan_cpu_threads()
+        apply_cpu_thread_plan(plan)
+        threads = torch.get_num_threads()
+        if plan.cpus is None or threads < 2:  # one thread: the caller's own, left as it is
+            logger.info("CPU threads: %d compute thread(s), not bound (%s)", threads,
+                        plan.description)
+        else:
+            logger.info("CPU threads: %d compute threads, OpenMP team bound to CPUs %s (%s)",
+                        threads, ",".join(map(str, plan.cpus)), plan.description)
 
     def default_kv_cache_bytes_cap(self) -> int:
         """`VLLM_CPU_KVCACHE_SPACE` GiB if set and > 0, else min(4 GiB, available memory).

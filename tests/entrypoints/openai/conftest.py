@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.entrypoints.openai.utils import DEFAULT_SERVER_ARGS, ENGINE_KWARGS, RemoteServer
+from tests.entrypoints.openai.utils import DEFAULT_SERVER_ARGS, RemoteServer
 
 
 @pytest.fixture(scope="session")
@@ -20,10 +20,6 @@ def client(server):
 
 
 @pytest.fixture(scope="session")
-def offline_llm():
+def offline_llm(bundled_llm):
     """The offline engine on the same model and context length (the greedy reference)."""
-    from vllm import LLM
-
-    llm = LLM(**ENGINE_KWARGS)
-    yield llm
-    llm.llm_engine.shutdown()
+    return bundled_llm

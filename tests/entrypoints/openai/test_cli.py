@@ -4,17 +4,23 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
+import json
+import socket
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import openai
 import pytest
 
+from tests.conftest import _cuda_available
 from tests.entrypoints.openai.utils import (
     DEFAULT_SERVER_ARGS,
+    MAX_MODEL_LEN,
     MODEL_NAME,
     REPO_ROOT,
     RemoteServer,
@@ -29,6 +35,10 @@ from vllm.version import __version__
 
 API_KEY = "test-key-1234"
 NAMES = ["my-model", "my-alias"]
+# The key server's --shutdown-timeout: 1 s of grace on the CPU, where the SIGTERM test's
+# 480-token requests take far longer; on a GPU they could finish within a second, so
+# there the requests are failed at once (the same code path, without the wait).
+SHUTDOWN_TIMEOUT_S = 0 if _cuda_available() else 1
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -154,6 +164,39 @@ def test_config_errors_are_one_line_and_exit_2():
         assert stderr.rstrip("\n").endswith(errors[0]), stderr
 
 
+_MAIN_THEN_REPORT_TORCH = (
+    "import sys\nfrom vllm.entrypoints.cli.main import main\n"
+    "rc = main(sys.argv[1:])\n"
+    "print('TORCH', 'torch' in sys.modules, 'TRANSFORMERS', 'transformers' in sys.modules)\n"
+    "sys.exit(rc)\n"
+)
+
+
+def test_flag_errors_and_a_taken_port_fail_before_torch_is_imported():
+    """Flag values, the model path, the chat template and the port are checked before the
+    heavy imports: one line, exit 2, and neither torch nor transformers was loaded."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cases = [
+            (["--host", "127.0.0.1", "--port", str(port)],
+             f"cannot listen on 127.0.0.1:{port}: Address already in use"),
+            (["--chat-template", "no-such-file"], "--chat-template 'no-such-file' is neither"),
+            *[(args, message) for args, message in CONFIG_ERRORS],
+        ]
+        procs = [subprocess.Popen([sys.executable, "-c", _MAIN_THEN_REPORT_TORCH, "serve",
+                                   *args], cwd=REPO_ROOT, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                 for args, _ in cases]
+        for proc, (args, message) in zip(procs, cases, strict=True):
+            stdout, stderr = proc.communicate(timeout=120)
+            assert proc.returncode == 2, (args, stderr)
+            assert stderr == f"vllm serve: error: {message}" + stderr.split(message, 1)[1], stderr
+            assert len(stderr.splitlines()) == 1, stderr
+            assert "TORCH False TRANSFORMERS False" in stdout, (args, stdout)
+
+
 def test_other_start_up_errors_are_not_swallowed(monkeypatch):
     from vllm.entrypoints.cli.main import main
     from vllm.entrypoints.openai import api_server
@@ -171,7 +214,8 @@ def test_other_start_up_errors_are_not_swallowed(monkeypatch):
 def key_server():
     remote = RemoteServer([*DEFAULT_SERVER_ARGS, "--api-key", API_KEY,
                            "--served-model-name", *NAMES, "--enable-sleep-mode",
-                           "--uvicorn-log-level", "info"])
+                           "--uvicorn-log-level", "info",
+                           "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)])
     try:
         yield remote
     finally:
@@ -231,15 +275,27 @@ def test_sleep_endpoints(key_server):
     assert completion.usage.completion_tokens >= 1
 
 
-def test_startup_log_mentions_graph_pool_only_with_cuda_graphs(key_server):
+def test_startup_log_mentions_graph_pool_exactly_when_graphs_are_captured(key_server):
+    """The sizing line names the CUDA graph pool on a GPU (the server is not eager, so it
+    captures graphs there) and never on the CPU, which captures none."""
     import torch
 
-    if torch.cuda.is_available():
-        pytest.skip("the server captured CUDA graphs: the pool is part of the sizing line")
     (line,) = [ln for ln in key_server.startup_log.splitlines()
                if "KV cache sized after warmup" in ln]
     assert "(weights " in line and "activation peak" in line
-    assert "graph pool" not in line
+    graphs_captured = torch.cuda.is_available()
+    assert ("CUDA graph pool" in line) == graphs_captured, line
+
+
+def test_startup_log_names_the_cpu_threads(key_server):
+    import torch
+
+    lines = [ln for ln in key_server.startup_log.splitlines() if "CPU threads: " in ln]
+    if torch.cuda.is_available():
+        assert lines == []  # a GPU engine leaves host threads alone
+        return
+    (line,) = lines
+    assert "VLLM_CPU_OMP_THREADS_BIND=auto" in line and "physical core(s) allowed" in line
 
 
 def test_level2_sleep_then_wake_reloads_the_weights(key_server):
@@ -266,29 +322,83 @@ def test_level2_sleep_then_wake_reloads_the_weights(key_server):
     assert "reloading the weights" in key_server.log()
 
 
-def test_sigterm_with_request_in_flight(key_server):
-    """SIGTERM: the in-flight stream ends properly, the process exits 0, the port is free."""
-    events: list[str] = []
+def test_bounded_mixed_load_gets_only_well_formed_answers(key_server):
+    """30 s of the mixed load (streams, disconnects, hostile bodies, long prompts, sleep and
+    wake cycles; benchmarks/benchmark_mixed_load.py runs it for 10 minutes): no 5xx but the
+    503s of a sleeping engine, every error has the OpenAI body, every stream ends with
+    [DONE], the log has no traceback, and the server still answers correctly."""
+    from tests.entrypoints.openai.mixed_load import MixedLoad
+
+    load = MixedLoad(key_server, NAMES[0], headers={"Authorization": f"Bearer {API_KEY}"},
+                     max_model_len=MAX_MODEL_LEN, sleep_period_s=9.0, seed=17)
+    report = asyncio.run(load.run(30.0, streamers=4, leavers=2, hostile=2, long=1))
+    assert report.violations == []
+    assert load.collect_tracebacks() == []
+    assert report.sleep_cycles >= 2  # the third, level-2, cycle may be cut by the deadline
+    counts = report.statuses
+    assert counts.get("stream 200", 0) >= 5, counts
+    assert counts.get("long 200", 0) + counts.get("long 503", 0) >= 1, counts
+    assert sum(n for k, n in counts.items() if k.startswith("hostile") and " 400" in k) >= 20
+    assert not any(k.endswith(" 500") for k in counts), counts
+    client = key_server.get_client(api_key=API_KEY)
+    completion = client.completions.create(model=NAMES[0], prompt="The capital of France is",
+                                           max_tokens=3, temperature=0)
+    assert completion.choices[0].text.startswith(" Paris")
+
+
+def _requests_running(server) -> float:
+    from tests.entrypoints.openai.utils import scrape_metrics
+
+    return scrape_metrics(server).get("vllm:num_requests_running", 0.0)
+
+
+def test_sigterm_fails_in_flight_requests_cleanly(key_server):
+    """SIGTERM with a non-streaming and a streaming request that cannot finish within
+    --shutdown-timeout: the first gets 503 with the OpenAI body, the second an SSE error
+    event and then [DONE]; one log line says so, nothing is cancelled (no traceback), the
+    process exits 0 and the port is free."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": NAMES[0], "prompt": "Once upon a time", "max_tokens": 480,
+            "ignore_eos": True}
+    url = key_server.url_for("v1/completions")
+    results: dict = {}
     first_event = threading.Event()
 
+    def plain() -> None:
+        results["plain"] = httpx.post(url, json=body, headers=headers, timeout=120)
+
     def stream() -> None:
-        body = {"model": NAMES[0], "prompt": "Once upon a time", "max_tokens": 40,
-                "stream": True, "ignore_eos": True}
-        with httpx.stream("POST", key_server.url_for("v1/completions"), json=body,
-                          headers={"Authorization": f"Bearer {API_KEY}"},
+        events = []
+        with httpx.stream("POST", url, json={**body, "stream": True}, headers=headers,
                           timeout=120) as response:
             for line in response.iter_lines():
                 if line:
                     events.append(line)
                     first_event.set()
+        results["stream"] = events
 
-    thread = threading.Thread(target=stream)
-    thread.start()
+    threads = [threading.Thread(target=plain), threading.Thread(target=stream)]
+    for thread in threads:
+        thread.start()
     assert first_event.wait(120)
-    returncode = key_server.terminate()
-    thread.join(60)
-    assert returncode == 0
+    deadline = time.monotonic() + 60
+    while _requests_running(key_server) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    log_before = len(key_server.log())
+    assert key_server.terminate() == 0
+    for thread in threads:
+        thread.join(60)
+    plain_response = results["plain"]
+    assert plain_response.status_code == 503, plain_response.text
+    assert "shut down" in error_of(plain_response)["message"]
+    events = results["stream"]
     assert events[-1] == "data: [DONE]"
+    error_event = json.loads(events[-2].removeprefix("data: "))
+    assert error_event["error"]["code"] == 503, events[-2]
+    assert '"text_completion"' in events[0]  # it streamed tokens before the error
     assert port_is_free(key_server.port)
-    log = key_server.log()
-    assert "Received SIGTERM" in log
+    log = key_server.log()[log_before:]
+    assert (f"Shutdown timeout ({SHUTDOWN_TIMEOUT_S} s) is over: failing 2 in-flight "
+            "request(s) with 503") in log, log
+    assert "Traceback" not in log and "CancelledError" not in log, log
+    assert "timeout graceful shutdown exceeded" not in log, log  # nothing was cancelled

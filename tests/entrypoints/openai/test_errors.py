@@ -97,6 +97,16 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "\udfff"}]}]}, 400, "messages.0.content.0.text"),
     ("chat/completions", {"model": "\ud800"}, 400, "model"),
+    # Content parts whose text is not a string, or that are not text at all.
+    *[("chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": text}]}]}, 400, "messages.0.content.0.text")
+      for text in (7, None, ["a"], {"a": 1})],
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     400, "messages.0.content.0.text"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "ok"}, "plain"]}]}, 400, "messages.0.content.1"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages.0.content.0.type"),
 ]
 
 
@@ -138,6 +148,40 @@ def test_lone_surrogate_on_tokenizer_endpoints(server, reference_text, path, bod
     error = error_of(response)
     assert error["param"] == param
     assert error["message"].startswith(f"{param} contains a lone UTF-16 surrogate U+D")
+    _assert_still_serving(server, reference_text)
+
+
+BAD_TEMPLATES = [
+    # (template, what the message says)
+    ("{% for %}", "failed to render"),  # a syntax error
+    ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "unsafe"),  # the sandbox refuses
+    ("{{ raise_exception('roles must alternate') }}", "roles must alternate"),
+    ("{{ messages[0].content + 1 }}", "can only concatenate"),  # a TypeError inside it
+]
+
+
+@pytest.mark.parametrize(("template", "says"), BAD_TEMPLATES)
+@pytest.mark.parametrize("path", ["tokenize", "v1/chat/completions"])
+def test_chat_template_that_fails_is_a_400(server, reference_text, path, template, says):
+    body = {"messages": CHAT["messages"], "chat_template": template}
+    if path != "tokenize":
+        body = {**CHAT, **body}
+    response = httpx.post(server.url_for(path), json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = error_of(response)
+    assert error["param"] == "chat_template", error
+    assert says in error["message"], error
+    _assert_still_serving(server, reference_text)
+
+
+@pytest.mark.parametrize("text", [7, None, ["a"], {"a": 1}])
+def test_tokenize_messages_with_non_string_text_is_a_400(server, reference_text, text):
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": text}]}]}
+    response = httpx.post(server.url_for("tokenize"), json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = error_of(response)
+    assert error["param"] == "messages.0.content.0.text", error
+    assert error["message"].startswith("messages.0.content.0.text must be a string"), error
     _assert_still_serving(server, reference_text)
 
 

@@ -4,6 +4,7 @@ requests, and blocks that return to the pool when a client disconnects."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -112,10 +113,11 @@ def test_disconnect_mid_stream_returns_blocks(server):
         # `for` over iter_lines() closes the generator, and with it the connection, so the
         # server would (rightly) abort the request while the scrape below still runs.
         lines = response.iter_lines()
-        received = 0
-        while received < 3:
-            if next(lines).startswith("data: "):
-                received += 1
+        received = []
+        while len(received) < 3:
+            line = next(lines)
+            if line.startswith("data: "):
+                received.append(json.loads(line.removeprefix("data: ")))
         # The stream is still open and unread: the request runs (or waits on the
         # socket's back-pressure) and holds its blocks until the client leaves.
         during = _wait_for(server, _held)
@@ -123,6 +125,7 @@ def test_disconnect_mid_stream_returns_blocks(server):
     # The connection is closed: the server must abort the request and free its blocks.
     after = _wait_for(server, _released)
     assert _released(after), after
+    assert f"Aborted request(s) {received[0]['id']}\n" in server.log()  # one line says so
     generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
     assert 3 <= generated < max_tokens  # aborted, not run to the end
     assert after.get(SUCCESS_LENGTH, 0) == before.get(SUCCESS_LENGTH, 0)
@@ -151,10 +154,12 @@ def test_disconnect_while_waiting_for_non_streaming_response(server):
                 await request
             return metrics
 
+    aborted_before = server.log().count("Aborted request(s) cmpl-")
     during = asyncio.run(request_then_leave())
     assert _held(during), during
     after = _wait_for(server, _released)
     assert _released(after), after
+    assert server.log().count("Aborted request(s) cmpl-") == aborted_before + 1
     generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
     assert generated < max_tokens
     assert after.get(SUCCESS_LENGTH, 0) == before.get(SUCCESS_LENGTH, 0)

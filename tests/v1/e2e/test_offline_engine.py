@@ -12,6 +12,7 @@ import gc
 
 import pytest
 
+from tests.entrypoints.openai.utils import ENGINE_KWARGS
 from vllm import LLM, SamplingParams
 from vllm.transformers_utils.config import get_bundled_model_path
 from vllm.v1.worker.kv_cache import ClassicKVCacheBuffers, ExtensibleKVCacheBuffers
@@ -30,23 +31,28 @@ SHARED = (
 )
 PREFIX_PROMPTS = [SHARED + q for q in ("What is 2+2?", "Name a fruit.", "Who wrote Hamlet?")]
 GREEDY = SamplingParams(max_tokens=20, temperature=0)
-SMALL = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=256)
+# The other engine differs from the shared one in everything outputs must not depend on:
+# a tiny KV cache (6 usable blocks of 16 tokens: four ~30-token sequences cannot all fit,
+# so it preempts), prefix caching off, and the classic (not extensible) KV path.
+OTHER = dict(ENGINE_KWARGS, max_num_seqs=8, kv_cache_memory_bytes=7 * 16 * 30 * 2 * 3 * 64 * 4,
+             enable_prefix_caching=False, enable_extensible_kv_cache=False)
 
 
 def _texts(outputs) -> list[str]:
     return [o.outputs[0].text for o in outputs]
 
 
-def _close(llm: LLM) -> None:
-    llm.llm_engine.shutdown()
-    gc.collect()
+@pytest.fixture(scope="module")
+def llm(bundled_llm):
+    return bundled_llm
 
 
 @pytest.fixture(scope="module")
-def llm():
-    engine = LLM(**SMALL)
+def other_llm():
+    engine = LLM(**OTHER)
     yield engine
-    _close(engine)
+    engine.llm_engine.shutdown()
+    gc.collect()
 
 
 @pytest.fixture(scope="module")
@@ -54,14 +60,13 @@ def reference(llm):
     return llm.generate(PROMPTS, GREEDY, use_tqdm=False)
 
 
-def test_greedy_equals_transformers_on_the_same_gguf(reference):
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def test_greedy_equals_transformers_on_the_same_gguf(reference, bundled_hf_model):
+    from transformers import AutoTokenizer
 
     path = get_bundled_model_path()
     directory, name = path.rsplit("/", 1)
     tok = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    hf = bundled_hf_model
     for prompt, out in zip(PROMPTS, reference, strict=True):
         ids = tok(prompt, return_tensors="pt").input_ids
         assert ids[0].tolist() == out.prompt_token_ids
@@ -71,21 +76,15 @@ def test_greedy_equals_transformers_on_the_same_gguf(reference):
     assert reference[0].outputs[0].text.startswith(" Paris")
 
 
-def test_tiny_cache_preempts_and_gives_identical_outputs(reference):
-    # 6 usable blocks of 16 tokens: four ~30-token sequences cannot all fit.
-    from vllm.config import VllmConfig  # noqa: F401  (imported for clarity of intent)
-
-    tiny = LLM(**SMALL, kv_cache_memory_bytes=7 * 16 * 30 * 2 * 3 * 64 * 4)
-    try:
-        assert tiny.llm_engine.engine_core.num_blocks <= 8
-        out = tiny.generate(PROMPTS, GREEDY, use_tqdm=False)
-        assert tiny.llm_engine.engine_core.get_stats().num_preemptions > 0
-    finally:
-        _close(tiny)
+def test_tiny_cache_preempts_and_gives_identical_outputs(other_llm, reference):
+    assert other_llm.llm_engine.engine_core.num_blocks <= 8
+    preemptions = other_llm.llm_engine.engine_core.get_stats().num_preemptions
+    out = other_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert other_llm.llm_engine.engine_core.get_stats().num_preemptions > preemptions
     assert _texts(out) == _texts(reference)
 
 
-def test_prefix_caching_on_and_off_identical_with_hits(llm):
+def test_prefix_caching_on_and_off_identical_with_hits(llm, other_llm):
     hits_before = llm.llm_engine.engine_core.get_stats().prefix_cache_hits
     first = llm.generate(PREFIX_PROMPTS[:1], GREEDY, use_tqdm=False)
     cached = llm.generate(PREFIX_PROMPTS, GREEDY, use_tqdm=False)
@@ -95,12 +94,8 @@ def test_prefix_caching_on_and_off_identical_with_hits(llm):
     # Every prompt of the second batch reuses the shared blocks the first cached.
     assert stats.prefix_cache_hits - hits_before >= 3 * 16 * shared_blocks
     assert any(o.num_cached_tokens > 0 for o in cached)
-    off = LLM(**SMALL, enable_prefix_caching=False)
-    try:
-        uncached = off.generate(PREFIX_PROMPTS, GREEDY, use_tqdm=False)
-        assert off.llm_engine.engine_core.get_stats().prefix_cache_hits == 0
-    finally:
-        _close(off)
+    uncached = other_llm.generate(PREFIX_PROMPTS, GREEDY, use_tqdm=False)
+    assert other_llm.llm_engine.engine_core.get_stats().prefix_cache_hits == 0
     assert _texts(cached) == _texts(uncached)
     assert _texts(first) == _texts(uncached)[:1]
 
@@ -117,7 +112,7 @@ def test_seeded_sampling_is_reproducible(llm):
     assert [c.text for c in alone[0].outputs] == [c.text for c in a[1].outputs]
 
 
-def test_extensible_cache_grows_after_warmup_and_matches_classic(llm, reference):
+def test_extensible_cache_grows_after_warmup_and_matches_classic(llm, other_llm, reference):
     worker = llm.llm_engine.engine_core.worker
     assert llm.llm_engine.vllm_config.cache_config.enable_extensible_kv_cache
     ext = worker.kv_cache
@@ -128,12 +123,8 @@ def test_extensible_cache_grows_after_warmup_and_matches_classic(llm, reference)
     first_layer = next(iter(ext.views.values()))
     assert first_layer.data_ptr() == base
     assert first_layer.shape[0] == ext.committed_blocks
-    classic = LLM(**SMALL, enable_extensible_kv_cache=False)
-    try:
-        assert isinstance(classic.llm_engine.engine_core.worker.kv_cache, ClassicKVCacheBuffers)
-        out = classic.generate(PROMPTS, GREEDY, use_tqdm=False)
-    finally:
-        _close(classic)
+    assert isinstance(other_llm.llm_engine.engine_core.worker.kv_cache, ClassicKVCacheBuffers)
+    out = other_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert _texts(out) == _texts(reference)
 
 
@@ -163,10 +154,24 @@ def test_stop_strings_logprobs_and_chat(llm):
 
 def test_invalid_requests_are_rejected_and_engine_keeps_serving(llm):
     with pytest.raises(ValueError, match="max_model_len"):
-        llm.generate("hello " * 300, GREEDY, use_tqdm=False)
+        llm.generate("hello " * (ENGINE_KWARGS["max_model_len"] + 10), GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="empty"):
         llm.generate("", GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
     assert not llm.llm_engine.has_unfinished_requests()
     assert llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].text.startswith(" Paris")
+
+
+def test_cpu_threads_follow_vllm_cpu_rules(llm):
+    """On the CPU the engine computes with one thread per physical core it may use, less
+    one reserved core (vLLM's VLLM_CPU_OMP_THREADS_BIND=auto), not torch's default."""
+    import torch
+
+    from vllm.platforms import current_platform
+    from vllm.platforms.cpu_threads import plan_cpu_threads
+
+    if current_platform.device_type != "cpu":
+        pytest.skip("host threads are chosen on the CPU platform only")
+    expected = plan_cpu_threads().num_threads
+    assert expected is not None and torch.get_num_threads() == expected

@@ -135,10 +135,8 @@ def test_failed_wake_stays_asleep_and_a_later_wake_succeeds(llm, reference, monk
     assert _texts(llm) == reference
 
 
-def test_sleep_needs_sleep_mode():
-    engine = LLM(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=128)
-    try:
-        with pytest.raises(RuntimeError, match="enable_sleep_mode"):
-            engine.sleep(1)
-    finally:
-        engine.llm_engine.shutdown()
+def test_sleep_needs_sleep_mode(bundled_llm):
+    assert not bundled_llm.llm_engine.vllm_config.cache_config.enable_sleep_mode
+    with pytest.raises(RuntimeError, match="enable_sleep_mode"):
+        bundled_llm.sleep(1)
+    assert not bundled_llm.llm_engine.is_sleeping()

@@ -68,28 +68,40 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    """Check the flags and build the engine config, then serve.
+    """Check the flags, bind the port, build the engine config, then serve.
 
-    A bad flag value or a missing model (ValueError / FileNotFoundError while
-    building the config) is a usage error: one line on stderr, exit 2, no
-    traceback. Anything raised later (loading, KV sizing) propagates.
+    A bad flag value, a missing model or a port that cannot be bound is a
+    usage error: one line on stderr, exit 2, no traceback. The flags and the
+    port are checked before torch is imported (a fraction of a second); what
+    needs the platform or the model's config (dtype, max_model_len) is checked
+    when the config is built. Anything raised later (loading, KV sizing)
+    propagates.
     """
-    from vllm.entrypoints.openai.cli_args import validate_parsed_serve_args
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.openai.cli_args import bind_socket, validate_parsed_serve_args
 
     try:
         validate_parsed_serve_args(args)
-    except ValueError as e:
-        return _usage_error("serve", e)
-    from vllm.entrypoints.openai.api_server import build_engine_config, run_server
-
-    try:
-        vllm_config = build_engine_config(args)
+        AsyncEngineArgs.from_cli_args(args).validate()
+        sock = bind_socket(args.host or "0.0.0.0", args.port)
     except (ValueError, FileNotFoundError) as e:
         return _usage_error("serve", e)
-    return run_server(args, vllm_config)
+    except OSError as e:  # the port (its message names it), or an unreadable template file
+        where = f" ({e.filename})" if e.filename else ""
+        return _usage_error("serve", f"{e.strerror or e}{where}")
+    try:
+        from vllm.entrypoints.openai.api_server import build_engine_config, run_server
+
+        try:
+            vllm_config = build_engine_config(args)
+        except (ValueError, FileNotFoundError) as e:
+            return _usage_error("serve", e)
+        return run_server(args, vllm_config, sock)
+    finally:
+        sock.close()
 
 
-def _usage_error(subcommand: str, error: Exception) -> int:
+def _usage_error(subcommand: str, error: Exception | str) -> int:
     """Print `vllm <subcommand>: error: <message>` as one line on stderr; returns 2."""
     print(f"vllm {subcommand}: error: {' '.join(str(error).split())}", file=sys.stderr)
     return 2

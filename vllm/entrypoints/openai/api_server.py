@@ -1,17 +1,19 @@
 """The OpenAI-compatible HTTP server: FastAPI app over an `AsyncLLM`, run by uvicorn.
 
 ```
-vllm serve ... -> run_server(args): bind the port (fail fast), build AsyncLLM (load model,
-                  size KV cache), build_app(engine, args), uvicorn until SIGINT/SIGTERM
+vllm serve ... -> (cli) check flags, bind the port: before torch is imported, so both fail fast
+             -> run_server(args, config, sock): build AsyncLLM (load model, size KV cache),
+                  build_app(engine, args), uvicorn until SIGINT/SIGTERM
 build_app:  /v1/models  /v1/completions  /v1/chat/completions          (API key if set)
             /health  /version  /metrics  /tokenize  /detokenize
             /sleep  /wake_up  /is_sleeping                              (--enable-sleep-mode)
 ```
 
 Shutdown: the first SIGINT/SIGTERM stops accepting connections, lets
-in-flight requests finish for up to `_GRACEFUL_SHUTDOWN_S` (then cancels them,
-which aborts them in the engine), closes the port, shuts the engine down
-(device memory returned) and exits 0; a second signal forces it. When the
+in-flight requests finish for up to `--shutdown-timeout` seconds, then shuts
+the engine down (device memory returned), which fails the requests still
+running: 503 with the OpenAI error body, or an SSE error event and `[DONE]`
+on a stream. The process exits 0; a second signal forces it. When the
 engine dies, /health answers 503 and the process exits 1 after
 `_DEAD_ENGINE_EXIT_DELAY_S`.
 """
@@ -26,7 +28,6 @@ import signal
 import socket
 import threading
 from collections.abc import Generator
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import uvicorn
@@ -36,6 +37,11 @@ from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from vllm.entrypoints.openai.cli_args import (
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    bind_socket,
+    load_chat_template,
+)
 from vllm.entrypoints.openai.errors import APIError, error_from_exception
 from vllm.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
 from vllm.entrypoints.openai.protocol import (
@@ -61,9 +67,10 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-# Seconds in-flight requests get to finish after SIGINT/SIGTERM before they are
-# cancelled (and aborted in the engine).
-_GRACEFUL_SHUTDOWN_S = 10
+# Seconds the requests failed at the end of --shutdown-timeout get to send their
+# error responses before uvicorn cancels what is left (a backstop: failed handlers
+# return within milliseconds).
+_SHUTDOWN_FLUSH_S = 5.0
 # Seconds between the engine's death and the process exit: the failed requests'
 # 500s are flushed and a /health probe can see the 503.
 _DEAD_ENGINE_EXIT_DELAY_S = 1.0
@@ -77,22 +84,6 @@ def served_model_names(args: argparse.Namespace) -> list[str]:
         return list(names)
     model = getattr(args, "model", None)
     return [model if model else BUNDLED_MODEL_NAME]
-
-
-def load_chat_template(value: str | None) -> str | None:
-    """`--chat-template`: a file's contents, or the value itself when it is a template.
-
-    Raises:
-        ValueError: neither an existing file nor a Jinja template.
-    """
-    if value is None:
-        return None
-    path = Path(value)
-    if path.is_file():
-        return path.read_text()
-    if "{" in value:
-        return value
-    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
 
 
 def build_app(engine_client: AsyncLLM, args: argparse.Namespace) -> FastAPI:
@@ -263,16 +254,28 @@ class _APIKeyMiddleware:
 
 # ------------------------------------------------------------------------------ serve
 class _Server(uvicorn.Server):
-    """uvicorn.Server that exits 0 on SIGINT/SIGTERM and logs its URL as the last start line.
+    """uvicorn.Server with vLLM's shutdown: drain, then fail what is left, then exit 0.
+
+    On the first SIGINT/SIGTERM it stops accepting connections and gives
+    in-flight requests `shutdown_timeout` seconds to finish. Then it shuts the
+    engine down, which fails every request still running with
+    `EngineShutdownError`: a non-streaming client gets HTTP 503 with the OpenAI
+    error body, a streaming one a final SSE error event and `data: [DONE]`. The
+    handlers return on their own, so nothing is cancelled (no CancelledError
+    traceback) and uvicorn's own deadline (`_SHUTDOWN_FLUSH_S` later) is only
+    a backstop. A second signal forces the exit.
 
     uvicorn re-raises a captured signal after its graceful shutdown, which
     would end the process by that signal (exit status 143 for SIGTERM); a
     clean shutdown here returns instead, with `exit_code` 0 (1 if the engine died).
     """
 
-    def __init__(self, config: uvicorn.Config, url: str) -> None:
+    def __init__(self, config: uvicorn.Config, url: str, engine: AsyncLLM,
+                 shutdown_timeout: float) -> None:
         super().__init__(config)
         self.url = url
+        self.engine = engine
+        self.shutdown_timeout = shutdown_timeout
         self.exit_code = 0
 
     @contextlib.contextmanager
@@ -292,13 +295,30 @@ class _Server(uvicorn.Server):
         if self.should_exit:
             self.force_exit = True
             return
-        logger.info("Received %s; shutting down gracefully", signal.Signals(sig).name)
+        logger.info("Received %s; shutting down: no new connections, in-flight requests get "
+                    "up to %g s (--shutdown-timeout)", signal.Signals(sig).name,
+                    self.shutdown_timeout)
         self.should_exit = True
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets=sockets)
         if self.started:
             logger.info("vLLM API server is listening on %s", self.url)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        deadline = asyncio.ensure_future(self._fail_in_flight_after(self.shutdown_timeout))
+        try:
+            await super().shutdown(sockets=sockets)
+        finally:
+            deadline.cancel()
+
+    async def _fail_in_flight_after(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        running = len(self.server_state.tasks)
+        if running:
+            logger.info("Shutdown timeout (%g s) is over: failing %d in-flight request(s) "
+                        "with 503", delay, running)
+        await asyncio.to_thread(self.engine.shutdown)
 
     def exit_after_engine_death(self, error: EngineDeadError) -> None:
         """Dead-engine callback (any thread): exit 1 after a short delay."""
@@ -307,23 +327,6 @@ class _Server(uvicorn.Server):
         timer = threading.Timer(_DEAD_ENGINE_EXIT_DELAY_S, setattr, (self, "should_exit", True))
         timer.daemon = True
         timer.start()
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A bound TCP socket (listen() is called by the event loop).
-
-    Raises:
-        OSError: the address is in use or not available; the message names it.
-    """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from e
-    return sock
 
 
 def non_default_args(args: argparse.Namespace) -> dict:
@@ -350,16 +353,23 @@ def build_engine_config(args: argparse.Namespace) -> VllmConfig:
     return AsyncEngineArgs.from_cli_args(args).create_engine_config()
 
 
-def run_server(args: argparse.Namespace, vllm_config: VllmConfig | None = None) -> int:
+def run_server(
+    args: argparse.Namespace,
+    vllm_config: VllmConfig | None = None,
+    sock: socket.socket | None = None,
+) -> int:
     """Serve until SIGINT/SIGTERM; returns the exit code (0 clean, 1 engine died).
 
-    `vllm_config` is `build_engine_config(args)` when not given. The port is
-    bound before the model loads, so a taken port fails at once.
+    `vllm_config` is `build_engine_config(args)` and `sock` is
+    `bind_socket(host, port)` when not given (`vllm serve` binds before it
+    imports this module, so a taken port fails at once). The socket is closed
+    on return.
     """
     if vllm_config is None:
         vllm_config = build_engine_config(args)
     host = args.host or "0.0.0.0"
-    sock = bind_socket(host, args.port)
+    if sock is None:
+        sock = bind_socket(host, args.port)
     try:
         port = sock.getsockname()[1]
         url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
@@ -372,14 +382,15 @@ def run_server(args: argparse.Namespace, vllm_config: VllmConfig | None = None) 
         )
         try:
             app = build_app(engine, args)
+            shutdown_timeout = getattr(args, "shutdown_timeout", DEFAULT_SHUTDOWN_TIMEOUT_S)
             config = uvicorn.Config(
                 app,
                 log_level=args.uvicorn_log_level,
                 access_log=not getattr(args, "disable_uvicorn_access_log", False),
-                timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
+                timeout_graceful_shutdown=shutdown_timeout + _SHUTDOWN_FLUSH_S,
                 timeout_keep_alive=5,
             )
-            server = _Server(config, url)
+            server = _Server(config, url, engine, shutdown_timeout)
             engine.add_dead_callback(server.exit_after_engine_death)
             asyncio.run(server.serve(sockets=[sock]))
             return server.exit_code

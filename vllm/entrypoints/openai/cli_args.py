@@ -1,17 +1,26 @@
-"""The flags of `vllm serve`: the server's own, then every EngineArgs flag.
+"""The flags of `vllm serve` (the server's own, then every EngineArgs flag) and the
+checks that run before anything heavy is imported: flag values, the chat template,
+the listening socket.
 
-Imports nothing heavy (no torch, no FastAPI), so `vllm --help` stays fast.
+Imports nothing heavy (no torch, no FastAPI), so `vllm --help` stays fast and a
+bad flag or a taken port fails in a fraction of a second.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import socket
+from pathlib import Path
 
 from vllm.engine.arg_utils import AsyncEngineArgs
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 DEFAULT_PORT = 8000
+# Seconds in-flight requests get to finish after SIGTERM/SIGINT (vLLM's
+# --shutdown-timeout; vLLM defaults to 0, i.e. fail them at once: here a short
+# drain is the default, as the server always had).
+DEFAULT_SHUTDOWN_TIMEOUT_S = 10
 
 
 def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -33,6 +42,10 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "the MODEL argument, or SmolLM2-135M-Instruct).")
     g.add_argument("--chat-template", type=str, default=None,
                    help="Chat template (a file or an inline Jinja string) replacing the model's.")
+    g.add_argument("--shutdown-timeout", type=int, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                   help="Seconds in-flight requests get to finish after SIGTERM/SIGINT; then "
+                        "they fail with 503 (a stream gets an error event and [DONE]) and the "
+                        f"server exits (default: {DEFAULT_SHUTDOWN_TIMEOUT_S}; 0: at once).")
     g.add_argument("--uvicorn-log-level", type=str, choices=UVICORN_LOG_LEVELS, default="info",
                    help="Log level of uvicorn (the HTTP server).")
     g.add_argument("--disable-uvicorn-access-log", action="store_true",
@@ -42,10 +55,11 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def validate_parsed_serve_args(args: argparse.Namespace) -> None:
-    """Merge MODEL into --model and check the server flags.
+    """Merge MODEL into --model and check the server's own flags.
 
     Raises:
-        ValueError: MODEL and --model disagree, or the port is out of range.
+        ValueError: MODEL and --model disagree, the port is out of range, or
+            the chat template is neither a file nor a template.
     """
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
@@ -56,5 +70,42 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
         args.model = args.model_tag
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     if args.api_key is None:
         args.api_key = os.environ.get("VLLM_API_KEY") or None
+    load_chat_template(args.chat_template)
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """`--chat-template`: a file's contents, or the value itself when it is a template.
+
+    Raises:
+        ValueError: neither an existing file nor a Jinja template.
+    """
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        return path.read_text()
+    if "{" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A bound TCP socket (listen() is called by the event loop).
+
+    Raises:
+        OSError: the address is in use or not available; `strerror` names it
+            ("cannot listen on 127.0.0.1:8000: Address already in use").
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from e
+    return sock

@@ -167,7 +167,9 @@ class ChatMessage(OpenAIBaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    # Parts are checked when the conversation is rendered (`chat_templates`), which names
+    # the offending field and says what is wrong with it.
+    content: str | list[Any] | None = None
 
 
 class ChatCompletionRequest(SamplingFields):

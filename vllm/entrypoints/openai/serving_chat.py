@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from vllm.entrypoints.openai.errors import APIError, validation_error
+from vllm.entrypoints.openai.errors import APIError
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -34,6 +34,7 @@ from vllm.entrypoints.openai.serving_engine import (
     clamp_logprob,
     final_outputs,
     random_id,
+    render_chat,
     sse,
     sse_response,
     stream_error_event,
@@ -152,20 +153,14 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _render(self, request: ChatCompletionRequest) -> dict:
         """The conversation as {"prompt", "prompt_token_ids"} (on the engine thread)."""
-        messages = [m.model_dump(exclude_none=True) for m in request.messages]
-        try:
-            return await self.engine_client.apply_chat_template(
-                messages,
-                chat_template=request.chat_template or self.chat_template,
-                add_generation_prompt=bool(request.add_generation_prompt),
-                continue_final_message=bool(request.continue_final_message),
-            )
-        except ValueError as e:
-            raise validation_error(e, default="messages") from e
-        except Exception as e:  # jinja2 errors from a template that rejects the messages
-            if type(e).__module__.startswith("jinja2"):
-                raise APIError(400, f"the chat template failed: {e}", "messages") from e
-            raise
+        return await render_chat(
+            self.engine_client,
+            [m.model_dump(exclude_none=True) for m in request.messages],
+            request_template=request.chat_template,
+            server_template=self.chat_template,
+            add_generation_prompt=bool(request.add_generation_prompt),
+            continue_final_message=bool(request.continue_final_message),
+        )
 
     async def _stream(
         self, request_id: str, model_name: str, engine_stream: RequestOutputStream, n: int,

@@ -166,6 +166,43 @@ class OpenAIServing:
         return streams
 
 
+async def render_chat(
+    engine_client: AsyncLLM,
+    messages: list[dict[str, Any]],
+    *,
+    request_template: str | None,
+    server_template: str | None,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+) -> dict[str, Any]:
+    """The conversation through the chat template: {"prompt", "prompt_token_ids"}.
+
+    `request_template` (the request's `chat_template`) wins over `server_template`
+    (`--chat-template`), which wins over the model's own.
+
+    Raises:
+        APIError(400): a malformed message (param: its field) or a template that
+            fails to render (param "chat_template" when the request brought the
+            template, else "messages": the server's template rejected them).
+        APIError(503 / 500): the engine is asleep, shut down or dead.
+    """
+    from vllm.transformers_utils.chat_templates import ChatTemplateError
+
+    try:
+        return await engine_client.apply_chat_template(
+            messages,
+            chat_template=request_template or server_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
+    except ChatTemplateError as e:
+        raise APIError(400, str(e), "chat_template" if request_template else "messages") from e
+    except ValueError as e:
+        raise validation_error(e, default="messages") from e
+    except Exception as e:
+        raise error_from_exception(e) from e
+
+
 async def merge_async_iterators(
     iterators: list[AsyncIterator[Any]],
 ) -> AsyncIterator[tuple[int, Any]]:

@@ -9,7 +9,7 @@ from vllm.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from vllm.entrypoints.openai.serving_engine import OpenAIServing
+from vllm.entrypoints.openai.serving_engine import OpenAIServing, render_chat
 from vllm.sampling_params import validate_token_ids
 
 
@@ -26,15 +26,14 @@ class OpenAIServingTokenization(OpenAIServing):
         if (request.prompt is None) == (request.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", "prompt")
         if request.messages is not None:
-            try:
-                rendered = await self.engine_client.apply_chat_template(
-                    [m.model_dump(exclude_none=True) for m in request.messages],
-                    chat_template=request.chat_template or self.chat_template,
-                    add_generation_prompt=request.add_generation_prompt,
-                    continue_final_message=request.continue_final_message,
-                )
-            except ValueError as e:
-                raise validation_error(e, default="messages") from e
+            rendered = await render_chat(
+                self.engine_client,
+                [m.model_dump(exclude_none=True) for m in request.messages],
+                request_template=request.chat_template,
+                server_template=self.chat_template,
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+            )
             tokens = list(rendered["prompt_token_ids"])
         else:
             try:

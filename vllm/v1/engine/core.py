@@ -44,8 +44,20 @@ class EngineCore:
             num_blocks=num_blocks,
             enable_prefix_caching=cache.enable_prefix_caching,
             enable_chunked_prefill=sched.enable_chunked_prefill,
+            long_prefill_token_threshold=sched.long_prefill_token_threshold,
+            max_num_partial_prefills=sched.max_num_partial_prefills,
+            max_long_partial_prefills=sched.max_long_partial_prefills,
         )
         self._scheduled_req_ids: list[str] = []  # of the last (possibly failed) step
+        policy = self.scheduler.prefill_policy
+        if policy.concurrent:
+            logger.info(
+                "Concurrent partial prefills: max_num_partial_prefills=%d, "
+                "max_long_partial_prefills=%d, prompts over %d tokens count as long%s",
+                policy.max_num_partial_prefills, policy.max_long_partial_prefills,
+                policy.long_threshold,
+                f" and compute at most {policy.cap} tokens a step" if policy.cap else "",
+            )
 
     @property
     def num_blocks(self) -> int:

@@ -381,6 +381,7 @@ class EngineThread:
         for rid in live:
             self._streams[rid].put_nowait(EngineGenerateError(f"request {rid} was aborted"))
         if live:
+            logger.info("Aborted request(s) %s", ", ".join(live))  # a client left, or a cancel
             self.engine.abort_request(live)
 
     def _fail(self, request_ids: list[str], make_error: Callable[[], BaseException]) -> None:

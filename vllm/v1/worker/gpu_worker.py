@@ -83,6 +83,7 @@ class Worker:
     def init_device(self) -> None:
         t0 = time.perf_counter()
         self.platform.configure_torch_allocator()
+        self.platform.configure_threads()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             torch.cuda.init()

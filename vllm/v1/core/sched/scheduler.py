@@ -20,6 +20,7 @@ from vllm.logger import init_logger
 from vllm.v1.core.kv_cache_manager import KVCacheManager, cdiv
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.v1.core.sched.partial_prefills import PartialPrefills, StepPrefills
 from vllm.v1.core.sched.stats import SchedulerStats
 from vllm.v1.core.sched.utils import check_stop
 from vllm.v1.outputs import EngineCoreOutput, ModelRunnerOutput
@@ -35,6 +36,7 @@ class _StepPlan:
     """What one `schedule()` call has decided so far."""
 
     token_budget: int
+    prefills: StepPrefills = field(default_factory=StepPrefills)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     new_reqs: list[Request] = field(default_factory=list)
     # Scheduled requests the runner already holds: (request, resumed, block ids to send).
@@ -59,8 +61,9 @@ class Scheduler:
         enable_chunked_prefill: split prompts across steps to fit the budget.
             Without it a prompt is scheduled whole or not at all, which needs
             max_num_batched_tokens >= max_model_len.
-        long_prefill_token_threshold: when > 0, at most this many tokens per
-            request per step (needs chunked prefill).
+        long_prefill_token_threshold, max_num_partial_prefills,
+            max_long_partial_prefills: vLLM's concurrent partial prefills, see
+            `partial_prefills.py` (defaults: vLLM V1's one partial prefill).
 
     Raises:
         ValueError: a value is out of range or the combination can never work.
@@ -77,12 +80,10 @@ class Scheduler:
         enable_prefix_caching: bool,
         enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int = 0,
+        max_num_partial_prefills: int = 1,
+        max_long_partial_prefills: int = 1,
     ) -> None:
         _check_positive(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
-        if long_prefill_token_threshold < 0:
-            raise ValueError(
-                f"long_prefill_token_threshold must be >= 0, got {long_prefill_token_threshold}"
-            )
         if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({max_num_batched_tokens}) is smaller than "
@@ -90,26 +91,25 @@ class Scheduler:
                 "prompts could never be scheduled; raise max_num_batched_tokens, lower "
                 "max_model_len or enable chunked prefill"
             )
-        if not enable_chunked_prefill and long_prefill_token_threshold > 0:
-            raise ValueError(
-                f"long_prefill_token_threshold ({long_prefill_token_threshold}) splits prompts "
-                "and needs chunked prefill, which is disabled"
-            )
+        self.prefill_policy = PartialPrefills(
+            max_num_partial_prefills, max_long_partial_prefills, long_prefill_token_threshold,
+            max_model_len, enable_chunked_prefill,
+        )
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.kv_cache_manager = KVCacheManager(
             num_blocks, block_size, enable_prefix_caching, max_model_len
         )
 
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()  # FCFS; preempted requests go to the front
-        # Admission order, which is also arrival order: admission is strictly FCFS and
-        # preemption takes the newest first, so a preempted request (at the waiting
-        # front) is older than everything still waiting. running[-1] is preempted first.
+        # Admission order: arrival order, except that with concurrent partial prefills a
+        # short prompt may be admitted before a long one that arrived earlier (the long
+        # one keeps its place in `waiting`). running[-1], the newest admitted, is
+        # preempted first.
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # finished since the last schedule()
         self.num_preemptions = 0  # cumulative
@@ -185,7 +185,8 @@ class Scheduler:
         requests admitted, FCFS, reusing prefix-cache hits, until the budget,
         max_num_seqs or the free blocks run out.
         """
-        plan = _StepPlan(token_budget=self.max_num_batched_tokens)
+        budget = self.max_num_batched_tokens
+        plan = _StepPlan(budget, self.prefill_policy.start_step(budget, self.running, self.waiting))
         self._schedule_running(plan)
         if not plan.preempted_req_ids:
             self._schedule_waiting(plan)
@@ -227,21 +228,14 @@ class Scheduler:
 
     # ---- schedule() helpers ----
 
-    def _num_new_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        """Tokens left to compute, capped by long_prefill_token_threshold (not by the budget)."""
-        num_new = request.num_tokens - num_computed_tokens
-        if 0 < self.long_prefill_token_threshold < num_new:
-            num_new = self.long_prefill_token_threshold
-        return num_new
-
     def _schedule_running(self, plan: _StepPlan) -> None:
         """Continue running requests (decodes and unfinished chunked prefills)."""
+        policy = self.prefill_policy
         req_index = 0
         while req_index < len(self.running) and plan.token_budget > 0:
             request = self.running[req_index]
-            num_new = min(
-                self._num_new_tokens(request, request.num_computed_tokens), plan.token_budget
-            )
+            to_compute = request.num_tokens - request.num_computed_tokens
+            num_new = min(policy.num_new_tokens(to_compute, plan.prefills), plan.token_budget)
             if num_new == 0:
                 req_index += 1
                 continue
@@ -250,6 +244,7 @@ class Scheduler:
                 break  # the request preempted itself; everything after it is gone too
             plan.add(request, num_new)
             plan.cached_reqs.append((request, False, [b.block_id for b in new_blocks]))
+            policy.note(plan.prefills, to_compute, num_new, policy.is_long(to_compute))
             req_index += 1
 
     def _allocate_or_preempt(
@@ -282,22 +277,35 @@ class Scheduler:
         logger.debug("preempted %s (%d tokens)", request.request_id, request.num_tokens)
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
-        """Admit waiting requests FCFS; stop at the first that does not fit."""
-        kv = self.kv_cache_manager
+        """Admit waiting requests FCFS; stop at the first that does not fit.
+
+        With concurrent partial prefills, a request that would exceed
+        max_long_partial_prefills or max_num_partial_prefills is skipped for
+        this step (it keeps its place) and the scan goes on.
+        """
+        kv, policy = self.kv_cache_manager, self.prefill_policy
+        skipped: list[Request] = []
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             hits, num_hit_tokens = kv.get_computed_blocks(request)
-            num_new = self._num_new_tokens(request, num_hit_tokens)
+            to_compute = request.num_tokens - num_hit_tokens
+            num_new = policy.num_new_tokens(to_compute, plan.prefills)
             if num_new > plan.token_budget:
                 if not self.enable_chunked_prefill:
                     break  # the whole prompt goes in one step, and not in this one
                 num_new = plan.token_budget
+            long = policy.is_long(to_compute)
+            if policy.over_limits(plan.prefills, long, partial=num_new < to_compute):
+                skipped.append(self.waiting.popleft())
+                continue
             new_blocks = kv.allocate_slots(request, num_new, num_hit_tokens, hits)
             if new_blocks is None:
                 break
             self.waiting.popleft()
             self._admit(request, num_hit_tokens, plan)
             plan.add(request, num_new)
+            policy.note(plan.prefills, to_compute, num_new, long)
+        self.waiting.extendleft(reversed(skipped))
 
     def _admit(self, request: Request, num_hit_tokens: int, plan: _StepPlan) -> None:
         """Move a request that got its blocks from waiting to running."""

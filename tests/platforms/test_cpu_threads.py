@@ -1,0 +1,99 @@
+"""vLLM's CPU thread rules: one compute thread per physical core the process may use, one
+core reserved, VLLM_CPU_OMP_THREADS_BIND / VLLM_CPU_NUM_OF_RESERVED_CPU honoured."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.entrypoints.openai.utils import REPO_ROOT
+from vllm.platforms.cpu_threads import parse_cpu_list, plan_cpu_threads
+
+# Four logical CPUs, two physical cores with two threads each (Linux numbers siblings
+# apart: cpu0 and cpu2 share core 0), one NUMA node.
+SMT = {0: (0, 0, 0), 1: (0, 0, 1), 2: (0, 0, 0), 3: (0, 0, 1)}
+# Two NUMA nodes of four cores each, no SMT.
+TWO_NODES = {cpu: (cpu // 4, cpu // 4, cpu % 4) for cpu in range(8)}
+
+
+def _plan(env=None, allowed=(0, 1, 2, 3), topology=SMT, rank=0):
+    return plan_cpu_threads(env or {}, list(allowed), topology, rank)
+
+
+def test_auto_takes_one_thread_per_physical_core_less_one_reserved():
+    plan = _plan()
+    assert (plan.num_threads, plan.cpus) == (1, (0,))
+    assert "2 physical core(s) allowed, 1 reserved" in plan.description
+    plan = _plan({"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
+    assert (plan.num_threads, plan.cpus) == (2, (0, 1))
+
+
+def test_auto_keeps_to_the_affinity_mask_and_the_first_numa_node():
+    assert _plan(allowed=(2, 3)).cpus == (2,)  # cpu2 and cpu3 are two cores: one reserved
+    assert _plan(allowed=(1, 3)).cpus == (1,)  # siblings of one core: one thread, none reserved
+    plan = _plan(allowed=range(8), topology=TWO_NODES)
+    assert plan.cpus == (0, 1, 2)  # node 0's four cores, the last one reserved
+    plan = _plan(allowed=range(4, 8), topology=TWO_NODES)
+    assert plan.cpus == (4, 5, 6)
+
+
+def test_explicit_cpu_lists_per_rank():
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0-1|2-3"}
+    assert _plan(env).cpus == (0, 1)
+    assert _plan(env, rank=1).cpus == (2, 3)
+    with pytest.raises(ValueError, match="none for rank 2"):
+        _plan(env, rank=2)
+
+
+def test_nobind_leaves_the_count_to_omp_num_threads():
+    plan = _plan({"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "3"})
+    assert (plan.num_threads, plan.cpus) == (None, None)
+    assert "OMP_NUM_THREADS=3" in plan.description
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"VLLM_CPU_OMP_THREADS_BIND": "all-of-them"}, "VLLM_CPU_OMP_THREADS_BIND: 'all-of-them' "
+                                                    "is not a CPU list"),
+    ({"VLLM_CPU_OMP_THREADS_BIND": "3-1"}, "is not a CPU list"),
+    ({"VLLM_CPU_OMP_THREADS_BIND": "0,9"}, r"names CPU\(s\) \[9\] this process may not use"),
+    ({"VLLM_CPU_NUM_OF_RESERVED_CPU": "one"}, "VLLM_CPU_NUM_OF_RESERVED_CPU='one' must be"),
+])
+def test_malformed_settings_are_rejected_naming_the_variable(env, message):
+    with pytest.raises(ValueError, match=message):
+        _plan(env)
+
+
+def test_parse_cpu_list():
+    assert parse_cpu_list("0-3,8, 10-11") == [0, 1, 2, 3, 8, 10, 11]
+
+
+_APPLY = """
+import os, torch
+from vllm.platforms.cpu_threads import CpuThreadPlan, apply_cpu_thread_plan
+
+def masks():
+    out = []
+    for tid in os.listdir('/proc/self/task'):
+        with open(f'/proc/self/task/{tid}/status') as f:
+            out += [l.split()[1] for l in f if l.startswith('Cpus_allowed_list')]
+    return out
+
+os.sched_setaffinity(0, {0})  # the caller's own mask, narrower than the plan's
+before = masks().count('0-1')
+apply_cpu_thread_plan(CpuThreadPlan(2, (0, 1), 'test'))
+print(torch.get_num_threads(), masks().count('0-1') - before, sorted(os.sched_getaffinity(0)))
+"""
+
+
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_apply_starts_the_openmp_team_on_the_plan_cpus_and_restores_the_caller():
+    result = subprocess.run([sys.executable, "-c", _APPLY], cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=120, env={"PATH": "/usr/bin:/bin",
+                                                         "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr
+    threads, new_workers_on_plan, caller = result.stdout.split(maxsplit=2)
+    assert int(threads) == 2
+    assert int(new_workers_on_plan) == 1  # the team's second thread, on CPUs 0-1
+    assert caller.strip() == "[0]"  # the caller's mask came back

@@ -1,0 +1,201 @@
+"""How many threads compute on the CPU, and on which cores: vLLM's CPU backend rules.
+
+Environment (vLLM's names and meanings):
+
+    VLLM_CPU_OMP_THREADS_BIND     "auto" (default): one thread per physical core this
+                                  process may use (its affinity mask), on the first
+                                  NUMA node that has such cores, bound to those cores,
+                                  less the reserved cores (the last ones).
+                                  "nobind": leave the thread count to torch
+                                  (OMP_NUM_THREADS, else one per core) and bind nothing.
+                                  A CPU list, "0-3,8" (rank i of "0-3|4-7" takes list
+                                  i): one thread per listed CPU, bound to them.
+    VLLM_CPU_NUM_OF_RESERVED_CPU  cores kept free of compute threads under "auto";
+                                  default 1 when the process may use more than one
+                                  core (vLLM reserves one for its scheduler process;
+                                  here the HTTP event loop, tokenizer and engine-loop
+                                  Python code share the process with the model).
+
+Why it matters: the OpenMP threads of torch spin at every barrier of every op.
+With more threads than free cores (torch's default counts every logical CPU,
+and other processes or the server's own threads compete for them) each op
+waits for a descheduled thread: on a loaded 2-core machine the offline LLM ran
+~10x slower with torch's default 2 threads than with 1 (issue 17).
+
+Binding: the threads of torch's OpenMP team are created with the chosen cores
+as their affinity mask (the calling thread's mask is narrowed while the team
+starts, then restored), so the compute threads stay on their cores while the
+calling thread, which is the caller's own (the main thread under `LLM`), keeps
+its mask. Sources: vLLM's CPU installation page ("Related runtime environment
+variables") and its OpenMP process manager.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+ENV_RESERVED = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+_SYS_CPU = Path("/sys/devices/system/cpu")
+_SYS_NODE = Path("/sys/devices/system/node")
+
+
+@dataclass(frozen=True)
+class CpuThreadPlan:
+    """The compute threads: how many, and the CPUs they are bound to (None: not bound)."""
+
+    num_threads: int | None  # None: torch's own choice (nobind)
+    cpus: tuple[int, ...] | None
+    description: str  # for the start-up log line
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """`"0-3,8"` -> [0, 1, 2, 3, 8] (the kernel's cpulist format).
+
+    Raises:
+        ValueError: not a CPU list; the message quotes it.
+    """
+    cpus: list[int] = []
+    try:
+        for part in text.strip().split(","):
+            first, _, last = part.strip().partition("-")
+            lo, hi = int(first), int(last or first)
+            if lo < 0 or hi < lo:
+                raise ValueError
+            cpus.extend(range(lo, hi + 1))
+    except ValueError:
+        raise ValueError(f"{text!r} is not a CPU list like '0-3,8'") from None
+    return sorted(set(cpus))
+
+
+def _read_topology(cpus: list[int]) -> dict[int, tuple[int, int, int]]:
+    """cpu -> (NUMA node, package, core id), from sysfs (missing files: node 0, one core each)."""
+    node_of: dict[int, int] = {}
+    for node_dir in sorted(_SYS_NODE.glob("node[0-9]*")):
+        try:
+            for cpu in parse_cpu_list((node_dir / "cpulist").read_text()):
+                node_of[cpu] = int(node_dir.name[4:])
+        except (OSError, ValueError):
+            continue
+    topology = {}
+    for cpu in cpus:
+        base = _SYS_CPU / f"cpu{cpu}" / "topology"
+        try:
+            package = int((base / "physical_package_id").read_text())
+            core = int((base / "core_id").read_text())
+        except (OSError, ValueError):
+            package, core = 0, cpu
+        topology[cpu] = (node_of.get(cpu, 0), package, core)
+    return topology
+
+
+def _auto_cpus(allowed: list[int], topology: dict[int, tuple[int, int, int]],
+               reserved: int | None) -> tuple[list[int], int]:
+    """One CPU per physical core on the first NUMA node with allowed CPUs, less `reserved`.
+
+    Returns (cpus, number reserved).
+    """
+    first_node = min(topology[cpu][0] for cpu in allowed)
+    per_core: dict[tuple[int, int], int] = {}
+    for cpu in allowed:
+        node, package, core = topology[cpu]
+        if node == first_node:
+            per_core.setdefault((package, core), cpu)  # the lowest sibling of each core
+    cores = sorted(per_core.values())
+    if reserved is None:
+        reserved = 1 if len(cores) > 1 else 0
+    reserved = min(reserved, len(cores) - 1)
+    return cores[: len(cores) - reserved], reserved
+
+
+def _reserved_from_env(env: dict[str, str]) -> int | None:
+    text = env.get(ENV_RESERVED, "").strip()
+    if not text:
+        return None
+    if not text.isdigit():
+        raise ValueError(f"{ENV_RESERVED}={text!r} must be a whole number of cores")
+    return int(text)
+
+
+def plan_cpu_threads(
+    env: dict[str, str] | os._Environ | None = None,
+    allowed: list[int] | None = None,
+    topology: dict[int, tuple[int, int, int]] | None = None,
+    rank: int = 0,
+) -> CpuThreadPlan:
+    """The thread plan for `rank` (see the module doc); reads the process state by default.
+
+    Args:
+        env: the environment (default os.environ).
+        allowed: CPUs this process may run on (default: its affinity mask).
+        topology: cpu -> (NUMA node, package, core id) (default: from sysfs).
+
+    Raises:
+        ValueError: a malformed variable, or a CPU list naming CPUs the process
+            may not use; the message names the variable.
+    """
+    env = os.environ if env is None else env
+    allowed = sorted(os.sched_getaffinity(0)) if allowed is None else sorted(allowed)
+    mode = env.get(ENV_BIND, "").strip() or "auto"
+    reserved = _reserved_from_env(env)
+    if mode == "nobind":
+        omp = env.get("OMP_NUM_THREADS")
+        source = f"OMP_NUM_THREADS={omp}" if omp else "torch's default"
+        return CpuThreadPlan(None, None, f"{ENV_BIND}=nobind: thread count from {source}, "
+                                         "not bound")
+    if mode == "auto":
+        topology = _read_topology(allowed) if topology is None else topology
+        cpus, reserved = _auto_cpus(allowed, topology, reserved)
+        cores = len(cpus) + reserved
+        why = (f"{ENV_BIND}=auto: {cores} physical core(s) allowed, {reserved} reserved "
+               f"({ENV_RESERVED}) for the server's other threads")
+        return CpuThreadPlan(len(cpus), tuple(cpus), why)
+    lists = mode.split("|")
+    if rank >= len(lists):
+        raise ValueError(f"{ENV_BIND}={mode!r} has {len(lists)} CPU list(s), none for rank {rank}")
+    try:
+        cpus = parse_cpu_list(lists[rank])
+    except ValueError as e:
+        raise ValueError(f"{ENV_BIND}: {e}, 'auto' or 'nobind'") from None
+    outside = sorted(set(cpus) - set(allowed))
+    if outside:
+        raise ValueError(f"{ENV_BIND}={mode!r} names CPU(s) {outside} this process may not use "
+                         f"(allowed: {allowed})")
+    return CpuThreadPlan(len(cpus), tuple(cpus), f"{ENV_BIND}={mode}")
+
+
+def check_cpu_threads_env(env: dict[str, str] | os._Environ | None = None) -> None:
+    """Reject a malformed VLLM_CPU_OMP_THREADS_BIND / VLLM_CPU_NUM_OF_RESERVED_CPU early.
+
+    Raises:
+        ValueError: as `plan_cpu_threads`.
+    """
+    env = os.environ if env is None else env
+    mode = env.get(ENV_BIND, "").strip()
+    if mode not in ("", "auto", "nobind"):
+        plan_cpu_threads(env)
+    _reserved_from_env(env)
+
+
+def apply_cpu_thread_plan(plan: CpuThreadPlan) -> None:
+    """Set torch's thread count and start its OpenMP team on the plan's CPUs.
+
+    The calling thread's affinity is narrowed to the plan's CPUs while one
+    parallel op starts the team (the new threads inherit the mask), then
+    restored. A team that already exists keeps its threads' masks.
+    """
+    import torch
+
+    if plan.num_threads is None:
+        return
+    torch.set_num_threads(plan.num_threads)
+    if plan.cpus is None or plan.num_threads < 2:
+        return
+    saved = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, plan.cpus)
+    try:
+        torch.ones(1 << 20).add_(1)  # large enough to run in parallel: the team starts
+    finally:
+        os.sched_setaffinity(0, saved)
