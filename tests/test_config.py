@@ -230,11 +230,35 @@ def test_scheduler_errors():
         SchedulerConfig(max_num_seqs=0)
 
 
-def test_tensor_parallel_rejected():
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported yet"):
-        ParallelConfig(tensor_parallel_size=2)
+def test_parallel_config_values():
     with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1, got 0"):
         ParallelConfig(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match=r"distributed_executor_backend must be one of \('uni'"):
+        ParallelConfig(distributed_executor_backend="threads")
+
+
+@pytest.mark.parametrize(
+    ("tp", "backend", "devices", "expected"),
+    [
+        (1, None, 8, "uni"),
+        (2, None, 8, "mp"),
+        (2, None, None, "mp"),  # the CPU: ranks are host processes, no device limit
+        (4, None, 2, "ray"),  # more ranks than this node's GPUs: several nodes
+        (1, "mp", 1, "mp"),
+        (2, "ray", 8, "ray"),
+    ],
+)
+def test_executor_backend_defaults(tp, backend, devices, expected):
+    config = ParallelConfig(tensor_parallel_size=tp, distributed_executor_backend=backend)
+    config.resolve_executor_backend(devices)
+    assert config.distributed_executor_backend == expected
+
+
+def test_executor_backend_errors():
+    with pytest.raises(ValueError, match="'uni' runs one rank; tensor_parallel_size=2 needs 'mp'"):
+        ParallelConfig(2, "uni").resolve_executor_backend(8)
+    with pytest.raises(ValueError, match="needs 4 devices, this node has 2; the 'mp' executor"):
+        ParallelConfig(4, "mp").resolve_executor_backend(2)
 
 
 def test_kv_transfer_config():

@@ -6,8 +6,8 @@ vllm serve --flags --(argparse)-^  (from_cli_args)                     (validate
 ```
 
 Flag names are vLLM's. argparse rejects flags it does not know; values the
-engine does not support (tensor_parallel_size > 1, an unknown KV connector)
-are rejected when the config is built, with a message naming the value.
+engine does not support (a model that does not split over the ranks, an
+unknown KV connector) are rejected when the config is built, with a message naming the value.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.config.model import DTYPE_CHOICES, LOAD_FORMAT_CHOICES
+from vllm.config.parallel import EXECUTOR_BACKENDS
 from vllm.config.scheduler import DEFAULT_LIMITS
 
 # Suffixes for integer flags. vLLM's convention: lowercase k/m/g/t are decimal
@@ -119,6 +120,7 @@ class EngineArgs:
     enforce_eager: bool = False
     compilation_config: CompilationConfig | dict[str, Any] | None = None
     tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
     kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None
     disable_log_stats: bool = False
 
@@ -175,7 +177,14 @@ class EngineArgs:
                        default=d.compilation_config,
                        help='JSON, e.g. \'{"cudagraph_capture_sizes": [1, 2, 4, 8]}\'.')
         g.add_argument("-tp", "--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
-                       help="Devices to shard the model over (only 1 is supported yet).")
+                       help="Devices (ranks) to shard the model over; each rank is a process "
+                            "with its own KV cache.")
+        g.add_argument("--distributed-executor-backend", choices=EXECUTOR_BACKENDS,
+                       default=d.distributed_executor_backend,
+                       help="How the ranks run: 'uni' in the engine process (one rank), 'mp' "
+                            "one process per rank on this node, 'ray' Ray actors (several "
+                            "nodes). Default: 'uni' for one rank, 'ray' when Ray is "
+                            "initialised or the ranks outnumber this node's GPUs, else 'mp'.")
         g.add_argument("--kv-transfer-config",
                        type=_json_type(KVTransferConfig.from_cli, "kv_transfer_config"),
                        default=d.kv_transfer_config,
@@ -219,7 +228,10 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
             ),
-            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                distributed_executor_backend=self.distributed_executor_backend,
+            ),
             compilation_config=self._compilation_config(),
             device_config=DeviceConfig(),
             kv_transfer_config=self._kv_transfer_config(),
