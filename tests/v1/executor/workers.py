@@ -58,6 +58,12 @@ class DistWorker:
     def env(self, key: str) -> str | None:
         return os.environ.get(key)
 
+    def fail_before_collective(self, rank: int) -> float:
+        """`rank` raises; the others wait in an all-reduce it never joins."""
+        if self.rank == rank:
+            raise RuntimeError(f"rank {rank} gave up before the all-reduce")
+        return self.all_reduce(0.0)
+
     def unpicklable(self):
         return lambda: None  # lambdas do not pickle: the call must fail, not hang
 

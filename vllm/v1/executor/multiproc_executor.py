@@ -53,6 +53,9 @@ _SHUTDOWN_GRACE_S = 5.0
 _TERMINATE_GRACE_S = 2.0
 # How often a worker checks that the engine process still exists (seconds).
 _PARENT_POLL_S = 1.0
+# After one rank failed a call: how long the others get to answer before the
+# executor counts them as stuck in a collective the failed rank never joined.
+ERROR_GRACE_S = 5.0
 # How long the workers may take to build their worker objects (imports, no model yet).
 _STARTUP_TIMEOUT_S = float(os.environ.get("VLLM_WORKER_STARTUP_TIMEOUT", "300"))
 
@@ -86,7 +89,8 @@ class MultiprocExecutor(Executor):
         self.workers: list[_WorkerHandle] = []
         context = multiprocessing.get_context("spawn")  # fork is unsafe with CUDA and threads
         init_method = get_distributed_init_method("127.0.0.1", get_open_port())
-        self._finalizer = weakref.finalize(self, _stop_workers, self.workers)
+        self._stop_grace = [_SHUTDOWN_GRACE_S]
+        self._finalizer = weakref.finalize(self, _stop_workers, self.workers, self._stop_grace)
         try:
             for rank in range(self.world_size):
                 self.workers.append(self._start_worker(context, rank, init_method))
@@ -185,11 +189,18 @@ class MultiprocExecutor(Executor):
         results: dict[int, Any] = {}
         errors: dict[int, BaseException] = {}
         while pending:
+            if errors:  # the others may wait in a collective the failed rank never joins
+                grace = time.monotonic() + ERROR_GRACE_S
+                deadline = grace if deadline is None else min(deadline, grace)
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0)
             waitables = [h.conn for h in pending.values()]
             waitables += [h.process.sentinel for h in pending.values()]
             ready = wait(waitables, timeout=remaining)
             if not ready:
+                if errors:
+                    error = first_error(errors)
+                    self._report_failure(error)  # the ranks are out of step for good
+                    raise error
                 raise TimeoutError(
                     f"{name} did not finish within {timeout} s on rank(s) {sorted(pending)}"
                 )
@@ -239,18 +250,20 @@ class MultiprocExecutor(Executor):
         self._shutting_down = True
         finalizer = getattr(self, "_finalizer", None)
         if finalizer is not None:
+            if self.is_failed:  # ranks may be stuck in a collective: no point waiting
+                self._stop_grace[0] = 0.0
             finalizer()  # runs _stop_workers once
         monitor = getattr(self, "_monitor", None)
         if monitor is not None and monitor is not threading.current_thread():
             monitor.join(_TERMINATE_GRACE_S)
 
 
-def _stop_workers(workers: list[_WorkerHandle]) -> None:
+def _stop_workers(workers: list[_WorkerHandle], grace: list[float]) -> None:
     """Ask, then terminate, then kill; join every process (no zombie is left)."""
     for handle in workers:
         with contextlib.suppress(Exception):
             handle.conn.send_bytes(pickle.dumps(_SHUTDOWN))
-    deadline = time.monotonic() + _SHUTDOWN_GRACE_S
+    deadline = time.monotonic() + grace[0]
     for handle in workers:
         handle.process.join(max(deadline - time.monotonic(), 0))
     for step, grace in (("terminate", _TERMINATE_GRACE_S), ("kill", None)):

@@ -15,11 +15,13 @@ in that list (NCCL's peer-to-peer path needs the peers' devices visible).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from vllm.logger import init_logger
 from vllm.v1.executor.abstract import Executor, first_error
+from vllm.v1.executor.multiproc_executor import ERROR_GRACE_S
 from vllm.v1.executor.ray_utils import (
     RayWorkerWrapper,
     create_placement_group,
@@ -161,26 +163,33 @@ class RayDistributedExecutor(Executor):
     def _get(self, refs: list[Any], name: str, timeout: float | None) -> list[Any]:
         """Results of one call per rank, in rank order; rank-named errors."""
         ray = self._ray
-        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout)
-        if pending:
-            ranks = [refs.index(ref) for ref in pending]
-            raise TimeoutError(f"{name} did not finish within {timeout} s on rank(s) {ranks}")
-        results: list[Any] = []
+        deadline = None if timeout is None else time.monotonic() + timeout
+        results: dict[int, Any] = {}
         errors: dict[int, BaseException] = {}
-        for rank, ref in enumerate(refs):
+        pending = list(refs)
+        while pending:
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0)
+            ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+            if not ready:
+                if errors:  # the others wait in a collective the failed rank never joins
+                    self._report_failure(first_error(errors))
+                    raise first_error(errors)
+                ranks = sorted(refs.index(ref) for ref in pending)
+                raise TimeoutError(f"{name} did not finish within {timeout} s on rank(s) {ranks}")
+            rank = refs.index(ready[0])
             try:
-                results.append(ray.get(ref))
+                results[rank] = ray.get(ready[0])
             except ray.exceptions.RayActorError as e:
                 died = WorkerDiedError(rank, f"Ray actor died: {e.__class__.__name__}")
                 self._report_failure(died)
-                errors[rank] = died
-                results.append(None)
+                raise died from None
             except ray.exceptions.RayTaskError as e:
                 errors[rank] = _task_error(e, rank, name)
-                results.append(None)
+                grace = time.monotonic() + ERROR_GRACE_S
+                deadline = grace if deadline is None else min(deadline, grace)
         if errors:
             raise first_error(errors)
-        return results
+        return [results[rank] for rank in range(len(refs))]
 
     # --------------------------------------------------------------- failures
     def _start_monitor(self) -> None:
