@@ -1,4 +1,5 @@
-"""Shared test setup: the `cuda` marker skips cleanly where no NVIDIA GPU is present."""
+"""Shared test setup: the `cuda` marker skips cleanly where no NVIDIA GPU is present;
+the offline engine on the bundled model as the session's greedy reference."""
 
 import pytest
 
@@ -22,3 +23,29 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def offline_llm():
+    """The offline engine (one rank, in this process) on the bundled model, with the
+    servers' context length: the greedy reference of the server and tensor-parallel tests."""
+    from tests.entrypoints.openai.utils import ENGINE_KWARGS
+    from vllm import LLM
+
+    llm = LLM(**ENGINE_KWARGS)
+    yield llm
+    llm.llm_engine.shutdown()
+
+
+# Prompts and greedy parameters every tensor-parallel test compares on.
+TP_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small"]
+
+
+@pytest.fixture(scope="session")
+def tp_reference(offline_llm):
+    """{prompt: (greedy token ids, text)} of the one-rank engine, 16 tokens each."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outputs = offline_llm.generate(TP_PROMPTS, params, use_tqdm=False)
+    return {o.prompt: (list(o.outputs[0].token_ids), o.outputs[0].text) for o in outputs}

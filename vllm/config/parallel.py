@@ -32,6 +32,10 @@ class ParallelConfig:
     worker_cls: str = DEFAULT_WORKER_CLS
 
     def __post_init__(self) -> None:
+        if not isinstance(self.worker_cls, str) or "." not in self.worker_cls:
+            raise ValueError(
+                f"worker_cls must be 'package.module.Class', got {self.worker_cls!r}"
+            )
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")

@@ -29,7 +29,7 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.config.model import DTYPE_CHOICES, LOAD_FORMAT_CHOICES
-from vllm.config.parallel import EXECUTOR_BACKENDS
+from vllm.config.parallel import DEFAULT_WORKER_CLS, EXECUTOR_BACKENDS
 from vllm.config.scheduler import DEFAULT_LIMITS
 
 # Suffixes for integer flags. vLLM's convention: lowercase k/m/g/t are decimal
@@ -121,6 +121,7 @@ class EngineArgs:
     compilation_config: CompilationConfig | dict[str, Any] | None = None
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    worker_cls: str = DEFAULT_WORKER_CLS
     kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None
     disable_log_stats: bool = False
 
@@ -185,6 +186,9 @@ class EngineArgs:
                             "one process per rank on this node, 'ray' Ray actors (several "
                             "nodes). Default: 'uni' for one rank, 'ray' when Ray is "
                             "initialised or the ranks outnumber this node's GPUs, else 'mp'.")
+        g.add_argument("--worker-cls", type=str, default=d.worker_cls,
+                       help="The worker class each rank runs, as 'package.module.Class' "
+                            "(a subclass of the default, for instrumentation).")
         g.add_argument("--kv-transfer-config",
                        type=_json_type(KVTransferConfig.from_cli, "kv_transfer_config"),
                        default=d.kv_transfer_config,
@@ -231,6 +235,7 @@ class EngineArgs:
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
                 distributed_executor_backend=self.distributed_executor_backend,
+                worker_cls=self.worker_cls,
             ),
             compilation_config=self._compilation_config(),
             device_config=DeviceConfig(),

@@ -1,11 +1,11 @@
-"""One `vllm serve` on the bundled model for the whole session (started on first use),
-and the offline `LLM` as the greedy reference."""
+"""One `vllm serve` on the bundled model for the whole session (started on first use);
+the offline `LLM` greedy reference (`offline_llm`) is in tests/conftest.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.entrypoints.openai.utils import DEFAULT_SERVER_ARGS, ENGINE_KWARGS, RemoteServer
+from tests.entrypoints.openai.utils import DEFAULT_SERVER_ARGS, RemoteServer
 
 
 @pytest.fixture(scope="session")
@@ -17,13 +17,3 @@ def server():
 @pytest.fixture(scope="session")
 def client(server):
     return server.get_client()
-
-
-@pytest.fixture(scope="session")
-def offline_llm():
-    """The offline engine on the same model and context length (the greedy reference)."""
-    from vllm import LLM
-
-    llm = LLM(**ENGINE_KWARGS)
-    yield llm
-    llm.llm_engine.shutdown()
