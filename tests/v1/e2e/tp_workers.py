@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from vllm.v1.worker.gpu_worker import Worker
 
 
@@ -22,3 +24,16 @@ class LimitedMemoryWorker(Worker):
         limit = int(limits.split(",")[self.rank])
         real = self.memory.free_bytes
         self.memory.free_bytes = lambda: min(real(), limit)
+
+
+class ForeignMemoryWorker(Worker):
+    """On CUDA: rank 1's GPU loses `VLLM_TEST_FOREIGN_GIB` (default 20) GiB to an
+    allocation the engine does not account for, made before it measures anything;
+    as another process's memory would, it shrinks what that rank can give the KV cache."""
+
+    def init_device(self) -> None:
+        if self.rank == 1:
+            torch.cuda.set_device(self.local_rank)
+            gib = float(os.environ.get("VLLM_TEST_FOREIGN_GIB", "20"))
+            self.foreign = torch.cuda.caching_allocator_alloc(int(gib * (1 << 30)))
+        super().init_device()

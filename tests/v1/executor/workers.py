@@ -93,3 +93,28 @@ class ModelWorker(DistWorker):
 def pid_of(worker: DistWorker) -> int:
     """A module-level function: collective_rpc also takes one (called with the worker)."""
     return os.getpid()
+
+
+class NcclGraphWorker(DistWorker):
+    """On CUDA: an NCCL all-reduce captured in a CUDA graph, then replayed."""
+
+    def init_device(self) -> int:
+        torch.cuda.set_device(self.local_rank)
+        init_distributed_environment(
+            self.world_size, self.rank, self.init_method, self.local_rank, backend="nccl"
+        )
+        initialize_model_parallel(self.world_size)
+        return get_tp_group().rank_in_group
+
+    def all_reduce_in_graph(self) -> list[float]:
+        group = get_tp_group()
+        x = torch.zeros(3, device="cuda")
+        group.all_reduce(x)  # warm the communicator up outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            group.all_reduce(x)
+        x.fill_(self.rank + 1.0)  # 1 + 2 summed over the two ranks
+        graph.replay()
+        torch.cuda.synchronize()
+        return x.tolist()
