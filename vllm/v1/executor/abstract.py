@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
-from vllm.v1.executor.worker_wrapper import WorkerDiedError, WorkerError
+from vllm.v1.executor.worker_wrapper import WorkerDiedError, WorkerError, resolve_class
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -37,6 +37,12 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 __all__ = ["Executor", "WorkerDiedError", "WorkerError"]
+
+EXECUTOR_CLASSES = {
+    "uni": "vllm.v1.executor.uniproc_executor.UniProcExecutor",
+    "mp": "vllm.v1.executor.multiproc_executor.MultiprocExecutor",
+    "ray": "vllm.v1.executor.ray_executor.RayDistributedExecutor",
+}
 
 
 class Executor(ABC):
@@ -68,19 +74,10 @@ class Executor(ABC):
     def get_class(vllm_config: VllmConfig) -> type[Executor]:
         """The executor class for the config's resolved `distributed_executor_backend`."""
         backend = vllm_config.parallel_config.distributed_executor_backend
-        if backend == "uni":
-            from vllm.v1.executor.uniproc_executor import UniProcExecutor
-
-            return UniProcExecutor
-        if backend == "mp":
-            from vllm.v1.executor.multiproc_executor import MultiprocExecutor
-
-            return MultiprocExecutor
-        if backend == "ray":
-            from vllm.v1.executor.ray_executor import RayDistributedExecutor
-
-            return RayDistributedExecutor
-        raise ValueError(f"unknown distributed_executor_backend {backend!r}")
+        if backend not in EXECUTOR_CLASSES:
+            raise ValueError(f"unknown distributed_executor_backend {backend!r}")
+        # By name: the backends import this module, and Ray stays unimported unless asked.
+        return resolve_class(EXECUTOR_CLASSES[backend])
 
     @abstractmethod
     def _init_executor(self) -> None:
