@@ -79,6 +79,7 @@ class MPEngineCoreClient:
         self._pending: collections.deque[EngineCoreOutputs] = collections.deque()
         self._unfinished: set[str] = set()
         self._failed_ids: list[str] = []
+        self._sleeping: bool | None = False
         self._dead_reason: str | None = None
         self._dead_callbacks: list[Callable[[EngineDeadError], None]] = []
         self._lock = threading.Lock()
@@ -279,14 +280,19 @@ class MPEngineCoreClient:
             self._keep(message)
 
     def sleep(self, level: int = 1) -> None:
+        self._sleeping = None
         self.call("sleep", level)
         self._unfinished.clear()  # the engine aborted everything it held
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
+        self._sleeping = None
         return self.call("wake_up", tags)
 
     def is_sleeping(self) -> bool:
-        return self.call("is_sleeping")
+        """Asked of the engine only after a sleep or wake (every admission asks)."""
+        if self._sleeping is None:
+            self._sleeping = self.call("is_sleeping")
+        return self._sleeping
 
     def reload_weights(self) -> None:
         self.call("reload_weights")

@@ -1,0 +1,140 @@
+"""What a worker does because it is one of several ranks (nothing, with one rank).
+
+    init_device               join_process_group: the world and TP groups (NCCL / gloo)
+    load_model                tensor_parallel_rank: which shard of the model this rank holds
+    classic / measured size   on_every_rank: a sizing error on any rank fails every rank
+                              agree_on_num_blocks: the minimum over every rank's count,
+                              logged with the rank that bounded it
+    after warmup              resync_random_state: one RNG state on every rank
+    shutdown                  leave_process_group
+
+Why every rank must agree on the block count: the scheduler hands out one
+block id per block for all ranks, and each rank keeps its own heads of that
+block, so a count one rank cannot hold is a count no rank may use. Why the
+sizing errors are exchanged first: a rank that raised never joins the
+agreement's all-gather, and the others would wait in it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
+
+import torch
+
+from vllm.logger import init_logger
+from vllm.v1.worker import kv_cache_sizing as sizing
+
+if TYPE_CHECKING:
+    from vllm.v1.worker.gpu_worker import Worker
+
+logger = init_logger(__name__)
+T = TypeVar("T")
+
+
+def join_process_group(worker: Worker) -> None:
+    """Join the engine's world and create the tensor-parallel group (blocks for all ranks)."""
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    if worker.distributed_init_method is None:
+        raise RuntimeError(
+            f"rank {worker.rank} of {worker.world_size} has no rendezvous address "
+            "(distributed_init_method); run it through the 'mp' or 'ray' executor"
+        )
+    init_distributed_environment(
+        worker.world_size, worker.rank, worker.distributed_init_method, worker.local_rank
+    )
+    initialize_model_parallel(worker.config.parallel_config.tensor_parallel_size)
+    _register_engine_processes(worker)
+
+
+def _register_engine_processes(worker: Worker) -> None:
+    """The engine core and frontend processes (this worker's ancestors) are not foreign."""
+    pid = os.getpid()
+    for _ in range(2):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])  # field 4: ppid
+        except (OSError, ValueError, IndexError):
+            return
+        if pid <= 1:
+            return
+        worker.platform.register_engine_pid(pid)
+
+
+def tensor_parallel_rank(worker: Worker) -> tuple[int, int]:
+    """(this rank's tensor-parallel rank, the tensor-parallel size)."""
+    if worker.world_size == 1:
+        return 0, 1
+    from vllm.distributed import get_tp_group
+
+    group = get_tp_group()
+    return group.rank_in_group, group.world_size
+
+
+def on_every_rank(worker: Worker, compute: Callable[[], T]) -> T:
+    """`compute()` on this rank; if it raised on any rank, raise on every rank.
+
+    Raises:
+        KVCacheSizingError: naming each rank that failed and its reason (a
+            sizing error of this rank is re-raised as it is with one rank).
+    """
+    if worker.world_size == 1:
+        return compute()
+    from vllm.distributed import get_world_group
+
+    try:
+        result, failure = compute(), None
+    except sizing.KVCacheSizingError as e:
+        result, failure = None, str(e)
+    failures = get_world_group().all_gather_object(failure)
+    problems = [f"rank {rank}: {reason}" for rank, reason in enumerate(failures) if reason]
+    if problems:
+        raise sizing.KVCacheSizingError("; ".join(problems))
+    return result
+
+
+def agree_on_num_blocks(worker: Worker, num_blocks: int) -> int:
+    """The block count every rank uses: the minimum of all ranks' `num_blocks`.
+
+    Records every rank's proposal in `worker.kv_cache_proposals`; rank 0 logs
+    the agreement and the rank that bounded it.
+    """
+    if worker.world_size == 1:
+        counts = [num_blocks]
+    else:
+        from vllm.distributed import get_world_group
+
+        counts = [int(n) for n in get_world_group().all_gather_object(num_blocks)]
+    worker.kv_cache_proposals = counts
+    agreed = sizing.min_across_ranks(counts)
+    if len(counts) > 1 and worker.rank == 0:
+        logger.info(
+            "KV cache blocks agreed across %d ranks: %d (rank %d bounds it; ranks: %s)",
+            len(counts),
+            agreed,
+            counts.index(agreed),
+            ", ".join(str(n) for n in counts),
+        )
+    return agreed
+
+
+def resync_random_state(worker: Worker) -> None:
+    """Seed every rank's generator alike once start-up is done.
+
+    Every rank samples the same (all-gathered) logits and must pick the same
+    tokens; start-up consumed random numbers unevenly (random weights of
+    differently sized shards), so the generators are re-seeded here from the
+    engine's seed (the config always has one with several ranks).
+    """
+    seed = worker.config.model_config.seed
+    if worker.world_size > 1 and seed is not None:
+        torch.manual_seed(seed)
+
+
+def leave_process_group(worker: Worker) -> None:
+    if worker.world_size > 1:
+        from vllm.distributed import destroy_distributed_environment
+
+        destroy_distributed_environment()
