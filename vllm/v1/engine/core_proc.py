@@ -281,6 +281,9 @@ def run_engine_core(
     parent_pid: int,
 ) -> None:
     """The engine core process: build the core, report ready (or why not), serve."""
+    from vllm.logger import set_process_label
+
+    set_process_label(f"engine core pid {os.getpid()}")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _raise_system_exit)
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()

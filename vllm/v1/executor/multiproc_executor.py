@@ -289,6 +289,9 @@ def worker_main(
     parent_pid: int,
 ) -> None:
     """A worker process: build the worker, then serve calls until told to stop."""
+    from vllm.logger import set_process_label
+
+    set_process_label(f"worker rank {rank} pid {os.getpid()}")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     wrapper = WorkerWrapper(rank)

@@ -117,6 +117,12 @@ def create_placement_group(world_size: int, resource: str) -> Any:
 class RayWorkerWrapper(WorkerWrapper):
     """The actor of one rank: a WorkerWrapper plus what the driver asks of a Ray node."""
 
+    def __init__(self, rank: int = 0) -> None:
+        from vllm.logger import set_process_label
+
+        super().__init__(rank)
+        set_process_label(f"worker rank {rank} pid {os.getpid()}")
+
     def get_node_and_device(self) -> tuple[str, str, list[str]]:
         """(Ray node id, node IP, accelerator ids Ray gave this actor)."""
         import ray
