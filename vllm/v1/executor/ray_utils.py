@@ -117,11 +117,11 @@ def create_placement_group(world_size: int, resource: str) -> Any:
 class RayWorkerWrapper(WorkerWrapper):
     """The actor of one rank: a WorkerWrapper plus what the driver asks of a Ray node."""
 
-    def __init__(self, rank: int = 0) -> None:
+    def init_worker(self, worker_cls: str, kwargs: dict) -> int:
         from vllm.logger import set_process_label
 
-        super().__init__(rank)
-        set_process_label(f"worker rank {rank} pid {os.getpid()}")
+        set_process_label(f"worker rank {kwargs['rank']} pid {os.getpid()}")
+        return super().init_worker(worker_cls, kwargs)
 
     def get_node_and_device(self) -> tuple[str, str, list[str]]:
         """(Ray node id, node IP, accelerator ids Ray gave this actor)."""
