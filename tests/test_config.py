@@ -151,6 +151,24 @@ def test_unset_with_passing_probe_is_extensible_at_full_utilization(tiny_model, 
     assert not [r for r in caplog.records if "Extensible" in r.getMessage()]
 
 
+def test_a_rank_that_cannot_falls_everyone_back_to_classic(tiny_model, probe):
+    """The engine probes every rank's device; one failing rank means classic for all."""
+    probe(None)
+    c = make(tiny_model).cache_config  # the frontend's device could
+    c.fall_back_to_classic("rank 1: no VMM on cuda:1")
+    assert c.enable_extensible_kv_cache is False and c.gpu_memory_utilization == 0.92
+    assert c.extensible_kv_cache_unavailable_reason == "rank 1: no VMM on cuda:1"
+    explicit = make(tiny_model, gpu_memory_utilization=0.7).cache_config
+    explicit.fall_back_to_classic("rank 1: no VMM")
+    assert explicit.gpu_memory_utilization == 0.7  # the user's value stays
+    required = make(tiny_model, enable_extensible_kv_cache=True).cache_config
+    with pytest.raises(ValueError, match="cannot be honoured: rank 1: no VMM on cuda:1"):
+        required.fall_back_to_classic("rank 1: no VMM on cuda:1")
+    sleepy = make(tiny_model, enable_sleep_mode=True).cache_config
+    with pytest.raises(ValueError, match="enable_sleep_mode needs the extensible KV cache"):
+        sleepy.fall_back_to_classic("rank 1: no VMM")
+
+
 def test_explicit_false_never_probes(tiny_model, probe):
     calls = probe("should not be asked")
     c = make(tiny_model, enable_extensible_kv_cache=False).cache_config
