@@ -52,7 +52,8 @@ def set_process_label(label: str) -> None:
     (worker and engine core processes), as vLLM does.
     """
     _configure_root()
-    root = logging.getLogger(_ROOT)
-    for existing in [f for f in root.filters if isinstance(f, _ProcessLabel)]:
-        root.removeFilter(existing)
-    root.addFilter(_ProcessLabel(label))
+    # On the handlers: a logger's own filters do not see its children's records.
+    for handler in logging.getLogger(_ROOT).handlers:
+        for existing in [f for f in handler.filters if isinstance(f, _ProcessLabel)]:
+            handler.removeFilter(existing)
+        handler.addFilter(_ProcessLabel(label))
