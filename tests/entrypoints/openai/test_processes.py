@@ -128,7 +128,7 @@ print(response.status_code, json.dumps(response.json()["error"]["message"][:200]
 
 def test_big_prompt_does_not_stall_a_running_stream(tp1_server):
     """Inter-token gaps while another client posts a 10 MB prompt stay within 2x the median."""
-    body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 160,
+    body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 64,
             "temperature": 0, "ignore_eos": True, "stream": True}
     posted: dict[str, object] = {}
 
@@ -147,14 +147,14 @@ def test_big_prompt_does_not_stall_a_running_stream(tp1_server):
         for line in response.iter_lines():
             if line.startswith("data: {"):
                 arrivals.append(time.monotonic())
-                if len(arrivals) == 30:  # well into the decode
+                if len(arrivals) == 12:  # well into the decode
                     poster.start()
     poster.join(300)
     status, message = str(posted["out"]).split(" ", 1)
     assert status == "400", posted["out"]
     assert "max_model_len" in json.loads(message), posted["out"]
     assert posted["end"] < arrivals[-1], "the 10 MB request outlasted the stream"
-    gaps = [b - a for a, b in zip(arrivals[10:], arrivals[11:], strict=False)]
+    gaps = [b - a for a, b in zip(arrivals[2:], arrivals[3:], strict=False)]
     median = statistics.median(gaps)
     during = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)
               if b >= posted["start"] and a <= posted["end"]]
