@@ -45,9 +45,8 @@ def worker_pythonpath() -> str:
     paths are the same files; on other nodes, entries that do not exist are
     skipped by Python).
     """
-    import vllm
-
-    entries = [str(Path(vllm.__file__).resolve().parent.parent), os.getcwd()]
+    package_root = Path(__file__).resolve().parents[3]  # .../vllm/v1/executor/ray_utils.py
+    entries = [str(package_root), os.getcwd()]
     entries += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     return os.pathsep.join(dict.fromkeys(entries))
 

@@ -104,7 +104,14 @@ class Worker:
             torch.cuda.set_device(self.device)
             torch.cuda.init()
         if self.world_size > 1:
-            ranks.join_process_group(self)
+            ranks.join_process_group(
+                self.world_size,
+                self.rank,
+                self.distributed_init_method,
+                self.local_rank,
+                self.config.parallel_config.tensor_parallel_size,
+                self.platform,
+            )
         if self.config.model_config.seed is not None:
             torch.manual_seed(self.config.model_config.seed)
         self._check_foreign_processes()
@@ -143,7 +150,7 @@ class Worker:
         mc = self.config.model_config
         sc = self.config.scheduler_config
         before = self.memory.allocated()
-        tp_rank, tp_size = ranks.tensor_parallel_rank(self)
+        tp_rank, tp_size = ranks.tensor_parallel_rank(self.world_size)
         model = get_model(
             mc.model_path,
             mc.hf_config,
@@ -239,7 +246,7 @@ class Worker:
         cache = self.config.cache_config
         bytes_per_block = sum(s.page_size_bytes for s in specs.values())
         cap = self._budget_cap()
-        size = ranks.on_every_rank(self, lambda: sizing.classic_num_blocks(
+        size = ranks.on_every_rank(self.world_size, lambda: sizing.classic_num_blocks(
             self.profile,
             bytes_per_block,
             gpu_memory_utilization=cache.gpu_memory_utilization,
@@ -259,7 +266,10 @@ class Worker:
         return kv_cache
 
     def _agree_across_ranks(self, num_blocks: int) -> int:
-        return ranks.agree_on_num_blocks(self, num_blocks)
+        agreed, self.kv_cache_proposals = ranks.agree_on_num_blocks(
+            self.world_size, self.rank, num_blocks
+        )
+        return agreed
 
     def kv_cache_agreement(self) -> list[int]:
         """Every rank's proposed block count at the last agreement, in rank order."""
@@ -328,7 +338,7 @@ class Worker:
             del hidden
         self.memory.synchronize()
         self.startup_seconds["warmup"] = time.perf_counter() - t0
-        ranks.resync_random_state(self)
+        ranks.resync_random_state(self.world_size, self.config.model_config.seed)
         kv_cache = self.kv_cache
         if kv_cache.committed_blocks == kv_cache.capacity_blocks:
             # Fully committed (the classic cache, sized before warmup): nothing
@@ -347,7 +357,7 @@ class Worker:
         kv_cache = self.kv_cache
         gc.collect()
         snapshot = self.memory.snapshot(kv_cache.committed_bytes, self.profile.activation_peak)
-        size = ranks.on_every_rank(self, lambda: sizing.final_num_blocks(
+        size = ranks.on_every_rank(self.world_size, lambda: sizing.final_num_blocks(
             snapshot,
             activation_peak=self.profile.activation_peak,
             gpu_memory_utilization=cache.gpu_memory_utilization,
@@ -485,4 +495,4 @@ class Worker:
             self.weight_arena = None
         gc.collect()
         self.platform.empty_cache()
-        ranks.leave_process_group(self)
+        ranks.leave_process_group(self.world_size)

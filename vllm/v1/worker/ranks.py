@@ -19,37 +19,40 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import torch
 
 from vllm.logger import init_logger
+from vllm.platforms.interface import Platform
 from vllm.v1.worker import kv_cache_sizing as sizing
-
-if TYPE_CHECKING:
-    from vllm.v1.worker.gpu_worker import Worker
 
 logger = init_logger(__name__)
 T = TypeVar("T")
 
 
-def join_process_group(worker: Worker) -> None:
+def join_process_group(
+    world_size: int,
+    rank: int,
+    init_method: str | None,
+    local_rank: int,
+    tensor_parallel_size: int,
+    platform: Platform,
+) -> None:
     """Join the engine's world and create the tensor-parallel group (blocks for all ranks)."""
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
-    if worker.distributed_init_method is None:
+    if init_method is None:
         raise RuntimeError(
-            f"rank {worker.rank} of {worker.world_size} has no rendezvous address "
+            f"rank {rank} of {world_size} has no rendezvous address "
             "(distributed_init_method); run it through the 'mp' or 'ray' executor"
         )
-    init_distributed_environment(
-        worker.world_size, worker.rank, worker.distributed_init_method, worker.local_rank
-    )
-    initialize_model_parallel(worker.config.parallel_config.tensor_parallel_size)
-    _register_engine_processes(worker)
+    init_distributed_environment(world_size, rank, init_method, local_rank)
+    initialize_model_parallel(tensor_parallel_size)
+    _register_engine_processes(platform)
 
 
-def _register_engine_processes(worker: Worker) -> None:
+def _register_engine_processes(platform: Platform) -> None:
     """The engine core and frontend processes (this worker's ancestors) are not foreign."""
     pid = os.getpid()
     for _ in range(2):
@@ -60,12 +63,12 @@ def _register_engine_processes(worker: Worker) -> None:
             return
         if pid <= 1:
             return
-        worker.platform.register_engine_pid(pid)
+        platform.register_engine_pid(pid)
 
 
-def tensor_parallel_rank(worker: Worker) -> tuple[int, int]:
+def tensor_parallel_rank(world_size: int) -> tuple[int, int]:
     """(this rank's tensor-parallel rank, the tensor-parallel size)."""
-    if worker.world_size == 1:
+    if world_size == 1:
         return 0, 1
     from vllm.distributed import get_tp_group
 
@@ -73,14 +76,14 @@ def tensor_parallel_rank(worker: Worker) -> tuple[int, int]:
     return group.rank_in_group, group.world_size
 
 
-def on_every_rank(worker: Worker, compute: Callable[[], T]) -> T:
+def on_every_rank(world_size: int, compute: Callable[[], T]) -> T:
     """`compute()` on this rank; if it raised on any rank, raise on every rank.
 
     Raises:
         KVCacheSizingError: naming each rank that failed and its reason (a
             sizing error of this rank is re-raised as it is with one rank).
     """
-    if worker.world_size == 1:
+    if world_size == 1:
         return compute()
     from vllm.distributed import get_world_group
 
@@ -95,21 +98,17 @@ def on_every_rank(worker: Worker, compute: Callable[[], T]) -> T:
     return result
 
 
-def agree_on_num_blocks(worker: Worker, num_blocks: int) -> int:
-    """The block count every rank uses: the minimum of all ranks' `num_blocks`.
-
-    Records every rank's proposal in `worker.kv_cache_proposals`; rank 0 logs
-    the agreement and the rank that bounded it.
-    """
-    if worker.world_size == 1:
+def agree_on_num_blocks(world_size: int, rank: int, num_blocks: int) -> tuple[int, list[int]]:
+    """(the block count every rank uses: the minimum of all ranks' `num_blocks`,
+    every rank's count in rank order); rank 0 logs it with the rank that bounded it."""
+    if world_size == 1:
         counts = [num_blocks]
     else:
         from vllm.distributed import get_world_group
 
         counts = [int(n) for n in get_world_group().all_gather_object(num_blocks)]
-    worker.kv_cache_proposals = counts
     agreed = sizing.min_across_ranks(counts)
-    if len(counts) > 1 and worker.rank == 0:
+    if len(counts) > 1 and rank == 0:
         logger.info(
             "KV cache blocks agreed across %d ranks: %d (rank %d bounds it; ranks: %s)",
             len(counts),
@@ -117,10 +116,10 @@ def agree_on_num_blocks(worker: Worker, num_blocks: int) -> int:
             counts.index(agreed),
             ", ".join(str(n) for n in counts),
         )
-    return agreed
+    return agreed, counts
 
 
-def resync_random_state(worker: Worker) -> None:
+def resync_random_state(world_size: int, seed: int | None) -> None:
     """Seed every rank's generator alike once start-up is done.
 
     Every rank samples the same (all-gathered) logits and must pick the same
@@ -128,13 +127,12 @@ def resync_random_state(worker: Worker) -> None:
     differently sized shards), so the generators are re-seeded here from the
     engine's seed (the config always has one with several ranks).
     """
-    seed = worker.config.model_config.seed
-    if worker.world_size > 1 and seed is not None:
+    if world_size > 1 and seed is not None:
         torch.manual_seed(seed)
 
 
-def leave_process_group(worker: Worker) -> None:
-    if worker.world_size > 1:
+def leave_process_group(world_size: int) -> None:
+    if world_size > 1:
         from vllm.distributed import destroy_distributed_environment
 
         destroy_distributed_environment()
