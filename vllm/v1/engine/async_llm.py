@@ -272,7 +272,11 @@ class AsyncLLM:
             )
 
     async def _tokenizer_call(self, fn: Callable[[], Any]) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn)
+        try:
+            future = asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn)
+        except RuntimeError:  # the pool is shut down with the engine
+            raise self._thread.unavailable_error() from None
+        return await future
 
     async def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> dict:
         """`chat_templates.apply_chat_template` on the tokenizer thread.
