@@ -49,3 +49,14 @@ def tp_reference(offline_llm):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     outputs = offline_llm.generate(TP_PROMPTS, params, use_tqdm=False)
     return {o.prompt: (list(o.outputs[0].token_ids), o.outputs[0].text) for o in outputs}
+
+
+@pytest.fixture
+def limited_memory(monkeypatch):
+    """For `tests.v1.e2e.tp_workers.LimitedMemoryWorker`: rank 1 sees 200 MiB free, rank 0
+    1 GiB. Rank 1 then bounds the block count of the bundled model although its blocks
+    are half as large (1 of SmolLM2's 3 KV heads against 2). VLLM_* variables reach
+    every worker process and Ray actor."""
+    mib = 1 << 20
+    monkeypatch.setenv("VLLM_TEST_FREE_BYTES", f"{1024 * mib},{200 * mib}")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: rank 0's cap

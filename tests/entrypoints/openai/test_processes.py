@@ -3,12 +3,14 @@
 - tensor_parallel_size=2 (mp and ray) answers greedy requests with the one-rank engine's text;
 - a 10 MB prompt posted by another client does not stall a running stream;
 - a killed worker is reported within seconds (/health 503 with the reason), the server
-  exits 1, and no process of the tree is left (no zombie), as after Ctrl-C.
+  exits 1, and no process of the tree is left (no zombie); likewise after Ctrl-C.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import statistics
 import subprocess
@@ -96,7 +98,18 @@ def test_killed_worker_is_reported_within_seconds(tp2_server):
 
 
 # ------------------------------------------------------------------ TP=2, ray
-def test_tp2_ray_server_matches_one_rank(tp_reference):
+def ctrl_c(server: RemoteServer) -> None:
+    """What Ctrl-C in a terminal does: SIGINT to every process of the server's process
+    group (the server shares pytest's group, so pytest is left out; Ray's daemons
+    run in sessions of their own)."""
+    group = os.getpgid(server.proc.pid)
+    for process in [psutil.Process(server.proc.pid), *tree(server)]:
+        with contextlib.suppress(ProcessLookupError):
+            if os.getpgid(process.pid) == group:
+                process.send_signal(signal.SIGINT)
+
+
+def test_tp2_ray_server_matches_one_rank_and_stops_on_ctrl_c(tp_reference):
     pytest.importorskip("ray")
     # A local Ray instance started by the engine, on loopback only.
     env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
@@ -105,18 +118,13 @@ def test_tp2_ray_server_matches_one_rank(tp_reference):
     with RemoteServer(args, env=env) as server:
         assert greedy_texts(server) == {p: text for p, (_, text) in tp_reference.items()}
         assert "Started 2 Ray workers" in server.log()
-        everything = tree(server)
-        assert server.terminate() == 0
+        everything = tree(server)  # engine core, Ray's processes, the worker actors
+        ctrl_c(server)
+        assert server.proc.wait(60) == 0
     wait_gone(everything)
 
 
 # ------------------------------------------------------------------ one rank
-@pytest.fixture(scope="module")
-def tp1_server():
-    with RemoteServer(DEFAULT_SERVER_ARGS) as remote:
-        yield remote
-
-
 POST_BIG_PROMPT = """
 import httpx, json, sys
 prompt = "All work and no play makes Jack a dull boy. " * (10_000_000 // 44)
@@ -126,8 +134,12 @@ print(response.status_code, json.dumps(response.json()["error"]["message"][:200]
 """
 
 
-def test_big_prompt_does_not_stall_a_running_stream(tp1_server):
-    """Inter-token gaps while another client posts a 10 MB prompt stay within 2x the median."""
+def test_big_prompt_does_not_stall_a_running_stream(server):
+    """Inter-token gaps while another client posts a 10 MB prompt stay within 2x the median.
+
+    On the session's one-rank server (conftest.py): its engine core runs in a
+    process of its own like every server's.
+    """
     body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 64,
             "temperature": 0, "ignore_eos": True, "stream": True}
     posted: dict[str, object] = {}
@@ -135,14 +147,14 @@ def test_big_prompt_does_not_stall_a_running_stream(tp1_server):
     def post_big_prompt() -> None:  # another client: its own process, its own GIL
         posted["start"] = time.monotonic()
         done = subprocess.run([sys.executable, "-c", POST_BIG_PROMPT,
-                               tp1_server.url_for("v1/completions"), MODEL_NAME],
+                               server.url_for("v1/completions"), MODEL_NAME],
                               capture_output=True, text=True, timeout=300)
         posted["end"] = time.monotonic()
         posted["out"] = done.stdout + done.stderr
 
     poster = threading.Thread(target=post_big_prompt)
     arrivals: list[float] = []
-    with httpx.stream("POST", tp1_server.url_for("v1/completions"), json=body,
+    with httpx.stream("POST", server.url_for("v1/completions"), json=body,
                       timeout=120) as response:
         for line in response.iter_lines():
             if line.startswith("data: {"):
@@ -163,13 +175,3 @@ def test_big_prompt_does_not_stall_a_running_stream(tp1_server):
         f"a gap of {max(during) * 1e3:.0f} ms while the 10 MB prompt was handled; "
         f"median {median * 1e3:.0f} ms"
     )
-
-
-def test_ctrl_c_stops_every_process(tp1_server):
-    """Ctrl-C signals the terminal's whole process group: server, engine core, workers."""
-    everything = tree(tp1_server)
-    assert everything, "the engine core runs in a process of its own"
-    for process in [psutil.Process(tp1_server.proc.pid), *everything]:
-        process.send_signal(signal.SIGINT)
-    assert tp1_server.proc.wait(60) == 0
-    wait_gone(everything)

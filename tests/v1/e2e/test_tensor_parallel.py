@@ -13,7 +13,6 @@ pytestmark = pytest.mark.slow
 
 ENGINE = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=128)
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-MiB = 1 << 20
 
 
 def greedy_ids(llm: LLM) -> dict[str, list[int]]:
@@ -37,19 +36,12 @@ def check_agreement(llm: LLM) -> list[int]:
     return proposals
 
 
-@pytest.fixture
-def limited_memory(monkeypatch):
-    """Rank 1 sees 200 MiB free, rank 0 1 GiB: rank 1 bounds the block count although
-    its blocks are half as large (1 of SmolLM2's 3 KV heads against 2)."""
-    monkeypatch.setenv("VLLM_TEST_FREE_BYTES", f"{1024 * MiB},{200 * MiB}")
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: rank 0's cap
+LIMITED_MEMORY_WORKER = "tests.v1.e2e.tp_workers.LimitedMemoryWorker"
 
 
-@pytest.mark.parametrize("extensible", [True, False], ids=["extensible", "classic"])
-def test_mp_tp2_matches_tp1_and_ranks_take_the_minimum(tp_reference, limited_memory, extensible):
+def test_mp_tp2_matches_tp1_and_ranks_take_the_minimum(tp_reference, limited_memory):
     llm = LLM(**ENGINE, tensor_parallel_size=2, distributed_executor_backend="mp",
-              enable_extensible_kv_cache=extensible,
-              worker_cls="tests.v1.e2e.tp_workers.LimitedMemoryWorker")
+              enable_extensible_kv_cache=True, worker_cls=LIMITED_MEMORY_WORKER)
     try:
         assert greedy_ids(llm) == reference_ids(tp_reference)
         proposals = check_agreement(llm)
