@@ -154,6 +154,7 @@ class MPEngineCoreClient:
             if self.process.sentinel in ready:
                 self.process.join(1)
                 reason = f"the engine core process died ({describe_exit(self.process.exitcode)})"
+        reason = f"the engine is dead: {reason}"
         with self._lock:
             if self._closing:
                 return
@@ -185,7 +186,8 @@ class MPEngineCoreClient:
         if not self.process.is_alive():
             self.process.join(1)
             raise EngineDeadError(
-                f"the engine core process died ({describe_exit(self.process.exitcode)})"
+                "the engine is dead: the engine core process died "
+                f"({describe_exit(self.process.exitcode)})"
             )
 
     # ---------------------------------------------------------------- requests
