@@ -113,7 +113,10 @@ class MPEngineCoreClient:
         self.num_blocks = info["num_blocks"]
         self._scheduler_stats = info["scheduler_stats"]
         self._kv_memory = info["kv_memory"]
-        threading.Thread(target=self._monitor, name="vllm-core-monitor", daemon=True).start()
+        self._monitor_thread = threading.Thread(
+            target=self._monitor, name="vllm-core-monitor", daemon=True
+        )
+        self._monitor_thread.start()
 
     def _wait_ready(self) -> dict[str, Any]:
         """Block until the process reports ready (model loaded, KV cache sized) or failed."""
@@ -185,6 +188,9 @@ class MPEngineCoreClient:
             raise EngineDeadError(self._dead_reason)
         if not self.process.is_alive():
             self.process.join(1)
+            self._monitor_thread.join(1)  # it may hold the reason the process sent first
+            if self._dead_reason is not None:
+                raise EngineDeadError(self._dead_reason)
             raise EngineDeadError(
                 "the engine is dead: the engine core process died "
                 f"({describe_exit(self.process.exitcode)})"
