@@ -103,6 +103,8 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             torch.cuda.init()
+        if self.distributed_init_method is not None:  # started by an mp / ray executor
+            ranks.register_engine_process(self.platform)
         if self.world_size > 1:
             ranks.join_process_group(
                 self.world_size,

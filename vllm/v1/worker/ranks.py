@@ -49,21 +49,18 @@ def join_process_group(
         )
     init_distributed_environment(world_size, rank, init_method, local_rank)
     initialize_model_parallel(tensor_parallel_size)
-    _register_engine_processes(platform)
 
 
-def _register_engine_processes(platform: Platform) -> None:
-    """The engine core and frontend processes (this worker's ancestors) are not foreign."""
-    pid = os.getpid()
-    for _ in range(2):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                pid = int(f.read().rsplit(")", 1)[1].split()[1])  # field 4: ppid
-        except (OSError, ValueError, IndexError):
-            return
-        if pid <= 1:
-            return
-        platform.register_engine_pid(pid)
+def register_engine_process(platform: Platform) -> None:
+    """A worker in a process of its own: its parent (the engine process that started
+    it) is this engine, not a foreign process sharing the device.
+
+    Only the parent: a grandparent may be a trainer that launched the engine
+    and holds memory on the same device, which is exactly what the check is for.
+    """
+    ppid = os.getppid()
+    if ppid > 1:
+        platform.register_engine_pid(ppid)
 
 
 def tensor_parallel_rank(world_size: int) -> tuple[int, int]:
