@@ -37,3 +37,13 @@ class ForeignMemoryWorker(Worker):
             gib = float(os.environ.get("VLLM_TEST_FOREIGN_GIB", "20"))
             self.foreign = torch.cuda.caching_allocator_alloc(int(gib * (1 << 30)))
         super().init_device()
+
+
+class NoVmmOnRank1Worker(LimitedMemoryWorker):
+    """Rank 1's device "cannot" hold the extensible cache: its VMM probe reports a reason
+    (the device boundary; as a GPU whose driver lacks cuMem* would)."""
+
+    def probe_kv_cache_path(self) -> str | None:
+        if self.rank == 1:
+            return "VMM unsupported on this device (test)"
+        return super().probe_kv_cache_path()

@@ -84,26 +84,25 @@ def test_actor_death_is_reported(two_node_cluster, executor):
 
 @pytest.mark.slow
 def test_llm_tp2_across_two_nodes(two_node_cluster, tp_reference, limited_memory):
-    """The bundled model split over the two simulated nodes (classic KV path): greedy ids
-    equal one rank's, and both ranks hold the same block count, the one rank 1 (less
-    free memory) can hold."""
-    from tests.v1.e2e.test_tensor_parallel import (
-        ENGINE,
-        LIMITED_MEMORY_WORKER,
-        check_agreement,
-        greedy_ids,
-    )
+    """The bundled model split over the two simulated nodes: rank 1 cannot hold the
+    extensible cache, so both ranks take the classic path; greedy ids equal one rank's,
+    and both ranks hold the same block count, the one rank 1 (less free memory) can hold."""
+    from tests.v1.e2e.test_tensor_parallel import ENGINE, check_agreement, greedy_ids
     from vllm import LLM
 
     # (runs after test_actor_death_is_reported freed the cluster's two CPUs; the
     # VLLM_* variables of `limited_memory` reach the actors with the engine's)
-    llm = LLM(**ENGINE, tensor_parallel_size=2, enable_extensible_kv_cache=False,
-              worker_cls=LIMITED_MEMORY_WORKER)  # Ray is initialised: the default is "ray"
+    llm = LLM(**ENGINE, tensor_parallel_size=2,  # Ray is initialised: the default is "ray"
+              worker_cls="tests.v1.e2e.tp_workers.NoVmmOnRank1Worker")
     try:
         executor = llm.llm_engine.engine_core.model_executor
         assert executor.uses_ray
         nodes = ray.get([w.get_node_and_device.remote() for w in executor.workers])
         assert len({node_id for node_id, _, _ in nodes}) == 2
+        cache = llm.llm_engine.vllm_config.cache_config
+        assert cache.enable_extensible_kv_cache is False  # the frontend's probe passed
+        assert cache.extensible_kv_cache_unavailable_reason == (
+            "rank 1: VMM unsupported on this device (test)")
         assert greedy_ids(llm) == {p: ids for p, (ids, _) in tp_reference.items()}
         proposals = check_agreement(llm)
         assert proposals[1] < proposals[0], proposals
