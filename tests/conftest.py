@@ -1,6 +1,7 @@
 """Shared test setup: the `cuda` marker skips cleanly where no NVIDIA GPU is present; one
-offline engine on the bundled model for every module that only reads from it, and one
-transformers model of the same file as the reference."""
+offline engine on the bundled model for every module that only reads from it (the greedy
+reference of the server and tensor-parallel tests), and one transformers model of the same
+file as the reference."""
 
 import pytest
 
@@ -51,6 +52,12 @@ def bundled_llm():
 
 
 @pytest.fixture(scope="session")
+def offline_llm(bundled_llm):
+    """The offline engine (one rank, in this process): the greedy reference."""
+    return bundled_llm
+
+
+@pytest.fixture(scope="session")
 def bundled_hf_model():
     """transformers' own model for the bundled GGUF (fp32, eval): the greedy reference.
 
@@ -68,3 +75,28 @@ def bundled_hf_model():
     return AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32
     ).eval()
+
+
+# Prompts and greedy parameters every tensor-parallel test compares on.
+TP_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small"]
+
+
+@pytest.fixture(scope="session")
+def tp_reference(offline_llm):
+    """{prompt: (greedy token ids, text)} of the one-rank engine, 16 tokens each."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outputs = offline_llm.generate(TP_PROMPTS, params, use_tqdm=False)
+    return {o.prompt: (list(o.outputs[0].token_ids), o.outputs[0].text) for o in outputs}
+
+
+@pytest.fixture
+def limited_memory(monkeypatch):
+    """For `tests.v1.e2e.tp_workers.LimitedMemoryWorker`: rank 1 sees 200 MiB free, rank 0
+    1 GiB. Rank 1 then bounds the block count of the bundled model although its blocks
+    are half as large (1 of SmolLM2's 3 KV heads against 2). VLLM_* variables reach
+    every worker process and Ray actor."""
+    mib = 1 << 20
+    monkeypatch.setenv("VLLM_TEST_FREE_BYTES", f"{1024 * mib},{200 * mib}")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: rank 0's cap

@@ -151,6 +151,24 @@ def test_unset_with_passing_probe_is_extensible_at_full_utilization(tiny_model, 
     assert not [r for r in caplog.records if "Extensible" in r.getMessage()]
 
 
+def test_a_rank_that_cannot_falls_everyone_back_to_classic(tiny_model, probe):
+    """The engine probes every rank's device; one failing rank means classic for all."""
+    probe(None)
+    c = make(tiny_model).cache_config  # the frontend's device could
+    c.fall_back_to_classic("rank 1: no VMM on cuda:1")
+    assert c.enable_extensible_kv_cache is False and c.gpu_memory_utilization == 0.92
+    assert c.extensible_kv_cache_unavailable_reason == "rank 1: no VMM on cuda:1"
+    explicit = make(tiny_model, gpu_memory_utilization=0.7).cache_config
+    explicit.fall_back_to_classic("rank 1: no VMM")
+    assert explicit.gpu_memory_utilization == 0.7  # the user's value stays
+    required = make(tiny_model, enable_extensible_kv_cache=True).cache_config
+    with pytest.raises(ValueError, match="cannot be honoured: rank 1: no VMM on cuda:1"):
+        required.fall_back_to_classic("rank 1: no VMM on cuda:1")
+    sleepy = make(tiny_model, enable_sleep_mode=True).cache_config
+    with pytest.raises(ValueError, match="enable_sleep_mode needs the extensible KV cache"):
+        sleepy.fall_back_to_classic("rank 1: no VMM")
+
+
 def test_explicit_false_never_probes(tiny_model, probe):
     calls = probe("should not be asked")
     c = make(tiny_model, enable_extensible_kv_cache=False).cache_config
@@ -264,11 +282,35 @@ def test_partial_prefill_flags_reach_the_config():
             sched.long_prefill_token_threshold) == (3, 2, 1000)
 
 
-def test_tensor_parallel_rejected():
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported yet"):
-        ParallelConfig(tensor_parallel_size=2)
+def test_parallel_config_values():
     with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1, got 0"):
         ParallelConfig(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match=r"distributed_executor_backend must be one of \('uni'"):
+        ParallelConfig(distributed_executor_backend="threads")
+
+
+@pytest.mark.parametrize(
+    ("tp", "backend", "devices", "expected"),
+    [
+        (1, None, 8, "uni"),
+        (2, None, 8, "mp"),
+        (2, None, None, "mp"),  # the CPU: ranks are host processes, no device limit
+        (4, None, 2, "ray"),  # more ranks than this node's GPUs: several nodes
+        (1, "mp", 1, "mp"),
+        (2, "ray", 8, "ray"),
+    ],
+)
+def test_executor_backend_defaults(tp, backend, devices, expected):
+    config = ParallelConfig(tensor_parallel_size=tp, distributed_executor_backend=backend)
+    config.resolve_executor_backend(devices)
+    assert config.distributed_executor_backend == expected
+
+
+def test_executor_backend_errors():
+    with pytest.raises(ValueError, match="'uni' runs one rank; tensor_parallel_size=2 needs 'mp'"):
+        ParallelConfig(2, "uni").resolve_executor_backend(8)
+    with pytest.raises(ValueError, match="needs 4 devices, this node has 2; the 'mp' executor"):
+        ParallelConfig(4, "mp").resolve_executor_backend(2)
 
 
 def test_kv_transfer_config():

@@ -33,3 +33,27 @@ def _configure_root() -> None:
 def init_logger(name: str) -> logging.Logger:
     _configure_root()
     return logging.getLogger(name)
+
+
+class _ProcessLabel(logging.Filter):
+    def __init__(self, label: str) -> None:
+        super().__init__()
+        self.label = label
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg = f"({self.label}) {record.msg}"
+        return True
+
+
+def set_process_label(label: str) -> None:
+    """Prefix this process's vllm log lines with "(label)", e.g. "(worker rank 1 pid 345)".
+
+    For processes whose lines interleave with others' on the same output
+    (worker and engine core processes), as vLLM does.
+    """
+    _configure_root()
+    # On the handlers: a logger's own filters do not see its children's records.
+    for handler in logging.getLogger(_ROOT).handlers:
+        for existing in [f for f in handler.filters if isinstance(f, _ProcessLabel)]:
+            handler.removeFilter(existing)
+        handler.addFilter(_ProcessLabel(label))

@@ -135,8 +135,9 @@ def test_create_engine_config_carries_every_value(tiny_model):
 
 
 def test_create_engine_config_rejects_unsupported(tiny_model):
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported yet"):
-        EngineArgs(model=tiny_model, tensor_parallel_size=2).create_engine_config()
+    with pytest.raises(ValueError, match="'uni' runs one rank; tensor_parallel_size=2 needs"):
+        EngineArgs(model=tiny_model, tensor_parallel_size=2,
+                   distributed_executor_backend="uni").create_engine_config()
     with pytest.raises(ValueError, match="'MooncakeConnector' is not implemented"):
         EngineArgs(model=tiny_model, kv_transfer_config={
             "kv_connector": "MooncakeConnector", "kv_role": "kv_both"}).create_engine_config()

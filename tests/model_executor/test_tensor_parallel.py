@@ -1,55 +1,68 @@
-"""Tensor parallelism over 2 CPU processes (gloo): sharded weights, all-reduce and
-all-gather give the same logits as one process."""
+"""Tensor parallelism over 2 CPU processes (gloo) driven by the `mp` executor: sharded
+weights (HF safetensors and GGUF), all-reduce and all-gather give the logits of one process."""
 
 from __future__ import annotations
 
-import socket
-
+import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.model_executor.generation import run_schedule, schedule_sequences
+from tests.model_executor.gguf_files import write_gguf
 from tests.model_executor.hf_checkpoints import make_hf_model, save_checkpoint
-from vllm.model_executor.model_loader import get_model
-from vllm.transformers_utils.config import get_hf_config
+from tests.v1.executor.conftest import make_config
+from tests.v1.executor.workers import ModelWorker
+from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
 # llama3_rope_tied: 1 kv head (replicated on both ranks), tied head, odd vocab
 # (101: the last vocab shard is padded). qwen2: 2 kv heads (split), q/k/v bias.
-NAMES = ("llama3_rope_tied", "qwen2")
+# qwen3: q/k norms, head_dim apart from hidden / heads. uneven: 6 query and 3 KV
+# heads, which 2 ranks split 4+2 / 2+1 (SmolLM2-135M's 9/3 has the same shape).
+MODELS = {
+    "llama3_rope_tied": ("llama3_rope_tied", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+    "uneven": ("llama", dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3,
+                            intermediate_size=128)),
+}
+GGUF = "uneven.gguf"  # the uneven llama again, quantized (Q4/Q8/F16/BF16) in a GGUF file
 
 
-def _run(directory: str, tp_rank: int, tp_size: int) -> dict[str, torch.Tensor]:
-    config = get_hf_config(directory)
-    model = get_model(directory, config, torch.float32, "cpu", tp_rank=tp_rank, tp_size=tp_size)
-    return run_schedule(model, schedule_sequences(config.vocab_size, seed=11), block_size=4)
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    paths = {}
+    for name, (kind, overrides) in MODELS.items():
+        model = make_hf_model(kind, **overrides)
+        paths[name] = str(save_checkpoint(model, root / name))
+    model = make_hf_model(MODELS["uneven"][0], **MODELS["uneven"][1])
+    write_gguf(root / GGUF, model, "llama")
+    paths[GGUF] = str(root / GGUF)
+    return paths
 
 
-def _worker(rank: int, world_size: int, port: int, root: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-    )
-    try:
-        for name in NAMES:
-            torch.save(_run(f"{root}/{name}", rank, world_size), f"{root}/{name}.rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+@pytest.fixture(scope="module")
+def tp1():
+    """The reference: one rank in this process (no process group at all)."""
+    return ModelWorker(make_config(1, "uni"), 0, 0, None, True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.fixture(scope="module")
+def tp2():
+    executor = MultiprocExecutor(make_config(2, "mp", worker="ModelWorker"))
+    executor.collective_rpc("init_device")
+    yield executor
+    executor.shutdown()
 
 
-def test_tp2_matches_tp1(tmp_path):
-    for name in NAMES:
-        save_checkpoint(make_hf_model(name), tmp_path / name)
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
-    for name in NAMES:
-        reference = _run(str(tmp_path / name), 0, 1)
-        for rank in range(2):
-            got = torch.load(tmp_path / f"{name}.rank{rank}.pt")
-            for key, logits in reference.items():
-                torch.testing.assert_close(got[key], logits, atol=5e-5, rtol=5e-5)
+@pytest.mark.parametrize("name", [*MODELS, GGUF])
+def test_tp2_matches_tp1(name, checkpoints, tp1, tp2):
+    path = checkpoints[name]
+    config_path = checkpoints["uneven"] if name == GGUF else None
+    reference = tp1.forward_logits(path, config_path)
+    ranks = tp2.collective_rpc("forward_logits", args=(path, config_path))
+    for got in ranks:
+        assert got.keys() == reference.keys()
+        for key, logits in reference.items():
+            torch.testing.assert_close(got[key], logits, atol=5e-5, rtol=5e-5)
+    # The ranks end with the very same logits (all-gathered), not merely close ones.
+    for key in reference:
+        assert torch.equal(ranks[0][key], ranks[1][key])

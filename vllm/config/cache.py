@@ -59,6 +59,7 @@ class CacheConfig:
     gpu_memory_utilization_explicit: bool = field(init=False)
     extensible_kv_cache_unavailable_reason: str | None = field(init=False, default=None)
     kv_cache_path_resolved: bool = field(init=False, default=False, repr=False)
+    extensible_kv_cache_required: bool = field(init=False, default=False, repr=False)
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -110,6 +111,30 @@ class CacheConfig:
         if requested is None and reason is not None:
             logger.info("Extensible KV cache unavailable (%s); using the classic KV cache.", reason)
         extensible = reason is None if requested is None else requested
+        self.extensible_kv_cache_required = requested is True
+        self._set_kv_cache_path(extensible, reason)
+        self.kv_cache_path_resolved = True
+
+    def fall_back_to_classic(self, reason: str) -> None:
+        """Take the classic path after all: a rank's device cannot hold the extensible cache.
+
+        Raises:
+            ValueError: the extensible cache was required, or sleep mode needs it;
+                the message carries `reason` (which names the rank).
+        """
+        if not self.enable_extensible_kv_cache:
+            return
+        if self.extensible_kv_cache_required:
+            raise ValueError(
+                "enable_extensible_kv_cache=True (--enable-extensible-kv-cache) cannot be "
+                f"honoured: {reason}"
+            )
+        logger.info("Extensible KV cache unavailable (%s); using the classic KV cache.", reason)
+        if not self.gpu_memory_utilization_explicit:
+            self.gpu_memory_utilization = None  # the default follows the path again
+        self._set_kv_cache_path(False, reason)
+
+    def _set_kv_cache_path(self, extensible: bool, reason: str | None) -> None:
         if self.enable_sleep_mode and not extensible:
             why = reason or "enable_extensible_kv_cache=False"
             raise ValueError(
@@ -124,4 +149,3 @@ class CacheConfig:
                 if extensible
                 else DEFAULT_GPU_MEMORY_UTILIZATION_CLASSIC
             )
-        self.kv_cache_path_resolved = True

@@ -155,7 +155,7 @@ class ModelConfig:
         """The local file or directory the weights load from (the resolved `model`)."""
         return self.model
 
-    # -- model shape, read from the HF config (tensor-parallel size is always 1 today) --
+    # -- model shape, read from the HF config; per-rank figures are rank 0's (the largest) --
 
     def get_vocab_size(self) -> int:
         return self.hf_config.vocab_size
@@ -167,7 +167,7 @@ class ModelConfig:
         return self.hf_config.num_hidden_layers
 
     def get_num_attention_heads(self, parallel_config: ParallelConfig | None = None) -> int:
-        return self.hf_config.num_attention_heads // _tp(parallel_config)
+        return self._head_shard(parallel_config).num_heads
 
     def get_total_num_kv_heads(self) -> int:
         cfg = self.hf_config
@@ -175,12 +175,34 @@ class ModelConfig:
 
     def get_num_kv_heads(self, parallel_config: ParallelConfig | None = None) -> int:
         # With TP, KV heads are split and replicated when there are fewer than ranks.
-        return max(1, self.get_total_num_kv_heads() // _tp(parallel_config))
+        return self._head_shard(parallel_config).num_kv_heads
+
+    def _head_shard(self, parallel_config: ParallelConfig | None, rank: int = 0):
+        from vllm.distributed.utils import partition_attention_heads
+
+        tp = 1 if parallel_config is None else parallel_config.tensor_parallel_size
+        return partition_attention_heads(
+            self.hf_config.num_attention_heads, self.get_total_num_kv_heads(), tp, rank
+        )
+
+    def verify_with_parallel_config(self, parallel_config: ParallelConfig) -> None:
+        """Raise ValueError (naming the sizes) when the model cannot be split over the ranks.
+
+        Attention heads split by KV head, unevenly where they must
+        (`partition_attention_heads`); the MLP's intermediate size must divide.
+        """
+        from vllm.distributed.utils import divide
+
+        tp = parallel_config.tensor_parallel_size
+        if tp == 1:
+            return
+        for rank in range(tp):
+            self._head_shard(parallel_config, rank)
+        intermediate = getattr(self.hf_config, "intermediate_size", None)
+        if intermediate is not None:
+            divide(intermediate, tp, "intermediate_size")
 
     def get_head_size(self) -> int:
         cfg = self.hf_config
         return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
-
-def _tp(parallel_config: ParallelConfig | None) -> int:
-    return 1 if parallel_config is None else parallel_config.tensor_parallel_size

@@ -13,8 +13,9 @@ EngineArgs --create_engine_config()--> VllmConfig
 
 Each sub-config checks its own ranges when built; `__post_init__` here does
 what needs several of them or the platform: scheduler defaults (device, context
-length), CUDA graph sizes (max_num_seqs), and the KV cache path (VMM probe),
-which fixes the default gpu_memory_utilization.
+length), CUDA graph sizes (max_num_seqs), the KV cache path (VMM probe),
+which fixes the default gpu_memory_utilization, and the executor backend
+(ranks vs local devices) with the check that the model splits over the ranks.
 """
 
 from __future__ import annotations
@@ -59,6 +60,22 @@ class VllmConfig:
         if self.kv_transfer_config is not None and not self.kv_transfer_config.kv_connector:
             self.kv_transfer_config = None  # an empty config means no connector
         self.cache_config.resolve_kv_cache_path(lambda: platform.get_vmm_driver().probe())
+        self._resolve_parallel(platform)
+
+    def _resolve_parallel(self, platform) -> None:
+        """Executor backend, model split check, and one seed shared by every rank."""
+        parallel = self.parallel_config
+        parallel.resolve_executor_backend(
+            platform.device_count() if platform.is_cuda_alike() else None
+        )
+        self.model_config.verify_with_parallel_config(parallel)
+        if parallel.world_size > 1 and self.model_config.seed is None:
+            # Every rank samples from the same logits with its own generator:
+            # unseeded, they would pick different tokens and diverge. One seed
+            # drawn here reaches all of them with the config.
+            import random
+
+            self.model_config.seed = random.SystemRandom().randrange(2**31)
 
     def summary(self) -> str:
         """One line for the engine's start-up log."""
@@ -76,5 +93,6 @@ class VllmConfig:
             f"max_long_partial_prefills={s.max_long_partial_prefills}, "
             f"long_prefill_token_threshold={s.long_prefill_token_threshold}, "
             f"cudagraphs={self.compilation_config.use_cudagraph}, "
-            f"tensor_parallel_size={self.parallel_config.tensor_parallel_size}"
+            f"tensor_parallel_size={self.parallel_config.tensor_parallel_size}, "
+            f"distributed_executor_backend={self.parallel_config.distributed_executor_backend}"
         )

@@ -6,8 +6,8 @@ vllm serve --flags --(argparse)-^  (from_cli_args)                     (validate
 ```
 
 Flag names are vLLM's. argparse rejects flags it does not know; values the
-engine does not support (tensor_parallel_size > 1, an unknown KV connector)
-are rejected when the config is built, with a message naming the value.
+engine does not support (a model that does not split over the ranks, an
+unknown KV connector) are rejected when the config is built, with a message naming the value.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.config.model import DTYPE_CHOICES, LOAD_FORMAT_CHOICES
+from vllm.config.parallel import DEFAULT_WORKER_CLS, EXECUTOR_BACKENDS
 from vllm.config.scheduler import DEFAULT_LIMITS, DEFAULT_MAX_NUM_PARTIAL_PREFILLS
 from vllm.transformers_utils.model_path import check_model_path
 
@@ -123,6 +124,8 @@ class EngineArgs:
     enforce_eager: bool = False
     compilation_config: CompilationConfig | dict[str, Any] | None = None
     tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    worker_cls: str = DEFAULT_WORKER_CLS
     kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None
     disable_log_stats: bool = False
 
@@ -193,7 +196,17 @@ class EngineArgs:
                        default=d.compilation_config,
                        help='JSON, e.g. \'{"cudagraph_capture_sizes": [1, 2, 4, 8]}\'.')
         g.add_argument("-tp", "--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
-                       help="Devices to shard the model over (only 1 is supported yet).")
+                       help="Devices (ranks) to shard the model over; each rank is a process "
+                            "with its own KV cache.")
+        g.add_argument("--distributed-executor-backend", choices=EXECUTOR_BACKENDS,
+                       default=d.distributed_executor_backend,
+                       help="How the ranks run: 'uni' in the engine process (one rank), 'mp' "
+                            "one process per rank on this node, 'ray' Ray actors (several "
+                            "nodes). Default: 'uni' for one rank, 'ray' when Ray is "
+                            "initialised or the ranks outnumber this node's GPUs, else 'mp'.")
+        g.add_argument("--worker-cls", type=str, default=d.worker_cls,
+                       help="The worker class each rank runs, as 'package.module.Class' "
+                            "(a subclass of the default, for instrumentation).")
         g.add_argument("--kv-transfer-config",
                        type=_json_type(KVTransferConfig.from_cli, "kv_transfer_config"),
                        default=d.kv_transfer_config,
@@ -265,7 +278,11 @@ class EngineArgs:
                 max_long_partial_prefills=self.max_long_partial_prefills,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
             ),
-            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                distributed_executor_backend=self.distributed_executor_backend,
+                worker_cls=self.worker_cls,
+            ),
             compilation_config=self._compilation_config(),
             kv_transfer_config=self._kv_transfer_config(),
         )

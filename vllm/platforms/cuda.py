@@ -24,6 +24,10 @@ class CudaAlikePlatform(Platform):
     """Shared by CUDA and ROCm (torch exposes both as device type "cuda")."""
 
     device_type = "cuda"
+    dist_backend = "nccl"
+
+    def device_count(self) -> int:
+        return torch.cuda.device_count()
 
     def mem_get_info(self, device_index: int = 0) -> tuple[int, int]:
         free, total = torch.cuda.mem_get_info(device_index)

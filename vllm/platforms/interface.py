@@ -32,10 +32,13 @@ class Platform:
     Attributes:
         device_type: torch device type string ("cuda" for CUDA and ROCm, "cpu").
         device_name: human-readable name of the platform ("cuda", "rocm", "cpu").
+        dist_backend: torch.distributed backend of the tensor-parallel group
+            ("nccl" on CUDA and ROCm, where torch names RCCL "nccl"; "gloo" on the CPU).
     """
 
     device_type: str = "cpu"
     device_name: str = "cpu"
+    dist_backend: str = "gloo"
 
     def __init__(self) -> None:
         self._engine_pids: set[int] = set()
@@ -57,6 +60,10 @@ class Platform:
         if self.is_cuda_alike():
             return torch.device(self.device_type, index)
         return torch.device("cpu")
+
+    def device_count(self) -> int:
+        """Devices this process can see (the host counts as one device)."""
+        return 1
 
     def get_vmm_driver(self, device_index: int = 0) -> VmmDriver:
         """The VMM driver for this platform (always returned; `probe()` says if usable)."""

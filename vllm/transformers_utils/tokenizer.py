@@ -44,3 +44,32 @@ def get_tokenizer(model_or_tokenizer_path: str, **kwargs: Any) -> PreTrainedToke
         f"tokenizer {model_or_tokenizer_path!r} not found: expected a directory with tokenizer "
         "files or a .gguf file"
     )
+
+
+# No Unicode canonical or compatibility composition merges more than this many
+# code points into one (the longest canonical decompositions in the Unicode
+# data, e.g. U+1F85, have 4), so NFC/NFKC normalisation shrinks a text by at
+# most this factor before the model's tokens cover it.
+MAX_COMPOSITION_FACTOR = 4
+
+
+def max_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The most characters one token of `tokenizer` stands for (its longest vocabulary entry).
+
+    Entries are counted in the tokenizer's own alphabet (byte-level BPE: one
+    character per byte; SentencePiece: one per character), which covers at
+    least as many characters of the text as it does. Added tokens count too.
+    """
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return max(len(token) for token in tokens if token)
+
+
+def min_num_tokens(num_chars: int, token_chars: int) -> int:
+    """A lower bound on the tokens a text of `num_chars` characters encodes to.
+
+    Each token covers at most `token_chars` characters of the normalised text
+    (`max_token_chars`), which is at least `num_chars / MAX_COMPOSITION_FACTOR`
+    long, so at least this many tokens are needed. Lets a frontend reject a
+    prompt that can never fit `max_model_len` without tokenizing megabytes.
+    """
+    return num_chars // (token_chars * MAX_COMPOSITION_FACTOR)

@@ -1,5 +1,5 @@
-"""One `vllm serve` on the bundled model for the whole session (started on first use),
-and the offline `LLM` as the greedy reference."""
+"""One `vllm serve` on the bundled model for the whole session (started on first use);
+the offline `LLM` greedy reference (`offline_llm`) is in tests/conftest.py."""
 
 from __future__ import annotations
 
@@ -17,9 +17,3 @@ def server():
 @pytest.fixture(scope="session")
 def client(server):
     return server.get_client()
-
-
-@pytest.fixture(scope="session")
-def offline_llm(bundled_llm):
-    """The offline engine on the same model and context length (the greedy reference)."""
-    return bundled_llm

@@ -1,6 +1,7 @@
-"""`vllm serve` with a device-fault injector in front of the model runner (tests only).
+"""A worker with a device-fault injector in front of the model runner (tests only).
 
-Usage: python fault_injection_serve.py serve [flags]   (same flags as `vllm serve`)
+Usage: vllm serve ... \
+    --worker-cls tests.entrypoints.openai.fault_injection_serve.FaultInjectingWorker
 
 Before every model step the worker checks the file named by
 $VLLM_TEST_FAULT_FILE. If it exists, it is removed and the step raises
@@ -10,34 +11,27 @@ instead of running the model:
     "cuda"  a CUDA-style device error; the engine must die, /health must say
             503 and the process must exit non-zero.
 The model runner is the device boundary, so this is the one place a test may
-fake a fault; everything else (scheduler, AsyncLLM, server) is real.
+fake a fault; everything else (scheduler, engine core process, AsyncLLM,
+server) is real. A worker class (not a patch of the server process) because
+the worker runs in the engine core's process.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 
-from vllm.entrypoints.cli.main import main
 from vllm.v1.worker.gpu_worker import Worker
 
-_FAULT_FILE = os.environ["VLLM_TEST_FAULT_FILE"]
-_real_execute_model = Worker.execute_model
 
-
-def _execute_model_with_faults(self, scheduler_output):
-    try:
-        with open(_FAULT_FILE) as f:
-            kind = f.read().strip()
-        os.remove(_FAULT_FILE)
-    except FileNotFoundError:
-        return _real_execute_model(self, scheduler_output)
-    if kind == "cuda":
-        raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
-    raise RuntimeError("injected step failure")
-
-
-Worker.execute_model = _execute_model_with_faults
-
-if __name__ == "__main__":
-    sys.exit(main())
+class FaultInjectingWorker(Worker):
+    def execute_model(self, scheduler_output):
+        fault_file = os.environ["VLLM_TEST_FAULT_FILE"]
+        try:
+            with open(fault_file) as f:
+                kind = f.read().strip()
+            os.remove(fault_file)
+        except FileNotFoundError:
+            return super().execute_model(scheduler_output)
+        if kind == "cuda":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+        raise RuntimeError("injected step failure")

@@ -144,7 +144,8 @@ def test_help_states_the_scheduler_defaults_in_use():
 CONFIG_ERRORS = [
     (["--gpu-memory-utilization", "2"], "gpu_memory_utilization must be in (0, 1], got 2.0"),
     (["--block-size", "7"], "block_size must be a power of two"),
-    (["--tensor-parallel-size", "2"], "tensor_parallel_size=2 is not supported"),
+    (["--tensor-parallel-size", "4"],
+     "tensor_parallel_size (4) is larger than num_key_value_heads (3) but not a multiple"),
     (["/nonexistent/model-dir"], "model '/nonexistent/model-dir' not found"),
 ]
 

@@ -30,7 +30,7 @@ PROMPT = "The capital of France is"
 GOOD = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}],
         "max_completion_tokens": 4, "temperature": 0}
-FAULT_LAUNCHER = str(Path(__file__).with_name("fault_injection_serve.py"))
+FAULT_WORKER = "tests.entrypoints.openai.fault_injection_serve.FaultInjectingWorker"
 
 
 @pytest.fixture(scope="module")
@@ -235,8 +235,8 @@ def test_unknown_route_and_method(server):
 @pytest.fixture(scope="module")
 def fault_server():
     fault_file = os.path.join(tempfile.mkdtemp(prefix="vllm-fault-"), "fault")
-    remote = RemoteServer(DEFAULT_SERVER_ARGS, env={"VLLM_TEST_FAULT_FILE": fault_file},
-                          launcher=FAULT_LAUNCHER)
+    remote = RemoteServer([*DEFAULT_SERVER_ARGS, "--worker-cls", FAULT_WORKER],
+                          env={"VLLM_TEST_FAULT_FILE": fault_file})
     remote.fault_file = fault_file
     try:
         yield remote

@@ -379,6 +379,7 @@ def run_server(
             vllm_config,
             log_stats=not getattr(args, "disable_log_stats", False),
             log_requests=bool(getattr(args, "enable_log_requests", False)),
+            multiprocess_mode=True,  # the engine core steps in a process of its own
         )
         try:
             app = build_app(engine, args)

@@ -22,8 +22,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm.model_executor.layers.tensor_parallel import all_gather, all_reduce, check_tp, divide
+from vllm.model_executor.layers.tensor_parallel import (
+    all_gather,
+    all_reduce,
+    check_tp,
+    divide,
+    partition_attention_heads,
+)
 from vllm.model_executor.layers.weight_utils import (
+    check_rows,
     check_shape,
     default_weight_loader,
     narrow_to_rank,
@@ -179,9 +186,13 @@ class QKVParallelLinear(ColumnParallelLinear):
     Args:
         hidden_size: in features.
         head_size: features per head.
-        total_num_heads: query heads over all ranks (divisible by tp_size).
-        total_num_kv_heads: key/value heads over all ranks; when tp_size exceeds
-            it, each kv head is replicated on tp_size / total_num_kv_heads ranks.
+        total_num_heads: query heads over all ranks.
+        total_num_kv_heads: key/value heads over all ranks (None = total_num_heads).
+
+    Which heads this rank holds is `partition_attention_heads` (even where the
+    TP size divides the KV heads, by whole KV groups where it does not, KV
+    heads replicated when there are fewer than ranks): `num_heads`,
+    `num_kv_heads`, and `head_shard` for the row-parallel output projection.
 
     Output per rank: [T, (num_heads + 2 * num_kv_heads) * head_size], laid out
     q | k | v. Checkpoint tensors q_proj/k_proj/v_proj load with shard ids
@@ -204,45 +215,44 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.head_size = head_size
         self.total_num_heads = total_num_heads
         self.total_num_kv_heads = total_num_kv_heads
-        self.num_heads = divide(total_num_heads, tp_size, "num_attention_heads")
-        if tp_size >= total_num_kv_heads:
-            self.num_kv_heads = 1
-            self.kv_replicas = divide(tp_size, total_num_kv_heads, "tp_size vs num_key_value_heads")
-        else:
-            self.num_kv_heads = divide(total_num_kv_heads, tp_size, "num_key_value_heads")
-            self.kv_replicas = 1
+        self.head_shard = partition_attention_heads(
+            total_num_heads, total_num_kv_heads, tp_size, tp_rank
+        )
+        self.num_heads = self.head_shard.num_heads
+        self.num_kv_heads = self.head_shard.num_kv_heads
         self.q_size = self.num_heads * head_size
         self.kv_size = self.num_kv_heads * head_size
-        super().__init__(
+        LinearBase.__init__(
+            self,
             hidden_size,
-            (self.q_size + 2 * self.kv_size) * tp_size,
+            self.q_size + 2 * self.kv_size,
             bias=bias,
             tp_rank=tp_rank,
             tp_size=tp_size,
             params_dtype=params_dtype,
         )
+        self.gather_output = False
         for param in self.parameters(recurse=False):
+            param.weight_loader = self.weight_loader
             param.shard_ids = ("q", "k", "v")
 
     def weight_loader(
         self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: object = None
     ) -> None:
         """Copy this rank's heads of q_proj ("q"), k_proj ("k") or v_proj ("v")."""
+        shard, d = self.head_shard, self.head_size
         if shard_id == "q":
-            offset, size = 0, self.q_size
-            index, num_shards = self.tp_rank, self.tp_size
+            offset, size, start, total = 0, self.q_size, shard.q_start, self.total_num_heads
         elif shard_id in ("k", "v"):
             offset = self.q_size + (0 if shard_id == "k" else self.kv_size)
-            size = self.kv_size
-            index = self.tp_rank // self.kv_replicas
-            num_shards = self.total_num_kv_heads // self.num_kv_heads
+            size, start, total = self.kv_size, shard.kv_start, self.total_num_kv_heads
         else:
             raise ValueError(f"shard id must be 'q', 'k' or 'v', got {shard_id!r}")
         target = param.narrow(0, offset, size)
-        shard = narrow_to_rank(loaded_weight, 0, size, index, num_shards)
-        check_shape(target, shard, f"shard {shard_id!r}")
+        check_rows(loaded_weight, 0, total * d, f"shard {shard_id!r}")
+        check_shape(target, loaded_weight.narrow(0, start * d, size), f"shard {shard_id!r}")
         with torch.no_grad():
-            target.copy_(shard)
+            target.copy_(loaded_weight.narrow(0, start * d, size))
 
 
 class RowParallelLinear(LinearBase):
@@ -254,8 +264,11 @@ class RowParallelLinear(LinearBase):
         bias: add a bias once, after the reduction.
         reduce_results: all-reduce the output (tp_size > 1); turn off only when
             the caller reduces itself.
+        input_shard: (start, size) of this rank's input features, for a split
+            that is not even (attention heads: `QKVParallelLinear.head_shard`);
+            None = the even split, input_size / tp_size each.
 
-    Shapes: x [T, input_size / tp_size] -> [T, output_size].
+    Shapes: x [T, input_size / tp_size] (or [T, input_shard size]) -> [T, output_size].
     """
 
     def __init__(
@@ -268,9 +281,18 @@ class RowParallelLinear(LinearBase):
         tp_rank: int = 0,
         tp_size: int = 1,
         params_dtype: torch.dtype | None = None,
+        input_shard: tuple[int, int] | None = None,
     ) -> None:
+        if input_shard is None:
+            size = divide(input_size, tp_size, "input_size")
+            input_shard = (tp_rank * size, size)
+        start, size = input_shard
+        if start < 0 or size < 1 or start + size > input_size:
+            raise ValueError(f"input_shard {input_shard} is outside input_size {input_size}")
+        self.input_size = input_size
+        self.input_start = start
         super().__init__(
-            divide(input_size, tp_size, "input_size"),
+            size,
             output_size,
             bias=bias,
             tp_rank=tp_rank,
@@ -288,7 +310,8 @@ class RowParallelLinear(LinearBase):
         """Copy this rank's input columns of the full weight `loaded_weight`."""
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} is not stacked; got shard id {shard_id!r}")
-        shard = narrow_to_rank(loaded_weight, 1, param.shape[1], self.tp_rank, self.tp_size)
+        check_rows(loaded_weight, 1, self.input_size)
+        shard = loaded_weight.narrow(1, self.input_start, param.shape[1])
         check_shape(param, shard)
         with torch.no_grad():
             param.copy_(shard)

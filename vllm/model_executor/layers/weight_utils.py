@@ -41,6 +41,16 @@ def default_weight_loader(
         param.copy_(loaded_weight)
 
 
+def check_rows(loaded: torch.Tensor, dim: int, size: int, what: str = "") -> None:
+    """Raise ValueError unless `loaded` (a full tensor) has exactly `size` elements along `dim`."""
+    if loaded.dim() <= dim or loaded.shape[dim] != size:
+        where = f" for {what}" if what else ""
+        raise ValueError(
+            f"shape mismatch{where}: checkpoint has {tuple(loaded.shape)}, model expects "
+            f"{size} along dim {dim}"
+        )
+
+
 def narrow_to_rank(
     loaded: torch.Tensor, dim: int, size: int, index: int, num_shards: int
 ) -> torch.Tensor:

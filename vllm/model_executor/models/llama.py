@@ -113,12 +113,15 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.qkv_proj.q_size
         self.kv_size = self.qkv_proj.kv_size
+        # o_proj reads exactly the heads qkv_proj produced on this rank.
+        shard = self.qkv_proj.head_shard
         self.o_proj = RowParallelLinear(
             total_num_heads * self.head_dim,
             config.hidden_size,
             bias=self.o_proj_bias(config),
             tp_rank=tp_rank,
             tp_size=tp_size,
+            input_shard=(shard.q_start * self.head_dim, self.q_size),
         )
         self.rotary_emb = rotary_emb
         self.attn = Attention(

@@ -10,7 +10,16 @@
 
 This file is the facade: every method either awaits a command run on the
 engine thread or posts one. Why a thread and a command queue, how faults kill
-the engine, and how sleep works: see engine_thread.py. Requests arriving
+the engine, and how sleep works: see engine_thread.py.
+
+Prompts are tokenized before they reach the engine thread, on a tokenizer
+thread of their own with a tokenizer of their own (HF fast tokenizers must
+not be shared between threads), so a huge prompt never delays the outputs of
+running requests; a prompt whose text alone proves it longer than
+`max_model_len` tokens is rejected without being tokenized at all
+(`transformers_utils.tokenizer.min_num_tokens`). With `multiprocess_mode`
+(the server) the engine core steps in a process of its own and the engine
+thread only moves requests in and outputs out (core_client.py). Requests arriving
 while asleep are rejected with `EngineSleepingError`; `wake_up()` after a
 level-2 sleep reloads the weights before it returns.
 """
@@ -18,11 +27,13 @@ level-2 sleep reloads the weights before it returns.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 from collections.abc import AsyncGenerator, Callable, Iterable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from vllm.exceptions import VLLMValidationError
 from vllm.inputs import check_unicode_text
 from vllm.logger import init_logger
 from vllm.outputs import RequestOutput
@@ -62,9 +73,17 @@ class AsyncLLM:
         log_stats: bool = True,
         log_requests: bool = False,
     ) -> None:
+        from vllm.transformers_utils.tokenizer import get_tokenizer, max_token_chars
+
         self.vllm_config: VllmConfig = engine.vllm_config
         self.model_config = self.vllm_config.model_config
         self.tokenizer = engine.get_tokenizer()
+        # Input tokenization: its own tokenizer on its own thread (see the module doc).
+        self._input_tokenizer = get_tokenizer(self.model_config.tokenizer)
+        self._token_chars = max_token_chars(self._input_tokenizer)
+        self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="vllm-tokenizer"
+        )
         loggers = list(stat_loggers)
         if log_stats:
             loggers.append(LoggingStatLogger())
@@ -95,11 +114,16 @@ class AsyncLLM:
         stat_loggers: Iterable[StatLoggerBase] = (),
         log_stats: bool = True,
         log_requests: bool = False,
+        multiprocess_mode: bool = False,
     ) -> AsyncLLM:
-        """Build the engine from a validated config and start the loop."""
+        """Build the engine from a validated config and start the loop.
+
+        `multiprocess_mode`: the engine core in a process of its own (the server's choice).
+        """
         from vllm.v1.engine.llm_engine import LLMEngine
 
-        return cls(LLMEngine(vllm_config), stat_loggers=stat_loggers, log_stats=log_stats,
+        engine = LLMEngine(vllm_config, multiprocess_mode=multiprocess_mode)
+        return cls(engine, stat_loggers=stat_loggers, log_stats=log_stats,
                    log_requests=log_requests)
 
     # ------------------------------------------------------------------ state
@@ -122,7 +146,7 @@ class AsyncLLM:
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         """The tokenizer, for read-only attributes (eos, chat_template); encode through
-        `tokenize` / `detokenize`, which run on the engine thread."""
+        `tokenize` / `detokenize`, which run on the tokenizer thread."""
         return self.tokenizer
 
     async def check_health(self) -> None:
@@ -155,6 +179,7 @@ class AsyncLLM:
             EngineSleepingError / EngineDeadError / EngineShutdownError.
         """
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        prompt = await self._tokenize_prompt(prompt)
         stream = RequestOutputStream(
             request_id, asyncio.get_running_loop(), self.abort, self._thread.forget
         )
@@ -194,26 +219,79 @@ class AsyncLLM:
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; ValueError if it has a lone UTF-16 surrogate."""
         check_unicode_text(text, "prompt")
-        return await self._call(
-            lambda: list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        tokenizer = self._input_tokenizer
+        return await self._tokenizer_call(
+            lambda: list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
         )
 
     async def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
-        return await self._call(
-            lambda: self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        tokenizer = self._input_tokenizer
+        return await self._tokenizer_call(
+            lambda: tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
         )
 
     async def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
-        return await self._call(lambda: list(self.tokenizer.convert_ids_to_tokens(token_ids)))
+        tokenizer = self._input_tokenizer
+        return await self._tokenizer_call(
+            lambda: list(tokenizer.convert_ids_to_tokens(token_ids))
+        )
+
+    async def _tokenize_prompt(self, prompt: PromptType) -> PromptType:
+        """A text prompt as {"prompt", "prompt_token_ids"}, tokenized on the tokenizer thread.
+
+        Raises:
+            VLLMValidationError: the text alone proves the prompt longer than
+                max_model_len tokens (nothing is tokenized then).
+        """
+        if isinstance(prompt, str):
+            text = prompt
+        elif isinstance(prompt, dict) and prompt.get("prompt_token_ids") is None:
+            text = prompt.get("prompt")
+        else:
+            return prompt
+        if not isinstance(text, str) or not text:
+            return prompt  # the engine's own validation says what is wrong
+        self._check_prompt_chars(len(text), "prompt")
+        check_unicode_text(text, "prompt")
+        tokenizer = self._input_tokenizer
+        token_ids = await self._tokenizer_call(lambda: list(tokenizer.encode(text)))
+        return {"prompt": text, "prompt_token_ids": token_ids}
+
+    def _check_prompt_chars(self, num_chars: int, parameter: str) -> None:
+        """Reject, untokenized, a text that cannot fit max_model_len tokens."""
+        from vllm.transformers_utils.tokenizer import min_num_tokens
+
+        max_model_len = self.model_config.max_model_len
+        at_least = min_num_tokens(num_chars, self._token_chars)
+        if at_least >= max_model_len:
+            raise VLLMValidationError(
+                f"prompt has at least {at_least} tokens ({num_chars} characters, at most "
+                f"{self._token_chars} per token), which leaves no room to generate within "
+                f"max_model_len {max_model_len}; shorten the prompt",
+                parameter=parameter,
+            )
+
+    async def _tokenizer_call(self, fn: Callable[[], Any]) -> Any:
+        try:
+            future = asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn)
+        except RuntimeError:  # the pool is shut down with the engine
+            raise self._thread.unavailable_error() from None
+        return await future
 
     async def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> dict:
-        """`chat_templates.apply_chat_template` on the engine thread.
+        """`chat_templates.apply_chat_template` on the tokenizer thread.
 
         Returns {"prompt", "prompt_token_ids"}.
         """
         from vllm.transformers_utils.chat_templates import apply_chat_template
 
-        return await self._call(lambda: apply_chat_template(self.tokenizer, messages, **kwargs))
+        text_chars = sum(len(m["content"]) for m in messages
+                         if isinstance(m, dict) and isinstance(m.get("content"), str))
+        self._check_prompt_chars(text_chars, "messages")
+        tokenizer = self._input_tokenizer
+        return await self._tokenizer_call(
+            lambda: apply_chat_template(tokenizer, messages, **kwargs)
+        )
 
     # ------------------------------------------------------------------ sleep
     async def sleep(self, level: int = 1) -> None:
@@ -247,6 +325,7 @@ class AsyncLLM:
         """Stop the loop (in-flight requests get EngineShutdownError), free the engine
         (its device memory returns), join the thread. Idempotent."""
         self._thread.stop(timeout)
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     # ====================================================== event-loop helpers
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:

@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.v1.core.sched.scheduler import Scheduler, SchedulerStats
+from vllm.v1.executor import Executor
 from vllm.v1.outputs import EngineCoreOutput, KVCacheMemory
 from vllm.v1.request import Request, RequestStatus
-from vllm.v1.worker.gpu_worker import Worker
 
 logger = init_logger(__name__)
 
 
 class EngineCore:
-    """Owns the worker and the scheduler of one engine.
+    """Owns the scheduler and the executor (one worker per rank) of one engine.
 
-    Start-up follows DESIGN.md section 4: load the model, size the KV cache
+    Every call to the workers goes through `model_executor.collective_rpc`
+    (uni: in this process; mp / ray: one process or actor per rank), so the
+    same code drives one rank or several. Start-up follows DESIGN.md section 4
+    on every rank: load the model, size the KV cache
     (classic: final size; extensible: a small committed prefix), warm up and
     capture CUDA graphs, then (extensible) measure and extend, run the hooks
     that need the final cache (KV connectors), and only then build the
@@ -30,12 +35,12 @@ class EngineCore:
         self.vllm_config = vllm_config
         sched = vllm_config.scheduler_config
         cache = vllm_config.cache_config
-        self.worker = Worker(vllm_config)
-        self.worker.init_device()
-        self.worker.load_model()
-        self.worker.initialize_kv_cache()
-        num_blocks = self.worker.compile_or_warm_up_model()
-        self.worker.run_post_kv_cache_hooks()
+        self.model_executor = Executor.get_class(vllm_config)(vllm_config)
+        try:
+            num_blocks = self._start_workers()
+        except BaseException:
+            self.model_executor.shutdown()  # no rank keeps its memory after a failed start
+            raise
         self.scheduler = Scheduler(
             max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
@@ -58,10 +63,53 @@ class EngineCore:
                 policy.long_threshold,
                 f" and compute at most {policy.cap} tokens a step" if policy.cap else "",
             )
+        self._kv_memory: KVCacheMemory | None = None  # cached; None = read it again
+        self._sleeping: bool | None = False
+
+    def _start_workers(self) -> int:
+        """Every rank through start-up; returns the block count they agreed on.
+
+        Raises:
+            WorkerError: a rank failed a stage (the message names it; uni:
+                the worker's own exception).
+            ValueError: the extensible cache was required and a rank cannot hold it.
+        """
+        run = self.model_executor.collective_rpc
+        run("init_device")
+        self._agree_on_kv_cache_path()
+        run("load_model")
+        run("initialize_kv_cache")
+        counts = run("compile_or_warm_up_model")
+        if len(set(counts)) != 1:  # the workers' agreement makes this impossible
+            raise RuntimeError(f"the ranks ended with different block counts: {counts}")
+        run("run_post_kv_cache_hooks")
+        return counts[0]
+
+    def _agree_on_kv_cache_path(self) -> None:
+        """One rank that cannot hold the extensible cache puts every rank on the classic path."""
+        cache = self.vllm_config.cache_config
+        if not cache.enable_extensible_kv_cache or self.model_executor.world_size == 1:
+            return  # one rank: VllmConfig resolution probed its device already
+        reasons = self.model_executor.collective_rpc("probe_kv_cache_path")
+        failed = [f"rank {r}: {reason}" for r, reason in enumerate(reasons) if reason]
+        if failed:
+            reason = "; ".join(failed)
+            cache.fall_back_to_classic(reason)  # raises when it was required
+            self.model_executor.collective_rpc("use_classic_kv_cache", args=(reason,))
 
     @property
     def num_blocks(self) -> int:
         return self.scheduler.num_blocks
+
+    @property
+    def worker(self) -> Any:
+        """The worker object when it runs in this process (uni executor), else None.
+
+        For tests and benchmarks that inspect one rank's state; engine code asks
+        the executor (`model_executor.collective_rpc`).
+        """
+        driver = getattr(self.model_executor, "driver", None)
+        return None if driver is None else driver.worker
 
     def add_request(self, request: Request) -> None:
         """Queue a request; raises ValueError if it can never fit."""
@@ -83,7 +131,9 @@ class EngineCore:
             return []
         scheduler_output = self.scheduler.schedule()
         self._scheduled_req_ids = list(scheduler_output.num_scheduled_tokens)
-        runner_output = self.worker.execute_model(scheduler_output)
+        (runner_output,) = self.model_executor.collective_rpc(
+            "execute_model", args=(scheduler_output,), unique_reply_rank=0
+        )
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def scheduled_request_ids(self) -> list[str]:
@@ -98,7 +148,8 @@ class EngineCore:
         are about to be discarded. The prefix cache is emptied with them.
         """
         self.abort_requests(list(self.scheduler.requests))
-        self.worker.sleep(level)
+        self._kv_memory = self._sleeping = None
+        self.model_executor.collective_rpc("sleep", args=(level,))
         self.scheduler.reset_prefix_cache()
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
@@ -106,25 +157,47 @@ class EngineCore:
 
         Returns:
             True when the weights must be reloaded (woken after a level-2
-            sleep); see `Worker.wake_up`.
+            sleep) on any rank; see `Worker.wake_up`.
         """
-        return self.worker.wake_up(tags)
+        self._kv_memory = self._sleeping = None
+        return any(self.model_executor.collective_rpc("wake_up", args=(tags,)))
 
     def is_sleeping(self) -> bool:
-        return bool(self.worker.sleeping_tags())
+        """Whether any rank has weights or KV cache asleep (cached between sleep and wake)."""
+        if self._sleeping is None:
+            self._sleeping = any(self.model_executor.collective_rpc("sleeping_tags"))
+        return self._sleeping
 
     def reload_weights(self) -> None:
-        self.worker.reload_weights()
+        self.model_executor.collective_rpc("reload_weights")
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()
 
     def kv_cache_memory(self) -> KVCacheMemory:
-        """Committed / reserved bytes and committed blocks of the KV cache."""
-        return self.worker.kv_cache_memory()
+        """Committed / reserved bytes (summed over the ranks) and committed blocks.
+
+        Read from the workers only when it can have changed (start-up, sleep,
+        wake): the frontend asks after every step, and with worker processes
+        each read is a round trip.
+        """
+        if self._kv_memory is None:
+            self._kv_memory = self._read_kv_cache_memory()
+        return self._kv_memory
+
+    def _read_kv_cache_memory(self) -> KVCacheMemory:
+        per_rank = self.model_executor.collective_rpc("kv_cache_memory")
+        if len(per_rank) == 1:
+            return per_rank[0]
+        return KVCacheMemory(
+            committed_bytes=sum(m.committed_bytes for m in per_rank),
+            reserved_bytes=sum(m.reserved_bytes for m in per_rank),
+            num_blocks=per_rank[0].num_blocks,
+        )
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        self.worker.shutdown()
+        """Stop every worker (their device memory returns; processes are reaped)."""
+        self.model_executor.shutdown()

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 from vllm.outputs import RequestOutput
+from vllm.v1.engine.core_client import StepFailedError
 from vllm.v1.engine.exceptions import (
     EngineDeadError,
     EngineGenerateError,
@@ -190,6 +191,9 @@ class EngineThread:
         self._last_log = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="vllm-engine", daemon=True)
         self._thread.start()
+        add_dead_callback = getattr(engine.engine_core, "add_dead_callback", None)
+        if add_dead_callback is not None:  # the engine core runs in a process of its own
+            add_dead_callback(self.on_engine_core_dead)
 
     # ============================================================ any thread
     def is_alive(self) -> bool:
@@ -291,8 +295,13 @@ class EngineThread:
     def _step(self) -> None:
         try:
             self.engine.step()  # every request has a stream: outputs go there
+        except EngineDeadError as e:  # the engine core process is gone (its reason)
+            logger.error("%s", e)
+            self._mark_dead(e)
+            return
         except Exception as e:
-            self._consecutive_failures += 1
+            # An engine core process counts its own failures (StepFailedError).
+            self._consecutive_failures += not isinstance(e, StepFailedError)
             if is_device_error(e) or self._consecutive_failures >= _MAX_CONSECUTIVE_STEP_FAILURES:
                 logger.exception("engine step failed unrecoverably; the engine is dead")
                 self._mark_dead(e)
@@ -317,8 +326,18 @@ class EngineThread:
 
     def _mark_dead(self, error: BaseException) -> None:
         if self.dead_error is None:
-            self.dead_error = EngineDeadError(f"the engine is dead: {error!r}")
+            self.dead_error = (
+                error
+                if isinstance(error, EngineDeadError)
+                else EngineDeadError(f"the engine is dead: {error!r}")
+            )
         self._stop = True
+
+    def on_engine_core_dead(self, error: EngineDeadError) -> None:
+        """The engine core process died (any thread): fail everything, stop the loop."""
+        if self.dead_error is None:
+            self.dead_error = error  # /health says so at once, before the loop wakes
+        self.post(self._mark_dead, error)
 
     def _close(self) -> None:
         with self._lock:

@@ -28,13 +28,18 @@ logger = init_logger(__name__)
 
 
 class LLMEngine:
-    """Offline engine over an in-process EngineCore.
+    """Tokenize, add, step, detokenize, over an engine core in this process or its own.
 
     Args:
         vllm_config: the validated configuration.
+        multiprocess_mode: run the engine core in a process of its own
+            (`EngineCoreProc` behind `MPEngineCoreClient`: the server's choice,
+            so nothing in the frontend delays a step); False keeps it in this
+            process (the offline `LLM`: its caller steps it synchronously, so a
+            second process would only add a copy of every output).
     """
 
-    def __init__(self, vllm_config: VllmConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig, multiprocess_mode: bool = False) -> None:
         self.vllm_config = vllm_config
         model_config = vllm_config.model_config
         self.tokenizer: PreTrainedTokenizerBase = get_tokenizer(model_config.tokenizer)
@@ -45,7 +50,12 @@ class LLMEngine:
             vllm_config.scheduler_config.max_num_seqs,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = EngineCore(vllm_config)
+        if multiprocess_mode:
+            from vllm.v1.engine.core_client import MPEngineCoreClient
+
+            self.engine_core: EngineCore | MPEngineCoreClient = MPEngineCoreClient(vllm_config)
+        else:
+            self.engine_core = EngineCore(vllm_config)
         # What the last step produced (timings, token counts), for metrics.
         self.last_iteration_stats: IterationStats | None = None
 

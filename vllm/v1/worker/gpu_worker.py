@@ -34,6 +34,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import KVCacheSpec, get_kv_cache_config
 from vllm.v1.outputs import KVCacheMemory, ModelRunnerOutput
 from vllm.v1.worker import kv_cache_sizing as sizing
+from vllm.v1.worker import ranks
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.kv_cache import (
     ClassicKVCacheBuffers,
@@ -48,25 +49,41 @@ GiB = sizing.GiB
 
 
 class Worker:
-    """Runs the model on one device and owns its KV cache.
+    """Runs the model on one device (one rank) and owns its KV cache.
 
     Args:
         vllm_config: the validated engine configuration.
+        local_rank: the device index on this node.
+        rank: the global rank (its shard of the model: tensor-parallel rank).
+        distributed_init_method: the ranks' rendezvous ("tcp://host:port");
+            None for a single-rank engine, which creates no process group.
+        is_driver_worker: rank 0 (whose outputs the engine reads).
         agree_num_blocks: the seam where ranks agree on a block count: takes
-            this rank's count, returns the one every rank uses (the minimum
-            across ranks, `kv_cache_sizing.min_across_ranks` over all ranks'
-            counts). Default: this rank alone.
+            this rank's count, returns the one every rank uses. Default: the
+            minimum over every rank's count (`ranks.agree_on_num_blocks`, an
+            all-gather over the world group; this rank's own with one rank).
     """
 
     def __init__(
         self,
         vllm_config: VllmConfig,
+        local_rank: int = 0,
+        rank: int = 0,
+        distributed_init_method: str | None = None,
+        is_driver_worker: bool = True,
         agree_num_blocks: Callable[[int], int] | None = None,
     ) -> None:
         self.config = vllm_config
         self.platform = current_platform
-        self.device = self.platform.device(0)
-        self.agree_num_blocks = agree_num_blocks or (lambda n: sizing.min_across_ranks([n]))
+        self.local_rank = local_rank
+        self.rank = rank
+        self.world_size = vllm_config.parallel_config.world_size
+        self.distributed_init_method = distributed_init_method
+        self.is_driver_worker = is_driver_worker
+        self.device = self.platform.device(local_rank)
+        self.agree_num_blocks = agree_num_blocks or self._agree_across_ranks
+        # Every rank's proposed block count at the last agreement (rank order).
+        self.kv_cache_proposals: list[int] = []
         self.model_runner: GPUModelRunner | None = None
         self.kv_cache: KVCacheBuffers | None = None
         self.memory: DeviceMemory | None = None
@@ -87,6 +104,17 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             torch.cuda.init()
+        if self.distributed_init_method is not None:  # started by an mp / ray executor
+            ranks.register_engine_process(self.platform)
+        if self.world_size > 1:
+            ranks.join_process_group(
+                self.world_size,
+                self.rank,
+                self.distributed_init_method,
+                self.local_rank,
+                self.config.parallel_config.tensor_parallel_size,
+                self.platform,
+            )
         if self.config.model_config.seed is not None:
             torch.manual_seed(self.config.model_config.seed)
         self._check_foreign_processes()
@@ -125,12 +153,15 @@ class Worker:
         mc = self.config.model_config
         sc = self.config.scheduler_config
         before = self.memory.allocated()
+        tp_rank, tp_size = ranks.tensor_parallel_rank(self.world_size)
         model = get_model(
             mc.model_path,
             mc.hf_config,
             dtype=mc.dtype,
             device=self.device,
             load_format=mc.load_format,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
         )
         self.weights_bytes = max(
             self.memory.allocated() - before,
@@ -218,14 +249,14 @@ class Worker:
         cache = self.config.cache_config
         bytes_per_block = sum(s.page_size_bytes for s in specs.values())
         cap = self._budget_cap()
-        size = sizing.classic_num_blocks(
+        size = ranks.on_every_rank(self.world_size, lambda: sizing.classic_num_blocks(
             self.profile,
             bytes_per_block,
             gpu_memory_utilization=cache.gpu_memory_utilization,
             explicit_bytes=cache.kv_cache_memory_bytes,
             free=self.memory.free_bytes() if cap is not None else 0,
             budget_cap=cap,
-        )
+        ))
         num_blocks = self.agree_num_blocks(size.num_blocks)
         kv_cache = ClassicKVCacheBuffers(get_kv_cache_config(specs, num_blocks), self.device)
         kv_cache.allocate(num_blocks)
@@ -236,6 +267,24 @@ class Worker:
             (num_blocks - 1) * cache.block_size,
         )
         return kv_cache
+
+    def _agree_across_ranks(self, num_blocks: int) -> int:
+        agreed, self.kv_cache_proposals = ranks.agree_on_num_blocks(
+            self.world_size, self.rank, num_blocks
+        )
+        return agreed
+
+    def kv_cache_agreement(self) -> list[int]:
+        """Every rank's proposed block count at the last agreement, in rank order."""
+        return list(self.kv_cache_proposals)
+
+    def probe_kv_cache_path(self) -> str | None:
+        """Why this rank's device cannot hold the extensible cache, or None if it can."""
+        return self.platform.get_vmm_driver(self.device.index or 0).probe()
+
+    def use_classic_kv_cache(self, reason: str) -> None:
+        """Another rank cannot hold the extensible cache: this one takes the classic path too."""
+        self.config.cache_config.fall_back_to_classic(reason)
 
     def _budget_cap(self) -> int | None:
         """The platform's bound on a KV cache of unspecified size (CPU), if it has one."""
@@ -292,6 +341,7 @@ class Worker:
             del hidden
         self.memory.synchronize()
         self.startup_seconds["warmup"] = time.perf_counter() - t0
+        ranks.resync_random_state(self.world_size, self.config.model_config.seed)
         kv_cache = self.kv_cache
         if kv_cache.committed_blocks == kv_cache.capacity_blocks:
             # Fully committed (the classic cache, sized before warmup): nothing
@@ -310,7 +360,7 @@ class Worker:
         kv_cache = self.kv_cache
         gc.collect()
         snapshot = self.memory.snapshot(kv_cache.committed_bytes, self.profile.activation_peak)
-        size = sizing.final_num_blocks(
+        size = ranks.on_every_rank(self.world_size, lambda: sizing.final_num_blocks(
             snapshot,
             activation_peak=self.profile.activation_peak,
             gpu_memory_utilization=cache.gpu_memory_utilization,
@@ -320,7 +370,7 @@ class Worker:
             capacity=kv_cache.capacity_blocks,
             explicit_bytes=cache.kv_cache_memory_bytes,
             budget_cap=self._budget_cap(),
-        )
+        ))
         return snapshot, size, self.agree_num_blocks(size.num_blocks)
 
     def _log_final_size(
@@ -448,3 +498,4 @@ class Worker:
             self.weight_arena = None
         gc.collect()
         self.platform.empty_cache()
+        ranks.leave_process_group(self.world_size)

@@ -1,0 +1,177 @@
+"""`vllm serve` as processes: frontend, engine core, workers (real processes, CPU, gloo).
+
+- tensor_parallel_size=2 (mp and ray) answers greedy requests with the one-rank engine's text;
+- a 10 MB prompt posted by another client does not stall a running stream;
+- a killed worker is reported within seconds (/health 503 with the reason), the server
+  exits 1, and no process of the tree is left (no zombie); likewise after Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+from tests.conftest import TP_PROMPTS
+from tests.entrypoints.openai.utils import DEFAULT_SERVER_ARGS, MODEL_NAME, RemoteServer, error_of
+
+pytestmark = pytest.mark.slow
+
+
+def tree(server: RemoteServer) -> list[psutil.Process]:
+    """Every process the server started, its children's children included."""
+    return psutil.Process(server.proc.pid).children(recursive=True)
+
+
+def engine_and_workers(server: RemoteServer) -> tuple[psutil.Process, list[psutil.Process]]:
+    """The engine core process (the child that has children) and its worker processes."""
+    for child in psutil.Process(server.proc.pid).children():
+        workers = [p for p in child.children() if "resource_tracker" not in " ".join(p.cmdline())]
+        if workers:
+            return child, workers
+    raise AssertionError(f"no engine core process with workers among {tree(server)}")
+
+
+def wait_gone(processes: list[psutil.Process], timeout: float = 30) -> None:
+    _, alive = psutil.wait_procs(processes, timeout=timeout)
+    assert not alive, f"left behind: {[(p.pid, p.status()) for p in alive]}"
+
+
+def greedy_texts(server: RemoteServer) -> dict[str, str]:
+    texts = {}
+    for prompt in TP_PROMPTS:
+        response = httpx.post(server.url_for("v1/completions"), timeout=120, json={
+            "model": MODEL_NAME, "prompt": prompt, "max_tokens": 16, "temperature": 0,
+            "ignore_eos": True})
+        assert response.status_code == 200, response.text
+        texts[prompt] = response.json()["choices"][0]["text"]
+    return texts
+
+
+# ------------------------------------------------------------------ TP=2, mp
+@pytest.fixture(scope="module")
+def tp2_server():
+    with RemoteServer([*DEFAULT_SERVER_ARGS, "--tensor-parallel-size", "2"]) as remote:
+        yield remote
+
+
+def test_tp2_mp_server_matches_one_rank(tp2_server, tp_reference):
+    engine, workers = engine_and_workers(tp2_server)
+    assert len(workers) == 2
+    assert greedy_texts(tp2_server) == {p: text for p, (_, text) in tp_reference.items()}
+    log = tp2_server.log()
+    assert "KV cache blocks agreed across 2 ranks" in log
+    assert "Started 2 worker processes" in log  # the default backend on one node: mp
+    assert "(worker rank 1 pid" in log  # each worker's lines say whose they are
+
+
+def test_killed_worker_is_reported_within_seconds(tp2_server):
+    """Idle server: only the executor's monitor can see it; then the whole tree goes."""
+    engine, workers = engine_and_workers(tp2_server)
+    everything = tree(tp2_server)
+    killed_at = time.monotonic()
+    workers[1].send_signal(signal.SIGKILL)
+    health = None
+    while time.monotonic() - killed_at < 10:
+        try:
+            health = httpx.get(tp2_server.url_for("health"), timeout=5)
+        except httpx.ConnectError:
+            break  # already exited: the log below must still say why
+        if health.status_code == 503:
+            break
+        time.sleep(0.1)
+    assert health is not None and health.status_code == 503, health
+    message = error_of(health)["message"]
+    assert "worker rank 1 died (killed by SIGKILL)" in message, message
+    assert tp2_server.proc.wait(30) == 1
+    wait_gone(everything)
+
+
+# ------------------------------------------------------------------ TP=2, ray
+def ctrl_c(server: RemoteServer) -> None:
+    """What Ctrl-C in a terminal does: SIGINT to every process of the server's process
+    group (the server shares pytest's group, so pytest is left out; Ray's daemons
+    run in sessions of their own)."""
+    group = os.getpgid(server.proc.pid)
+    for process in [psutil.Process(server.proc.pid), *tree(server)]:
+        with contextlib.suppress(ProcessLookupError):
+            if os.getpgid(process.pid) == group:
+                process.send_signal(signal.SIGINT)
+
+
+def test_tp2_ray_server_matches_one_rank_and_stops_on_ctrl_c(tp_reference):
+    pytest.importorskip("ray")
+    # A local Ray instance started by the engine, on loopback only.
+    env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    args = [*DEFAULT_SERVER_ARGS, "--tensor-parallel-size", "2",
+            "--distributed-executor-backend", "ray"]
+    with RemoteServer(args, env=env) as server:
+        assert greedy_texts(server) == {p: text for p, (_, text) in tp_reference.items()}
+        assert "Started 2 Ray workers" in server.log()
+        everything = tree(server)  # engine core, Ray's processes, the worker actors
+        ctrl_c(server)
+        assert server.proc.wait(60) == 0
+    wait_gone(everything)
+
+
+# ------------------------------------------------------------------ one rank
+POST_BIG_PROMPT = """
+import httpx, json, sys
+prompt = "All work and no play makes Jack a dull boy. " * (10_000_000 // 44)
+response = httpx.post(sys.argv[1], timeout=300, json={"model": sys.argv[2], "prompt": prompt,
+                                                      "max_tokens": 4})
+print(response.status_code, json.dumps(response.json()["error"]["message"][:200]))
+"""
+
+
+def test_big_prompt_does_not_stall_a_running_stream(server):
+    """Inter-token gaps while another client posts a 10 MB prompt stay within 2x the median.
+
+    On the session's one-rank server (conftest.py): its engine core runs in a
+    process of its own like every server's.
+    """
+    body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 64,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    posted: dict[str, object] = {}
+
+    def post_big_prompt() -> None:  # another client: its own process, its own GIL
+        posted["start"] = time.monotonic()
+        done = subprocess.run([sys.executable, "-c", POST_BIG_PROMPT,
+                               server.url_for("v1/completions"), MODEL_NAME],
+                              capture_output=True, text=True, timeout=300)
+        posted["end"] = time.monotonic()
+        posted["out"] = done.stdout + done.stderr
+
+    poster = threading.Thread(target=post_big_prompt)
+    arrivals: list[float] = []
+    with httpx.stream("POST", server.url_for("v1/completions"), json=body,
+                      timeout=120) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                arrivals.append(time.monotonic())
+                if len(arrivals) == 12:  # well into the decode
+                    poster.start()
+    poster.join(300)
+    status, message = str(posted["out"]).split(" ", 1)
+    assert status == "400", posted["out"]
+    assert "max_model_len" in json.loads(message), posted["out"]
+    assert posted["end"] < arrivals[-1], "the 10 MB request outlasted the stream"
+    gaps = [b - a for a, b in zip(arrivals[2:], arrivals[3:], strict=False)]
+    median = statistics.median(gaps)
+    during = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)
+              if b >= posted["start"] and a <= posted["end"]]
+    assert during, "no token arrived while the 10 MB request was in flight"
+    assert max(during) <= 2 * median, (
+        f"a gap of {max(during) * 1e3:.0f} ms while the 10 MB prompt was handled; "
+        f"median {median * 1e3:.0f} ms"
+    )

@@ -1,0 +1,49 @@
+"""The engine's Worker with a device that reports less free memory (tests only).
+
+`VLLM_TEST_FREE_BYTES="A,B,..."` caps what rank r's `DeviceMemory.free_bytes()`
+reports at the r-th value, so ranks of one engine see different free memory
+(as GPUs do when another process holds memory on one of them). Everything else,
+sizing and the agreement across ranks included, is the real worker.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from vllm.v1.worker.gpu_worker import Worker
+
+
+class LimitedMemoryWorker(Worker):
+    def init_device(self) -> None:
+        super().init_device()
+        limits = os.environ.get("VLLM_TEST_FREE_BYTES")
+        if not limits:
+            return
+        limit = int(limits.split(",")[self.rank])
+        real = self.memory.free_bytes
+        self.memory.free_bytes = lambda: min(real(), limit)
+
+
+class ForeignMemoryWorker(Worker):
+    """On CUDA: rank 1's GPU loses `VLLM_TEST_FOREIGN_GIB` (default 20) GiB to an
+    allocation the engine does not account for, made before it measures anything;
+    as another process's memory would, it shrinks what that rank can give the KV cache."""
+
+    def init_device(self) -> None:
+        if self.rank == 1:
+            torch.cuda.set_device(self.local_rank)
+            gib = float(os.environ.get("VLLM_TEST_FOREIGN_GIB", "20"))
+            self.foreign = torch.cuda.caching_allocator_alloc(int(gib * (1 << 30)))
+        super().init_device()
+
+
+class NoVmmOnRank1Worker(LimitedMemoryWorker):
+    """Rank 1's device "cannot" hold the extensible cache: its VMM probe reports a reason
+    (the device boundary; as a GPU whose driver lacks cuMem* would)."""
+
+    def probe_kv_cache_path(self) -> str | None:
+        if self.rank == 1:
+            return "VMM unsupported on this device (test)"
+        return super().probe_kv_cache_path()

@@ -1,0 +1,331 @@
+"""`EngineCoreProc`: the engine core in its own process, fed and drained over ZMQ.
+
+```
+ frontend process (AsyncLLM)                 engine core process (this module)
+ ---------------------------                 ---------------------------------
+ MPEngineCoreClient                           input thread:  PULL -> unpickle -> queue
+   PUSH  ("add" | "abort" | "call" ...) ---->  main thread:   queue -> EngineCore; step()
+   PULL  <---- ("outputs" | "result")  -----  output thread: queue -> pickle -> PUSH
+   status pipe <-- ready / startup_failed / dead (lifecycle, read by a monitor thread)
+```
+
+Why a process: the step loop, the scheduler and the executor no longer share
+a GIL with HTTP parsing, tokenization and detokenization, so a slow client or
+a huge prompt in the frontend never delays a decode step. Why threads for the
+sockets: pickling and socket I/O overlap the model step instead of following it.
+
+Faults, decided here because the step runs here: a step that raises fails the
+requests it scheduled (they are aborted, the frontend gets their ids and the
+message) and the loop goes on; a device error, a dead worker (the executor's
+failure callback, also between steps) or `MAX_CONSECUTIVE_STEP_FAILURES`
+failures in a row make the engine dead: "dead" with the reason goes to the
+status pipe, the executor is shut down (no worker is left holding memory)
+and the process exits 1. The process ignores SIGINT (Ctrl-C reaches the
+whole process group; the frontend decides), stops on SIGTERM or a "shutdown"
+message, and exits by itself when the frontend process is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+from vllm.logger import init_logger
+from vllm.v1.executor.worker_wrapper import RemoteFailure
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = init_logger(__name__)
+
+# A step that fails this many times in a row means the engine is broken, not
+# one request: a transient fault (one bad request, one OOM) clears on the next
+# step, a persistent one would otherwise fail every request forever.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+# Idle: how long the main loop waits for input before looking again (seconds).
+_IDLE_POLL_S = 1.0
+# How often the process checks that the frontend still exists (seconds).
+_PARENT_POLL_S = 1.0
+# Messages that mark a device fault (the CUDA / HIP context is unusable after them).
+_DEVICE_ERROR_MARKERS = (
+    "CUDA error",
+    "HIP error",
+    "CUBLAS_STATUS_",
+    "device-side assert",
+    "NCCL error",
+    "cudaError",
+)
+# Engine methods the frontend may call through "call" (the rest is add / abort / step).
+UTILITY_METHODS = frozenset(
+    {
+        "sleep",
+        "wake_up",
+        "is_sleeping",
+        "reload_weights",
+        "reset_prefix_cache",
+        "get_stats",
+        "kv_cache_memory",
+    }
+)
+
+
+def is_device_error(error: BaseException) -> bool:
+    """True for errors after which the device context cannot be trusted (CUDA / HIP faults)."""
+    if type(error).__name__ == "AcceleratorError":
+        return True
+    text = str(error)
+    return any(marker in text for marker in _DEVICE_ERROR_MARKERS)
+
+
+@dataclass
+class EngineCoreOutputs:
+    """One step's results, as the frontend receives them.
+
+    Attributes:
+        outputs: the EngineCoreOutput of each request that produced something.
+        failed: ids of requests the step failed (aborted in the core), with `error`.
+        error: why they failed ("the engine step failed: ...").
+        scheduler_stats: the scheduler's figures after the step (for /metrics).
+        kv_memory: the KV cache's committed / reserved bytes after the step.
+    """
+
+    outputs: list[Any] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    error: str | None = None
+    scheduler_stats: Any = None
+    kv_memory: Any = None
+
+
+class EngineCoreProc:
+    """Runs an `EngineCore` behind ZMQ sockets (see the module docstring).
+
+    Args:
+        vllm_config: the validated configuration (built in the frontend).
+        input_address, output_address: ZMQ endpoints the frontend bound.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, input_address: str, output_address: str) -> None:
+        import zmq
+
+        from vllm.v1.engine.core import EngineCore
+
+        self.core = EngineCore(vllm_config)
+        self._inputs: queue.Queue = queue.Queue()
+        self._outputs: queue.Queue = queue.Queue()
+        self._consecutive_failures = 0
+        self.dead_reason: str | None = None
+        self._zmq = zmq.Context()
+        executor = getattr(self.core, "model_executor", None)
+        if executor is not None:
+            executor.register_failure_callback(lambda e: self._inputs.put(("executor_failed", e)))
+        threading.Thread(
+            target=self._read_input, args=(input_address,), name="core-input", daemon=True
+        ).start()
+        self._writer = threading.Thread(
+            target=self._write_output, args=(output_address,), name="core-output", daemon=True
+        )
+        self._writer.start()
+
+    def ready_info(self) -> dict[str, Any]:
+        """What the frontend learns at start-up (final block count, first statistics)."""
+        return {
+            "num_blocks": self.core.num_blocks,
+            "scheduler_stats": self.core.get_stats(),
+            "kv_memory": self.core.kv_cache_memory(),
+        }
+
+    # ---------------------------------------------------------------- sockets
+    def _read_input(self, address: str) -> None:
+        import zmq
+
+        socket = self._zmq.socket(zmq.PULL)
+        socket.connect(address)
+        try:
+            while True:
+                self._inputs.put(pickle.loads(socket.recv()))
+        except zmq.ContextTerminated:
+            pass
+        finally:
+            socket.close(linger=0)
+
+    def _write_output(self, address: str) -> None:
+        import zmq
+
+        socket = self._zmq.socket(zmq.PUSH)
+        socket.connect(address)
+        try:
+            while True:
+                message = self._outputs.get()
+                if message is None:
+                    break
+                socket.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), copy=False)
+        finally:
+            socket.close(linger=1000)  # let the last messages (shutdown replies) leave
+
+    # -------------------------------------------------------------- main loop
+    def run(self) -> str | None:
+        """Serve until "shutdown" (returns None) or death (returns the reason)."""
+        while True:
+            busy = self.core.has_unfinished_requests()
+            if not self._drain_inputs(block=not busy):
+                return self.dead_reason
+            if self.core.has_unfinished_requests():
+                self._step()
+                if self.dead_reason is not None:
+                    return self.dead_reason
+
+    def _drain_inputs(self, block: bool) -> bool:
+        """Apply every queued input; False when the loop must end."""
+        try:
+            message = self._inputs.get(timeout=_IDLE_POLL_S) if block else self._inputs.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if not self._handle(*message):
+                return False
+            try:
+                message = self._inputs.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _handle(self, kind: str, payload: Any) -> bool:
+        core = self.core
+        if kind == "add":
+            try:
+                core.add_request(payload)
+            except Exception as e:  # the frontend validated it; report, do not die
+                self._outputs.put(("outputs", EngineCoreOutputs(
+                    failed=[payload.request_id], error=f"the engine refused the request: {e}")))
+        elif kind == "abort":
+            core.abort_requests(payload)
+        elif kind == "finish_stopped":
+            core.finish_requests_stopped(payload)
+        elif kind == "call":
+            self._call(*payload)
+        elif kind == "executor_failed":
+            self.dead_reason = f"the executor failed: {payload}"
+            return False
+        elif kind == "shutdown":
+            return False
+        else:
+            logger.error("engine core: unknown message %r", kind)
+        return True
+
+    def _call(self, call_id: int, method: str, args: tuple) -> None:
+        try:
+            if method not in UTILITY_METHODS:
+                raise ValueError(f"{method!r} is not an engine utility method")
+            reply = (call_id, True, getattr(self.core, method)(*args))
+        except Exception as e:
+            reply = (call_id, False, RemoteFailure.capture(e))
+        self._outputs.put(("result", reply))
+
+    def _step(self) -> None:
+        core = self.core
+        try:
+            outputs = core.step()
+        except Exception as e:
+            self._step_failed(e)
+            return
+        self._consecutive_failures = 0
+        self._outputs.put(("outputs", EngineCoreOutputs(
+            outputs=outputs, scheduler_stats=core.get_stats(), kv_memory=core.kv_cache_memory())))
+
+    def _step_failed(self, error: Exception) -> None:
+        from vllm.v1.executor.worker_wrapper import WorkerDiedError
+
+        self._consecutive_failures += 1
+        executor = getattr(self.core, "model_executor", None)
+        if (
+            is_device_error(error)
+            or isinstance(error, WorkerDiedError)
+            or (executor is not None and executor.is_failed)
+            or self._consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES
+        ):
+            logger.exception("engine step failed unrecoverably; the engine is dead")
+            self.dead_reason = f"the engine step failed unrecoverably: {error!r}"
+            return
+        failed = self.core.scheduled_request_ids()
+        logger.exception("engine step failed; failing its %d request(s)", len(failed))
+        try:
+            self.core.abort_requests(failed)
+        except Exception:
+            logger.exception("aborting the failed requests raised")
+        self._outputs.put(("outputs", EngineCoreOutputs(
+            failed=failed, error=f"the engine step failed: {error!r}",
+            scheduler_stats=self.core.get_stats(), kv_memory=self.core.kv_cache_memory())))
+
+    def shutdown(self) -> None:
+        """Stop the sockets' threads and the core (its executor's workers are reaped)."""
+        self._outputs.put(None)
+        self._writer.join(5)
+        try:
+            self.core.shutdown()
+        finally:
+            self._zmq.term()
+
+
+# --------------------------------------------------------------- process entry
+def run_engine_core(
+    vllm_config: VllmConfig,
+    input_address: str,
+    output_address: str,
+    status: Connection,
+    parent_pid: int,
+) -> None:
+    """The engine core process: build the core, report ready (or why not), serve."""
+    from vllm.logger import set_process_label
+
+    set_process_label(f"engine core pid {os.getpid()}")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _raise_system_exit)
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    try:
+        proc = EngineCoreProc(vllm_config, input_address, output_address)
+    except BaseException as e:
+        logger.exception("engine core start-up failed")
+        _send(status, ("startup_failed", RemoteFailure.capture(e)))
+        raise SystemExit(1) from None
+    _send(status, ("ready", proc.ready_info()))
+    reason = None
+    try:
+        reason = proc.run()
+    except BaseException as e:  # SystemExit from SIGTERM, or a bug in the loop
+        if not isinstance(e, SystemExit):
+            logger.exception("the engine core loop crashed")
+            reason = f"the engine core loop crashed: {e!r}"
+    finally:
+        if reason is not None:
+            _send(status, ("dead", reason))
+        try:
+            proc.shutdown()
+        except Exception:
+            logger.exception("engine core shutdown raised")
+    if reason is not None:
+        raise SystemExit(1)
+
+
+def _send(conn: Connection, message: Any) -> None:
+    try:
+        conn.send(message)
+    except Exception:
+        logger.debug("status pipe closed", exc_info=True)
+
+
+def _raise_system_exit(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Leave when the frontend is gone (re-parented); workers follow us the same way."""
+    while True:
+        time.sleep(_PARENT_POLL_S)
+        if os.getppid() != parent_pid:
+            os._exit(1)

@@ -1,0 +1,50 @@
+"""`UniProcExecutor`: the one worker of a single-rank engine, in the engine's own process."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from vllm.v1.executor.abstract import Executor
+from vllm.v1.executor.worker_wrapper import WorkerWrapper
+
+
+class UniProcExecutor(Executor):
+    """Calls the worker directly; a worker exception propagates unchanged (its own type).
+
+    No process, no torch.distributed group: with one rank the parallel layers
+    run no collective. `timeout` is not enforced (the call runs in this thread).
+    """
+
+    def _init_executor(self) -> None:
+        if self.world_size != 1:
+            raise ValueError(
+                f"the 'uni' executor runs one rank; world size {self.world_size} needs "
+                "distributed_executor_backend 'mp' or 'ray'"
+            )
+        self.driver = WorkerWrapper(rank=0)
+        self.driver.init_worker(
+            self.worker_cls,
+            {
+                "vllm_config": self.vllm_config,
+                "local_rank": 0,
+                "rank": 0,
+                "distributed_init_method": None,
+                "is_driver_worker": True,
+            },
+        )
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+        unique_reply_rank: int | None = None,
+    ) -> list[Any]:
+        return [self.driver.execute_method(method, *args, **(kwargs or {}))]
+
+    def shutdown(self) -> None:
+        driver = getattr(self, "driver", None)
+        if driver is not None:
+            driver.shutdown()

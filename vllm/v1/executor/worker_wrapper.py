@@ -1,0 +1,150 @@
+"""One rank's worker, built by name and called by method name (every executor's far end).
+
+    executor ---- collective_rpc("load_model") ----> WorkerWrapper.execute_method
+       uni: a direct call     mp: a pipe to a process     ray: an actor method
+                                                            |
+                                                         Worker.load_model()
+
+The wrapper exists so that the process (or Ray actor) can be started before
+the worker: environment variables (CUDA_VISIBLE_DEVICES on a Ray node) must
+be set before torch initialises the device, and the worker class is imported
+only in the process that runs it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+class WorkerError(RuntimeError):
+    """A worker method raised on one rank.
+
+    Attributes:
+        rank: the global rank that failed.
+        method: the method called ("load_model", ...).
+        reason: "<ExceptionType>: <message>" of the worker's exception.
+        remote_traceback: the traceback text from the worker process.
+
+    The worker's own exception, when it could be pickled back, is the
+    `__cause__`, so `except ValueError` style handling still sees its type
+    through `original`.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        method: str,
+        reason: str,
+        remote_traceback: str = "",
+        original: BaseException | None = None,
+    ) -> None:
+        super().__init__(f"rank {rank} failed in {method}: {reason}")
+        self.rank = rank
+        self.method = method
+        self.reason = reason
+        self.remote_traceback = remote_traceback
+        self.original = original
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process (or Ray actor) is gone.
+
+    Attributes:
+        rank: the global rank whose process died.
+        detail: how it ended ("exit code 1", "killed by SIGKILL", ...).
+    """
+
+    def __init__(self, rank: int, detail: str) -> None:
+        super().__init__(f"worker rank {rank} died ({detail})")
+        self.rank = rank
+        self.detail = detail
+
+
+@dataclass
+class RemoteFailure:
+    """A worker exception in a picklable form (the exception itself may not pickle)."""
+
+    reason: str
+    traceback: str
+    exception: BaseException | None
+
+    @classmethod
+    def capture(cls, error: BaseException) -> RemoteFailure:
+        import pickle
+
+        try:
+            pickle.loads(pickle.dumps(error))
+            picklable: BaseException | None = error
+        except Exception:
+            picklable = None
+        return cls(f"{type(error).__name__}: {error}", traceback.format_exc(), picklable)
+
+    def to_error(self, rank: int, method: str) -> WorkerError:
+        error = WorkerError(rank, method, self.reason, self.traceback, self.exception)
+        error.__cause__ = self.exception
+        return error
+
+
+def method_name(method: str | Callable[..., Any]) -> str:
+    return method if isinstance(method, str) else getattr(method, "__name__", repr(method))
+
+
+def resolve_class(qualname: str) -> type:
+    """The class named "package.module.ClassName"."""
+    module_name, _, class_name = qualname.rpartition(".")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+class WorkerWrapper:
+    """Holds one rank's worker once `init_worker` built it.
+
+    Args:
+        rank: the global rank this wrapper will host (for messages before the worker exists).
+    """
+
+    def __init__(self, rank: int = 0) -> None:
+        self.rank = rank
+        self.worker: Any = None
+
+    def update_environment_variables(self, env: dict[str, str]) -> None:
+        """Set variables before the worker (and torch's device context) exist."""
+        for key, value in env.items():
+            os.environ[key] = value
+
+    def init_worker(self, worker_cls: str, kwargs: dict[str, Any]) -> int:
+        """Build `worker_cls(**kwargs)` (kwargs: vllm_config, local_rank, rank,
+        distributed_init_method, is_driver_worker). Returns this process's pid."""
+        self.rank = kwargs.get("rank", self.rank)
+        self.worker = resolve_class(worker_cls)(**kwargs)
+        return os.getpid()
+
+    def execute_method(self, method: str | Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`worker.method(*args, **kwargs)`, or `method(worker, *args, **kwargs)` for a function.
+
+        Raises:
+            RuntimeError: no worker yet, or it has no such method.
+        """
+        if self.worker is None:
+            raise RuntimeError(f"rank {self.rank}: the worker is not initialized")
+        if callable(method):
+            return method(self.worker, *args, **kwargs)
+        fn = getattr(self.worker, method, None)
+        if fn is None:
+            raise RuntimeError(
+                f"rank {self.rank}: {type(self.worker).__name__} has no method {method!r}"
+            )
+        return fn(*args, **kwargs)
+
+    def shutdown(self) -> None:
+        """Call the worker's `shutdown` (if any) and drop it."""
+        worker, self.worker = self.worker, None
+        if worker is not None and hasattr(worker, "shutdown"):
+            worker.shutdown()
