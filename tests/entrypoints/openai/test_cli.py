@@ -141,12 +141,17 @@ def test_help_states_the_scheduler_defaults_in_use():
             in helps["--max-num-batched-tokens"])
 
 
-CONFIG_ERRORS = [
+# Errors in the flags alone: found before torch or transformers is imported.
+EARLY_CONFIG_ERRORS = [
     (["--gpu-memory-utilization", "2"], "gpu_memory_utilization must be in (0, 1], got 2.0"),
     (["--block-size", "7"], "block_size must be a power of two"),
+    (["/nonexistent/model-dir"], "model '/nonexistent/model-dir' not found"),
+]
+# Errors against the model's own config (read with transformers): still one line, exit 2.
+CONFIG_ERRORS = [
+    *EARLY_CONFIG_ERRORS,
     (["--tensor-parallel-size", "4"],
      "tensor_parallel_size (4) is larger than num_key_value_heads (3) but not a multiple"),
-    (["/nonexistent/model-dir"], "model '/nonexistent/model-dir' not found"),
 ]
 
 
@@ -184,7 +189,7 @@ def test_flag_errors_and_a_taken_port_fail_before_torch_is_imported():
             (["--host", "127.0.0.1", "--port", str(port)],
              f"cannot listen on 127.0.0.1:{port}: Address already in use"),
             (["--chat-template", "no-such-file"], "--chat-template 'no-such-file' is neither"),
-            *[(args, message) for args, message in CONFIG_ERRORS],
+            *EARLY_CONFIG_ERRORS,
         ]
         procs = [subprocess.Popen([sys.executable, "-c", _MAIN_THEN_REPORT_TORCH, "serve",
                                    *args], cwd=REPO_ROOT, text=True,

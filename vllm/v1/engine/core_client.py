@@ -78,6 +78,9 @@ class MPEngineCoreClient:
         self._ids = itertools.count()
         self._pending: collections.deque[EngineCoreOutputs] = collections.deque()
         self._unfinished: set[str] = set()
+        # Abort / finish messages the engine has not acknowledged yet: until it has, the
+        # frontend keeps stepping, so the figures after them (freed blocks) are recorded.
+        self._unacked = 0
         self._failed_ids: list[str] = []
         self._sleeping: bool | None = False
         self._dead_reason: str | None = None
@@ -210,15 +213,17 @@ class MPEngineCoreClient:
         if ids:
             self._send("abort", ids)
             self._unfinished.difference_update(ids)
+            self._unacked += 1
 
     def finish_requests_stopped(self, request_ids: list[str]) -> None:
         ids = [rid for rid in request_ids if rid in self._unfinished]
         if ids:
             self._send("finish_stopped", ids)
             self._unfinished.difference_update(ids)
+            self._unacked += 1
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._unfinished)
+        return bool(self._unfinished) or self._unacked > 0
 
     def step(self) -> list[Any]:
         """The outputs of the next step the engine finished (waits up to `step_timeout`)."""
@@ -234,6 +239,7 @@ class MPEngineCoreClient:
         if batch.scheduler_stats is not None:
             self._scheduler_stats = batch.scheduler_stats
             self._kv_memory = batch.kv_memory
+        self._unacked = max(self._unacked - batch.acked, 0)
         for output in batch.outputs:
             if output.finished:
                 self._unfinished.discard(output.request_id)
@@ -291,6 +297,7 @@ class MPEngineCoreClient:
         self._sleeping = None
         self.call("sleep", level)
         self._unfinished.clear()  # the engine aborted everything it held
+        self._unacked = 0
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
         self._sleeping = None

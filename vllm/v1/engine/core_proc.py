@@ -94,6 +94,9 @@ class EngineCoreOutputs:
         error: why they failed ("the engine step failed: ...").
         scheduler_stats: the scheduler's figures after the step (for /metrics).
         kv_memory: the KV cache's committed / reserved bytes after the step.
+        acked: abort / finish messages applied since the last batch. An abort can
+            leave the engine idle, so no step would report the freed blocks; this
+            batch does, and the client counts itself busy until it arrives.
     """
 
     outputs: list[Any] = field(default_factory=list)
@@ -101,6 +104,7 @@ class EngineCoreOutputs:
     error: str | None = None
     scheduler_stats: Any = None
     kv_memory: Any = None
+    acked: int = 0
 
 
 class EngineCoreProc:
@@ -203,10 +207,13 @@ class EngineCoreProc:
             except Exception as e:  # the frontend validated it; report, do not die
                 self._outputs.put(("outputs", EngineCoreOutputs(
                     failed=[payload.request_id], error=f"the engine refused the request: {e}")))
-        elif kind == "abort":
-            core.abort_requests(payload)
-        elif kind == "finish_stopped":
-            core.finish_requests_stopped(payload)
+        elif kind in ("abort", "finish_stopped"):
+            if kind == "abort":
+                core.abort_requests(payload)
+            else:
+                core.finish_requests_stopped(payload)
+            self._outputs.put(("outputs", EngineCoreOutputs(
+                acked=1, scheduler_stats=core.get_stats(), kv_memory=core.kv_cache_memory())))
         elif kind == "call":
             self._call(*payload)
         elif kind == "executor_failed":
