@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's vllm
 
-from vllm.benchmarks.serve_client import (  # noqa: E402
+from vllm.benchmarks.serve_client import (
     make_prompts,
     resolve_model,
     run_level,

@@ -52,8 +52,8 @@ def run(llm, args: argparse.Namespace) -> dict:
     """The iterations on `llm` (an offline `LLM`); prints vLLM's lines, returns its JSON."""
     from tqdm.auto import tqdm
 
-    from vllm.sampling_params import SamplingParams
     from vllm.benchmarks.timing import random_token_prompts, time_batch
+    from vllm.sampling_params import SamplingParams
 
     vocab = llm.llm_engine.vllm_config.model_config.get_vocab_size()
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)

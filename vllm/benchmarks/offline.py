@@ -12,8 +12,8 @@ def make_llm(args: argparse.Namespace, max_num_seqs_at_least: int = 0):
     Raises:
         ValueError / FileNotFoundError: a bad flag value or model path (naming it).
     """
-    from vllm.entrypoints.llm import LLM
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.entrypoints.llm import LLM
 
     engine_args = EngineArgs.from_cli_args(args)
     if engine_args.max_num_seqs is None and max_num_seqs_at_least:

@@ -44,8 +44,8 @@ def main(args: argparse.Namespace) -> int:
 
 def run(llm, args: argparse.Namespace) -> dict:
     """All prompts through `llm` (an offline `LLM`); prints vLLM's lines, returns its JSON."""
-    from vllm.sampling_params import SamplingParams
     from vllm.benchmarks.timing import random_token_prompts
+    from vllm.sampling_params import SamplingParams
 
     vocab = llm.llm_engine.vllm_config.model_config.get_vocab_size()
     prompts = random_token_prompts(args.num_prompts, args.input_len, vocab,
