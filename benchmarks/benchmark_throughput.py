@@ -56,9 +56,10 @@ def bench_ours(model_dir: str, batches: list[int], input_len: int, output_len: i
     from vllm import LLM, SamplingParams
     from vllm.benchmarks.timing import time_batch
 
+    extra = {"max_num_seqs": max(batches)} if max(batches) > 256 else {}  # default: 256
     llm = LLM(
         model_dir, load_format="dummy", dtype="bfloat16",
-        max_model_len=input_len + output_len + 16, max_num_seqs=max(max(batches), 1),
+        max_model_len=input_len + output_len + 16, **extra,
     )
     config = llm.llm_engine.vllm_config.model_config
     vocab = config.get_vocab_size()
