@@ -29,7 +29,7 @@ PACKAGE = ROOT / "vllm"
 # "vllm.v1.core.sched.scheduler"); the longest matching prefix wins.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("package", ("vllm",)),  # vllm/__init__.py: lazy public names, nothing imports it
-    ("entrypoints", ("vllm.entrypoints",)),
+    ("entrypoints", ("vllm.entrypoints", "vllm.benchmarks")),
     ("engine", ("vllm.engine", "vllm.v1.engine", "vllm.v1.metrics", "vllm.v1.executor")),
     ("core/worker", (
         "vllm.v1.core", "vllm.v1.request", "vllm.v1.worker", "vllm.v1.spec_decode",

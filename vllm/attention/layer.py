@@ -63,6 +63,15 @@ class Attention(nn.Module):
             self._impls[device_type] = impl
         return impl
 
+    def warm_up_kernels(self, max_num_tokens: int, max_model_len: int,
+                        max_blocks_per_req: int) -> int:
+        """Compile this layer's attention kernels for every step it can see (needs the cache)."""
+        if self.kv_cache is None:
+            raise RuntimeError(f"{self.layer_name}: warm_up_kernels needs the bound KV cache")
+        return self._impl(self.kv_cache.device.type).warm_up(
+            self.kv_cache, max_num_tokens, max_model_len, max_blocks_per_req
+        )
+
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """Attend over the paged cache.
 

@@ -74,14 +74,36 @@ def test_long_prompts_beyond_the_long_limit_wait_while_short_ones_jump_ahead():
     # counted long + short2 only.
     assert res.scheduler_outputs[1].num_scheduled_tokens == {"long": 256, "short2": 20}
     assert [r.request_id for r in sched.waiting] == ["long2"]  # it kept its place
-    # long2 starts once long's prefill is over (2488 - 256 = 2232 tokens to go; its last
-    # chunk, 184 tokens, is still long, so long2 waits one more step).
+    # long2 starts in the step that finishes long's prefill (2488 - 256 = 2232 tokens to go;
+    # the last chunk, 184 tokens, leaves nothing unfinished, so long2 is the one partial long
+    # prefill and takes the rest of the budget).
     steps = []
     while "long2" not in res.scheduler_outputs[-1].num_scheduled_tokens:
         step(sched, runner, res)
         steps.append(res.scheduler_outputs[-1].num_scheduled_tokens)
     assert steps == [{"long": 512}, {"long": 512}, {"long": 512}, {"long": 512},
-                     {"long": 184}, {"long": 1, "long2": 400}]
+                     {"long": 184, "long2": 328}]
+
+
+def test_long_prompts_that_fit_whole_are_admitted_together():
+    """A batch of prompts over the long threshold starts in one step, as with one partial
+    prefill (issue 10: admitted one a step, 32 prompts of 128 tokens took 32 mixed steps to
+    start and batch-32 throughput fell 4x on the H200)."""
+    sched = _scheduler(max_num_partial_prefills=4, max_num_batched_tokens=8192, max_num_seqs=32)
+    runner = FakeRunner(block_size=16)
+    names = [f"r{i}" for i in range(32)]
+    for i, name in enumerate(names):  # 200 > 163 tokens: every prompt is long
+        sched.add_request(make_request(name, list(range(1000 * i, 1000 * i + 200)), max_tokens=3))
+    res = step(sched, runner)
+    assert res.scheduler_outputs[0].num_scheduled_tokens == {name: 200 for name in names}
+    step(sched, runner, res)  # then all 32 decode together
+    assert res.scheduler_outputs[1].num_scheduled_tokens == {name: 1 for name in names}
+    # Prompts that do not fit whole: the last admitted is the one partial long prefill.
+    sched = _scheduler(max_num_partial_prefills=4, max_num_seqs=32)
+    for i, name in enumerate(names[:4]):
+        sched.add_request(make_request(name, list(range(1000 * i, 1000 * i + 200)), max_tokens=1))
+    res = step(sched, FakeRunner(block_size=16))
+    assert res.scheduler_outputs[0].num_scheduled_tokens == {"r0": 200, "r1": 200, "r2": 112}
 
 
 def test_partial_prefill_limit_and_even_split():

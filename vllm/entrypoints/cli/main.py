@@ -63,8 +63,46 @@ def make_parser() -> argparse.ArgumentParser:
     )
     make_arg_parser(serve)
     serve.set_defaults(dispatch=_cmd_serve)
+    _add_bench(subparsers)
     parser.epilog = _options_summary(serve, "serve")
     return parser
+
+
+_BENCH = {
+    "latency": "Latency of one batch, offline (vLLM's `vllm bench latency`).",
+    "throughput": "Offline throughput of many prompts (vLLM's `vllm bench throughput`).",
+    "serve": "Load a running server over the OpenAI API (vLLM's `vllm bench serve`).",
+}
+
+
+def _add_bench(subparsers) -> None:
+    """`vllm bench latency|throughput|serve` (code in vllm/benchmarks/)."""
+    import importlib
+
+    bench = subparsers.add_parser(
+        "bench", help="Benchmarks: latency, throughput (offline), serve (a running server).",
+        description="Benchmarks built on vllm/benchmarks (the benchmarks/ scripts share them).",
+        usage="vllm bench {latency,throughput,serve} [options]",
+    )
+    kinds = bench.add_subparsers(dest="bench_kind", metavar="KIND",
+                                 parser_class=_SubcommandParser)
+    for kind, text in _BENCH.items():
+        sub = kinds.add_parser(kind, help=text, description=text, prog=f"vllm bench {kind}",
+                               usage=f"vllm bench {kind} [options]")
+        importlib.import_module(f"vllm.benchmarks.{kind}").add_cli_args(sub)
+        sub.set_defaults(dispatch=_cmd_bench)
+    bench.set_defaults(dispatch=lambda args: bench.print_help() or 1)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    """Run `vllm bench <kind>`; a bad flag value or model path is a one-line usage error."""
+    import importlib
+
+    module = importlib.import_module(f"vllm.benchmarks.{args.bench_kind}")
+    try:
+        return module.main(args)
+    except (ValueError, FileNotFoundError) as e:
+        return _usage_error(f"bench {args.bench_kind}", e)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

@@ -441,6 +441,23 @@ class GPUModelRunner:
             ),
         )
 
+    def warm_up_kernels(self) -> int:
+        """Compile the attention kernels for every batch a step can hold; returns the launches.
+
+        One layer per distinct shape (heads, cache view, dtype) is enough: the
+        compiled variants are shared by every layer of that shape.
+        """
+        seen: set[tuple] = set()
+        launches = 0
+        width = self.input_batch.block_table.device_tensor.shape[1]
+        for layer in get_attention_layers(self.model).values():
+            cache = layer.kv_cache
+            key = (layer.num_heads, tuple(cache.shape[1:]), cache.stride(), cache.dtype)
+            if key not in seen:
+                seen.add(key)
+                launches += layer.warm_up_kernels(self.max_num_tokens, self.max_model_len, width)
+        return launches
+
     def capture_model(self) -> None:
         """Capture decode CUDA graphs (CUDA only); their rows address block 1 / the null block."""
         if not self.use_cuda_graph:

@@ -331,6 +331,11 @@ class Worker:
         hidden = runner.dummy_run(num_tokens, num_reqs, with_kv=True)
         runner.dummy_sampler_run(hidden, sc.max_num_seqs)
         del hidden
+        # Every attention variant a request can select, compiled now rather
+        # than while a user waits (issue 10).
+        launches = runner.warm_up_kernels()
+        if launches:
+            logger.info("Attention kernels warmed up: %d variants", launches)
         if runner.use_cuda_graph:
             runner.capture_model()
             # torch.cuda.graph empties torch's cache when capture begins, so the

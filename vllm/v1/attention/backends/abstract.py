@@ -63,6 +63,17 @@ class AttentionImpl(ABC):
     ) -> torch.Tensor:
         """Write key/value into kv_cache at slot_mapping, then attend; returns `output`."""
 
+    def warm_up(
+        self, kv_cache: torch.Tensor, max_num_tokens: int, max_model_len: int,
+        max_blocks_per_req: int,
+    ) -> int:
+        """Compile every kernel variant a step can launch (start-up); returns how many ran.
+
+        Backends whose kernels compile per shape class (Triton) override this so
+        that no request waits for a compilation; the default compiles nothing.
+        """
+        return 0
+
 
 class AttentionBackend(ABC):
     name: str

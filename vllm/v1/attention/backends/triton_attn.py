@@ -23,6 +23,7 @@ from vllm.v1.attention.backends.abstract import (
     AttentionMetadata,
 )
 from vllm.v1.attention.ops.attention_config import max_split_workspace_numel
+from vllm.v1.attention.ops.attention_warmup import warm_up_unified_attention
 from vllm.v1.attention.ops.reshape_and_cache import reshape_and_cache
 from vllm.v1.attention.ops.unified_attention import unified_attention
 
@@ -81,6 +82,17 @@ class TritonAttentionImpl(AttentionImpl):
             attn_metadata.max_query_len,
             attn_metadata.max_seq_len,
             workspace=self._workspace(query.device),
+        )
+
+
+    def warm_up(
+        self, kv_cache: torch.Tensor, max_num_tokens: int, max_model_len: int,
+        max_blocks_per_req: int,
+    ) -> int:
+        """Compile every unified-attention variant a step can select (see attention_warmup)."""
+        return warm_up_unified_attention(
+            kv_cache, self.num_heads, self.scale, self._workspace(kv_cache.device),
+            max_num_tokens, max_model_len, max_blocks_per_req,
         )
 
 

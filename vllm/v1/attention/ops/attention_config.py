@@ -143,3 +143,50 @@ def check_config(cfg: AttentionKernelConfig, group_pad: int) -> None:
         raise ValueError(f"block_n must be a power of two >= 16, got {cfg.block_n}")
     if cfg.num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {cfg.num_splits}")
+
+
+def reachable_configs(
+    *,
+    num_kv_heads: int,
+    queries_per_kv: int,
+    head_size: int,
+    dtype: torch.dtype,
+    sm_count: int,
+    max_num_tokens: int,
+    max_model_len: int,
+) -> list[tuple[int, AttentionKernelConfig]]:
+    """Every config `select_config` can return for batches within the engine's bounds.
+
+    Each comes with the smallest max_query_len that selects its tiles (a launch
+    of that many query tokens for one request can use it). Start-up warm-up
+    compiles each one, so no request meets a tile or split count the kernel
+    has not been compiled for (issue 10: 0.5-1.2 s of TTFT per new class).
+
+    Why enumerating this is exact: the tiles depend only on max_query_len x the
+    padded GQA group (each power of two up to DECODE_MAX_ROWS, then the prefill
+    tiles), so every max_query_len up to the first prefill one is tried. The
+    split count only falls as the grid (requests, tokens) grows and only rises
+    with max_seq_len, whose MIN_TOKENS_PER_SPLIT rule can stop the doubling at
+    any power of two; so for each tile the reachable splits are the powers of
+    two up to the count chosen for one request of that query length at
+    max_seq_len = max_model_len.
+
+    Args:
+        max_num_tokens: the most tokens one step can schedule.
+        max_model_len: the longest sequence (keys) a request can reach.
+    """
+    group_pad = triton.next_power_of_2(queries_per_kv)
+    top = min(DECODE_MAX_ROWS // group_pad + 1, max_num_tokens, max_model_len)
+    found: dict[AttentionKernelConfig, int] = {}
+    for query_len in range(1, top + 1):
+        cfg = select_config(
+            num_tokens=query_len, num_reqs=1, num_kv_heads=num_kv_heads,
+            queries_per_kv=queries_per_kv, head_size=head_size, max_query_len=query_len,
+            max_seq_len=max_model_len, dtype=dtype, sm_count=sm_count,
+        )
+        splits = 1
+        while splits <= cfg.num_splits:
+            found.setdefault(replace(cfg, num_splits=splits), query_len)
+            splits *= 2
+    return sorted(((q, cfg) for cfg, q in found.items()),
+                  key=lambda item: (item[0], item[1].num_splits))

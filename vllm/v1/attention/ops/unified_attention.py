@@ -79,7 +79,10 @@ _LOG2E = 1.4426950408889634
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y")
 
 
-@triton.jit
+# num_tokens and num_reqs change every step: specialising on them (Triton
+# compiles a variant for value 1 and for multiples of 16) would compile on
+# the request path whenever a step falls in a class not seen yet (issue 10).
+@triton.jit(do_not_specialize=["num_tokens", "num_reqs"])
 def _unified_attention_kernel(
     query_ptr,  # [num_tokens, num_heads, HEAD_SIZE]
     kv_cache_ptr,  # [num_blocks, 2, BLOCK_SIZE, num_kv_heads, HEAD_SIZE]
@@ -235,7 +238,7 @@ def _unified_attention_kernel(
         tl.store(ws_ml_ptr + ws_row * 2 + 1, l_i, mask=row_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_reqs"])
 def _reduce_splits_kernel(
     output_ptr,  # [num_tokens, num_heads, HEAD_SIZE]
     ws_acc_ptr,  # [NUM_SPLITS, num_tokens, num_heads, HEAD_PAD] fp32

@@ -1,0 +1,1 @@
+"""`vllm bench` (latency, throughput, serve) and the timing the benchmarks/ scripts share."""

@@ -1,0 +1,81 @@
+"""`vllm bench latency`: end-to-end latency of one batch, offline, as vLLM prints it.
+
+    vllm bench latency --model MODEL --batch-size 8 --input-len 32 --output-len 128 \
+        --num-iters-warmup 10 --num-iters 30 --output-json latency.json
+
+Each iteration generates `--batch-size` prompts of `--input-len` random tokens
+(fresh tokens every iteration, so prefix caching never shortens the prefill),
+`--output-len` tokens each, greedy, EOS ignored. Prints "Avg latency" and the
+10/25/50/75/90/99th percentiles (seconds), plus this fork's TTFT and decode
+figures (`vllm.benchmarks.timing`). Engine flags are `vllm serve`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from vllm.benchmarks.utils import non_negative_int, positive_int, write_json
+
+PERCENTILES = [10, 25, 50, 75, 90, 99]
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    parser.add_argument("--input-len", type=positive_int, default=32, help="Prompt tokens.")
+    parser.add_argument("--output-len", type=positive_int, default=128, help="Output tokens.")
+    parser.add_argument("--batch-size", type=positive_int, default=8, help="Prompts per batch.")
+    parser.add_argument("--num-iters-warmup", type=non_negative_int, default=10,
+                        help="Untimed iterations first.")
+    parser.add_argument("--num-iters", type=positive_int, default=30, help="Timed iterations.")
+    parser.add_argument("--disable-tqdm", action="store_true", help="No progress bar.")
+    parser.add_argument("--output-json", default=None, help="Also write the results here.")
+    EngineArgs.add_cli_args(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    from vllm.benchmarks.offline import make_llm
+
+    llm = make_llm(args, max_num_seqs_at_least=args.batch_size)
+    try:
+        result = run(llm, args)
+    finally:
+        llm.llm_engine.shutdown()
+    if args.output_json:
+        write_json(args.output_json, result)
+    return 0
+
+
+def run(llm, args: argparse.Namespace) -> dict:
+    """The iterations on `llm` (an offline `LLM`); prints vLLM's lines, returns its JSON."""
+    from tqdm.auto import tqdm
+
+    from vllm.benchmarks.timing import random_token_prompts, time_batch
+    from vllm.sampling_params import SamplingParams
+
+    vocab = llm.llm_engine.vllm_config.model_config.get_vocab_size()
+    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    runs = []
+    total = args.num_iters_warmup + args.num_iters
+    for i in tqdm(range(total), desc="Iterations", disable=args.disable_tqdm):
+        prompts = random_token_prompts(args.batch_size, args.input_len, vocab, seed=i)
+        runs.append(time_batch(llm, prompts, params))
+    timed = runs[args.num_iters_warmup:]
+    latencies = np.array([r.total_s for r in timed])
+    percentiles = np.percentile(latencies, PERCENTILES)
+    print(f"Avg latency: {latencies.mean()} seconds")
+    for pct, value in zip(PERCENTILES, percentiles, strict=True):
+        print(f"{pct}% percentile latency: {value} seconds")
+    ttft = float(np.mean([r.ttft_s for r in timed]))
+    decode = float(np.median([r.decode_step_ms_median for r in timed]))
+    print(f"Avg TTFT: {ttft} seconds; median decode step: {decode} ms")
+    return {
+        "avg_latency": float(latencies.mean()),
+        "latencies": latencies.tolist(),
+        "percentiles": {str(p): float(v) for p, v in zip(PERCENTILES, percentiles, strict=True)},
+        "avg_ttft": ttft,
+        "median_decode_step_ms": decode,
+        "iterations": [r.to_dict() for r in timed],
+    }
