@@ -148,8 +148,30 @@ def test_clone_is_independent_and_pickle_roundtrips():
 
 
 def test_from_optional_uses_defaults_for_none():
-    p = SamplingParams.from_optional(temperature=None, top_p=0.5, max_tokens=None)
-    assert p.temperature == 1.0 and p.top_p == 0.5 and p.max_tokens == 16
+    p = SamplingParams.from_optional(temperature=None, top_p=0.5, n=None)
+    assert p.temperature == 1.0 and p.top_p == 0.5 and p.n == 1 and p.max_tokens == 16
+
+
+def test_from_optional_max_tokens_none_means_no_limit():
+    """vLLM: `from_optional(max_tokens=None)` is "up to max_model_len", not the default 16."""
+    assert SamplingParams.from_optional(max_tokens=None).max_tokens is None
+    assert SamplingParams.from_optional(seed=None, logprobs=None).seed is None
+
+
+@pytest.mark.parametrize(("kwargs", "parameter"), [
+    ({"best_of": 2}, "best_of"),
+    ({"best_of": 0}, "best_of"),
+    ({"logits_processors": [lambda ids, logits: logits]}, "logits_processors"),
+])
+def test_unsupported_vllm_fields_raise_value_error(kwargs, parameter):
+    """vLLM's SamplingParams takes these keywords and refuses unsupported values with a
+    ValueError naming the field (a TypeError would say the keyword does not exist)."""
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError) as e:
+        SamplingParams(**kwargs)
+    assert e.value.parameter == parameter and parameter in str(e.value)
+    assert SamplingParams(best_of=1, logits_processors=[]).best_of == 1
 
 
 def test_verify_vocab_rejects_out_of_vocab_bias():

@@ -75,6 +75,11 @@ def _is_finite(value: Any) -> bool:
         return False
 
 
+# Fields whose None means something other than the default (see `from_optional`).
+_NONE_IS_A_VALUE = frozenset({"max_tokens", "seed", "logprobs", "prompt_logprobs",
+                              "logit_bias", "best_of", "logits_processors"})
+
+
 def _check(ok: bool, name: str, allowed: str, value: Any) -> None:
     if not ok:
         raise VLLMValidationError(f"{name} must be {allowed}, got {value!r}", parameter=name,
@@ -111,6 +116,10 @@ class SamplingParams:
         include_stop_str_in_output: detokenization options as in vLLM.
         output_kind: what streamed outputs carry (see `RequestOutputKind`).
         logit_bias: token id -> bias in [-100, 100] added to its logit before sampling.
+        best_of: accepted for vLLM's signature; None or 1 only (vLLM V1 samples no
+            extra candidates either and refuses more).
+        logits_processors: accepted for vLLM's signature; None or empty only
+            (per-request Python logits processors are not supported, as in vLLM V1).
 
     Raises:
         ValueError: a field outside its range (message names the field and range).
@@ -138,6 +147,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     logit_bias: dict[int, float] | None = None
+    best_of: int | None = None
+    logits_processors: list[Any] | None = None
     # stop_token_ids plus the model's EOS ids (filled by
     # `update_from_generation_config`); masked by the sampler until min_tokens.
     _all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False)
@@ -166,8 +177,14 @@ class SamplingParams:
 
     @classmethod
     def from_optional(cls, **kwargs: Any) -> SamplingParams:
-        """Build from keyword arguments where None means "the default" (API requests)."""
-        return cls(**{k: v for k, v in kwargs.items() if v is not None})
+        """Build from keyword arguments where None means "the default" (API requests).
+
+        As in vLLM, fields whose None is itself a value keep it: `max_tokens=None`
+        means "up to max_model_len" (not the default 16), and `seed`, `logprobs`,
+        `prompt_logprobs`, `logit_bias`, `best_of`, `logits_processors` stay None.
+        """
+        return cls(**{k: v for k, v in kwargs.items()
+                      if v is not None or k in _NONE_IS_A_VALUE})
 
     def _verify_args(self) -> None:
         _check(_is_int(self.n) and self.n >= 1, "n", "an int >= 1", self.n)
@@ -211,6 +228,14 @@ class SamplingParams:
                 f"output_kind must be a RequestOutputKind, got {self.output_kind!r}",
                 parameter="output_kind",
             )
+        # vLLM raises ValueError for both (V1 supports neither); a TypeError from an
+        # unknown keyword would read as a bug in the caller's code.
+        _check(self.best_of is None or (_is_int(self.best_of) and self.best_of == 1), "best_of",
+               "None or 1 (best_of > 1 is not supported; use n)", self.best_of)
+        if self.logits_processors:
+            raise VLLMValidationError(
+                "logits_processors: per-request logits processors are not supported",
+                parameter="logits_processors")
         if self.logit_bias is not None:
             for tok, bias in self.logit_bias.items():
                 _check(_is_int(tok) and tok >= 0, "logit_bias", "keyed by token ids >= 0", tok)

@@ -197,10 +197,12 @@ class OutputProcessor:
 
     def _update_logprobs(self, state: RequestState, out: EngineCoreOutput) -> None:
         if state.logprobs is not None and out.new_logprobs is not None:
-            self._append_logprobs(state.logprobs, out.new_logprobs, state.params.logprobs, state)
+            self._append_logprobs(state.logprobs, out.new_logprobs, state.params.logprobs, state,
+                                  detokenize=state.params.detokenize)
         if state.prompt_logprobs is not None and out.new_prompt_logprobs is not None:
             self._append_logprobs(
-                state.prompt_logprobs, out.new_prompt_logprobs, state.params.prompt_logprobs
+                state.prompt_logprobs, out.new_prompt_logprobs, state.params.prompt_logprobs,
+                detokenize=state.params.detokenize,
             )
 
     def _append_logprobs(
@@ -209,7 +211,10 @@ class OutputProcessor:
         lists: LogprobsLists,
         num_logprobs: int,
         state: RequestState | None = None,
+        detokenize: bool = True,
     ) -> None:
+        # detokenize=False leaves Logprob.decoded_token None, as in vLLM.
+        text = self._token_text if detokenize else (lambda _token_id: None)
         for ids, lps, rank in zip(
             lists.logprob_token_ids, lists.logprobs, lists.ranks, strict=True
         ):
@@ -218,10 +223,10 @@ class OutputProcessor:
             entry: dict[int, Logprob] = {}
             # Column 0 is the chosen token; 1..k the top-k (the chosen token
             # may be among them, and then keeps its true rank).
-            entry[ids[0]] = Logprob(lps[0], rank, self._token_text(ids[0]))
+            entry[ids[0]] = Logprob(lps[0], rank, text(ids[0]))
             for i in range(1, min(num_logprobs, len(ids) - 1) + 1):
                 if ids[i] not in entry:
-                    entry[ids[i]] = Logprob(lps[i], i, self._token_text(ids[i]))
+                    entry[ids[i]] = Logprob(lps[i], i, text(ids[i]))
             dest.append(entry)
             if state is not None and state.cumulative_logprob is not None:
                 state.cumulative_logprob += lps[0]
