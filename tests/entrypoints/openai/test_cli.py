@@ -72,6 +72,16 @@ def test_help_lists_every_flag():
         assert action.help, action.option_strings  # every flag explains itself
 
 
+def test_help_states_every_default():
+    """The README promises `vllm serve --help` shows every default (issue 16)."""
+    missing = [action.option_strings[-1] for action in _serve_actions()
+               if action.option_strings and "--help" not in action.option_strings
+               and "default" not in (action.help or "").lower()]
+    assert not missing, f"no default in the help of {missing}"
+    serve = _run_cli("serve", "--help").stdout
+    assert "(default: on)" in " ".join(serve.split())  # --enable-prefix-caching
+
+
 def test_help_and_version_do_not_import_torch():
     code = ("import sys\nfrom vllm.entrypoints.cli.main import main\n"
             "for argv in (['--help'], ['serve', '--help'], ['--version']):\n"
