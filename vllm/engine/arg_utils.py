@@ -31,7 +31,7 @@ from vllm.config import (
 from vllm.config.model import DTYPE_CHOICES, LOAD_FORMAT_CHOICES
 from vllm.config.parallel import DEFAULT_WORKER_CLS, EXECUTOR_BACKENDS
 from vllm.config.scheduler import DEFAULT_LIMITS, DEFAULT_MAX_NUM_PARTIAL_PREFILLS
-from vllm.transformers_utils.model_path import check_model_path
+from vllm.transformers_utils.model_path import check_generation_config_path, check_model_path
 
 # Suffixes for integer flags. vLLM's convention: lowercase k/m/g/t are decimal
 # (1k = 1000, decimals allowed: 25.6k), uppercase K/M/G/T binary (1K = 1024).
@@ -128,6 +128,7 @@ class EngineArgs:
     worker_cls: str = DEFAULT_WORKER_CLS
     kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None
     disable_log_stats: bool = False
+    generation_config: str = "auto"
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -220,6 +221,13 @@ class EngineArgs:
                        default=d.kv_transfer_config,
                        help='KV connector as JSON: \'{"kv_connector": ..., "kv_role": ...}\' '
                             "(default: none; no connector is implemented yet).")
+        g.add_argument("--generation-config", type=str, default=d.generation_config,
+                       help="Where the generation config comes from: 'auto' (the model's "
+                            "generation_config.json, or a GGUF file's metadata), 'vllm' (its "
+                            "EOS ids only, no sampling defaults), or a directory holding "
+                            "generation_config.json. Its EOS ids stop generation; its "
+                            "temperature, top_p, top_k, min_p and repetition_penalty become the "
+                            "defaults a request overrides (default: %(default)s).")
         g.add_argument("--disable-log-stats", action="store_true", default=d.disable_log_stats,
                        help="Do not log engine statistics periodically (default: log every 10 s).")
         return parser
@@ -246,6 +254,7 @@ class EngineArgs:
         self._configs_without_model()
         if self.model is not None:
             check_model_path(self.model)
+        check_generation_config_path(self.generation_config)
 
     def create_engine_config(self) -> VllmConfig:
         """Build and validate the engine's `VllmConfig` (the one place args are checked).
@@ -260,6 +269,7 @@ class EngineArgs:
             max_model_len=self.max_model_len,
             seed=self.seed,
             load_format=self.load_format,
+            generation_config=self.generation_config,
         )
         return VllmConfig(
             model_config=model_config,

@@ -119,6 +119,10 @@ def _add_openai_routes(
 ) -> None:
     completion = OpenAIServingCompletion(engine_client, models)
     chat = OpenAIServingChat(engine_client, models, chat_template)
+    if chat.default_sampling_params:
+        logger.info("Using default sampling params from the model's generation config (a "
+                    "request's own values override them; --generation-config vllm drops "
+                    "them): %s", chat.default_sampling_params)
     tokenization = OpenAIServingTokenization(engine_client, models, chat_template)
 
     @app.get("/v1/models")

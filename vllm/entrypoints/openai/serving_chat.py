@@ -109,6 +109,7 @@ class OpenAIServingChat(OpenAIServing):
             renamed={"logprobs": "top_logprobs",
                      "max_tokens": ("max_completion_tokens" if use_completion_tokens
                                     else "max_tokens")},
+            defaults=self.default_sampling_params,
         )
         prompt = await self._render(request)
         request_id = random_id("chatcmpl")

@@ -94,6 +94,7 @@ class OpenAIServingCompletion(OpenAIServing):
         params = build_sampling_params(
             request, stream, self.vocab_size,
             max_tokens=request.max_tokens, logprobs=request.logprobs,
+            defaults=self.default_sampling_params,
         )
         request_id = random_id("cmpl")
         streams = await self.admit_all(request_id, prompts, params)

@@ -71,6 +71,7 @@ def build_sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     renamed: dict[str, str] | None = None,
+    defaults: dict[str, Any] | None = None,
 ) -> SamplingParams:
     """SamplingParams from the request's fields; SamplingParams itself checks the ranges.
 
@@ -81,6 +82,8 @@ def build_sampling_params(
         max_tokens / logprobs: already resolved by the endpoint (their names differ).
         renamed: SamplingParams field -> request field for error `param`s
             (chat: logprobs -> top_logprobs).
+        defaults: the model's sampling defaults (`ModelConfig.get_diff_sampling_param`),
+            used for the fields the request leaves unset, as vLLM does.
 
     Raises:
         APIError(400): a value SamplingParams rejects; `param` names the request field.
@@ -113,6 +116,8 @@ def build_sampling_params(
         "logit_bias": logit_bias,
     }
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    for name, value in (defaults or {}).items():
+        kwargs.setdefault(name, value)
     kwargs["max_tokens"] = max_tokens  # None is meaningful: "as many as fit"
     kwargs["output_kind"] = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     try:
@@ -133,6 +138,8 @@ class OpenAIServing:
         self.models = models
         self.max_model_len = engine_client.model_config.max_model_len
         self.vocab_size = engine_client.model_config.get_vocab_size()
+        # The generation config's temperature, top_p, ... for fields a request leaves unset.
+        self.default_sampling_params = engine_client.model_config.get_diff_sampling_param()
 
     async def admit(
         self, request_id: str, prompt: PromptType, params: SamplingParams,

@@ -29,6 +29,9 @@ class Processor:
         vocab_size: token ids must be below it.
         max_num_seqs: the most sequences one step runs (the scheduler's limit);
             a request's `n` may not exceed it.
+        generation_config: the model's generation config
+            (`ModelConfig.try_get_generation_config`); its `eos_token_id` ids
+            stop every request, as the tokenizer's EOS does.
     """
 
     def __init__(
@@ -37,12 +40,14 @@ class Processor:
         max_model_len: int,
         vocab_size: int,
         max_num_seqs: int,
+        generation_config: dict | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_num_seqs = max_num_seqs
         self.eos_token_id = tokenizer.eos_token_id
+        self.generation_config = generation_config or {}
 
     def validate_params(self, params: SamplingParams) -> None:
         """Engine limits SamplingParams cannot know: `n` <= max_num_seqs.
@@ -122,7 +127,7 @@ class Processor:
             len(prompt_token_ids), params.max_tokens, self.max_model_len
         )
         params.verify_vocab(self.vocab_size)
-        params.update_from_generation_config({}, self.eos_token_id)
+        params.update_from_generation_config(self.generation_config, self.eos_token_id)
         return Request(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
