@@ -26,8 +26,8 @@ _SAMPLING_EPS = 1e-5
 # Temperatures in (_SAMPLING_EPS, _MAX_TEMP) are raised to _MAX_TEMP: dividing
 # float32 logits by a smaller number overflows to inf and the softmax to NaN.
 _MAX_TEMP = 1e-2
-# The most logprobs (sample and prompt) one request may ask for; vLLM's
-# default `max_logprobs`. The OpenAI server enforces the same bound.
+# The most logprobs (sample and prompt) one request may ask for by default: vLLM's
+# default `max_logprobs` (`--max-logprobs`), enforced by the engine's Processor.
 MAX_LOGPROBS = 20
 # OpenAI's range for logit_bias values.
 _MAX_ABS_LOGIT_BIAS = 100.0
@@ -110,7 +110,8 @@ class SamplingParams:
         max_tokens: most tokens to generate (>= 1), or None for "up to max_model_len".
         min_tokens: EOS and stop tokens are masked until this many are generated.
         logprobs: return this many top logprobs per generated token (plus the
-            sampled token's), 0..MAX_LOGPROBS; None = no logprobs.
+            sampled token's), >= 0, or -1 for the whole vocabulary; None = no
+            logprobs. The engine caps it at its `max_logprobs` (default 20).
         prompt_logprobs: the same for every prompt token after the first.
         detokenize, skip_special_tokens, spaces_between_special_tokens,
         include_stop_str_in_output: detokenization options as in vLLM.
@@ -217,8 +218,8 @@ class SamplingParams:
             )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            _check(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS), name,
-                   f"None or an int in [0, {MAX_LOGPROBS}]", value)
+            _check(value is None or (_is_int(value) and value >= -1), name,
+                   "None, -1 (the whole vocabulary) or an int >= 0", value)
         for s in self.stop:
             _check(isinstance(s, str) and s != "", "stop", "non-empty strings", s)
         for t_id in self.stop_token_ids:

@@ -73,6 +73,8 @@ class ModelConfig:
             file), "vllm" (its EOS ids still stop generation, but its sampling
             values are not used as defaults), or a directory holding
             generation_config.json (or the file itself).
+        max_logprobs: the most logprobs (sample or prompt) a request may ask
+            for, vLLM's default 20; -1 = the whole vocabulary.
         hf_config: the transformers `PretrainedConfig`, loaded once (not an argument).
 
     Raises:
@@ -89,6 +91,7 @@ class ModelConfig:
     load_format: str = "auto"
     served_model_name: str | None = None
     generation_config: str = "auto"
+    max_logprobs: int = 20
     hf_config: Any = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -110,6 +113,9 @@ class ModelConfig:
         self.dtype = self._resolve_dtype()
         self.max_model_len = self._resolve_max_model_len(get_model_max_len(self.hf_config))
         check_generation_config_path(self.generation_config)
+        ml = self.max_logprobs
+        if not isinstance(ml, int) or isinstance(ml, bool) or ml < -1:
+            raise ValueError(f"max_logprobs must be -1 (no cap) or an int >= 0, got {ml!r}")
 
     def try_get_generation_config(self) -> dict[str, Any]:
         """The generation config as a dict ({} when there is none); see `generation_config`.

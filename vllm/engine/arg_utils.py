@@ -129,6 +129,7 @@ class EngineArgs:
     kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None
     disable_log_stats: bool = False
     generation_config: str = "auto"
+    max_logprobs: int = 20
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -228,6 +229,10 @@ class EngineArgs:
                             "generation_config.json. Its EOS ids stop generation; its "
                             "temperature, top_p, top_k, min_p and repetition_penalty become the "
                             "defaults a request overrides (default: %(default)s).")
+        g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
+                       help="The most logprobs (sample or prompt) a request may ask for; -1 "
+                            "lifts the cap, so logprobs / prompt_logprobs -1 return the whole "
+                            "vocabulary (default: %(default)s).")
         g.add_argument("--disable-log-stats", action="store_true", default=d.disable_log_stats,
                        help="Do not log engine statistics periodically (default: log every 10 s).")
         return parser
@@ -270,6 +275,7 @@ class EngineArgs:
             seed=self.seed,
             load_format=self.load_format,
             generation_config=self.generation_config,
+            max_logprobs=self.max_logprobs,
         )
         return VllmConfig(
             model_config=model_config,

@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import math
 import socket
 import subprocess
 import sys
@@ -240,7 +241,7 @@ def key_server(tmp_path_factory):
                            "--served-model-name", *NAMES, "--enable-sleep-mode",
                            "--uvicorn-log-level", "info",
                            "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
-                           "--generation-config", str(config_dir)])
+                           "--generation-config", str(config_dir), "--max-logprobs", "-1"])
     try:
         yield remote
     finally:
@@ -267,6 +268,22 @@ def test_generation_config_defaults_are_logged_and_used(key_server):
                                          max_tokens=12, temperature=1.5, seed=s).choices[0].text
                for s in range(3)}
     assert len(sampled) > 1  # the request's own temperature wins
+
+
+def test_prompt_logprobs_minus_one_is_the_whole_vocabulary(key_server):
+    """vLLM: prompt_logprobs -1 returns every token's logprob (allowed by --max-logprobs -1;
+    the shared server's default cap of 20 refuses it, see test_errors)."""
+    body = {"model": NAMES[0], "prompt": "Hi there", "max_tokens": 1, "prompt_logprobs": -1}
+    response = httpx.post(key_server.url_for("v1/completions"), json=body, timeout=120,
+                          headers={"Authorization": f"Bearer {API_KEY}"})
+    assert response.status_code == 200, response.text
+    (first, *rest) = response.json()["choices"][0]["prompt_logprobs"]
+    vocab = 49152  # SmolLM2's
+    assert first is None and rest
+    for step in rest:
+        assert len(step) == vocab
+        assert sorted(e["rank"] for e in step.values())[-1] <= vocab
+        assert sum(math.exp(e["logprob"]) for e in step.values()) == pytest.approx(1, abs=1e-3)
 
 
 def test_api_key_required_on_v1(key_server):

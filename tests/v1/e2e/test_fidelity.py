@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from vllm import SamplingParams
 
 
@@ -17,3 +19,16 @@ def test_detokenize_false_leaves_logprob_texts_empty(bundled_llm):
                               SamplingParams(max_tokens=2, temperature=0, logprobs=2),
                               use_tqdm=False)[0].outputs[0]
     assert all(isinstance(lp.decoded_token, str) for e in on.logprobs for lp in e.values())
+
+
+def test_logprobs_minus_one_is_capped_by_max_logprobs(bundled_llm):
+    """vLLM: -1 asks for the whole vocabulary, which the default max_logprobs (20) refuses
+    with vLLM's message naming both numbers; SamplingParams itself accepts -1."""
+    from vllm.exceptions import VLLMValidationError
+
+    for name in ("logprobs", "prompt_logprobs"):
+        params = SamplingParams(max_tokens=1, **{name: -1})
+        with pytest.raises(VLLMValidationError, match="of 49152, which is greater than max "
+                                                      "allowed: 20") as e:
+            bundled_llm.generate("Hi", params, use_tqdm=False)
+        assert e.value.parameter == name

@@ -92,6 +92,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
+        self._token_texts: dict[int, str] = {}  # token id -> its text alone
         self.states: dict[str, RequestState] = {}
         self.parents: dict[str, ParentRequest] = {}
 
@@ -215,6 +216,8 @@ class OutputProcessor:
     ) -> None:
         # detokenize=False leaves Logprob.decoded_token None, as in vLLM.
         text = self._token_text if detokenize else (lambda _token_id: None)
+        if num_logprobs < 0:  # -1: the whole vocabulary (the worker got a count)
+            num_logprobs = len(self.tokenizer)
         for ids, lps, rank in zip(
             lists.logprob_token_ids, lists.logprobs, lists.ranks, strict=True
         ):
@@ -232,7 +235,11 @@ class OutputProcessor:
                 state.cumulative_logprob += lps[0]
 
     def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        # Cached: a whole-vocabulary request (logprobs -1) decodes every id per position.
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def _make_request_output(
         self,
