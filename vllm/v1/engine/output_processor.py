@@ -19,7 +19,7 @@ from vllm.logprobs import Logprob
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.detokenizer import IncrementalDetokenizer
-from vllm.v1.metrics.stats import IterationStats, RequestTimes
+from vllm.v1.metrics.stats import FinishedRequestStats, IterationStats, RequestTimes
 from vllm.v1.outputs import EngineCoreOutput, FinishReason, LogprobsLists
 
 if TYPE_CHECKING:
@@ -170,6 +170,7 @@ class OutputProcessor:
                 del self.states[out.request_id]
                 stats.finished_reasons.append(str(finish_reason))
                 stats.e2e_latencies.append(now - state.times.arrival)
+                stats.finished_requests.append(self._finished_stats(state, now))
             request_output = self._make_request_output(state, finish_reason, stop_reason)
             if request_output is not None:
                 if state.queue is not None:
@@ -183,10 +184,12 @@ class OutputProcessor:
     def _update_timing(
         state: RequestState, out: EngineCoreOutput, now: float, stats: IterationStats
     ) -> None:
+        times = state.times
+        if times.first_scheduled is None and out.first_scheduled_time is not None:
+            times.first_scheduled = out.first_scheduled_time
         n = len(out.new_token_ids)
         if n == 0:
             return
-        times = state.times
         if times.first_token is None:
             times.first_token = now
             stats.time_to_first_tokens.append(now - times.arrival)
@@ -195,6 +198,22 @@ class OutputProcessor:
             stats.inter_token_latencies.append(now - times.last_token)
         times.last_token = now
         stats.num_generation_tokens += n
+
+    @staticmethod
+    def _finished_stats(state: RequestState, now: float) -> FinishedRequestStats:
+        """The phases of a request that just finished (0 for a phase it never reached)."""
+        t = state.times
+        scheduled = t.first_scheduled if t.first_scheduled is not None else now
+        first = t.first_token if t.first_token is not None else now
+        last = t.last_token if t.last_token is not None else now
+        return FinishedRequestStats(
+            num_prompt_tokens=len(state.prompt_token_ids),
+            num_generation_tokens=len(state.token_ids),
+            queue_time=max(scheduled - t.arrival, 0.0),
+            prefill_time=max(first - scheduled, 0.0),
+            decode_time=max(last - first, 0.0),
+            inference_time=max(last - scheduled, 0.0),
+        )
 
     def _update_logprobs(self, state: RequestState, out: EngineCoreOutput) -> None:
         if state.logprobs is not None and out.new_logprobs is not None:
