@@ -144,7 +144,8 @@ class EngineArgs:
                        help="Tokenizer path (default: the model's own).")
         g.add_argument("--dtype", choices=DTYPE_CHOICES, default=d.dtype,
                        help="Weight and activation dtype (default: %(default)s: the platform's "
-                            "choice, bfloat16 on CUDA, float32 on the CPU).")
+                            "choice: bfloat16 on CUDA, float16 for fp16 checkpoints, float32 on "
+                            "the CPU).")
         g.add_argument("--max-model-len", type=human_readable_int, default=d.max_model_len,
                        help="Context length in tokens (prompt + output), e.g. 4096 or 4k; "
                             "default: the model's.")
