@@ -129,6 +129,10 @@ class PrometheusStatLogger:
             "vllm:request_success", "Finished requests, by finish reason.",
             ["model_name", "finished_reason"], registry=r)
         self._model_name = model_name
+        # Every finish reason exists from the start (0), as in vLLM, so dashboards and
+        # alerts over it have a series before the first request finishes.
+        for reason in ("stop", "length", "abort"):
+            self._request_success.labels(model_name, reason)
         self.time_to_first_token = histogram(
             "vllm:time_to_first_token_seconds", "Time to first token, seconds.", _TTFT_BUCKETS)
         self.inter_token_latency = histogram(
