@@ -46,9 +46,10 @@ def test_defaults_match_vllm():
         ({"seed": 2**64}, "seed must be None or an int in"),
         ({"max_tokens": 0}, "max_tokens must be None or an int >= 1, got 0"),
         ({"min_tokens": -1}, "min_tokens must be an int >= 0, got -1"),
-        ({"logprobs": -1}, f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got -1"),
-        ({"logprobs": 21}, f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got 21"),
-        ({"prompt_logprobs": -1}, "prompt_logprobs must be None or an int in [0, 20], got -1"),
+        ({"logprobs": -2}, "logprobs must be None, -1 (the whole vocabulary) or an int >= 0, "
+                           "got -2"),
+        ({"prompt_logprobs": 1.5}, "prompt_logprobs must be None, -1 (the whole vocabulary) "
+                                   "or an int >= 0, got 1.5"),
         ({"stop": ["ok", ""]}, "stop must be non-empty strings, got ''"),
         ({"stop_token_ids": [-1]}, "stop_token_ids must be token ids >= 0, got -1"),
         ({"logit_bias": {5: 101.0}}, "logit_bias must be valued in [-100, 100], got 101.0"),
@@ -89,8 +90,8 @@ def test_boundaries_accepted():
     assert {name: getattr(params, name) for name in bounds} == bounds
     # One step past each end is refused, so the ends above really are the ends.
     for name, outside in [("presence_penalty", -2.01), ("frequency_penalty", 2.01),
-                          ("top_p", 1.01), ("min_p", 1.01), ("top_k", -2), ("logprobs", -1),
-                          ("prompt_logprobs", MAX_LOGPROBS + 1), ("max_tokens", 0)]:
+                          ("top_p", 1.01), ("min_p", 1.01), ("top_k", -2), ("logprobs", -2),
+                          ("prompt_logprobs", -2), ("max_tokens", 0)]:
         with pytest.raises(ValueError, match=name):
             SamplingParams(**{**bounds, name: outside})
 
@@ -148,8 +149,30 @@ def test_clone_is_independent_and_pickle_roundtrips():
 
 
 def test_from_optional_uses_defaults_for_none():
-    p = SamplingParams.from_optional(temperature=None, top_p=0.5, max_tokens=None)
-    assert p.temperature == 1.0 and p.top_p == 0.5 and p.max_tokens == 16
+    p = SamplingParams.from_optional(temperature=None, top_p=0.5, n=None)
+    assert p.temperature == 1.0 and p.top_p == 0.5 and p.n == 1 and p.max_tokens == 16
+
+
+def test_from_optional_max_tokens_none_means_no_limit():
+    """vLLM: `from_optional(max_tokens=None)` is "up to max_model_len", not the default 16."""
+    assert SamplingParams.from_optional(max_tokens=None).max_tokens is None
+    assert SamplingParams.from_optional(seed=None, logprobs=None).seed is None
+
+
+@pytest.mark.parametrize(("kwargs", "parameter"), [
+    ({"best_of": 2}, "best_of"),
+    ({"best_of": 0}, "best_of"),
+    ({"logits_processors": [lambda ids, logits: logits]}, "logits_processors"),
+])
+def test_unsupported_vllm_fields_raise_value_error(kwargs, parameter):
+    """vLLM's SamplingParams takes these keywords and refuses unsupported values with a
+    ValueError naming the field (a TypeError would say the keyword does not exist)."""
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError) as e:
+        SamplingParams(**kwargs)
+    assert e.value.parameter == parameter and parameter in str(e.value)
+    assert SamplingParams(best_of=1, logits_processors=[]).best_of == 1
 
 
 def test_verify_vocab_rejects_out_of_vocab_bias():

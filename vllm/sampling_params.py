@@ -26,8 +26,8 @@ _SAMPLING_EPS = 1e-5
 # Temperatures in (_SAMPLING_EPS, _MAX_TEMP) are raised to _MAX_TEMP: dividing
 # float32 logits by a smaller number overflows to inf and the softmax to NaN.
 _MAX_TEMP = 1e-2
-# The most logprobs (sample and prompt) one request may ask for; vLLM's
-# default `max_logprobs`. The OpenAI server enforces the same bound.
+# The most logprobs (sample and prompt) one request may ask for by default: vLLM's
+# default `max_logprobs` (`--max-logprobs`), enforced by the engine's Processor.
 MAX_LOGPROBS = 20
 # OpenAI's range for logit_bias values.
 _MAX_ABS_LOGIT_BIAS = 100.0
@@ -75,6 +75,11 @@ def _is_finite(value: Any) -> bool:
         return False
 
 
+# Fields whose None means something other than the default (see `from_optional`).
+_NONE_IS_A_VALUE = frozenset({"max_tokens", "seed", "logprobs", "prompt_logprobs",
+                              "logit_bias", "best_of", "logits_processors"})
+
+
 def _check(ok: bool, name: str, allowed: str, value: Any) -> None:
     if not ok:
         raise VLLMValidationError(f"{name} must be {allowed}, got {value!r}", parameter=name,
@@ -105,12 +110,17 @@ class SamplingParams:
         max_tokens: most tokens to generate (>= 1), or None for "up to max_model_len".
         min_tokens: EOS and stop tokens are masked until this many are generated.
         logprobs: return this many top logprobs per generated token (plus the
-            sampled token's), 0..MAX_LOGPROBS; None = no logprobs.
+            sampled token's), >= 0, or -1 for the whole vocabulary; None = no
+            logprobs. The engine caps it at its `max_logprobs` (default 20).
         prompt_logprobs: the same for every prompt token after the first.
         detokenize, skip_special_tokens, spaces_between_special_tokens,
         include_stop_str_in_output: detokenization options as in vLLM.
         output_kind: what streamed outputs carry (see `RequestOutputKind`).
         logit_bias: token id -> bias in [-100, 100] added to its logit before sampling.
+        best_of: accepted for vLLM's signature; None or 1 only (vLLM V1 samples no
+            extra candidates either and refuses more).
+        logits_processors: accepted for vLLM's signature; None or empty only
+            (per-request Python logits processors are not supported, as in vLLM V1).
 
     Raises:
         ValueError: a field outside its range (message names the field and range).
@@ -138,6 +148,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     logit_bias: dict[int, float] | None = None
+    best_of: int | None = None
+    logits_processors: list[Any] | None = None
     # stop_token_ids plus the model's EOS ids (filled by
     # `update_from_generation_config`); masked by the sampler until min_tokens.
     _all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False)
@@ -166,8 +178,14 @@ class SamplingParams:
 
     @classmethod
     def from_optional(cls, **kwargs: Any) -> SamplingParams:
-        """Build from keyword arguments where None means "the default" (API requests)."""
-        return cls(**{k: v for k, v in kwargs.items() if v is not None})
+        """Build from keyword arguments where None means "the default" (API requests).
+
+        As in vLLM, fields whose None is itself a value keep it: `max_tokens=None`
+        means "up to max_model_len" (not the default 16), and `seed`, `logprobs`,
+        `prompt_logprobs`, `logit_bias`, `best_of`, `logits_processors` stay None.
+        """
+        return cls(**{k: v for k, v in kwargs.items()
+                      if v is not None or k in _NONE_IS_A_VALUE})
 
     def _verify_args(self) -> None:
         _check(_is_int(self.n) and self.n >= 1, "n", "an int >= 1", self.n)
@@ -200,8 +218,8 @@ class SamplingParams:
             )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            _check(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS), name,
-                   f"None or an int in [0, {MAX_LOGPROBS}]", value)
+            _check(value is None or (_is_int(value) and value >= -1), name,
+                   "None, -1 (the whole vocabulary) or an int >= 0", value)
         for s in self.stop:
             _check(isinstance(s, str) and s != "", "stop", "non-empty strings", s)
         for t_id in self.stop_token_ids:
@@ -211,6 +229,14 @@ class SamplingParams:
                 f"output_kind must be a RequestOutputKind, got {self.output_kind!r}",
                 parameter="output_kind",
             )
+        # vLLM raises ValueError for both (V1 supports neither); a TypeError from an
+        # unknown keyword would read as a bug in the caller's code.
+        _check(self.best_of is None or (_is_int(self.best_of) and self.best_of == 1), "best_of",
+               "None or 1 (best_of > 1 is not supported; use n)", self.best_of)
+        if self.logits_processors:
+            raise VLLMValidationError(
+                "logits_processors: per-request logits processors are not supported",
+                parameter="logits_processors")
         if self.logit_bias is not None:
             for tok, bias in self.logit_bias.items():
                 _check(_is_int(tok) and tok >= 0, "logit_bias", "keyed by token ids >= 0", tok)

@@ -27,6 +27,8 @@ _DTYPE_NAMES = {
 }
 DTYPE_CHOICES = ("auto", *_DTYPE_NAMES)
 LOAD_FORMAT_CHOICES = ("auto", "safetensors", "gguf", "dummy")
+# generation_config.json fields that become a request's sampling defaults (as in vLLM).
+GENERATION_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def _platform():
@@ -65,6 +67,14 @@ class ModelConfig:
         load_format: "auto" | "safetensors" | "gguf" | "dummy" (random weights);
             "auto" resolves from the path (a `.gguf` file or a directory).
         served_model_name: the name the server reports; None = `model`.
+        generation_config: where the model's generation config comes from, as
+            vLLM's `--generation-config`: "auto" (the model's own:
+            generation_config.json of an HF directory, the metadata of a GGUF
+            file), "vllm" (its EOS ids still stop generation, but its sampling
+            values are not used as defaults), or a directory holding
+            generation_config.json (or the file itself).
+        max_logprobs: the most logprobs (sample or prompt) a request may ask
+            for, vLLM's default 20; -1 = the whole vocabulary.
         hf_config: the transformers `PretrainedConfig`, loaded once (not an argument).
 
     Raises:
@@ -80,10 +90,13 @@ class ModelConfig:
     seed: int | None = 0
     load_format: str = "auto"
     served_model_name: str | None = None
+    generation_config: str = "auto"
+    max_logprobs: int = 20
     hf_config: Any = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         from vllm.transformers_utils.config import (
+            check_generation_config_path,
             get_bundled_model_path,
             get_hf_config,
             get_model_max_len,
@@ -99,6 +112,36 @@ class ModelConfig:
         self.hf_config = get_hf_config(self.model)
         self.dtype = self._resolve_dtype()
         self.max_model_len = self._resolve_max_model_len(get_model_max_len(self.hf_config))
+        check_generation_config_path(self.generation_config)
+        ml = self.max_logprobs
+        if not isinstance(ml, int) or isinstance(ml, bool) or ml < -1:
+            raise ValueError(f"max_logprobs must be -1 (no cap) or an int >= 0, got {ml!r}")
+
+    def try_get_generation_config(self) -> dict[str, Any]:
+        """The generation config as a dict ({} when there is none); see `generation_config`.
+
+        "auto" and "vllm" read the model's own; a path reads that one.
+        """
+        from vllm.transformers_utils.config import try_get_generation_config
+
+        source = self.generation_config
+        if source in ("auto", "vllm"):
+            source = self.model
+        return try_get_generation_config(source)
+
+    def get_diff_sampling_param(self) -> dict[str, Any]:
+        """The sampling defaults the generation config sets (vLLM's name for this).
+
+        Returns:
+            A subset of {temperature, top_p, top_k, min_p, repetition_penalty}:
+            the values a request uses for fields it leaves unset. {} with
+            generation_config "vllm", or when the config sets none of them.
+        """
+        if self.generation_config == "vllm":
+            return {}
+        config = self.try_get_generation_config()
+        return {name: config[name] for name in GENERATION_SAMPLING_FIELDS
+                if config.get(name) is not None}
 
     def _resolve_load_format(self) -> str:
         fmt = self.load_format

@@ -31,7 +31,7 @@ from vllm.config import (
 from vllm.config.model import DTYPE_CHOICES, LOAD_FORMAT_CHOICES
 from vllm.config.parallel import DEFAULT_WORKER_CLS, EXECUTOR_BACKENDS
 from vllm.config.scheduler import DEFAULT_LIMITS, DEFAULT_MAX_NUM_PARTIAL_PREFILLS
-from vllm.transformers_utils.model_path import check_model_path
+from vllm.transformers_utils.model_path import check_generation_config_path, check_model_path
 
 # Suffixes for integer flags. vLLM's convention: lowercase k/m/g/t are decimal
 # (1k = 1000, decimals allowed: 25.6k), uppercase K/M/G/T binary (1K = 1024).
@@ -128,6 +128,8 @@ class EngineArgs:
     worker_cls: str = DEFAULT_WORKER_CLS
     kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None
     disable_log_stats: bool = False
+    generation_config: str = "auto"
+    max_logprobs: int = 20
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -141,31 +143,38 @@ class EngineArgs:
         g.add_argument("--tokenizer", type=str, default=d.tokenizer,
                        help="Tokenizer path (default: the model's own).")
         g.add_argument("--dtype", choices=DTYPE_CHOICES, default=d.dtype,
-                       help="Weight and activation dtype; 'auto' lets the platform choose.")
+                       help="Weight and activation dtype (default: %(default)s: the platform's "
+                            "choice: bfloat16 on CUDA, float16 for fp16 checkpoints, float32 on "
+                            "the CPU).")
         g.add_argument("--max-model-len", type=human_readable_int, default=d.max_model_len,
                        help="Context length in tokens (prompt + output), e.g. 4096 or 4k; "
                             "default: the model's.")
-        g.add_argument("--seed", type=int, default=d.seed, help="Random seed of the engine.")
+        g.add_argument("--seed", type=int, default=d.seed,
+                       help="Random seed of the engine (default: %(default)s).")
         g.add_argument("--load-format", choices=LOAD_FORMAT_CHOICES, default=d.load_format,
-                       help="Weight format; 'dummy' = random weights; 'auto' from the path.")
+                       help="Weight format; 'dummy' = random weights (default: %(default)s: "
+                            "from the path).")
         g.add_argument("--block-size", type=int, default=d.block_size,
-                       help="Tokens per KV cache block (a power of two, 1-256).")
+                       help="Tokens per KV cache block, a power of two, 1-256 "
+                            "(default: %(default)s).")
         g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
                        help="Fraction of total device memory the engine may use, in (0, 1] "
                             "(default: 1.0 extensible, 0.92 classic KV cache).")
         g.add_argument("--kv-cache-memory-bytes", type=human_readable_bytes,
                        default=d.kv_cache_memory_bytes,
                        help="Explicit KV cache size in bytes: 4294967296, 4GiB, 4G (binary) "
-                            "or 4GB (decimal); bypasses measured sizing.")
+                            "or 4GB (decimal); bypasses measured sizing (default: unset: "
+                            "measured).")
         g.add_argument("--enable-extensible-kv-cache", action=bool_flag,
                        default=d.enable_extensible_kv_cache,
                        help="Reserve, warm up, measure, then grow the KV cache (default: on "
                             "where the platform supports it; the flag makes it required).")
         g.add_argument("--enable-prefix-caching", action=bool_flag,
                        default=d.enable_prefix_caching,
-                       help="Reuse KV cache blocks of shared prompt prefixes.")
+                       help="Reuse KV cache blocks of shared prompt prefixes (default: on).")
         g.add_argument("--enable-sleep-mode", action=bool_flag, default=d.enable_sleep_mode,
-                       help="Allow sleep()/wake_up() to release and restore KV cache memory.")
+                       help="Allow sleep()/wake_up() to release and restore KV cache memory "
+                            "(default: off).")
         (cuda_seqs, cuda_tokens), (cpu_seqs, cpu_tokens) = (DEFAULT_LIMITS["cuda"],
                                                             DEFAULT_LIMITS["cpu"])
         g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
@@ -190,14 +199,15 @@ class EngineArgs:
                             "this many tokens a step (default: 0 = 4%% of --max-model-len count "
                             "as long, no cap).")
         g.add_argument("--enforce-eager", action=bool_flag, default=d.enforce_eager,
-                       help="Never capture CUDA graphs.")
+                       help="Never capture CUDA graphs (default: off).")
         g.add_argument("-O", "--compilation-config",
                        type=_json_type(_compilation_config_from_cli, "compilation_config"),
                        default=d.compilation_config,
-                       help='JSON, e.g. \'{"cudagraph_capture_sizes": [1, 2, 4, 8]}\'.')
+                       help='JSON, e.g. \'{"cudagraph_capture_sizes": [1, 2, 4, 8]}\' '
+                            "(default: capture the decode batch sizes up to --max-num-seqs).")
         g.add_argument("-tp", "--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
                        help="Devices (ranks) to shard the model over; each rank is a process "
-                            "with its own KV cache.")
+                            "with its own KV cache (default: %(default)s).")
         g.add_argument("--distributed-executor-backend", choices=EXECUTOR_BACKENDS,
                        default=d.distributed_executor_backend,
                        help="How the ranks run: 'uni' in the engine process (one rank), 'mp' "
@@ -206,14 +216,26 @@ class EngineArgs:
                             "initialised or the ranks outnumber this node's GPUs, else 'mp'.")
         g.add_argument("--worker-cls", type=str, default=d.worker_cls,
                        help="The worker class each rank runs, as 'package.module.Class' "
-                            "(a subclass of the default, for instrumentation).")
+                            "(a subclass of the default, for instrumentation; default: "
+                            "%(default)s).")
         g.add_argument("--kv-transfer-config",
                        type=_json_type(KVTransferConfig.from_cli, "kv_transfer_config"),
                        default=d.kv_transfer_config,
                        help='KV connector as JSON: \'{"kv_connector": ..., "kv_role": ...}\' '
-                            "(no connector is implemented yet).")
+                            "(default: none; no connector is implemented yet).")
+        g.add_argument("--generation-config", type=str, default=d.generation_config,
+                       help="Where the generation config comes from: 'auto' (the model's "
+                            "generation_config.json, or a GGUF file's metadata), 'vllm' (its "
+                            "EOS ids only, no sampling defaults), or a directory holding "
+                            "generation_config.json. Its EOS ids stop generation; its "
+                            "temperature, top_p, top_k, min_p and repetition_penalty become the "
+                            "defaults a request overrides (default: %(default)s).")
+        g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
+                       help="The most logprobs (sample or prompt) a request may ask for; -1 "
+                            "lifts the cap, so logprobs / prompt_logprobs -1 return the whole "
+                            "vocabulary (default: %(default)s).")
         g.add_argument("--disable-log-stats", action="store_true", default=d.disable_log_stats,
-                       help="Do not log engine statistics periodically.")
+                       help="Do not log engine statistics periodically (default: log every 10 s).")
         return parser
 
     @classmethod
@@ -238,6 +260,7 @@ class EngineArgs:
         self._configs_without_model()
         if self.model is not None:
             check_model_path(self.model)
+        check_generation_config_path(self.generation_config)
 
     def create_engine_config(self) -> VllmConfig:
         """Build and validate the engine's `VllmConfig` (the one place args are checked).
@@ -252,6 +275,8 @@ class EngineArgs:
             max_model_len=self.max_model_len,
             seed=self.seed,
             load_format=self.load_format,
+            generation_config=self.generation_config,
+            max_logprobs=self.max_logprobs,
         )
         return VllmConfig(
             model_config=model_config,
@@ -325,5 +350,6 @@ class AsyncEngineArgs(EngineArgs):
         parser = EngineArgs.add_cli_args(parser)
         parser.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction,
                             default=AsyncEngineArgs.enable_log_requests,
-                            help="Log every request's prompt and sampling parameters.")
+                            help="Log every request's prompt and sampling parameters "
+                                 "(default: off).")
         return parser

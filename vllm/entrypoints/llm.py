@@ -49,6 +49,16 @@ class LLM:
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.llm_engine.get_tokenizer()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams `generate` and `chat` use when given none (vLLM's method).
+
+        vLLM's defaults, with the model's generation config's temperature,
+        top_p, top_k, min_p and repetition_penalty in their place (unless the
+        engine was built with generation_config="vllm").
+        """
+        diff = self.llm_engine.vllm_config.model_config.get_diff_sampling_param()
+        return SamplingParams.from_optional(**diff) if diff else SamplingParams()
+
     # ---------------------------------------------------------------- generate
     def generate(
         self,
@@ -60,14 +70,15 @@ class LLM:
 
         A prompt is a string, a list of token ids, or a dict with "prompt" or
         "prompt_token_ids". A list of strings / token-id lists / dicts is many
-        prompts. `sampling_params` is one for all or one per prompt.
+        prompts. `sampling_params` is one for all or one per prompt; None =
+        `get_default_sampling_params()`.
 
         Raises:
             ValueError: an invalid prompt or parameters (nothing is run then).
         """
         prompt_list = self._as_prompt_list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_list)
         else:

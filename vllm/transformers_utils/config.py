@@ -7,14 +7,20 @@ files) or a single .gguf file, whose metadata holds the config and tokenizer
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
+from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig
 
 from vllm.logger import init_logger
 from vllm.transformers_utils.gguf_cache import cached_gguf_derivative
+from vllm.transformers_utils.gguf_metadata import get_gguf_tokenizer_metadata
 from vllm.transformers_utils.model_path import (  # noqa: F401  (re-exported)
     BUNDLED_MODEL_NAME,
+    GENERATION_CONFIG_FILE,
+    check_generation_config_path,
     check_model_path,
     get_bundled_model_path,
     is_gguf,
@@ -83,3 +89,30 @@ def get_model_max_len(hf_config: PretrainedConfig) -> int:
         logger.warning("config declares no max length; assuming %d", _DEFAULT_MAX_LEN)
         return _DEFAULT_MAX_LEN
     return min(bounds)
+
+
+def try_get_generation_config(source: str | os.PathLike) -> dict[str, Any]:
+    """A model's generation config as a dict; {} when it has none.
+
+    Args:
+        source: an HF model directory (its generation_config.json), a
+            generation_config.json file, or a .gguf file (the `bos_token_id`
+            and `eos_token_id` list from its metadata: EOS, EOT, EOM).
+
+    Raises:
+        ValueError: a generation_config.json that is not a JSON object.
+    """
+    path = Path(source)
+    if is_gguf(path):
+        return get_gguf_tokenizer_metadata(path).generation_config()
+    if path.is_dir():
+        path = path / GENERATION_CONFIG_FILE
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(config).__name__}")
+    return config

@@ -64,3 +64,23 @@ def check_model_path(model: str | os.PathLike) -> None:
         f"model {os.fspath(model)!r} not found: expected an HF model directory (config.json + "
         "*.safetensors) or a .gguf file"
     )
+
+
+GENERATION_CONFIG_FILE = "generation_config.json"
+
+
+def check_generation_config_path(generation_config: str) -> None:
+    """`--generation-config` is "auto", "vllm", or a directory / file that exists.
+
+    Raises:
+        FileNotFoundError: a path with no generation_config.json (the message names it).
+    """
+    if generation_config in ("auto", "vllm"):
+        return
+    path = Path(generation_config)
+    if path.is_file() or (path / GENERATION_CONFIG_FILE).is_file():
+        return
+    raise FileNotFoundError(
+        f"generation_config {generation_config!r} must be 'auto', 'vllm', or a directory "
+        f"holding {GENERATION_CONFIG_FILE} (or that file itself); not found"
+    )

@@ -3,7 +3,10 @@
 A GGUF file's tokenizer (vocabulary, merges, special tokens, chat template)
 is converted by transformers once and saved with `save_pretrained` in the
 GGUF cache (`gguf_cache.py`); later loads read the saved files (~0.3 s instead
-of ~6.6 s). The chat template travels with the saved files.
+of ~6.6 s). Its BOS / EOS tokens and chat template are then set from the
+file's own metadata (`gguf_metadata.py`), because what transformers' converter
+makes of them has changed between releases: the same file must stop at the
+same token everywhere.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from vllm.transformers_utils.config import is_gguf
 from vllm.transformers_utils.gguf_cache import cached_gguf_derivative
+from vllm.transformers_utils.gguf_metadata import get_gguf_tokenizer_metadata
 
 
 def get_tokenizer(model_or_tokenizer_path: str, **kwargs: Any) -> PreTrainedTokenizerBase:
@@ -35,15 +39,29 @@ def get_tokenizer(model_or_tokenizer_path: str, **kwargs: Any) -> PreTrainedToke
                 directory
             )
 
-        return AutoTokenizer.from_pretrained(
+        tokenizer = AutoTokenizer.from_pretrained(
             cached_gguf_derivative(path, "tokenizer", save), **kwargs
         )
+        _apply_gguf_metadata(tokenizer, path)
+        return tokenizer
     if path.is_dir():
         return AutoTokenizer.from_pretrained(path, **kwargs)
     raise FileNotFoundError(
         f"tokenizer {model_or_tokenizer_path!r} not found: expected a directory with tokenizer "
         "files or a .gguf file"
     )
+
+
+def _apply_gguf_metadata(tokenizer: PreTrainedTokenizerBase, path: Path) -> None:
+    """Make the tokenizer's BOS, EOS and chat template the GGUF file's own."""
+    meta = get_gguf_tokenizer_metadata(path)
+    vocab = len(tokenizer)
+    for attr, token_id in (("bos_token", meta.bos_token_id), ("eos_token", meta.eos_token_id)):
+        if (token_id is not None and 0 <= token_id < vocab
+                and getattr(tokenizer, f"{attr}_id") != token_id):
+            setattr(tokenizer, attr, tokenizer.convert_ids_to_tokens(token_id))
+    if meta.chat_template:
+        tokenizer.chat_template = meta.chat_template
 
 
 # No Unicode canonical or compatibility composition merges more than this many

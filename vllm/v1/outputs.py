@@ -68,6 +68,9 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # time.monotonic() when the request was first scheduled (queue time ends), seconds.
+    # CLOCK_MONOTONIC is one clock for every process of the host (engine core included).
+    first_scheduled_time: float | None = None
 
     @property
     def finished(self) -> bool:

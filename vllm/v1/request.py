@@ -134,6 +134,8 @@ class Request:
         self.num_cached_tokens = -1
         self.block_hashes: list[bytes] = []  # kv_cache_utils.BlockHash digests
         self.num_preemptions = 0
+        # time.monotonic() when first scheduled (the end of its queue time), for metrics.
+        self.first_scheduled_time: float | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -111,3 +111,21 @@ def test_chat_multi_turn_with_system(client):
     completion = _chat(client, messages=messages, max_completion_tokens=5)
     assert completion.choices[0].message.content
     assert completion.usage.prompt_tokens > 20  # the whole conversation was rendered
+
+
+def test_chat_prompt_logprobs(server):
+    """vLLM's chat `prompt_logprobs`: on the response, one entry per prompt token (the
+    first null), each holding the prompt's own token; refused with stream=true."""
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}],
+            "max_completion_tokens": 2, "temperature": 0, "prompt_logprobs": 0}
+    response = httpx.post(server.url_for("v1/chat/completions"), json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    data = response.json()
+    prompt = data["prompt_logprobs"]
+    assert prompt[0] is None and len(prompt) == data["usage"]["prompt_tokens"]
+    assert all(len(step) == 1 and next(iter(step.values()))["logprob"] <= 0
+               for step in prompt[1:])
+    streamed = httpx.post(server.url_for("v1/chat/completions"),
+                          json={**body, "stream": True}, timeout=120)
+    assert streamed.status_code == 400
+    assert streamed.json()["error"]["param"] == "prompt_logprobs"

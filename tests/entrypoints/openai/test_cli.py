@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import math
 import socket
 import subprocess
 import sys
@@ -70,6 +71,16 @@ def test_help_lists_every_flag():
     assert "MODEL" in serve.stdout and "serve" in top.stdout
     for action in _serve_actions():
         assert action.help, action.option_strings  # every flag explains itself
+
+
+def test_help_states_every_default():
+    """The README promises `vllm serve --help` shows every default (issue 16)."""
+    missing = [action.option_strings[-1] for action in _serve_actions()
+               if action.option_strings and "--help" not in action.option_strings
+               and "default" not in (action.help or "").lower()]
+    assert not missing, f"no default in the help of {missing}"
+    serve = _run_cli("serve", "--help").stdout
+    assert "(default: on)" in " ".join(serve.split())  # --enable-prefix-caching
 
 
 def test_help_and_version_do_not_import_torch():
@@ -146,6 +157,8 @@ EARLY_CONFIG_ERRORS = [
     (["--gpu-memory-utilization", "2"], "gpu_memory_utilization must be in (0, 1], got 2.0"),
     (["--block-size", "7"], "block_size must be a power of two"),
     (["/nonexistent/model-dir"], "model '/nonexistent/model-dir' not found"),
+    (["--generation-config", "/nonexistent/gen"],
+     "generation_config '/nonexistent/gen' must be 'auto', 'vllm', or a directory"),
 ]
 # Errors against the model's own config (read with transformers): still one line, exit 2.
 CONFIG_ERRORS = [
@@ -216,12 +229,19 @@ def test_other_start_up_errors_are_not_swallowed(monkeypatch):
 
 
 # ------------------------------------------------------------------ a served instance
+# The key server's --generation-config: greedy unless a request says otherwise.
+GENERATION_DEFAULTS = {"temperature": 0.0, "top_k": 5}
+
+
 @pytest.fixture(scope="module")
-def key_server():
+def key_server(tmp_path_factory):
+    config_dir = tmp_path_factory.mktemp("generation-config")
+    (config_dir / "generation_config.json").write_text(json.dumps(GENERATION_DEFAULTS))
     remote = RemoteServer([*DEFAULT_SERVER_ARGS, "--api-key", API_KEY,
                            "--served-model-name", *NAMES, "--enable-sleep-mode",
                            "--uvicorn-log-level", "info",
-                           "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)])
+                           "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
+                           "--generation-config", str(config_dir), "--max-logprobs", "-1"])
     try:
         yield remote
     finally:
@@ -231,6 +251,39 @@ def key_server():
 def test_startup_log_ends_with_url(key_server):
     lines = [line for line in key_server.startup_log.splitlines() if line.strip()]
     assert "listening on " + key_server.url in lines[-1]
+
+
+def test_generation_config_defaults_are_logged_and_used(key_server):
+    """vLLM: the generation config's sampling values are logged at start-up and used for
+    the fields a request leaves unset (here temperature 0: greedy)."""
+    (line,) = [ln for ln in key_server.startup_log.splitlines()
+               if "default sampling params" in ln]
+    assert str(GENERATION_DEFAULTS) in line
+    client = key_server.get_client(api_key=API_KEY)
+    texts = [client.completions.create(model=NAMES[0], prompt="Once upon a time",
+                                       max_tokens=12, **extra).choices[0].text
+             for extra in ({}, {}, {"temperature": 0})]
+    assert texts[0] == texts[1] == texts[2]
+    sampled = {client.completions.create(model=NAMES[0], prompt="Once upon a time",
+                                         max_tokens=12, temperature=1.5, seed=s).choices[0].text
+               for s in range(3)}
+    assert len(sampled) > 1  # the request's own temperature wins
+
+
+def test_prompt_logprobs_minus_one_is_the_whole_vocabulary(key_server):
+    """vLLM: prompt_logprobs -1 returns every token's logprob (allowed by --max-logprobs -1;
+    the shared server's default cap of 20 refuses it, see test_errors)."""
+    body = {"model": NAMES[0], "prompt": "Hi there", "max_tokens": 1, "prompt_logprobs": -1}
+    response = httpx.post(key_server.url_for("v1/completions"), json=body, timeout=120,
+                          headers={"Authorization": f"Bearer {API_KEY}"})
+    assert response.status_code == 200, response.text
+    (first, *rest) = response.json()["choices"][0]["prompt_logprobs"]
+    vocab = 49152  # SmolLM2's
+    assert first is None and rest
+    for step in rest:
+        assert len(step) == vocab
+        assert sorted(e["rank"] for e in step.values())[-1] <= vocab
+        assert sum(math.exp(e["logprob"]) for e in step.values()) == pytest.approx(1, abs=1e-3)
 
 
 def test_api_key_required_on_v1(key_server):

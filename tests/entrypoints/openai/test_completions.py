@@ -188,3 +188,50 @@ def test_32_concurrent_clients(server, client):
     assert len(results) == 32
     for prompt, text in results:
         assert text == alone[prompt], prompt
+
+
+def test_prompt_logprobs_returned_like_vllm(server, offline_llm):
+    """vLLM's `prompt_logprobs`: per prompt token (the first null), token id -> logprob,
+    rank and text; the same numbers as the offline engine's."""
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 2, "temperature": 0,
+            "prompt_logprobs": 2}
+    choice = httpx.post(server.url_for("v1/completions"), json=body, timeout=120).json()[
+        "choices"][0]
+    (offline,) = offline_llm.generate(
+        [PROMPT], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2), use_tqdm=False)
+    served = choice["prompt_logprobs"]
+    assert len(served) == len(offline.prompt_token_ids) and served[0] is None
+    for position, (got, want) in enumerate(zip(served[1:], offline.prompt_logprobs[1:],
+                                               strict=True), start=1):
+        assert {int(k) for k in got} == set(want)
+        assert str(offline.prompt_token_ids[position]) in got  # the prompt's own token
+        for token_id, lp in want.items():
+            entry = got[str(token_id)]
+            assert entry["logprob"] == pytest.approx(lp.logprob, abs=1e-5)
+            assert (entry["rank"], entry["decoded_token"]) == (lp.rank, lp.decoded_token)
+    # Not asked for: not returned.
+    body.pop("prompt_logprobs")
+    choice = httpx.post(server.url_for("v1/completions"), json=body, timeout=120).json()[
+        "choices"][0]
+    assert choice.get("prompt_logprobs") is None
+
+
+def test_echo_with_logprobs_returns_the_prompt_logprobs(client):
+    """vLLM: echo + logprobs lists the prompt's tokens first (the first with null logprobs),
+    then the generated ones, with text offsets running through the echoed text."""
+    echoed = _greedy(client, PROMPT, max_tokens=3, echo=True, logprobs=1).choices[0]
+    alone = _greedy(client, PROMPT, max_tokens=3, logprobs=1).choices[0]
+    lp = echoed.logprobs
+    num_prompt = len(lp.tokens) - len(alone.logprobs.tokens)
+    assert num_prompt >= 2 and echoed.text == PROMPT + alone.text
+    assert "".join(lp.tokens[:num_prompt]) == PROMPT
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:num_prompt])
+    assert lp.tokens[num_prompt:] == alone.logprobs.tokens
+    assert lp.token_logprobs[num_prompt:] == pytest.approx(alone.logprobs.token_logprobs,
+                                                           abs=1e-5)
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    stream = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=3,
+                                       temperature=0, echo=True, logprobs=1, stream=True)
+    tokens = [t for chunk in stream for c in chunk.choices if c.logprobs for t in c.logprobs.tokens]
+    assert tokens == lp.tokens

@@ -75,6 +75,22 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": "hi"}, 400, "messages"),
     ("chat/completions", {"messages": [{"content": "no role"}]}, 400, "messages.0.role"),
     ("chat/completions", {"model": "no-such-model"}, 404, "model"),
+    # Structured outputs and tools are not implemented: refused naming the field, never a
+    # 200 that ignores the constraint (issue 16).
+    *[(endpoint, {name: value}, 400, name)
+      for endpoint in ("completions", "chat/completions")
+      for name, value in [("guided_json", {"type": "object"}), ("guided_regex", "[a-z]+"),
+                          ("guided_choice", ["yes", "no"]), ("guided_grammar", "root ::= x"),
+                          ("structured_outputs", {"choice": ["a", "b"]}),
+                          ("response_format", {"type": "json_object"}),
+                          ("response_format", {"type": "json_schema", "json_schema": {}})]],
+    ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+     "tools"),
+    ("completions", {"prompt_logprobs": 2, "stream": True}, 400, "prompt_logprobs"),
+    ("completions", {"prompt_logprobs": -2}, 400, "prompt_logprobs"),
+    ("completions", {"prompt_logprobs": MAX_LOGPROBS + 1}, 400, "prompt_logprobs"),
+    # -1 (the whole vocabulary) exceeds the default --max-logprobs 20, as in vLLM.
+    ("completions", {"prompt_logprobs": -1}, 400, "prompt_logprobs"),
     # Non-finite floats (Python's JSON reads Infinity / NaN).
     ("completions", {"temperature": float("inf")}, 400, "temperature"),
     ("completions", {"top_p": float("nan")}, 400, "top_p"),

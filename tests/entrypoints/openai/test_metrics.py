@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -163,3 +165,66 @@ def test_disconnect_while_waiting_for_non_streaming_response(server):
     generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
     assert generated < max_tokens
     assert after.get(SUCCESS_LENGTH, 0) == before.get(SUCCESS_LENGTH, 0)
+
+
+# ------------------------------------------------------------------ vLLM's names, dashboard
+DASHBOARD = Path(__file__).resolve().parents[3] / "examples" / "grafana" / "vllm_dashboard.json"
+# Names vLLM's stock dashboard and users' alerts read (issue 16), beyond REQUIRED.
+VLLM_NAMES = [
+    "vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket",
+    "vllm:request_queue_time_seconds_bucket", "vllm:request_prefill_time_seconds_bucket",
+    "vllm:request_decode_time_seconds_bucket", "vllm:request_inference_time_seconds_bucket",
+    "vllm:iteration_tokens_total_bucket", "vllm:time_per_output_token_seconds_bucket",
+    "vllm:cache_config_info", "process_resident_memory_bytes", "process_cpu_seconds_total",
+    "python_gc_collections_total", "python_info",
+]
+_NAME = re.compile(r"\b((?:vllm:|process_|python_)[A-Za-z0-9_:]+)")
+
+
+def _sample_names(server) -> set[str]:
+    return {key.split("{", 1)[0] for key in scrape_metrics(server)}
+
+
+def _dashboard_queries() -> list[str]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    queries = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    queries += [v["definition"] for v in dashboard["templating"]["list"]]
+    return queries
+
+
+def test_vllm_metric_names_and_collectors_exist(server):
+    names = _sample_names(server)
+    missing = [name for name in VLLM_NAMES if name not in names]
+    assert not missing, missing
+
+
+def test_every_name_the_dashboard_queries_exists_on_a_live_server(server):
+    queried = {name for query in _dashboard_queries() for name in _NAME.findall(query)}
+    assert {"vllm:kv_cache_committed_bytes", "vllm:kv_cache_reserved_bytes"} <= queried
+    missing = sorted(queried - _sample_names(server))
+    assert not missing, f"the dashboard queries names /metrics does not have: {missing}"
+
+
+def test_request_histograms_follow_a_request(server):
+    """vLLM's meanings: token counts per finished request, one observation per phase,
+    and steps that together computed the prompt and the generated tokens."""
+    keys = ["vllm:request_prompt_tokens_sum", "vllm:request_generation_tokens_sum",
+            "vllm:request_queue_time_seconds_count", "vllm:request_prefill_time_seconds_count",
+            "vllm:request_decode_time_seconds_count",
+            "vllm:request_inference_time_seconds_count", "vllm:iteration_tokens_total_sum"]
+    before = scrape_metrics(server)
+    usage = _complete(server, LONG_PROMPT, 4, ignore_eos=True)["usage"]
+    after = _wait_for(server, lambda m: m["vllm:request_decode_time_seconds_count"]
+                      > before["vllm:request_decode_time_seconds_count"])
+    delta = {k: after[k] - before[k] for k in keys}
+    assert delta["vllm:request_prompt_tokens_sum"] == usage["prompt_tokens"]
+    assert delta["vllm:request_generation_tokens_sum"] == usage["completion_tokens"] == 4
+    assert all(delta[k] == 1 for k in keys if k.endswith("_count")), delta
+    assert delta["vllm:iteration_tokens_total_sum"] == usage["prompt_tokens"] + 4
+    phases = {p: after[f"vllm:request_{p}_time_seconds_sum"]
+              - before[f"vllm:request_{p}_time_seconds_sum"]
+              for p in ("queue", "prefill", "decode", "inference")}
+    assert all(v >= 0 for v in phases.values())
+    assert phases["inference"] == pytest.approx(phases["prefill"] + phases["decode"], abs=1e-6)
+    info = [k for k in after if k.startswith("vllm:cache_config_info{")]
+    assert len(info) == 1 and "block_size=16" in info[0] and after[info[0]] == 1

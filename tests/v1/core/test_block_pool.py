@@ -92,26 +92,49 @@ def test_eviction_takes_least_recently_freed_and_drops_its_hash():
     assert set(pool.cached_block_hash_to_block) == {hashes[0], hashes[1]}
 
 
-def test_cache_full_blocks_is_incremental_and_keeps_first_duplicate():
+def test_cache_full_blocks_is_incremental_and_keeps_every_duplicate():
     pool = BlockPool(8, enable_caching=True)
     hashes = _hashes(3)
     a = pool.get_new_blocks(3)
     pool.cache_full_blocks(a, hashes, 0, 1)
     pool.cache_full_blocks(a, hashes, 1, 3)
     assert [b.block_hash for b in a] == hashes
-    # Another request computed the same first block into its own block.
+    # Another request computed the same first block into its own block: both copies
+    # are cached (vLLM's BlockHashToBlockMap), the first registered answers lookups.
     b = pool.get_new_blocks(1)
     pool.cache_full_blocks(b, hashes, 0, 1)
-    assert b[0].block_hash is None and pool.get_cached_block(hashes[0]) is a[0]
+    assert b[0].block_hash == hashes[0] and pool.get_cached_block(hashes[0]) is a[0]
+    assert sorted(blk.block_id for h, blk in pool.cached_block_hash_to_block.items()
+                  if h == hashes[0]) == [a[0].block_id, b[0].block_id]
     with pytest.raises(ValueError, match="needs 4 blocks and hashes, got 3 blocks and 3 hashes"):
         pool.cache_full_blocks(a, hashes, 0, 4)
+
+
+def test_evicting_one_copy_leaves_the_other_to_hit():
+    """Two requests computed the same two blocks at once (issue 16: vLLM keeps both
+    copies, so after the older copy is evicted the prefix still hits in full)."""
+    pool = BlockPool(6, enable_caching=True)
+    hashes = _hashes(2)
+    a = pool.get_new_blocks(2)  # 1, 2
+    b = pool.get_new_blocks(2)  # 3, 4
+    pool.cache_full_blocks(a, hashes, 0, 2)
+    pool.cache_full_blocks(b, hashes, 0, 2)
+    pool.free_blocks(reversed(a))
+    pool.free_blocks(reversed(b))  # queue: 5, 2, 1, 4, 3
+    taken = pool.get_new_blocks(3)  # 5, then a's copies 2 and 1 are evicted
+    assert [blk.block_id for blk in taken] == [5, 2, 1]
+    assert [pool.get_cached_block(h) for h in hashes] == [b[0], b[1]]
+    (evicted,) = pool.get_new_blocks(1)  # b's tail copy: only that hash goes
+    assert evicted is b[1] and pool.get_cached_block(hashes[1]) is None
+    assert pool.get_cached_block(hashes[0]) is b[0]
+    assert list(pool.cached_block_hash_to_block) == [hashes[0]]
 
 
 def test_caching_disabled_registers_nothing():
     pool = BlockPool(4, enable_caching=False)
     blocks = pool.get_new_blocks(2)
     pool.cache_full_blocks(blocks, _hashes(2), 0, 2)
-    assert pool.cached_block_hash_to_block == {}
+    assert len(pool.cached_block_hash_to_block) == 0
     assert all(b.block_hash is None for b in blocks)
 
 
@@ -132,7 +155,7 @@ def test_reset_prefix_cache_only_when_nothing_in_use():
     assert pool.get_cached_block(hashes[0]) is blocks[0]
     pool.free_blocks(blocks[:1])
     assert pool.reset_prefix_cache() is True
-    assert pool.cached_block_hash_to_block == {}
+    assert len(pool.cached_block_hash_to_block) == 0
     assert all(b.block_hash is None for b in pool.blocks)
     assert _free_ids(pool) == [3, 2, 1]  # queue order untouched
 

@@ -43,7 +43,11 @@ from vllm.entrypoints.openai.cli_args import (
     load_chat_template,
 )
 from vllm.entrypoints.openai.errors import APIError, error_from_exception
-from vllm.entrypoints.openai.metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
+from vllm.entrypoints.openai.metrics import (
+    CONTENT_TYPE_LATEST,
+    PrometheusStatLogger,
+    cache_config_info,
+)
 from vllm.entrypoints.openai.protocol import (
     INVALID_UNICODE_ERROR,
     ChatCompletionRequest,
@@ -95,7 +99,9 @@ def build_app(engine_client: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     model_config = engine_client.model_config
     models = ServedModels(served_model_names(args), root=model_config.model,
                           max_model_len=model_config.max_model_len)
-    metrics = PrometheusStatLogger(models.default_name)
+    metrics = PrometheusStatLogger(
+        models.default_name, max_model_len=model_config.max_model_len,
+        cache_config_info=cache_config_info(engine_client.vllm_config.cache_config))
     engine_client.add_stat_logger(metrics)
     chat_template = load_chat_template(getattr(args, "chat_template", None))
 
@@ -119,6 +125,10 @@ def _add_openai_routes(
 ) -> None:
     completion = OpenAIServingCompletion(engine_client, models)
     chat = OpenAIServingChat(engine_client, models, chat_template)
+    if chat.default_sampling_params:
+        logger.info("Using default sampling params from the model's generation config (a "
+                    "request's own values override them; --generation-config vllm drops "
+                    "them): %s", chat.default_sampling_params)
     tokenization = OpenAIServingTokenization(engine_client, models, chat_template)
 
     @app.get("/v1/models")

@@ -41,15 +41,16 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Names the API accepts as `model`; the first is reported (default: "
                         "the MODEL argument, or SmolLM2-135M-Instruct).")
     g.add_argument("--chat-template", type=str, default=None,
-                   help="Chat template (a file or an inline Jinja string) replacing the model's.")
+                   help="Chat template (a file or an inline Jinja string) replacing the model's "
+                        "(default: the model's own).")
     g.add_argument("--shutdown-timeout", type=int, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                    help="Seconds in-flight requests get to finish after SIGTERM/SIGINT; then "
                         "they fail with 503 (a stream gets an error event and [DONE]) and the "
                         f"server exits (default: {DEFAULT_SHUTDOWN_TIMEOUT_S}; 0: at once).")
     g.add_argument("--uvicorn-log-level", type=str, choices=UVICORN_LOG_LEVELS, default="info",
-                   help="Log level of uvicorn (the HTTP server).")
+                   help="Log level of uvicorn, the HTTP server (default: %(default)s).")
     g.add_argument("--disable-uvicorn-access-log", action="store_true",
-                   help="Do not log one line per HTTP request.")
+                   help="Do not log one line per HTTP request (default: log them).")
     AsyncEngineArgs.add_cli_args(parser)
     return parser
 

@@ -7,18 +7,29 @@ and `/metrics` renders the registry on the event loop.
 
 Counters whose source is cumulative in `SchedulerStats` (preemptions, prefix
 cache hits / queries) are advanced by the difference since the last record.
+
+Names, meanings and histogram buckets are vLLM's (vllm/v1/metrics/loggers.py),
+so its Grafana dashboard and users' alerts read this server unchanged; the
+registry also carries prometheus-client's `process_*` and `python_*` collectors,
+as vLLM's default registry does. Our own additions: `vllm:kv_cache_committed_bytes`,
+`vllm:kv_cache_reserved_bytes`, `vllm:kv_cache_num_blocks`
+(examples/grafana/ draws them).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
     Gauge,
+    GCCollector,
     Histogram,
+    PlatformCollector,
+    ProcessCollector,
     generate_latest,
 )
 
@@ -27,16 +38,35 @@ if TYPE_CHECKING:
     from vllm.v1.metrics.stats import IterationStats
     from vllm.v1.outputs import KVCacheMemory
 
-__all__ = ["CONTENT_TYPE_LATEST", "PrometheusStatLogger"]
+__all__ = ["CONTENT_TYPE_LATEST", "PrometheusStatLogger", "cache_config_info"]
 
-# Bucket bounds in seconds. TTFT spans a decode-size prefill on an idle GPU
-# (~ms) to a long queue on a small CPU (minutes); ITL is one decode step.
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-                 60.0, 120.0, 300.0, 600.0)
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.075, 0.1, 0.2, 0.4, 0.75, 1.0, 2.5,
-                5.0, 10.0, 30.0)
-_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0,
-                600.0, 1800.0, 3600.0)
+# vLLM's bucket bounds (seconds), so histogram_quantile over a scrape of this server
+# and of vLLM compare bucket for bucket.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+# End-to-end latency and the request phases (queue, prefill, decode, inference).
+_REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                            40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# Tokens one engine step computed (vLLM's, spanning its CUDA graph batch sizes).
+_ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_value` (vLLM's token-count buckets).
+
+    >>> build_1_2_5_buckets(100)
+    [1, 2, 5, 10, 20, 50, 100]
+    """
+    buckets, exponent = [], 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return buckets
+            buckets.append(value)
+        exponent += 1
 
 
 class PrometheusStatLogger:
@@ -44,11 +74,24 @@ class PrometheusStatLogger:
 
     Args:
         model_name: the `model_name` label (the first served model name).
-        registry: where the metrics live; a new one when None.
+        registry: where the metrics live; a new one (with the process and
+            Python collectors) when None.
+        max_model_len: the top of the per-request token histograms' buckets.
+        cache_config_info: the `vllm:cache_config_info` labels (CacheConfig's
+            fields as strings); the gauge is absent when None.
     """
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
+                 max_model_len: int = 8192,
+                 cache_config_info: dict[str, str] | None = None) -> None:
+        if registry is None:
+            registry = CollectorRegistry()
+            # What vLLM's default registry shows besides vllm:*: process_* (CPU,
+            # memory, fds) and python_* (GC, version); each belongs to one registry.
+            ProcessCollector(registry=registry)
+            PlatformCollector(registry=registry)
+            GCCollector(registry=registry)
+        self.registry = registry
         labels = ["model_name"]
         r = self.registry
 
@@ -86,13 +129,53 @@ class PrometheusStatLogger:
             "vllm:request_success", "Finished requests, by finish reason.",
             ["model_name", "finished_reason"], registry=r)
         self._model_name = model_name
+        # Every finish reason exists from the start (0), as in vLLM, so dashboards and
+        # alerts over it have a series before the first request finishes.
+        for reason in ("stop", "length", "abort"):
+            self._request_success.labels(model_name, reason)
         self.time_to_first_token = histogram(
             "vllm:time_to_first_token_seconds", "Time to first token, seconds.", _TTFT_BUCKETS)
         self.inter_token_latency = histogram(
             "vllm:inter_token_latency_seconds", "Time between two output tokens, seconds.",
             _ITL_BUCKETS)
         self.e2e_request_latency = histogram(
-            "vllm:e2e_request_latency_seconds", "Arrival to last token, seconds.", _E2E_BUCKETS)
+            "vllm:e2e_request_latency_seconds", "Arrival to last token, seconds.",
+            _REQUEST_LATENCY_BUCKETS)
+        # vLLM's older name for the inter-token latency; the same observations.
+        self.time_per_output_token = histogram(
+            "vllm:time_per_output_token_seconds",
+            "Time per output token (between two output tokens), seconds.", _ITL_BUCKETS)
+        token_buckets = tuple(build_1_2_5_buckets(max_model_len))
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens of each finished request.",
+            token_buckets)
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Generated tokens of each finished request.",
+            token_buckets)
+        self.iteration_tokens = histogram(
+            "vllm:iteration_tokens_total",
+            "Tokens per engine step (prompt tokens of requests that got their first token "
+            "plus generated tokens).", _ITERATION_TOKENS_BUCKETS)
+        self.request_queue_time = histogram(
+            "vllm:request_queue_time_seconds",
+            "Time in the WAITING phase: arrival to first scheduled, seconds.",
+            _REQUEST_LATENCY_BUCKETS)
+        self.request_prefill_time = histogram(
+            "vllm:request_prefill_time_seconds",
+            "Time in the PREFILL phase: first scheduled to first token, seconds.",
+            _REQUEST_LATENCY_BUCKETS)
+        self.request_decode_time = histogram(
+            "vllm:request_decode_time_seconds",
+            "Time in the DECODE phase: first token to last token, seconds.",
+            _REQUEST_LATENCY_BUCKETS)
+        self.request_inference_time = histogram(
+            "vllm:request_inference_time_seconds",
+            "Time in the RUNNING phase: first scheduled to last token, seconds.",
+            _REQUEST_LATENCY_BUCKETS)
+        if cache_config_info is not None:
+            info = Gauge("vllm:cache_config_info", "Information of the engine's CacheConfig.",
+                         sorted(cache_config_info), registry=r)
+            info.labels(**cache_config_info).set(1)
         # Cumulative scheduler figures seen at the previous record.
         self._last_preemptions = 0
         self._last_prefix_queries = 0
@@ -132,6 +215,16 @@ class PrometheusStatLogger:
             self.time_to_first_token.observe(value)
         for value in it.inter_token_latencies:
             self.inter_token_latency.observe(value)
+            self.time_per_output_token.observe(value)
+        if it.num_prompt_tokens or it.num_generation_tokens:
+            self.iteration_tokens.observe(it.num_prompt_tokens + it.num_generation_tokens)
+        for req in it.finished_requests:
+            self.request_prompt_tokens.observe(req.num_prompt_tokens)
+            self.request_generation_tokens.observe(req.num_generation_tokens)
+            self.request_queue_time.observe(req.queue_time)
+            self.request_prefill_time.observe(req.prefill_time)
+            self.request_decode_time.observe(req.decode_time)
+            self.request_inference_time.observe(req.inference_time)
         for value in it.e2e_latencies:
             self.e2e_request_latency.observe(value)
         for reason in it.finished_reasons:
@@ -143,6 +236,12 @@ class PrometheusStatLogger:
     def render(self) -> bytes:
         """The registry in the Prometheus text format (`CONTENT_TYPE_LATEST`)."""
         return generate_latest(self.registry)
+
+
+def cache_config_info(cache_config: Any) -> dict[str, str]:
+    """`vllm:cache_config_info` labels: the CacheConfig's public fields as strings."""
+    return {f.name: str(getattr(cache_config, f.name)) for f in dataclasses.fields(cache_config)
+            if not f.name.startswith("_")}
 
 
 def _advance(counter: Counter, total: int, last: int) -> int:

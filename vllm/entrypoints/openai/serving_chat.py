@@ -33,7 +33,9 @@ from vllm.entrypoints.openai.serving_engine import (
     build_sampling_params,
     clamp_logprob,
     final_outputs,
+    prompt_logprobs_json,
     random_id,
+    reject_unsupported_fields,
     render_chat,
     sse,
     sse_response,
@@ -109,12 +111,14 @@ class OpenAIServingChat(OpenAIServing):
             renamed={"logprobs": "top_logprobs",
                      "max_tokens": ("max_completion_tokens" if use_completion_tokens
                                     else "max_tokens")},
+            defaults=self.default_sampling_params,
+            prompt_logprobs=request.prompt_logprobs,
         )
         prompt = await self._render(request)
         request_id = random_id("chatcmpl")
         length_param = "max_completion_tokens" if use_completion_tokens else "max_tokens"
         (engine_stream,) = await self.admit_all(request_id, [prompt], params, "messages",
-                                                length_param)
+                                                length_param, {"logprobs": "top_logprobs"})
         if stream:
             return sse_response(self._stream(request_id, model_name, engine_stream, params.n,
                                              top_logprobs, include_usage))
@@ -135,19 +139,18 @@ class OpenAIServingChat(OpenAIServing):
         prompt_tokens = len(output.prompt_token_ids or [])
         completion_tokens = sum(len(c.token_ids) for c in output.outputs)
         response = ChatCompletionResponse(id=request_id, model=model_name, choices=choices,
-                                          usage=usage_info(prompt_tokens, completion_tokens))
+                                          usage=usage_info(prompt_tokens, completion_tokens),
+                                          prompt_logprobs=prompt_logprobs_json(
+                                              output.prompt_logprobs))
         return JSONResponse(response.model_dump())
 
     @staticmethod
     def _check_unsupported(request: ChatCompletionRequest) -> None:
+        reject_unsupported_fields(request)
         if request.tools:
             raise APIError(400, "tools are not supported by this server", "tools")
         if request.tool_choice not in (None, "none"):
             raise APIError(400, "tool_choice is not supported by this server", "tool_choice")
-        response_type = (request.response_format or {}).get("type", "text")
-        if response_type != "text":
-            raise APIError(400, f"response_format {response_type!r} is not supported; "
-                           "only 'text'", "response_format")
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
 

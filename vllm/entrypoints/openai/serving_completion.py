@@ -29,7 +29,9 @@ from vllm.entrypoints.openai.serving_engine import (
     clamp_logprob,
     final_outputs,
     merge_async_iterators,
+    prompt_logprobs_json,
     random_id,
+    reject_unsupported_fields,
     sse,
     sse_response,
     stream_error_event,
@@ -39,19 +41,32 @@ from vllm.entrypoints.openai.serving_engine import (
 
 if TYPE_CHECKING:
     from vllm.inputs import PromptType
-    from vllm.logprobs import SampleLogprobs
+    from vllm.logprobs import PromptLogprobs, SampleLogprobs
     from vllm.outputs import CompletionOutput, RequestOutput
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.async_llm import RequestOutputStream
 
 
 def completion_logprobs(
-    token_ids: list[int], logprobs: SampleLogprobs, text_offset: int
+    token_ids: list[int], logprobs: SampleLogprobs | PromptLogprobs, text_offset: int,
+    token_texts: list[str] | None = None,
 ) -> CompletionLogProbs:
     """OpenAI's completions logprobs: per token its text, logprob, char offset, and the
-    top alternatives (the sampled token plus the top-k, keyed by text)."""
+    top alternatives (the sampled token plus the top-k, keyed by text).
+
+    A None step (the first prompt token under echo, which has no context) gives a
+    null logprob and null top_logprobs, as in vLLM; its text comes from `token_texts`.
+    """
     result = CompletionLogProbs()
-    for token_id, step in zip(token_ids, logprobs, strict=False):
+    for i, (token_id, step) in enumerate(zip(token_ids, logprobs, strict=False)):
+        if step is None:
+            token = token_texts[i] if token_texts is not None else ""
+            result.tokens.append(token)
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+            result.text_offset.append(text_offset)
+            text_offset += len(token)
+            continue
         sampled = step.get(token_id)
         token = (sampled.decoded_token if sampled is not None else None) or ""
         result.tokens.append(token)
@@ -91,9 +106,14 @@ class OpenAIServingCompletion(OpenAIServing):
         self._check_unsupported(request)
         stream, include_usage = stream_settings(request)
         prompts = _normalise_prompts(request.prompt)
+        # vLLM: echo with logprobs returns the prompt's logprobs too (as many top entries).
+        prompt_logprobs = request.prompt_logprobs
+        if prompt_logprobs is None and request.echo and request.logprobs is not None:
+            prompt_logprobs = request.logprobs
         params = build_sampling_params(
             request, stream, self.vocab_size,
             max_tokens=request.max_tokens, logprobs=request.logprobs,
+            defaults=self.default_sampling_params, prompt_logprobs=prompt_logprobs,
         )
         request_id = random_id("cmpl")
         streams = await self.admit_all(request_id, prompts, params)
@@ -101,19 +121,20 @@ class OpenAIServingCompletion(OpenAIServing):
             return sse_response(self._stream(request_id, model_name, streams, params,
                                              bool(request.echo), include_usage))
         outputs = await final_outputs(streams)
-        return JSONResponse(
-            (await self._response(request_id, model_name, outputs, params, bool(request.echo)))
-            .model_dump()
-        )
+        response = await self._response(request_id, model_name, outputs, params,
+                                         bool(request.echo))
+        if request.prompt_logprobs is None:  # only asked-for prompt logprobs are returned
+            for choice in response.choices:
+                choice.prompt_logprobs = None
+        return JSONResponse(response.model_dump())
 
     @staticmethod
     def _check_unsupported(request: CompletionRequest) -> None:
+        reject_unsupported_fields(request)
         if request.suffix is not None:
             raise APIError(400, "suffix is not supported", "suffix")
         if request.best_of is not None and request.best_of != (request.n or 1):
             raise APIError(400, f"best_of ({request.best_of}) is not supported; use n", "best_of")
-        if request.echo and request.logprobs is not None:
-            raise APIError(400, "echo together with logprobs is not supported", "echo")
 
     async def _prompt_text(self, output: RequestOutput) -> str:
         if output.prompt is not None:
@@ -128,22 +149,47 @@ class OpenAIServingCompletion(OpenAIServing):
         usage = UsageInfo()
         for i, output in enumerate(outputs):
             prefix = await self._prompt_text(output) if echo else ""
+            echoed = await self._echoed_logprobs(output) if echo else None
             usage.prompt_tokens += len(output.prompt_token_ids or [])
             for completion in sorted(output.outputs, key=lambda c: c.index):
                 usage.completion_tokens += len(completion.token_ids)
-                choices.append(self._choice(i * params.n + completion.index, prefix, completion,
-                                            len(prefix)))
+                choice = self._choice(i * params.n + completion.index, prefix, completion,
+                                      len(prefix), echoed)
+                choice.prompt_logprobs = prompt_logprobs_json(output.prompt_logprobs)
+                choices.append(choice)
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
         return CompletionResponse(id=request_id, model=model_name, choices=choices, usage=usage)
 
+    async def _echoed_logprobs(self, output: RequestOutput) -> CompletionLogProbs | None:
+        """Logprobs of the echoed prompt (text offsets from 0), or None if not computed."""
+        if output.prompt_logprobs is None:
+            return None
+        token_ids = list(output.prompt_token_ids or [])
+        # The first token's text (it has no logprob entry to carry it), decoded on the
+        # tokenizer thread: HF fast tokenizers must not be shared across threads.
+        texts = [await self.engine_client.detokenize(token_ids[:1])] if token_ids else []
+        return completion_logprobs(token_ids, output.prompt_logprobs, 0, texts)
+
     @staticmethod
     def _choice(
-        index: int, prefix: str, completion: CompletionOutput, text_offset: int
+        index: int, prefix: str, completion: CompletionOutput, text_offset: int,
+        echoed: CompletionLogProbs | None = None,
     ) -> CompletionResponseChoice:
+        """One choice; `echoed` (the prompt's logprobs under echo) goes before the output's.
+
+        With echo the output's text offsets continue after the echoed prompt text.
+        """
         logprobs = None
         if completion.logprobs is not None:
             logprobs = completion_logprobs(list(completion.token_ids), completion.logprobs,
                                            text_offset)
+            if echoed is not None:
+                logprobs = CompletionLogProbs(
+                    text_offset=echoed.text_offset + logprobs.text_offset,
+                    token_logprobs=echoed.token_logprobs + logprobs.token_logprobs,
+                    tokens=echoed.tokens + logprobs.tokens,
+                    top_logprobs=echoed.top_logprobs + logprobs.top_logprobs,
+                )
         return CompletionResponseChoice(
             index=index,
             text=prefix + completion.text,
@@ -167,13 +213,16 @@ class OpenAIServingCompletion(OpenAIServing):
                     index = i * n + completion.index
                     completion_tokens += len(completion.token_ids)
                     prefix = ""
+                    echoed = None
                     if index not in offsets:
                         offsets[index] = 0
                         prefix = await self._prompt_text(output) if echo else ""
+                        echoed = await self._echoed_logprobs(output) if echo else None
                     if not (prefix or completion.text or completion.finish_reason
                             or completion.logprobs):
                         continue
-                    choice = self._choice(index, prefix, completion, offsets[index])
+                    choice = self._choice(index, prefix, completion, offsets[index] + len(prefix),
+                                          echoed)
                     offsets[index] += len(choice.text)
                     chunk = CompletionStreamResponse(id=request_id, model=model_name,
                                                      choices=[choice])

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
     from vllm.entrypoints.openai.serving_models import ServedModels
     from vllm.inputs import PromptType
+    from vllm.logprobs import PromptLogprobs
     from vllm.v1.engine.async_llm import AsyncLLM, RequestOutputStream
 
 logger = init_logger(__name__)
@@ -57,6 +58,48 @@ def stream_settings(request: SamplingFields) -> tuple[bool, bool]:
     return bool(request.stream), include_usage
 
 
+# vLLM's structured-output request fields. None are implemented yet, so a request that
+# sets one is refused (HTTP 400 naming it) rather than answered without the constraint.
+STRUCTURED_OUTPUT_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                            "guided_decoding_backend", "guided_whitespace_pattern",
+                            "structured_outputs")
+
+
+def reject_unsupported_fields(request: SamplingFields) -> None:
+    """Refuse what this server cannot honour, before any work is done.
+
+    Raises:
+        APIError(400, param = the field): a structured-output field, a
+            `response_format` other than {"type": "text"}, or `prompt_logprobs`
+            with stream=true (vLLM's rule: they come with the final response).
+    """
+    for name in STRUCTURED_OUTPUT_FIELDS:
+        if getattr(request, name) is not None:
+            raise APIError(400, f"{name} is not supported: structured outputs are not "
+                           "implemented by this server", name)
+    response_format = request.response_format
+    if response_format is not None:
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        if kind != "text":
+            raise APIError(400, f"response_format {kind or response_format!r} is not "
+                           "supported: structured outputs are not implemented by this server; "
+                           "only {\"type\": \"text\"}", "response_format")
+    if request.prompt_logprobs is not None and request.stream:
+        raise APIError(400, "prompt_logprobs are not available when stream=true",
+                       "prompt_logprobs")
+
+
+def prompt_logprobs_json(prompt_logprobs: PromptLogprobs | None) -> list | None:
+    """`RequestOutput.prompt_logprobs` as vLLM's JSON: per position None or
+    {token id: {"logprob", "rank", "decoded_token"}}, -inf clamped."""
+    if prompt_logprobs is None:
+        return None
+    return [None if step is None else {
+        token_id: {"logprob": clamp_logprob(lp.logprob), "rank": lp.rank,
+                   "decoded_token": lp.decoded_token}
+        for token_id, lp in step.items()} for step in prompt_logprobs]
+
+
 def usage_info(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
     """The `usage` object: token counts and their sum."""
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
@@ -71,6 +114,8 @@ def build_sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     renamed: dict[str, str] | None = None,
+    defaults: dict[str, Any] | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """SamplingParams from the request's fields; SamplingParams itself checks the ranges.
 
@@ -79,8 +124,11 @@ def build_sampling_params(
         stream: DELTA outputs when streaming, else FINAL_ONLY.
         vocab_size: logit_bias keys must be below it.
         max_tokens / logprobs: already resolved by the endpoint (their names differ).
+        prompt_logprobs: likewise (completions with echo: the request's logprobs).
         renamed: SamplingParams field -> request field for error `param`s
             (chat: logprobs -> top_logprobs).
+        defaults: the model's sampling defaults (`ModelConfig.get_diff_sampling_param`),
+            used for the fields the request leaves unset, as vLLM does.
 
     Raises:
         APIError(400): a value SamplingParams rejects; `param` names the request field.
@@ -107,12 +155,15 @@ def build_sampling_params(
         "ignore_eos": request.ignore_eos,
         "min_tokens": request.min_tokens,
         "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
         "include_stop_str_in_output": request.include_stop_str_in_output,
         "skip_special_tokens": request.skip_special_tokens,
         "spaces_between_special_tokens": request.spaces_between_special_tokens,
         "logit_bias": logit_bias,
     }
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    for name, value in (defaults or {}).items():
+        kwargs.setdefault(name, value)
     kwargs["max_tokens"] = max_tokens  # None is meaningful: "as many as fit"
     kwargs["output_kind"] = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     try:
@@ -133,33 +184,40 @@ class OpenAIServing:
         self.models = models
         self.max_model_len = engine_client.model_config.max_model_len
         self.vocab_size = engine_client.model_config.get_vocab_size()
+        # The generation config's temperature, top_p, ... for fields a request leaves unset.
+        self.default_sampling_params = engine_client.model_config.get_diff_sampling_param()
 
     async def admit(
         self, request_id: str, prompt: PromptType, params: SamplingParams,
         prompt_param: str = "prompt", length_param: str = "max_tokens",
+        renamed: dict[str, str] | None = None,
     ) -> RequestOutputStream:
         """Hand a request to the engine; validation failures become APIError(400).
 
         `prompt_param` / `length_param` name the request fields a prompt or a
-        length error is about (chat: "messages", "max_completion_tokens").
+        length error is about (chat: "messages", "max_completion_tokens");
+        `renamed` maps other SamplingParams fields (chat: logprobs -> top_logprobs).
         """
         try:
             return await self.engine_client.add_request(request_id, prompt, params)
         except ValueError as e:
-            raise validation_error(e, {"prompt": prompt_param, "max_tokens": length_param}) from e
+            raise validation_error(e, {**(renamed or {}), "prompt": prompt_param,
+                                       "max_tokens": length_param}) from e
         except Exception as e:
             raise error_from_exception(e) from e
 
     async def admit_all(
         self, request_id: str, prompts: list[PromptType], params: SamplingParams,
         prompt_param: str = "prompt", length_param: str = "max_tokens",
+        renamed: dict[str, str] | None = None,
     ) -> list[RequestOutputStream]:
         """Admit several prompts as `{request_id}-{i}`; all or none (earlier ones aborted)."""
         streams: list[RequestOutputStream] = []
         try:
             for i, prompt in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(await self.admit(rid, prompt, params, prompt_param, length_param))
+                streams.append(await self.admit(rid, prompt, params, prompt_param, length_param,
+                                                renamed))
         except BaseException:
             self.engine_client.abort([s.request_id for s in streams])
             raise

@@ -5,22 +5,73 @@ Invariants (checked by tests/v1/core/test_block_pool.py):
 
 - Block 0 is the null block: never allocated, freed, cached or queued.
 - A block with `ref_cnt == 0` is in the free queue; one with `ref_cnt > 0` is not.
-- `cached_block_hash_to_block[h] is b` implies `b.block_hash == h`. A free
-  block may keep its hash (it is a cache entry that can still be revived by
-  `touch`) until `get_new_blocks` evicts it.
-- At most one block per hash: when a second block with an already cached
-  hash is offered, it stays unregistered (it is still a valid block of its
-  request and simply returns to the free queue without a hash).
+- Every block `cached_block_hash_to_block` holds under `h` has `block_hash == h`. A
+  free block may keep its hash (it is a cache entry that can still be revived
+  by `touch`) until `get_new_blocks` evicts it.
+- Every cached copy is kept, as in vLLM: two requests that computed the same
+  block at once (neither could hit the other) both register theirs under the
+  one hash, so evicting one copy leaves the other to hit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from vllm.logger import init_logger
 from vllm.v1.core.kv_cache_utils import BlockHash, FreeKVCacheBlockQueue, KVCacheBlock
 
 logger = init_logger(__name__)
+
+
+class BlockHashToBlockMap:
+    """Block hash -> every cached block with that hash (vLLM's structure of that name).
+
+    Identical content can sit in several blocks: requests scheduled together
+    each compute a shared prefix before either is cached. Keeping all of them
+    (rather than the first) means a hit survives the eviction of one copy.
+    Lookups return one of them; eviction removes exactly the evicted block.
+    """
+
+    def __init__(self) -> None:
+        self._cache: dict[BlockHash, dict[int, KVCacheBlock]] = {}
+
+    def get_one_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        """Any block cached under `block_hash` (the earliest registered), or None."""
+        blocks = self._cache.get(block_hash)
+        return next(iter(blocks.values())) if blocks else None
+
+    def insert(self, block_hash: BlockHash, block: KVCacheBlock) -> None:
+        """Register `block` under `block_hash` (alongside any other copies)."""
+        self._cache.setdefault(block_hash, {})[block.block_id] = block
+
+    def pop(self, block_hash: BlockHash, block_id: int) -> KVCacheBlock | None:
+        """Unregister block `block_id` from `block_hash`; returns it, or None if absent."""
+        blocks = self._cache.get(block_hash)
+        if blocks is None:
+            return None
+        block = blocks.pop(block_id, None)
+        if not blocks:
+            del self._cache[block_hash]
+        return block
+
+    def items(self) -> Iterator[tuple[BlockHash, KVCacheBlock]]:
+        """(hash, block) for every cached block, copies included."""
+        for block_hash, blocks in self._cache.items():
+            for block in blocks.values():
+                yield block_hash, block
+
+    def clear(self) -> None:
+        self._cache.clear()
+
+    def __contains__(self, block_hash: object) -> bool:
+        return block_hash in self._cache
+
+    def __iter__(self) -> Iterator[BlockHash]:
+        return iter(self._cache)
+
+    def __len__(self) -> int:
+        """Distinct hashes cached."""
+        return len(self._cache)
 
 
 class BlockPool:
@@ -46,7 +97,7 @@ class BlockPool:
         self.null_block = self.blocks[0]
         # Initially free in id order, so a fresh pool hands out 1, 2, 3, ...
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
-        self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        self.cached_block_hash_to_block = BlockHashToBlockMap()
 
     @property
     def num_blocks(self) -> int:
@@ -65,8 +116,8 @@ class BlockPool:
         return 1.0 - self.get_num_free_blocks() / usable
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        """The block registered under `block_hash`, or None."""
-        return self.cached_block_hash_to_block.get(block_hash)
+        """A block registered under `block_hash` (any of its copies), or None."""
+        return self.cached_block_hash_to_block.get_one_block(block_hash)
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take `num_blocks` blocks from the head of the free queue, ref_cnt 1 each.
@@ -146,11 +197,9 @@ class BlockPool:
             block = blocks[i]
             if block.is_null or block.block_hash is not None:
                 continue  # a prefix-cache hit: already registered
-            block_hash = block_hashes[i]
-            if block_hash in self.cached_block_hash_to_block:
-                continue  # same content computed twice; keep the first copy
-            block.block_hash = block_hash
-            self.cached_block_hash_to_block[block_hash] = block
+            block.block_hash = block_hashes[i]
+            # Same content computed twice is kept twice (see BlockHashToBlockMap).
+            self.cached_block_hash_to_block.insert(block.block_hash, block)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Only allowed while no block is in use.
@@ -196,6 +245,5 @@ class BlockPool:
         block_hash = block.block_hash
         if block_hash is None:
             return
-        if self.cached_block_hash_to_block.get(block_hash) is block:
-            del self.cached_block_hash_to_block[block_hash]
+        self.cached_block_hash_to_block.pop(block_hash, block.block_id)
         block.reset_hash()

@@ -48,6 +48,8 @@ class LLMEngine:
             model_config.max_model_len,
             model_config.get_vocab_size(),
             vllm_config.scheduler_config.max_num_seqs,
+            model_config.try_get_generation_config(),
+            model_config.max_logprobs,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         if multiprocess_mode:

@@ -19,7 +19,7 @@ from vllm.logprobs import Logprob
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.detokenizer import IncrementalDetokenizer
-from vllm.v1.metrics.stats import IterationStats, RequestTimes
+from vllm.v1.metrics.stats import FinishedRequestStats, IterationStats, RequestTimes
 from vllm.v1.outputs import EngineCoreOutput, FinishReason, LogprobsLists
 
 if TYPE_CHECKING:
@@ -92,6 +92,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
+        self._token_texts: dict[int, str] = {}  # token id -> its text alone
         self.states: dict[str, RequestState] = {}
         self.parents: dict[str, ParentRequest] = {}
 
@@ -169,6 +170,7 @@ class OutputProcessor:
                 del self.states[out.request_id]
                 stats.finished_reasons.append(str(finish_reason))
                 stats.e2e_latencies.append(now - state.times.arrival)
+                stats.finished_requests.append(self._finished_stats(state, now))
             request_output = self._make_request_output(state, finish_reason, stop_reason)
             if request_output is not None:
                 if state.queue is not None:
@@ -182,10 +184,12 @@ class OutputProcessor:
     def _update_timing(
         state: RequestState, out: EngineCoreOutput, now: float, stats: IterationStats
     ) -> None:
+        times = state.times
+        if times.first_scheduled is None and out.first_scheduled_time is not None:
+            times.first_scheduled = out.first_scheduled_time
         n = len(out.new_token_ids)
         if n == 0:
             return
-        times = state.times
         if times.first_token is None:
             times.first_token = now
             stats.time_to_first_tokens.append(now - times.arrival)
@@ -195,12 +199,30 @@ class OutputProcessor:
         times.last_token = now
         stats.num_generation_tokens += n
 
+    @staticmethod
+    def _finished_stats(state: RequestState, now: float) -> FinishedRequestStats:
+        """The phases of a request that just finished (0 for a phase it never reached)."""
+        t = state.times
+        scheduled = t.first_scheduled if t.first_scheduled is not None else now
+        first = t.first_token if t.first_token is not None else now
+        last = t.last_token if t.last_token is not None else now
+        return FinishedRequestStats(
+            num_prompt_tokens=len(state.prompt_token_ids),
+            num_generation_tokens=len(state.token_ids),
+            queue_time=max(scheduled - t.arrival, 0.0),
+            prefill_time=max(first - scheduled, 0.0),
+            decode_time=max(last - first, 0.0),
+            inference_time=max(last - scheduled, 0.0),
+        )
+
     def _update_logprobs(self, state: RequestState, out: EngineCoreOutput) -> None:
         if state.logprobs is not None and out.new_logprobs is not None:
-            self._append_logprobs(state.logprobs, out.new_logprobs, state.params.logprobs, state)
+            self._append_logprobs(state.logprobs, out.new_logprobs, state.params.logprobs, state,
+                                  detokenize=state.params.detokenize)
         if state.prompt_logprobs is not None and out.new_prompt_logprobs is not None:
             self._append_logprobs(
-                state.prompt_logprobs, out.new_prompt_logprobs, state.params.prompt_logprobs
+                state.prompt_logprobs, out.new_prompt_logprobs, state.params.prompt_logprobs,
+                detokenize=state.params.detokenize,
             )
 
     def _append_logprobs(
@@ -209,7 +231,12 @@ class OutputProcessor:
         lists: LogprobsLists,
         num_logprobs: int,
         state: RequestState | None = None,
+        detokenize: bool = True,
     ) -> None:
+        # detokenize=False leaves Logprob.decoded_token None, as in vLLM.
+        text = self._token_text if detokenize else (lambda _token_id: None)
+        if num_logprobs < 0:  # -1: the whole vocabulary (the worker got a count)
+            num_logprobs = len(self.tokenizer)
         for ids, lps, rank in zip(
             lists.logprob_token_ids, lists.logprobs, lists.ranks, strict=True
         ):
@@ -218,16 +245,20 @@ class OutputProcessor:
             entry: dict[int, Logprob] = {}
             # Column 0 is the chosen token; 1..k the top-k (the chosen token
             # may be among them, and then keeps its true rank).
-            entry[ids[0]] = Logprob(lps[0], rank, self._token_text(ids[0]))
+            entry[ids[0]] = Logprob(lps[0], rank, text(ids[0]))
             for i in range(1, min(num_logprobs, len(ids) - 1) + 1):
                 if ids[i] not in entry:
-                    entry[ids[i]] = Logprob(lps[i], i, self._token_text(ids[i]))
+                    entry[ids[i]] = Logprob(lps[i], i, text(ids[i]))
             dest.append(entry)
             if state is not None and state.cumulative_logprob is not None:
                 state.cumulative_logprob += lps[0]
 
     def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        # Cached: a whole-vocabulary request (logprobs -1) decodes every id per position.
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def _make_request_output(
         self,

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from vllm.exceptions import VLLMValidationError
 from vllm.inputs import check_unicode_text
-from vllm.sampling_params import SamplingParams, validate_request_lengths
+from vllm.sampling_params import MAX_LOGPROBS, SamplingParams, validate_request_lengths
 from vllm.v1.request import Request
 
 if TYPE_CHECKING:
@@ -29,6 +29,11 @@ class Processor:
         vocab_size: token ids must be below it.
         max_num_seqs: the most sequences one step runs (the scheduler's limit);
             a request's `n` may not exceed it.
+        generation_config: the model's generation config
+            (`ModelConfig.try_get_generation_config`); its `eos_token_id` ids
+            stop every request, as the tokenizer's EOS does.
+        max_logprobs: the most logprobs (sample or prompt) a request may ask
+            for; -1 = the whole vocabulary (vLLM's `--max-logprobs`).
     """
 
     def __init__(
@@ -37,15 +42,19 @@ class Processor:
         max_model_len: int,
         vocab_size: int,
         max_num_seqs: int,
+        generation_config: dict | None = None,
+        max_logprobs: int = MAX_LOGPROBS,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_num_seqs = max_num_seqs
         self.eos_token_id = tokenizer.eos_token_id
+        self.generation_config = generation_config or {}
+        self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
 
     def validate_params(self, params: SamplingParams) -> None:
-        """Engine limits SamplingParams cannot know: `n` <= max_num_seqs.
+        """Engine limits SamplingParams cannot know: `n` <= max_num_seqs, logprobs <= max.
 
         Why the bound: the n samples of a prompt are n sequences; more than a
         step can run would never finish together, and a huge n (10**6) only
@@ -53,7 +62,18 @@ class Processor:
 
         Raises:
             VLLMValidationError (parameter "n"): naming n and max_num_seqs.
+            VLLMValidationError (parameter "logprobs" / "prompt_logprobs"): more
+                than `max_logprobs` (vLLM's message).
         """
+        for name, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+            asked = getattr(params, name)
+            num = self.vocab_size if asked == -1 else asked
+            if num is not None and num > self.max_logprobs:
+                raise VLLMValidationError(
+                    f"Requested {what} logprobs of {num}, which is greater than max allowed: "
+                    f"{self.max_logprobs} (--max-logprobs; -1 asks for the whole vocabulary)",
+                    parameter=name,
+                )
         if params.n > self.max_num_seqs:
             raise VLLMValidationError(
                 f"n ({params.n}) must be <= max_num_seqs ({self.max_num_seqs}), the most "
@@ -122,7 +142,12 @@ class Processor:
             len(prompt_token_ids), params.max_tokens, self.max_model_len
         )
         params.verify_vocab(self.vocab_size)
-        params.update_from_generation_config({}, self.eos_token_id)
+        # -1 = the whole vocabulary; the worker only ever sees a count.
+        if params.logprobs == -1:
+            params.logprobs = self.vocab_size
+        if params.prompt_logprobs == -1:
+            params.prompt_logprobs = self.vocab_size
+        params.update_from_generation_config(self.generation_config, self.eos_token_id)
         return Request(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,

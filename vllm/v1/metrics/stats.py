@@ -18,10 +18,30 @@ class IterationStats:
     inter_token_latencies: list[float] = field(default_factory=list)
     e2e_latencies: list[float] = field(default_factory=list)
     finished_reasons: list[str] = field(default_factory=list)
+    finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class FinishedRequestStats:
+    """One finished request's phases (vLLM's meanings), seconds, and token counts.
+
+    queue: arrival -> first scheduled; prefill: first scheduled -> first token;
+    decode: first token -> last token; inference: first scheduled -> last token.
+    """
+
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    queue_time: float
+    prefill_time: float
+    decode_time: float
+    inference_time: float
 
 
 @dataclass
 class RequestTimes:
+    """time.monotonic() stamps of one request, seconds."""
+
     arrival: float
+    first_scheduled: float | None = None
     first_token: float | None = None
     last_token: float | None = None

@@ -11,6 +11,7 @@ tokens, applies the stop checks and frees finished requests' blocks.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -311,6 +312,8 @@ class Scheduler:
         """Move a request that got its blocks from waiting to running."""
         resumed = request.status == RequestStatus.PREEMPTED
         request.status = RequestStatus.RUNNING
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
         request.num_computed_tokens = num_hit_tokens
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit_tokens
@@ -383,6 +386,7 @@ class Scheduler:
             finish_reason=finish_reason,
             stop_reason=request.stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            first_scheduled_time=request.first_scheduled_time,
         )
 
     def _free_request(self, request: Request) -> None:
