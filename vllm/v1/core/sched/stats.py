@@ -19,6 +19,10 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # prompt(+output) tokens looked up at admission
     prefix_cache_hits: int = 0  # of which served from the prefix cache
     num_preemptions: int = 0
+    # With a KV connector (tokens, cumulative): looked up beyond the local
+    # prefix-cache hit, and of those loaded by the connector instead of computed.
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
     num_blocks: int = 0  # KV cache blocks, including the null block
 
     @property
