@@ -340,7 +340,7 @@ def test_kv_transfer_config():
 def test_kv_connector_refused_with_tp_or_sleep(tiny_model, probe):
     probe(None)
     kv = KVTransferConfig("NixlConnector", "kv_producer")
-    with pytest.raises(ValueError, match=r"works with one rank only for now; tensor_parallel_size=2"):
+    with pytest.raises(ValueError, match=r"one rank only for now; tensor_parallel_size=2"):
         VllmConfig(model_config=ModelConfig(tiny_model), kv_transfer_config=kv,
                    parallel_config=ParallelConfig(2, "mp"))
     with pytest.raises(ValueError, match="cannot be combined with enable_sleep_mode"):

@@ -113,6 +113,9 @@ class SamplingFields(OpenAIRequest):
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = True
     spaces_between_special_tokens: bool | None = True
+    # KV transfer (disaggregated prefill): passed to the KV connector as
+    # SamplingParams.extra_args["kv_transfer_params"]; answered in the response.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 # ---------------------------------------------------------------------------- completions
@@ -149,6 +152,7 @@ class CompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[CompletionResponseChoice]
     usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = None  # from the KV connector, when it has any
 
 
 class CompletionStreamResponse(OpenAIBaseModel):
@@ -223,6 +227,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = None  # from the KV connector, when it has any
 
 
 class DeltaMessage(OpenAIBaseModel):

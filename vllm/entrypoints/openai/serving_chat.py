@@ -135,7 +135,8 @@ class OpenAIServingChat(OpenAIServing):
         prompt_tokens = len(output.prompt_token_ids or [])
         completion_tokens = sum(len(c.token_ids) for c in output.outputs)
         response = ChatCompletionResponse(id=request_id, model=model_name, choices=choices,
-                                          usage=usage_info(prompt_tokens, completion_tokens))
+                                          usage=usage_info(prompt_tokens, completion_tokens),
+                                          kv_transfer_params=output.kv_transfer_params)
         return JSONResponse(response.model_dump())
 
     @staticmethod

@@ -134,7 +134,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 choices.append(self._choice(i * params.n + completion.index, prefix, completion,
                                             len(prefix)))
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-        return CompletionResponse(id=request_id, model=model_name, choices=choices, usage=usage)
+        kv_params = next((o.kv_transfer_params for o in outputs if o.kv_transfer_params), None)
+        return CompletionResponse(id=request_id, model=model_name, choices=choices, usage=usage,
+                                  kv_transfer_params=kv_params)
 
     @staticmethod
     def _choice(

@@ -127,6 +127,8 @@ class Scheduler:
         # Finished requests whose blocks the connector still sends (req id -> request).
         self.sending: dict[str, Request] = {}
         self.external_queries = self.external_hits = 0  # tokens, cumulative
+        self.prompt_tokens_by_source = {
+            "local_compute": 0, "local_cache_hit": 0, "external_kv_transfer": 0}
 
     # ---- requests in and out ----
 
@@ -323,6 +325,8 @@ class Scheduler:
             self.waiting.popleft()
             if self.connector is not None:
                 self._note_external(request, num_hit_tokens, num_external)
+            if request.num_preemptions == 0:
+                self._count_prompt_sources(request, num_hit_tokens, num_external)
             self._admit(request, num_hit_tokens + num_external, plan)
             plan.add(request, num_new)
             policy.note(plan.prefills, to_compute, num_new, long)
@@ -426,6 +430,12 @@ class Scheduler:
         self.finished_req_ids.add(request.request_id)
         return kv_transfer_params
 
+    def _count_prompt_sources(self, request: Request, num_hit: int, num_external: int) -> None:
+        by_source = self.prompt_tokens_by_source
+        by_source["local_cache_hit"] += num_hit
+        by_source["external_kv_transfer"] += num_external
+        by_source["local_compute"] += request.num_prompt_tokens - num_hit - num_external
+
     # ---- KV connector helpers ----
 
     def _external_tokens(self, request: Request, num_hit_tokens: int) -> int:
@@ -501,6 +511,7 @@ class Scheduler:
             num_blocks=kv.num_blocks,
             external_prefix_cache_queries=self.external_queries,
             external_prefix_cache_hits=self.external_hits,
+            prompt_tokens_by_source=dict(self.prompt_tokens_by_source),
         )
 
     @property

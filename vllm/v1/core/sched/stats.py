@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -23,6 +23,9 @@ class SchedulerStats:
     # prefix-cache hit, and of those loaded by the connector instead of computed.
     external_prefix_cache_queries: int = 0
     external_prefix_cache_hits: int = 0
+    # Prompt tokens of first admissions by where their KV came from (vLLM's
+    # prompt_tokens_by_source): "local_compute", "local_cache_hit", "external_kv_transfer".
+    prompt_tokens_by_source: dict[str, int] = field(default_factory=dict)
     num_blocks: int = 0  # KV cache blocks, including the null block
 
     @property
