@@ -143,9 +143,13 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_pending_kv_sends(self) -> bool:
+        """Finished requests whose blocks a KV connector still sends (steps poll for them)."""
+        return bool(self.scheduler.sending)
+
     def step(self) -> list[EngineCoreOutput]:
         self._scheduled_req_ids = []
-        if not self.scheduler.has_unfinished_requests():
+        if not (self.scheduler.has_unfinished_requests() or self.scheduler.sending):
             return []
         scheduler_output = self.scheduler.schedule()
         self._scheduled_req_ids = list(scheduler_output.num_scheduled_tokens)

@@ -48,6 +48,8 @@ class LLMEngine:
             model_config.max_model_len,
             model_config.get_vocab_size(),
             vllm_config.scheduler_config.max_num_seqs,
+            kv_connector=(vllm_config.kv_transfer_config.kv_connector
+                          if vllm_config.kv_transfer_config else None),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         if multiprocess_mode:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from vllm.distributed.kv_transfer.kv_transfer_params import check_kv_transfer_params
 from vllm.exceptions import VLLMValidationError
 from vllm.inputs import check_unicode_text
 from vllm.sampling_params import SamplingParams, validate_request_lengths
@@ -37,11 +38,13 @@ class Processor:
         max_model_len: int,
         vocab_size: int,
         max_num_seqs: int,
+        kv_connector: str | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_num_seqs = max_num_seqs
+        self.kv_connector = kv_connector
         self.eos_token_id = tokenizer.eos_token_id
 
     def validate_params(self, params: SamplingParams) -> None:
@@ -53,7 +56,11 @@ class Processor:
 
         Raises:
             VLLMValidationError (parameter "n"): naming n and max_num_seqs.
+            VLLMValidationError (parameter "kv_transfer_params"): malformed, or
+                sent to an engine without a KV connector.
         """
+        extra = params.extra_args or {}
+        check_kv_transfer_params(extra.get("kv_transfer_params"), self.kv_connector)
         if params.n > self.max_num_seqs:
             raise VLLMValidationError(
                 f"n ({params.n}) must be <= max_num_seqs ({self.max_num_seqs}), the most "
