@@ -17,6 +17,7 @@ import threading
 import time
 
 import httpx
+import psutil
 import pytest
 
 from tests.entrypoints.openai.utils import (
@@ -186,7 +187,13 @@ def test_dead_prefill_instance(disagg):
                   kv_transfer_params={"do_remote_decode": True})
     params = r.json()["kv_transfer_params"]
     assert params["do_remote_prefill"] is True and params["remote_block_ids"]
-    prefill.kill()  # the blocks the decode instance would read are gone with it
+    # The whole instance dies (server, engine core, worker), as in a crash; the blocks
+    # the decode instance would read are gone with it.
+    children = psutil.Process(prefill.proc.pid).children(recursive=True)
+    prefill.kill()
+    for child in children:
+        child.kill()
+    psutil.wait_procs(children, timeout=30)
 
     r = _complete(decode.url, PROMPTS[0] + " and more", kv_transfer_params=params)
     assert r.status_code == 502, r.text

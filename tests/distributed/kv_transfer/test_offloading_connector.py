@@ -57,3 +57,13 @@ def test_evicted_prefix_is_served_from_host(offload_llm, bundled_llm):
     assert after.prefix_cache_hits == after_b.prefix_cache_hits  # nothing left on the device
     assert [first_a, b, again_a.outputs[0].text] == [reference[0], reference[1], reference[0]]
     assert again_a.num_cached_tokens == hit
+
+
+def test_registered_after_the_extend(offload_llm):
+    """The worker side saw the final cache only: its regions span every committed block."""
+    worker = offload_llm.llm_engine.engine_core.worker
+    kv = worker.kv_cache
+    regions = worker.kv_connector.connector.registered_regions
+    assert kv.committed_blocks == 5  # warmup committed 2; the extend made it 5
+    assert regions == kv.committed_spans()
+    assert len(regions) == 30 and all(n == 5 * BLOCK_BYTES // 30 for _, n in regions)

@@ -37,6 +37,15 @@ class WorkerKVConnector:
     def create(cls, vllm_config: VllmConfig, kv_cache: KVCacheBuffers) -> WorkerKVConnector:
         """Build the configured connector and register the committed cache with it."""
         connector = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER)
+        if connector.needs_one_allocation_per_segment:
+            before = kv_cache.num_allocations
+            kv_cache.defragment()  # start-up: no request has written KV yet
+            logger.info("KV cache defragmented for %s: %d physical allocation(s) -> %d",
+                        type(connector).__name__, before, kv_cache.num_allocations)
+            if kv_cache.rdma_unsupported_reason:
+                logger.warning("KV cache pages are not GPUDirect-RDMA capable (%s): NIXL "
+                               "transfers to other hosts cannot use RDMA from them",
+                               kv_cache.rdma_unsupported_reason)
         spans = kv_cache.committed_spans()
         connector.register_kv_caches(dict(kv_cache.views), spans)
         logger.info(

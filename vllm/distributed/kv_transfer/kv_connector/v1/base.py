@@ -61,11 +61,18 @@ class KVConnectorMetadata:
 class KVConnectorBase_V1(ABC):
     """Base class of every KV connector; one instance per role and process.
 
+    Class attribute `needs_one_allocation_per_segment`: the worker
+    defragments the KV cache (`KVCacheBuffers.defragment`) before
+    `register_kv_caches`, because the transport cannot register or transfer a
+    range that spans several physical allocations (UCX and `cuMemCreate`).
+
     Args:
         vllm_config: the engine's validated configuration (its
             `kv_transfer_config` names this connector).
         role: which side this instance is.
     """
+
+    needs_one_allocation_per_segment = False
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole) -> None:
         self.vllm_config = vllm_config

@@ -9,8 +9,10 @@
                           scheduler: the prompt (less its last token) is "external"
                           worker:    side-channel handshake (once per remote engine):
                                      the remote NIXL agent's metadata and layer addresses;
-                                     one NIXL READ of the remote blocks into the
-                                     blocks just allocated, with a notification
+                                     "held <engine> <request>?" (per request: the
+                                     producer still holds the blocks); one NIXL READ
+                                     of the remote blocks into the blocks just
+                                     allocated, with a notification
                           the producer's worker sees the notification -> its blocks are freed
 
 Memory: each side registers exactly `register_kv_caches`' regions (the
@@ -19,8 +21,13 @@ block b of a layer as `view.data_ptr() + b * view.stride(0) * itemsize`, one
 descriptor per (layer, block), so the layout of either side may differ in
 strides as long as the block shape is the same.
 
-Failures: a dead or unreachable producer makes the handshake or the READ
-fail; the request is reported in `failed_recving`, the scheduler frees its
+The side channel (ZMQ REQ/REP, `side_channel_host`:`side_channel_port`, or
+VLLM_NIXL_SIDE_CHANNEL_HOST / _PORT, default 127.0.0.1 and a free port) runs in
+the producer's engine core process beside the scheduler, which knows at once
+which requests' blocks it holds.
+
+Failures: a dead or unreachable producer makes the handshake, the "held"
+check or the READ fail; the request is reported in `failed_recving`, the scheduler frees its
 blocks (never cached) and the client gets a 502 that says so. A producer
 whose blocks are never read frees them after `abort_timeout_s` (default 120 s).
 """
@@ -43,12 +50,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_transfer_params import RemotePrefill, parse_kv_transfer_params
 from vllm.logger import init_logger
-from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.outputs import KVConnectorOutput
 
 if TYPE_CHECKING:
     import torch
 
     from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
@@ -99,6 +107,8 @@ class _RemoteEngine:
 class NixlConnector(KVConnectorBase_V1):
     """1P1D over NIXL: the producer keeps finished prompts' blocks until the consumer reads them."""
 
+    needs_one_allocation_per_segment = True
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole) -> None:
         super().__init__(vllm_config, role)
         extra = self.kv_transfer_config.kv_connector_extra_config
@@ -114,6 +124,7 @@ class NixlConnector(KVConnectorBase_V1):
         self._loads: dict[str, ReqLoad] = {}
         self._sends: list[str] = []
         self._consumed: set[str] = set()
+        self._held: set[str] = set()  # finished requests whose blocks wait to be read
         # worker side
         self.agent = None
         self.reg_descs = None
@@ -146,21 +157,16 @@ class NixlConnector(KVConnectorBase_V1):
         self.reg_descs = self.agent.register_memory(
             [(base, length, self.device_id, "") for base, length in regions], self.mem_type)
         self.registered_regions = list(regions)
-        if self.kv_role in ("kv_producer", "kv_both"):
-            self._side_channel = _SideChannel(self.host, self.port, self._handshake_reply())
-            self.port = self._side_channel.port
-        logger.info("NIXL agent %s: %d %s region(s) registered; side channel %s:%d",
-                    self.engine_id, len(regions), self.mem_type, self.host, self.port)
+        logger.info("NIXL agent %s: %d %s region(s) registered",
+                    self.engine_id, len(regions), self.mem_type)
 
-    def _handshake_reply(self) -> bytes:
-        return json.dumps({
+    def get_handshake_metadata(self) -> dict[str, Any]:
+        """What a remote decode instance needs to read from here (served by the side channel)."""
+        return {
             "engine_id": self.engine_id,
             "agent_metadata": base64.b64encode(self.agent.get_agent_metadata()).decode(),
             "layers": self.layers, "device_id": self.device_id,
-        }).encode()
-
-    def get_handshake_metadata(self) -> dict[str, Any]:
-        return {"engine_id": self.engine_id, "host": self.host, "port": self.port}
+        }
 
     def start_load_kv(self, **kwargs: Any) -> None:
         """Read every planned request's blocks (synchronously); failures go to `failed_recving`."""
@@ -183,6 +189,7 @@ class NixlConnector(KVConnectorBase_V1):
         import numpy as np
 
         remote = self._remote_engine(load.remote)
+        self._check_held(load.remote)
         notif = load.remote.request_id.encode()
         if not load.local_block_ids:
             self.agent.send_notif(remote.agent_name, notif)
@@ -212,7 +219,8 @@ class NixlConnector(KVConnectorBase_V1):
         cached = self._remotes.get(remote.engine_id)
         if cached is not None:
             return cached
-        reply = json.loads(_SideChannel.request(remote.host, remote.port, HANDSHAKE_TIMEOUT_S))
+        reply = json.loads(
+            _SideChannel.request(remote.host, remote.port, b"handshake", HANDSHAKE_TIMEOUT_S))
         if reply["engine_id"] != remote.engine_id:
             raise RuntimeError(
                 f"{remote.host}:{remote.port} is engine {reply['engine_id']}, not "
@@ -225,6 +233,21 @@ class NixlConnector(KVConnectorBase_V1):
                                reply["device_id"])
         self._remotes[remote.engine_id] = engine
         return engine
+
+    @staticmethod
+    def _check_held(remote: RemotePrefill) -> None:
+        """Ask the prefill instance whether it still holds the request's blocks.
+
+        Why: a prefill instance that died, restarted or timed the request out
+        may have reused the blocks, and on some transports (shared memory on
+        one host) a READ of a dead process's pages still "succeeds".
+        """
+        query = f"held {remote.engine_id} {remote.request_id}".encode()
+        answer = _SideChannel.request(remote.host, remote.port, query, HANDSHAKE_TIMEOUT_S)
+        if answer != b"1":
+            raise RuntimeError(
+                f"it no longer holds the blocks of request {remote.request_id!r} "
+                "(timed out, or another engine now answers there)")
 
     def _forget_remote(self, engine_id: str) -> None:
         engine = self._remotes.pop(engine_id, None)
@@ -267,6 +290,8 @@ class NixlConnector(KVConnectorBase_V1):
         if self._side_channel is not None:
             self._side_channel.close()
             self._side_channel = None
+        if self.role == KVConnectorRole.SCHEDULER:
+            return
         for engine_id in list(self._remotes):
             self._forget_remote(engine_id)
         if self.agent is not None and self.reg_descs is not None:
@@ -275,8 +300,31 @@ class NixlConnector(KVConnectorBase_V1):
 
     # --------------------------------------------------------- scheduler side
     def set_xfer_handshake_metadata(self, metadata: dict[str, Any] | None) -> None:
+        """The worker's agent; a producer starts its side channel here (engine core process).
+
+        The side channel lives beside the scheduler because it answers "does
+        this engine still hold request X's blocks?" from `self._held`, which
+        the scheduler updates the moment a request finishes (before its
+        response leaves), so a decode instance never asks too early.
+        """
         self.engine_id = metadata["engine_id"]
-        self.host, self.port = metadata["host"], metadata["port"]
+        if self.kv_role == "kv_consumer":
+            return
+        handshake = json.dumps(metadata).encode()
+
+        def answer(query: bytes) -> bytes:
+            if query == b"handshake":
+                return handshake
+            _, engine_id, req_id = query.decode().split(" ", 2)
+            return b"1" if engine_id == self.engine_id and req_id in self._held else b"0"
+
+        self._side_channel = _SideChannel(self.host, self.port, answer)
+        self.port = self._side_channel.port
+        logger.info("NIXL side channel of engine %s on %s:%d", self.engine_id, self.host,
+                    self.port)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._held.difference_update(connector_output.finished_sending)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -323,6 +371,7 @@ class NixlConnector(KVConnectorBase_V1):
                 or str(request.get_finished_reason()) == "abort"):
             return False, None
         self._sends.append(request.request_id)
+        self._held.add(request.request_id)
         return True, {
             "do_remote_prefill": True, "do_remote_decode": False,
             "remote_block_ids": list(block_ids), "remote_engine_id": self.engine_id,
@@ -332,9 +381,9 @@ class NixlConnector(KVConnectorBase_V1):
 
 
 class _SideChannel:
-    """A ZMQ REP socket on a thread that answers every request with the handshake bytes."""
+    """A ZMQ REP socket on a thread: `answer(query bytes) -> reply bytes`."""
 
-    def __init__(self, host: str, port: int, reply: bytes) -> None:
+    def __init__(self, host: str, port: int, answer) -> None:
         import zmq
 
         self._ctx = zmq.Context()
@@ -345,7 +394,7 @@ class _SideChannel:
             self.port = port
         else:
             self.port = self._sock.bind_to_random_port(f"tcp://{host}")
-        self._reply = reply
+        self._answer = answer
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="nixl-side-channel",
                                         daemon=True)
@@ -356,13 +405,17 @@ class _SideChannel:
 
         while not self._stop.is_set():
             if self._sock.poll(100, zmq.POLLIN):
-                self._sock.recv()
-                self._sock.send(self._reply)
+                query = self._sock.recv()
+                try:
+                    reply = self._answer(query)
+                except Exception:  # a malformed query must not stop the channel
+                    reply = b"0"
+                self._sock.send(reply)
         self._sock.close()
 
     @staticmethod
-    def request(host: str, port: int, timeout_s: float) -> bytes:
-        """One handshake; raises TimeoutError when nobody answers in time."""
+    def request(host: str, port: int, query: bytes, timeout_s: float) -> bytes:
+        """One round trip; raises TimeoutError when nobody answers in time."""
         import zmq
 
         ctx = zmq.Context.instance()
@@ -370,9 +423,10 @@ class _SideChannel:
         sock.setsockopt(zmq.LINGER, 0)
         try:
             sock.connect(f"tcp://{host}:{port}")
-            sock.send(b"handshake")
+            sock.send(query)
             if not sock.poll(int(timeout_s * 1000), zmq.POLLIN):
-                raise TimeoutError(f"no handshake answer from {host}:{port} in {timeout_s:.0f} s")
+                raise TimeoutError(f"no answer from its side channel {host}:{port} in "
+                                   f"{timeout_s:.0f} s (is it running?)")
             return sock.recv()
         finally:
             sock.close()
