@@ -183,6 +183,25 @@ class CudaVmmDriver(_BindingDriver):
         access.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self._prop, self._access = prop, access
 
+    def enable_exportable_handles(self) -> bool:
+        """Create later allocations exportable as POSIX file descriptors, where supported.
+
+        For another process to map them (UCX's CUDA IPC transport, used by NIXL
+        between two instances on one node): `CUmemAllocationProp.requestedHandleTypes
+        = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`, allowed when the device reports
+        CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED. Returns
+        whether it is on; allocations made before keep their handle type.
+        """
+        drv = self._ready()
+        name = "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED"
+        dev = self._call("cuDeviceGet", self._device_index())
+        err, supported = drv.cuDeviceGetAttribute(getattr(drv.CUdevice_attribute, name), dev)
+        if not (_is_success(err) and supported):
+            return False
+        kind = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        self._prop.requestedHandleTypes = kind
+        return True
+
     def _request_rdma(self, drv: Any, dev: Any, prop: Any, index: int) -> None:
         """Create pages GPUDirect-RDMA capable where the device supports it with VMM.
 

@@ -304,6 +304,13 @@ class Worker:
         probe = driver.probe()
         if probe is not None:  # config resolution already checked; the device may differ
             raise RuntimeError(f"extensible KV cache unavailable on {self.device}: {probe}")
+        kv_transfer = self.config.kv_transfer_config
+        if kv_transfer is not None and kv_transfer.kv_connector == "NixlConnector":
+            # Another process (the decode instance) maps these pages through UCX's
+            # CUDA IPC, which exports VMM allocations as POSIX file descriptors.
+            enable = getattr(driver, "enable_exportable_handles", None)
+            if enable is not None:
+                enable()
         layout = get_kv_cache_config(specs, 1)
         capacity = sizing.capacity_blocks(
             self.memory.total, layout.block_stride, layout.num_segments, driver.granularity
