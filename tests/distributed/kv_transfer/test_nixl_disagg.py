@@ -164,6 +164,18 @@ def test_1p1d_streaming_equals_one_instance(disagg, reference):
     assert texts == reference
 
 
+def test_1p1d_chat(disagg):
+    """Chat through the proxy equals the decode instance computing it alone."""
+    _, decode, proxy = disagg
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Name a color."}],
+            "max_completion_tokens": MAX_TOKENS, "temperature": 0}
+    via_proxy = httpx.post(f"{proxy}/v1/chat/completions", json=body, timeout=120)
+    local = httpx.post(decode.url_for("v1/chat/completions"), json=body, timeout=120)
+    assert via_proxy.status_code == local.status_code == 200, via_proxy.text
+    content = [r.json()["choices"][0]["message"]["content"] for r in (via_proxy, local)]
+    assert content[0] == content[1] and content[0]
+
+
 def test_bad_kv_transfer_params_is_400(disagg):
     _, decode, _ = disagg
     r = _complete(decode.url, "Hi", kv_transfer_params={"do_remote_prefill": True})

@@ -85,3 +85,17 @@ def test_nixl_registration_is_real(grown_cache):
             agent.initialize_xfer("READ", local, beyond, c.engine_id)
     finally:
         worker.shutdown()
+
+
+def test_offload_host_blocks_from_bytes(grown_cache):
+    """cpu_bytes_to_use -> whole blocks of all layers on the host."""
+    config = _vllm_config("OffloadingConnector", "kv_both",
+                          {"cpu_bytes_to_use": 10 * len(LAYERS) * PAGE + PAGE})
+    worker = WorkerKVConnector.create(config, grown_cache)
+    assert worker.connector.num_cpu_blocks == 10
+    assert worker.handshake() == {"num_cpu_blocks": 10}
+    host = worker.connector.host_caches[LAYERS[0]]
+    assert host.shape == (10, *grown_cache.views[LAYERS[0]].shape[1:])
+    too_small = _vllm_config("OffloadingConnector", "kv_both", {"cpu_bytes_to_use": PAGE})
+    with pytest.raises(ValueError, match="holds no KV block: one block of all layers is"):
+        WorkerKVConnector.create(too_small, grown_cache)
