@@ -107,7 +107,7 @@ class CudaVmmDriver(_BindingDriver):
         super().__init__(device_index)
         self._drv: Any = None
         self._ctx: Any = None
-        # Whether pages are created GPUDirect-RDMA capable (set by the first use):
+        # Whether pages are created GPUDirect-RDMA capable (`enable_transfer_flags`):
         # None = not probed yet; see `rdma_unsupported_reason`.
         self.rdma_capable: bool | None = None
         self.rdma_unsupported_reason: str | None = None
@@ -177,11 +177,22 @@ class CudaVmmDriver(_BindingDriver):
         prop = drv.CUmemAllocationProp()
         prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         prop.location = loc
-        self._request_rdma(drv, dev, prop, index)
         access = drv.CUmemAccessDesc()
         access.location = loc
         access.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self._prop, self._access = prop, access
+
+    def enable_transfer_flags(self) -> None:
+        """For KV transfer over NIXL/UCX: later allocations RDMA capable and exportable.
+
+        Only asked for by a worker with a NIXL connector (before its KV cache is
+        reserved), so other engines' allocations stay as they were. Each flag
+        is probed; an unsupported one is left off (`rdma_unsupported_reason`).
+        """
+        drv = self._ready()
+        dev = self._call("cuDeviceGet", self._device_index())
+        self._request_rdma(drv, dev, self._prop, self._device_index())
+        self.enable_exportable_handles()
 
     def enable_exportable_handles(self) -> bool:
         """Create later allocations exportable as POSIX file descriptors, where supported.

@@ -65,3 +65,21 @@ def test_1p1d_on_one_gpu_equals_one_instance():
             assert allocations and regions, log[-3000:]
             assert int(allocations.group(1)) == int(regions.group(1))
             print(f"{allocations.group(0)}; {regions.group(0)}")
+
+
+def test_transfer_flags_probed_and_allocations_still_work():
+    from vllm.device_allocator.gpu_vmm import CudaVmmDriver
+
+    driver = CudaVmmDriver(0)
+    driver.enable_transfer_flags()
+    assert driver.rdma_capable is not None
+    assert driver.rdma_capable or driver.rdma_unsupported_reason
+    size = driver.granularity
+    va = driver.reserve(size)
+    handle = driver.create(size)  # with the RDMA and POSIX-fd flags where supported
+    driver.map(va, size, handle)
+    driver.set_access(va, size)
+    driver.unmap(va, size)
+    driver.release(handle)
+    driver.free_reservation(va, size)
+    print(f"rdma_capable={driver.rdma_capable} reason={driver.rdma_unsupported_reason}")

@@ -306,9 +306,10 @@ class Worker:
             raise RuntimeError(f"extensible KV cache unavailable on {self.device}: {probe}")
         kv_transfer = self.config.kv_transfer_config
         if kv_transfer is not None and kv_transfer.kv_connector == "NixlConnector":
-            # Another process (the decode instance) maps these pages through UCX's
-            # CUDA IPC, which exports VMM allocations as POSIX file descriptors.
-            enable = getattr(driver, "enable_exportable_handles", None)
+            # NIXL reads these pages from another process: UCX's CUDA IPC exports
+            # VMM allocations as POSIX file descriptors, and a NIC needs them
+            # GPUDirect-RDMA capable (both probed by the driver; host VMM: no-op).
+            enable = getattr(driver, "enable_transfer_flags", None)
             if enable is not None:
                 enable()
         layout = get_kv_cache_config(specs, 1)
