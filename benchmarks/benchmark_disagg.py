@@ -1,6 +1,6 @@
 """1P1D (prefill and decode instances over NIXL, behind the proxy) vs one instance: TTFT and ITL.
 
-Runs the same streaming load (benchmark_serving's `run_level`) against
+Runs the same streaming load (`vllm.benchmarks.serve_client.run_level`) against
 
     single   one `vllm serve` at --gpu-memory-utilization U
     1p1d     a kv_producer and a kv_consumer `vllm serve`, each at U (both on
@@ -38,9 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.benchmark_serving import make_prompts, run_level  # noqa: E402
 from benchmarks.common import emit, model_dir_for  # noqa: E402
 from tests.entrypoints.openai.utils import RemoteServer  # noqa: E402
+from vllm.benchmarks.serve_client import make_prompts, run_level  # noqa: E402
 
 
 def _free_port() -> int:
