@@ -315,11 +315,39 @@ def test_executor_backend_errors():
 
 def test_kv_transfer_config():
     with pytest.raises(ValueError, match=r"kv_connector 'LMCacheConnectorV1' is not implemented "
-                                         r"by this engine \(known connectors: none yet\)"):
+                                         r"by this engine \(known connectors: OffloadingConnector, "
+                                         r"NixlConnector\)"):
         KVTransferConfig.from_cli('{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}')
+    offload = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
+    cfg = KVTransferConfig.from_dict(dict(offload, kv_connector_extra_config={"num_cpu_blocks": 8}))
+    assert cfg.kv_connector_extra_config == {"num_cpu_blocks": 8}
+    for extra, message in [
+        ({}, "needs exactly one of kv_connector_extra_config.cpu_bytes_to_use"),
+        ({"num_cpu_blocks": 8, "cpu_bytes_to_use": 2**20}, "needs exactly one of"),
+        ({"cpu_bytes_to_use": -1}, "cpu_bytes_to_use must be a positive integer, got -1"),
+        ({"num_cpu_blocks": 4, "spill": 1}, r"unknown keys \['spill'\] for OffloadingConnector"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            KVTransferConfig.from_dict(dict(offload, kv_connector_extra_config=extra))
+    with pytest.raises(ValueError, match="OffloadingConnector needs kv_role 'kv_both'"):
+        KVTransferConfig("OffloadingConnector", "kv_producer", {"num_cpu_blocks": 8})
+    assert KVTransferConfig("NixlConnector", "kv_consumer").kv_role == "kv_consumer"
     with pytest.raises(ValueError, match="kv_role must be one of"):
         KVTransferConfig(kv_role="sender")
     assert KVTransferConfig.from_cli('{"kv_role": "kv_both"}').kv_connector is None
+
+
+def test_kv_connector_refused_with_tp_or_sleep(tiny_model, probe):
+    probe(None)
+    kv = KVTransferConfig("NixlConnector", "kv_producer")
+    with pytest.raises(ValueError, match=r"one rank only for now; tensor_parallel_size=2"):
+        VllmConfig(model_config=ModelConfig(tiny_model), kv_transfer_config=kv,
+                   parallel_config=ParallelConfig(2, "mp"))
+    with pytest.raises(ValueError, match="cannot be combined with enable_sleep_mode"):
+        VllmConfig(model_config=ModelConfig(tiny_model), kv_transfer_config=kv,
+                   cache_config=CacheConfig(enable_sleep_mode=True))
+    cfg = VllmConfig(model_config=ModelConfig(tiny_model), kv_transfer_config=kv)
+    assert cfg.kv_transfer_config is kv
 
 
 def test_cudagraph_default_sizes():

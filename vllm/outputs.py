@@ -62,7 +62,10 @@ class RequestOutput:
         outputs: one `CompletionOutput` per sample (n of them).
         finished: whether every completion has finished.
         metrics: engine timing figures, if collected.
-        num_cached_tokens: prompt tokens served from the prefix cache.
+        num_cached_tokens: prompt tokens served from the prefix cache (or loaded by a
+            KV connector).
+        kv_transfer_params: what a KV connector returned for the finished request
+            (e.g. where the next instance reads its KV), else None.
     """
 
     def __init__(
@@ -75,6 +78,7 @@ class RequestOutput:
         finished: bool,
         metrics: Any | None = None,
         num_cached_tokens: int | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -84,6 +88,7 @@ class RequestOutput:
         self.finished = finished
         self.metrics = metrics
         self.num_cached_tokens = num_cached_tokens
+        self.kv_transfer_params = kv_transfer_params
 
     def __repr__(self) -> str:
         return (

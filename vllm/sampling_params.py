@@ -150,6 +150,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     best_of: int | None = None
     logits_processors: list[Any] | None = None
+    # Arbitrary per-request data for engine extensions (vLLM's `extra_args`); a KV
+    # connector reads `extra_args["kv_transfer_params"]`.
+    extra_args: dict[str, Any] | None = None
     # stop_token_ids plus the model's EOS ids (filled by
     # `update_from_generation_config`); masked by the sampler until min_tokens.
     _all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False)
@@ -164,6 +167,11 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise VLLMValidationError(
+                f"extra_args must be a dict, got {type(self.extra_args).__name__}",
+                parameter="extra_args",
+            )
         self._verify_args()
         self._all_stop_token_ids = set(self.stop_token_ids)
         if self.temperature < _SAMPLING_EPS:

@@ -61,8 +61,11 @@ def test_no_forms():
         (["--load-format", "pt"], "invalid choice: 'pt'"),
         (["--max-model-len", "1.5K"], "fraction needs a decimal suffix"),
         (["--kv-cache-memory-bytes", "4XB"], "invalid byte count '4XB'"),
-        (["--kv-transfer-config", '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}'],
-         "'NixlConnector' is not implemented by this engine (known connectors: none yet)"),
+        (["--kv-transfer-config", '{"kv_connector": "MooncakeConnector", "kv_role": "kv_both"}'],
+         "'MooncakeConnector' is not implemented by this engine (known connectors: "
+         "OffloadingConnector, NixlConnector)"),
+        (["--kv-transfer-config", '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}'],
+         "needs exactly one of kv_connector_extra_config.cpu_bytes_to_use"),
         (["--kv-transfer-config", "{bad"], "not valid JSON"),
         (["--kv-transfer-config", '{"kv_rank": 0}'], "unknown keys ['kv_rank']"),
         (["-O", '{"level": 3}'], "unknown keys ['level']"),

@@ -6,9 +6,14 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-# Connectors this engine implements. None yet: a connector named by the user
-# is rejected rather than silently ignored. Add a name here with its class.
-KNOWN_KV_CONNECTORS: tuple[str, ...] = ()
+# Connectors this engine implements (their classes: kv_connector/factory.py); any
+# other name is rejected rather than silently ignored.
+KNOWN_KV_CONNECTORS: tuple[str, ...] = ("OffloadingConnector", "NixlConnector")
+# kv_connector_extra_config keys each connector reads; others are rejected.
+EXTRA_CONFIG_KEYS: dict[str, tuple[str, ...]] = {
+    "OffloadingConnector": ("cpu_bytes_to_use", "num_cpu_blocks"),
+    "NixlConnector": ("side_channel_host", "side_channel_port", "backends", "abort_timeout_s"),
+}
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
 
@@ -46,6 +51,35 @@ class KVTransferConfig:
                 "kv_connector_extra_config must be a JSON object, "
                 f"got {self.kv_connector_extra_config!r}"
             )
+        if self.kv_connector is not None:
+            self._check_extra_config()
+
+    def _check_extra_config(self) -> None:
+        extra = self.kv_connector_extra_config
+        allowed = EXTRA_CONFIG_KEYS[self.kv_connector]
+        unknown = sorted(set(extra) - set(allowed))
+        if unknown:
+            raise ValueError(
+                f"kv_connector_extra_config has unknown keys {unknown} for "
+                f"{self.kv_connector}; supported: {list(allowed)}"
+            )
+        for key in ("cpu_bytes_to_use", "num_cpu_blocks", "side_channel_port"):
+            value = extra.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(
+                    f"kv_connector_extra_config.{key} must be a positive integer, got {value!r}"
+                )
+        if self.kv_connector == "OffloadingConnector":
+            if self.kv_role != "kv_both":
+                raise ValueError(
+                    f"OffloadingConnector needs kv_role 'kv_both', got {self.kv_role!r}"
+                )
+            if ("cpu_bytes_to_use" in extra) == ("num_cpu_blocks" in extra):
+                raise ValueError(
+                    "OffloadingConnector needs exactly one of kv_connector_extra_config."
+                    "cpu_bytes_to_use (host bytes for KV blocks) or num_cpu_blocks"
+                )
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> KVTransferConfig:

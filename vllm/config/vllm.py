@@ -61,6 +61,26 @@ class VllmConfig:
             self.kv_transfer_config = None  # an empty config means no connector
         self.cache_config.resolve_kv_cache_path(lambda: platform.get_vmm_driver().probe())
         self._resolve_parallel(platform)
+        self._check_kv_transfer()
+
+    def _check_kv_transfer(self) -> None:
+        """Refuse the combinations a KV connector cannot serve correctly yet (one clear line)."""
+        kv = self.kv_transfer_config
+        if kv is None:
+            return
+        if self.parallel_config.world_size > 1:
+            raise ValueError(
+                f"kv_transfer_config ({kv.kv_connector}) works with one rank only for now; "
+                f"tensor_parallel_size={self.parallel_config.tensor_parallel_size} would need "
+                "every rank's worker side to transfer its shard"
+            )
+        if self.cache_config.enable_sleep_mode:
+            raise ValueError(
+                f"kv_transfer_config ({kv.kv_connector}) cannot be combined with "
+                "enable_sleep_mode: sleep releases the KV pages the connector has "
+                "registered (or copies from), and deregistering and re-registering "
+                "around sleep is not implemented"
+            )
 
     def _resolve_parallel(self, platform) -> None:
         """Executor backend, model split check, and one seed shared by every rank."""

@@ -107,6 +107,10 @@ class CudaVmmDriver(_BindingDriver):
         super().__init__(device_index)
         self._drv: Any = None
         self._ctx: Any = None
+        # Whether pages are created GPUDirect-RDMA capable (`enable_transfer_flags`):
+        # None = not probed yet; see `rdma_unsupported_reason`.
+        self.rdma_capable: bool | None = None
+        self.rdma_unsupported_reason: str | None = None
 
     @property
     def _mod(self) -> Any:
@@ -177,6 +181,64 @@ class CudaVmmDriver(_BindingDriver):
         access.location = loc
         access.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self._prop, self._access = prop, access
+
+    def enable_transfer_flags(self) -> None:
+        """For KV transfer over NIXL/UCX: later allocations RDMA capable and exportable.
+
+        Only asked for by a worker with a NIXL connector (before its KV cache is
+        reserved), so other engines' allocations stay as they were. Each flag
+        is probed; an unsupported one is left off (`rdma_unsupported_reason`).
+        """
+        drv = self._ready()
+        dev = self._call("cuDeviceGet", self._device_index())
+        self._request_rdma(drv, dev, self._prop, self._device_index())
+        self.enable_exportable_handles()
+
+    def enable_exportable_handles(self) -> bool:
+        """Create later allocations exportable as POSIX file descriptors, where supported.
+
+        For another process to map them (UCX's CUDA IPC transport, used by NIXL
+        between two instances on one node): `CUmemAllocationProp.requestedHandleTypes
+        = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`, allowed when the device reports
+        CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED. Returns
+        whether it is on; allocations made before keep their handle type.
+        """
+        drv = self._ready()
+        name = "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED"
+        dev = self._call("cuDeviceGet", self._device_index())
+        err, supported = drv.cuDeviceGetAttribute(getattr(drv.CUdevice_attribute, name), dev)
+        if not (_is_success(err) and supported):
+            return False
+        kind = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        self._prop.requestedHandleTypes = kind
+        return True
+
+    def _request_rdma(self, drv: Any, dev: Any, prop: Any, index: int) -> None:
+        """Create pages GPUDirect-RDMA capable where the device supports it with VMM.
+
+        `CUmemAllocationProp.allocFlags.gpuDirectRDMACapable` (CUDA driver API,
+        "Virtual Memory Management"): needed for a NIC (UCX/NIXL over RDMA) to
+        register cuMemCreate memory; allowed only when
+        CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED is 1.
+        Probed, never assumed: a device without it keeps plain pages and the
+        reason is kept for the connector's error message.
+        """
+        try:
+            name = "CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED"
+            attr = getattr(drv.CUdevice_attribute, name)
+            err, supported = drv.cuDeviceGetAttribute(attr, dev)
+        except AttributeError as e:  # bindings too old to name the attribute
+            supported, err = 0, None
+            self.rdma_unsupported_reason = f"cuda-bindings lacks the RDMA attribute ({e})"
+        if _is_success(err) and supported:
+            prop.allocFlags.gpuDirectRDMACapable = 1
+            self.rdma_capable = True
+            return
+        self.rdma_capable = False
+        if self.rdma_unsupported_reason is None:
+            self.rdma_unsupported_reason = (
+                f"CUDA device {index} does not support GPUDirect RDMA on VMM allocations "
+                "(CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED is 0)")
 
     def _make_current(self) -> None:
         current = self._call("cuCtxGetCurrent")

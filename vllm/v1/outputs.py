@@ -34,6 +34,18 @@ class LogprobsLists:
 
 
 @dataclass
+class KVConnectorOutput:
+    """What a KV connector's worker side reports after a step (request ids)."""
+
+    finished_sending: set[str] = field(default_factory=set)  # blocks may be freed now
+    finished_recving: set[str] = field(default_factory=set)  # external KV is in place
+    failed_recving: dict[str, str] = field(default_factory=dict)  # req id -> why the load failed
+
+    def is_empty(self) -> bool:
+        return not (self.finished_sending or self.finished_recving or self.failed_recving)
+
+
+@dataclass
 class ModelRunnerOutput:
     req_ids: list[str]  # scheduled requests, in the runner's batch order
     req_id_to_index: dict[str, int]
@@ -43,6 +55,7 @@ class ModelRunnerOutput:
     logprobs: LogprobsLists | None = None  # rows aligned with req_ids
     # req_id -> prompt logprobs of the prompt positions computed this step.
     prompt_logprobs_dict: dict[str, LogprobsLists] = field(default_factory=dict)
+    kv_connector_output: KVConnectorOutput | None = None  # with a KV connector
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
@@ -71,6 +84,11 @@ class EngineCoreOutput:
     # time.monotonic() when the request was first scheduled (queue time ends), seconds.
     # CLOCK_MONOTONIC is one clock for every process of the host (engine core included).
     first_scheduled_time: float | None = None
+    # With a KV connector, on the finished output: what the next instance
+    # needs to fetch this request's KV (vLLM's `kv_transfer_params`).
+    kv_transfer_params: dict | None = None
+    # A request that failed inside the engine (e.g. its KV transfer): the reason.
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

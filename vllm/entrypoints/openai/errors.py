@@ -5,6 +5,7 @@ VLLMValidationError (a ValueError)  -> 400, param = error.parameter (renamed per
 other ValueError                     -> 400, param given by the caller (or null)
 EngineSleepingError / EngineShutdownError -> 503     SleepModeUnavailableError -> 501
 EngineGenerateError / EngineDeadError     -> 500     anything else -> 500 (logged)
+KVTransferError (the prefill instance's KV could not be read)     -> 502
 ```
 
 The `param` of a validation error comes from the error itself (the layer that
@@ -26,6 +27,7 @@ from vllm.v1.engine.exceptions import (
     EngineGenerateError,
     EngineShutdownError,
     EngineSleepingError,
+    KVTransferError,
     SleepModeUnavailableError,
 )
 
@@ -38,6 +40,7 @@ _ERROR_TYPES = {
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     500: "InternalServerError",
+    502: "BadGatewayError",
     501: "NotImplementedError",
     503: "ServiceUnavailableError",
 }
@@ -88,6 +91,8 @@ def error_from_exception(error: BaseException, param: str | None = None) -> APIE
         return APIError(503, str(error))
     if isinstance(error, SleepModeUnavailableError):
         return APIError(501, str(error))
+    if isinstance(error, KVTransferError):
+        return APIError(502, str(error))
     if isinstance(error, EngineGenerateError | EngineDeadError):
         return APIError(500, str(error))
     logger.exception("unexpected error while serving a request", exc_info=error)

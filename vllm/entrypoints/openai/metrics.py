@@ -125,6 +125,15 @@ class PrometheusStatLogger:
             "vllm:prefix_cache_queries", "Tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter(
             "vllm:prefix_cache_hits", "Tokens served from the prefix cache.")
+        self.external_prefix_cache_queries = counter(
+            "vllm:external_prefix_cache_queries",
+            "Tokens looked up by the KV connector (beyond the local prefix-cache hit).")
+        self.external_prefix_cache_hits = counter(
+            "vllm:external_prefix_cache_hits",
+            "Tokens loaded by the KV connector (host offload or another instance).")
+        self.prompt_tokens_by_source = Counter(
+            "vllm:prompt_tokens_by_source", "Prompt tokens by where their KV came from.",
+            ["model_name", "source"], registry=r)
         self._request_success = Counter(
             "vllm:request_success", "Finished requests, by finish reason.",
             ["model_name", "finished_reason"], registry=r)
@@ -180,6 +189,18 @@ class PrometheusStatLogger:
         self._last_preemptions = 0
         self._last_prefix_queries = 0
         self._last_prefix_hits = 0
+        self._last_external: dict[str, int] = {}
+
+    def _record_external(self, s: SchedulerStats) -> None:
+        """KV connector counters and prompt tokens by source (cumulative in the scheduler)."""
+        last = self._last_external
+        pairs = [("q", self.external_prefix_cache_queries, s.external_prefix_cache_queries),
+                 ("h", self.external_prefix_cache_hits, s.external_prefix_cache_hits)]
+        for source, value in s.prompt_tokens_by_source.items():
+            child = self.prompt_tokens_by_source.labels(model_name=self._model_name, source=source)
+            pairs.append((source, child, value))
+        for key, metric, value in pairs:
+            last[key] = _advance(metric, value, last.get(key, 0))
 
     def record(
         self,
@@ -197,6 +218,7 @@ class PrometheusStatLogger:
                                              self._last_prefix_queries)
         self._last_prefix_hits = _advance(self.prefix_cache_hits, s.prefix_cache_hits,
                                           self._last_prefix_hits)
+        self._record_external(s)
         if kv_cache_memory is not None:
             self.kv_cache_committed_bytes.set(kv_cache_memory.committed_bytes)
             self.kv_cache_reserved_bytes.set(kv_cache_memory.reserved_bytes)

@@ -124,6 +124,9 @@ class SamplingFields(OpenAIRequest):
     guided_whitespace_pattern: Any = None
     structured_outputs: Any = None
     response_format: Any = None
+    # KV transfer (disaggregated prefill): passed to the KV connector as
+    # SamplingParams.extra_args["kv_transfer_params"]; answered in the response.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 # ---------------------------------------------------------------------------- completions
@@ -173,6 +176,7 @@ class CompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[CompletionResponseChoice]
     usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = None  # from the KV connector, when it has any
 
 
 class CompletionStreamResponse(OpenAIBaseModel):
@@ -247,6 +251,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # from the KV connector, when it has any
 
 
 class DeltaMessage(OpenAIBaseModel):

@@ -141,7 +141,8 @@ class OpenAIServingChat(OpenAIServing):
         response = ChatCompletionResponse(id=request_id, model=model_name, choices=choices,
                                           usage=usage_info(prompt_tokens, completion_tokens),
                                           prompt_logprobs=prompt_logprobs_json(
-                                              output.prompt_logprobs))
+                                              output.prompt_logprobs),
+                                          kv_transfer_params=output.kv_transfer_params)
         return JSONResponse(response.model_dump())
 
     @staticmethod

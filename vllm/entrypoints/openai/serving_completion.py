@@ -158,7 +158,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 choice.prompt_logprobs = prompt_logprobs_json(output.prompt_logprobs)
                 choices.append(choice)
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-        return CompletionResponse(id=request_id, model=model_name, choices=choices, usage=usage)
+        kv_params = next((o.kv_transfer_params for o in outputs if o.kv_transfer_params), None)
+        return CompletionResponse(id=request_id, model=model_name, choices=choices, usage=usage,
+                                  kv_transfer_params=kv_params)
 
     async def _echoed_logprobs(self, output: RequestOutput) -> CompletionLogProbs | None:
         """Logprobs of the echoed prompt (text offsets from 0), or None if not computed."""

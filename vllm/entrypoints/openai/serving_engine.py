@@ -164,6 +164,8 @@ def build_sampling_params(
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     for name, value in (defaults or {}).items():
         kwargs.setdefault(name, value)
+    if request.kv_transfer_params is not None:
+        kwargs["extra_args"] = {"kv_transfer_params": request.kv_transfer_params}
     kwargs["max_tokens"] = max_tokens  # None is meaningful: "as many as fit"
     kwargs["output_kind"] = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
     try:

@@ -132,6 +132,7 @@ class KVCacheManager:
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_external_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
         """Give `request` slots for `num_new_tokens` more tokens.
 
@@ -141,6 +142,11 @@ class KVCacheManager:
             num_new_computed_tokens: tokens covered by `new_computed_blocks`.
             new_computed_blocks: prefix-cache hits from `get_computed_blocks`,
                 only when the request (re)enters from the waiting queue.
+            num_external_tokens: tokens after the hits that a KV connector
+                loads into the new blocks this step. Their blocks are not
+                registered in the prefix cache by this call (a failed load
+                must not leave them there); the request's next allocation
+                registers them.
 
         Returns:
             The newly allocated blocks (excluding the hits), possibly empty; or
@@ -160,7 +166,7 @@ class KVCacheManager:
         new_computed_blocks = new_computed_blocks or []
         req_id = request.request_id
         req_blocks = self.req_to_blocks.get(req_id, [])
-        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_computed = request.num_computed_tokens + num_new_computed_tokens + num_external_tokens
         num_slots = min(num_computed + num_new_tokens, self.max_model_len)
         num_new_blocks = (
             cdiv(num_slots, self.block_size) - len(req_blocks) - len(new_computed_blocks)
@@ -185,7 +191,7 @@ class KVCacheManager:
             stats.requests += 1
             stats.queries += request.num_tokens
             stats.hits += num_new_computed_tokens
-        if self.enable_caching:
+        if self.enable_caching and not num_external_tokens:
             self._cache_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
         return new_blocks
 

@@ -36,8 +36,11 @@ class EngineCore:
         sched = vllm_config.scheduler_config
         cache = vllm_config.cache_config
         self.model_executor = Executor.get_class(vllm_config)(vllm_config)
+        self.connector = None
         try:
             num_blocks = self._start_workers()
+            if vllm_config.kv_transfer_config is not None:
+                self.connector = self._create_scheduler_connector(num_blocks)
         except BaseException:
             self.model_executor.shutdown()  # no rank keeps its memory after a failed start
             raise
@@ -52,6 +55,7 @@ class EngineCore:
             long_prefill_token_threshold=sched.long_prefill_token_threshold,
             max_num_partial_prefills=sched.max_num_partial_prefills,
             max_long_partial_prefills=sched.max_long_partial_prefills,
+            connector=self.connector,
         )
         self._scheduled_req_ids: list[str] = []  # of the last (possibly failed) step
         policy = self.scheduler.prefill_policy
@@ -84,6 +88,20 @@ class EngineCore:
             raise RuntimeError(f"the ranks ended with different block counts: {counts}")
         run("run_post_kv_cache_hooks")
         return counts[0]
+
+    def _create_scheduler_connector(self, num_blocks: int):
+        """The scheduler side of the configured KV connector (after the workers' side exists)."""
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        connector = KVConnectorFactory.create_connector(self.vllm_config, KVConnectorRole.SCHEDULER)
+        (handshake,) = self.model_executor.collective_rpc(
+            "kv_connector_handshake", unique_reply_rank=0
+        )
+        connector.set_xfer_handshake_metadata(handshake)
+        logger.info("KV connector %s (scheduler side), %d KV blocks",
+                    type(connector).__name__, num_blocks)
+        return connector
 
     def _agree_on_kv_cache_path(self) -> None:
         """One rank that cannot hold the extensible cache puts every rank on the classic path."""
@@ -125,9 +143,13 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_pending_kv_sends(self) -> bool:
+        """Finished requests whose blocks a KV connector still sends (steps poll for them)."""
+        return bool(self.scheduler.sending)
+
     def step(self) -> list[EngineCoreOutput]:
         self._scheduled_req_ids = []
-        if not self.scheduler.has_unfinished_requests():
+        if not (self.scheduler.has_unfinished_requests() or self.scheduler.sending):
             return []
         scheduler_output = self.scheduler.schedule()
         self._scheduled_req_ids = list(scheduler_output.num_scheduled_tokens)
@@ -200,4 +222,6 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Stop every worker (their device memory returns; processes are reaped)."""
+        if self.connector is not None:
+            self.connector.shutdown()
         self.model_executor.shutdown()

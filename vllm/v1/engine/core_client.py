@@ -81,6 +81,7 @@ class MPEngineCoreClient:
         # Abort / finish messages the engine has not acknowledged yet: until it has, the
         # frontend keeps stepping, so the figures after them (freed blocks) are recorded.
         self._unacked = 0
+        self._kv_sends_pending = False  # see EngineCoreOutputs.kv_sends_pending
         self._failed_ids: list[str] = []
         self._sleeping: bool | None = False
         self._dead_reason: str | None = None
@@ -223,7 +224,7 @@ class MPEngineCoreClient:
             self._unacked += 1
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._unfinished) or self._unacked > 0
+        return bool(self._unfinished) or self._unacked > 0 or self._kv_sends_pending
 
     def step(self) -> list[Any]:
         """The outputs of the next step the engine finished (waits up to `step_timeout`)."""
@@ -240,6 +241,7 @@ class MPEngineCoreClient:
             self._scheduler_stats = batch.scheduler_stats
             self._kv_memory = batch.kv_memory
         self._unacked = max(self._unacked - batch.acked, 0)
+        self._kv_sends_pending = batch.kv_sends_pending
         for output in batch.outputs:
             if output.finished:
                 self._unfinished.discard(output.request_id)

@@ -105,6 +105,10 @@ class EngineCoreOutputs:
     scheduler_stats: Any = None
     kv_memory: Any = None
     acked: int = 0
+    # A KV connector still holds finished requests' blocks (a prefill instance waits
+    # for its decode instance to read them): the client keeps reading batches, so
+    # the freed blocks reach its metrics.
+    kv_sends_pending: bool = False
 
 
 class EngineCoreProc:
@@ -180,7 +184,9 @@ class EngineCoreProc:
             busy = self.core.has_unfinished_requests()
             if not self._drain_inputs(block=not busy):
                 return self.dead_reason
-            if self.core.has_unfinished_requests():
+            # Pending KV sends (a prefill instance's blocks waiting to be read) are
+            # polled once per idle wait: their blocks are freed within ~_IDLE_POLL_S.
+            if self.core.has_unfinished_requests() or self.core.has_pending_kv_sends():
                 self._step()
                 if self.dead_reason is not None:
                     return self.dead_reason
@@ -243,7 +249,8 @@ class EngineCoreProc:
             return
         self._consecutive_failures = 0
         self._outputs.put(("outputs", EngineCoreOutputs(
-            outputs=outputs, scheduler_stats=core.get_stats(), kv_memory=core.kv_cache_memory())))
+            outputs=outputs, scheduler_stats=core.get_stats(), kv_memory=core.kv_cache_memory(),
+            kv_sends_pending=core.has_pending_kv_sends())))
 
     def _step_failed(self, error: Exception) -> None:
         from vllm.v1.executor.worker_wrapper import WorkerDiedError

@@ -21,6 +21,14 @@ class EngineGenerateError(RuntimeError):
     """
 
 
+class KVTransferError(EngineGenerateError):
+    """A request failed because its KV cache could not be fetched from another instance.
+
+    (The prefill instance died or is unreachable.) The decode instance freed the
+    request's blocks; the server answers 502.
+    """
+
+
 class EngineDeadError(RuntimeError):
     """The engine hit an unrecoverable error and serves nothing any more.
 

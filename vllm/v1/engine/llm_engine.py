@@ -50,6 +50,8 @@ class LLMEngine:
             vllm_config.scheduler_config.max_num_seqs,
             model_config.try_get_generation_config(),
             model_config.max_logprobs,
+            kv_connector=(vllm_config.kv_transfer_config.kv_connector
+                          if vllm_config.kv_transfer_config else None),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         if multiprocess_mode:

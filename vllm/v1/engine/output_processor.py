@@ -15,10 +15,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from vllm.logger import init_logger
 from vllm.logprobs import Logprob
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.detokenizer import IncrementalDetokenizer
+from vllm.v1.engine.exceptions import KVTransferError
 from vllm.v1.metrics.stats import FinishedRequestStats, IterationStats, RequestTimes
 from vllm.v1.outputs import EngineCoreOutput, FinishReason, LogprobsLists
 
@@ -26,6 +28,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from vllm.sampling_params import SamplingParams
+
+logger = init_logger(__name__)
 
 
 class ParentRequest:
@@ -70,6 +74,7 @@ class RequestState:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     cumulative_logprob: float | None = None
     num_cached_tokens: int = 0
+    kv_transfer_params: dict | None = None  # the KV connector's, on the finished output
     token_ids: list[int] = field(default_factory=list)
     # DELTA outputs: how many token ids / logprob entries were already sent.
     num_sent_tokens: int = 0
@@ -155,6 +160,11 @@ class OutputProcessor:
                 continue
             self._update_timing(state, out, now, stats)
             state.num_cached_tokens = out.num_cached_tokens
+            if out.error is not None:
+                self._fail(state, out.error)
+                continue
+            if out.kv_transfer_params is not None:
+                state.kv_transfer_params = out.kv_transfer_params
             state.token_ids.extend(out.new_token_ids)
             finish_reason = out.finish_reason
             stop_reason = out.stop_reason
@@ -180,6 +190,17 @@ class OutputProcessor:
         return OutputProcessorOutput(request_outputs, reqs_to_abort, stats)
 
     # ---------------------------------------------------------------- helpers
+    def _fail(self, state: RequestState, error: str) -> None:
+        """A request the core failed on its own (its KV transfer): the stream gets the error.
+
+        The offline `LLM` has no stream: it logs and drops the request.
+        """
+        del self.states[state.request_id]
+        if state.queue is not None:
+            state.queue.put_nowait(KVTransferError(error))
+        else:
+            logger.error("request %s failed: %s", state.request_id, error)
+
     @staticmethod
     def _update_timing(
         state: RequestState, out: EngineCoreOutput, now: float, stats: IterationStats
@@ -333,4 +354,5 @@ class OutputProcessor:
             outputs=outputs,
             finished=finished,
             num_cached_tokens=state.num_cached_tokens,
+            kv_transfer_params=state.kv_transfer_params,
         )

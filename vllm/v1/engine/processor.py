@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from vllm.distributed.kv_transfer.kv_transfer_params import check_kv_transfer_params
 from vllm.exceptions import VLLMValidationError
 from vllm.inputs import check_unicode_text
 from vllm.sampling_params import MAX_LOGPROBS, SamplingParams, validate_request_lengths
@@ -44,11 +45,13 @@ class Processor:
         max_num_seqs: int,
         generation_config: dict | None = None,
         max_logprobs: int = MAX_LOGPROBS,
+        kv_connector: str | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_num_seqs = max_num_seqs
+        self.kv_connector = kv_connector
         self.eos_token_id = tokenizer.eos_token_id
         self.generation_config = generation_config or {}
         self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
@@ -64,6 +67,8 @@ class Processor:
             VLLMValidationError (parameter "n"): naming n and max_num_seqs.
             VLLMValidationError (parameter "logprobs" / "prompt_logprobs"): more
                 than `max_logprobs` (vLLM's message).
+            VLLMValidationError (parameter "kv_transfer_params"): malformed, or
+                sent to an engine without a KV connector.
         """
         for name, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
             asked = getattr(params, name)
@@ -74,6 +79,8 @@ class Processor:
                     f"{self.max_logprobs} (--max-logprobs; -1 asks for the whole vocabulary)",
                     parameter=name,
                 )
+        extra = params.extra_args or {}
+        check_kv_transfer_params(extra.get("kv_transfer_params"), self.kv_connector)
         if params.n > self.max_num_seqs:
             raise VLLMValidationError(
                 f"n ({params.n}) must be <= max_num_seqs ({self.max_num_seqs}), the most "

@@ -24,6 +24,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -43,6 +44,9 @@ from vllm.v1.worker.kv_cache import (
 )
 from vllm.v1.worker.memory import DeviceMemory
 from vllm.v1.worker.weight_arena import WeightArena
+
+if TYPE_CHECKING:
+    from vllm.v1.worker.kv_connector import WorkerKVConnector
 
 logger = init_logger(__name__)
 GiB = sizing.GiB
@@ -95,6 +99,9 @@ class Worker:
         self.post_kv_cache_hooks: list[Callable[[KVCacheBuffers], None]] = []
         self.startup_seconds: dict[str, float] = {}
         self.weight_arena: WeightArena | None = None  # with enable_sleep_mode
+        self.kv_connector: WorkerKVConnector | None = None  # with kv_transfer_config
+        if vllm_config.kv_transfer_config is not None:
+            self.post_kv_cache_hooks.append(self._create_kv_connector)
 
     # ---------------------------------------------------------------- device
     def init_device(self) -> None:
@@ -297,6 +304,14 @@ class Worker:
         probe = driver.probe()
         if probe is not None:  # config resolution already checked; the device may differ
             raise RuntimeError(f"extensible KV cache unavailable on {self.device}: {probe}")
+        kv_transfer = self.config.kv_transfer_config
+        if kv_transfer is not None and kv_transfer.kv_connector == "NixlConnector":
+            # NIXL reads these pages from another process: UCX's CUDA IPC exports
+            # VMM allocations as POSIX file descriptors, and a NIC needs them
+            # GPUDirect-RDMA capable (both probed by the driver; host VMM: no-op).
+            enable = getattr(driver, "enable_transfer_flags", None)
+            if enable is not None:
+                enable()
         layout = get_kv_cache_config(specs, 1)
         capacity = sizing.capacity_blocks(
             self.memory.total, layout.block_stride, layout.num_segments, driver.granularity
@@ -417,6 +432,15 @@ class Worker:
         for hook in self.post_kv_cache_hooks:
             hook(self.kv_cache)
 
+    def kv_connector_handshake(self) -> dict | None:
+        """The worker-side connector's handshake metadata for its scheduler side."""
+        return None if self.kv_connector is None else self.kv_connector.handshake()
+
+    def _create_kv_connector(self, kv_cache: KVCacheBuffers) -> None:
+        from vllm.v1.worker.kv_connector import WorkerKVConnector
+
+        self.kv_connector = WorkerKVConnector.create(self.config, kv_cache)
+
     # ----------------------------------------------------------------- sleep
     def sleep(self, level: int) -> None:
         """Release weights' and KV cache's pages, keeping every address.
@@ -484,6 +508,8 @@ class Worker:
 
     # ------------------------------------------------------------------ step
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.kv_connector is not None:
+            return self.kv_connector.execute(scheduler_output, self.model_runner.execute_model)
         return self.model_runner.execute_model(scheduler_output)
 
     def kv_cache_memory(self) -> KVCacheMemory:
@@ -493,6 +519,9 @@ class Worker:
         return self.kv_cache.memory()
 
     def shutdown(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()  # deregister before the memory goes
+            self.kv_connector = None
         if self.model_runner is not None:
             self.model_runner.bind_kv_cache({})
         if self.kv_cache is not None:

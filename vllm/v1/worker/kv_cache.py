@@ -193,6 +193,26 @@ class KVCacheBuffers(ABC):
         """
         return [] if self.is_released else spans_of_views(self.views)
 
+    @property
+    def num_allocations(self) -> int:
+        """Physical allocations under the committed spans (1 for the classic cache)."""
+        return 1 if self.views else 0
+
+    def defragment(self) -> None:
+        """Make each segment one physical allocation; CONTENTS ARE DISCARDED.
+
+        For connectors that register one region per segment over a transport
+        that cannot span several allocations (UCX with cuMemCreate handles).
+        Only while the cache holds no live KV: the worker calls it before the
+        scheduler exists. A no-op for a cache that is one allocation already.
+        """
+        return None
+
+    @property
+    def rdma_unsupported_reason(self) -> str | None:
+        """Why the pages are not GPUDirect-RDMA capable, or None (capable or not applicable)."""
+        return None
+
     def memory(self) -> KVCacheMemory:
         """Committed and reserved bytes and committed blocks, for metrics."""
         return KVCacheMemory(self.committed_bytes, self.reserved_bytes, self.committed_blocks)
@@ -334,6 +354,17 @@ class ExtensibleKVCacheBuffers(KVCacheBuffers):
         self.committed_blocks = num_blocks
         self.views = reshape_kv_cache(self.config, tensor.full_view(), num_blocks)
         return self.views
+
+    @property
+    def num_allocations(self) -> int:
+        return 0 if self.tensor is None else self.tensor.num_physical_chunks
+
+    def defragment(self) -> None:
+        self._allocated().defragment_()
+
+    @property
+    def rdma_unsupported_reason(self) -> str | None:
+        return getattr(self.driver, "rdma_unsupported_reason", None)
 
     def release(self) -> None:
         self._allocated().release_physical()

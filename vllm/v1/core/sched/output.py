@@ -53,6 +53,8 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     # Requests preempted this step (their blocks are already freed).
     preempted_req_ids: set[str] = field(default_factory=set)
+    # The KV connector's plan for this step (KVConnectorMetadata), None without one.
+    kv_connector_metadata: Any = None
 
     @property
     def is_empty(self) -> bool:

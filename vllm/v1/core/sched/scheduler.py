@@ -15,6 +15,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from vllm.exceptions import VLLMValidationError
 from vllm.logger import init_logger
@@ -24,8 +25,11 @@ from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, Schedul
 from vllm.v1.core.sched.partial_prefills import PartialPrefills, StepPrefills
 from vllm.v1.core.sched.stats import SchedulerStats
 from vllm.v1.core.sched.utils import check_stop
-from vllm.v1.outputs import EngineCoreOutput, ModelRunnerOutput
+from vllm.v1.outputs import EngineCoreOutput, FinishReason, KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 logger = init_logger(__name__)
 
@@ -65,6 +69,11 @@ class Scheduler:
         long_prefill_token_threshold, max_num_partial_prefills,
             max_long_partial_prefills: vLLM's concurrent partial prefills, see
             `partial_prefills.py` (defaults: vLLM V1's one partial prefill).
+        connector: the scheduler side of a KV connector (`KVConnectorBase_V1`),
+            or None. It may supply tokens beyond the prefix-cache hit
+            (loaded into the request's new blocks in the same step), sees every
+            step's plan, and may keep a finished request's blocks until its
+            worker side has sent them.
 
     Raises:
         ValueError: a value is out of range or the combination can never work.
@@ -83,6 +92,7 @@ class Scheduler:
         long_prefill_token_threshold: int = 0,
         max_num_partial_prefills: int = 1,
         max_long_partial_prefills: int = 1,
+        connector: KVConnectorBase_V1 | None = None,
     ) -> None:
         _check_positive(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
         if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
@@ -114,6 +124,12 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # finished since the last schedule()
         self.num_preemptions = 0  # cumulative
+        self.connector = connector
+        # Finished requests whose blocks the connector still sends (req id -> request).
+        self.sending: dict[str, Request] = {}
+        self.external_queries = self.external_hits = 0  # tokens, cumulative
+        self.prompt_tokens_by_source = {
+            "local_compute": 0, "local_cache_hit": 0, "external_kv_transfer": 0}
 
     # ---- requests in and out ----
 
@@ -209,6 +225,8 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         stopped: set[Request] = set()
         mro = model_runner_output
+        if mro.kv_connector_output is not None:
+            outputs.extend(self._update_from_kv_connector(mro.kv_connector_output))
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
@@ -222,7 +240,9 @@ class Scheduler:
                 outputs.append(output)
             if finished:
                 stopped.add(request)
-                self._free_request(request)
+                kv_transfer_params = self._free_request(request)
+                if output is not None:
+                    output.kv_transfer_params = kv_transfer_params
         if stopped:
             self.running = [r for r in self.running if r not in stopped]
         return outputs
@@ -289,7 +309,8 @@ class Scheduler:
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             hits, num_hit_tokens = kv.get_computed_blocks(request)
-            to_compute = request.num_tokens - num_hit_tokens
+            num_external = self._external_tokens(request, num_hit_tokens)
+            to_compute = request.num_tokens - num_hit_tokens - num_external
             num_new = policy.num_new_tokens(to_compute, plan.prefills)
             if num_new > plan.token_budget:
                 if not self.enable_chunked_prefill:
@@ -299,11 +320,15 @@ class Scheduler:
             if policy.over_limits(plan.prefills, long, partial=num_new < to_compute):
                 skipped.append(self.waiting.popleft())
                 continue
-            new_blocks = kv.allocate_slots(request, num_new, num_hit_tokens, hits)
+            new_blocks = kv.allocate_slots(request, num_new, num_hit_tokens, hits, num_external)
             if new_blocks is None:
                 break
             self.waiting.popleft()
-            self._admit(request, num_hit_tokens, plan)
+            if self.connector is not None:
+                self._note_external(request, num_hit_tokens, num_external)
+            if request.num_preemptions == 0:
+                self._count_prompt_sources(request, num_hit_tokens, num_external)
+            self._admit(request, num_hit_tokens + num_external, plan)
             plan.add(request, num_new)
             policy.note(plan.prefills, to_compute, num_new, long)
         self.waiting.extendleft(reversed(skipped))
@@ -353,6 +378,8 @@ class Scheduler:
         for req_id, num_tokens in plan.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += num_tokens
         self.finished_req_ids = set()
+        if self.connector is not None:
+            output.kv_connector_metadata = self.connector.build_connector_meta(output)
         return output
 
     # ---- update_from_output() helpers ----
@@ -389,10 +416,77 @@ class Scheduler:
             first_scheduled_time=request.first_scheduled_time,
         )
 
-    def _free_request(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+    def _free_request(self, request: Request) -> dict[str, Any] | None:
+        """Free a finished request's blocks (or hand them to the connector to send first).
+
+        Returns the connector's kv_transfer_params for the response, if any.
+        """
+        kv_transfer_params = None
+        delay_free = False
+        if self.connector is not None:
+            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+            delay_free, kv_transfer_params = self.connector.request_finished(request, block_ids)
+        if delay_free:
+            self.sending[request.request_id] = request
+        else:
+            self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
+        return kv_transfer_params
+
+    def _count_prompt_sources(self, request: Request, num_hit: int, num_external: int) -> None:
+        by_source = self.prompt_tokens_by_source
+        by_source["local_cache_hit"] += num_hit
+        by_source["external_kv_transfer"] += num_external
+        by_source["local_compute"] += request.num_prompt_tokens - num_hit - num_external
+
+    # ---- KV connector helpers ----
+
+    def _external_tokens(self, request: Request, num_hit_tokens: int) -> int:
+        """Tokens after the prefix-cache hit the connector loads (one token is left to compute)."""
+        if self.connector is None or request.sampling_params.prompt_logprobs is not None:
+            return 0
+        num_external, _ = self.connector.get_num_new_matched_tokens(request, num_hit_tokens)
+        return max(0, min(num_external, request.num_tokens - 1 - num_hit_tokens))
+
+    def _note_external(self, request: Request, num_hit_tokens: int, num_external: int) -> None:
+        if request.num_preemptions == 0:
+            self.external_queries += request.num_tokens - num_hit_tokens
+            self.external_hits += num_external
+        blocks = self.kv_cache_manager.get_blocks(request.request_id)
+        self.connector.update_state_after_alloc(request, blocks, num_external)
+
+    def _update_from_kv_connector(self, kv_output: KVConnectorOutput) -> list[EngineCoreOutput]:
+        """Free blocks the connector finished sending; fail requests whose load failed.
+
+        A failed request's blocks were never registered in the prefix cache
+        (`allocate_slots` delays that for loaded blocks), so freeing them
+        leaves no wrong KV behind. Its output carries the reason as `error`.
+        """
+        self.connector.update_connector_output(kv_output)
+        for req_id in kv_output.finished_sending:
+            request = self.sending.pop(req_id, None)
+            if request is not None:
+                self.kv_cache_manager.free(request)
+        outputs = []
+        failed = set()
+        for req_id, reason in kv_output.failed_recving.items():
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            logger.warning("request %s failed: its KV transfer failed: %s", req_id, reason)
+            request.status = RequestStatus.FINISHED_ABORTED
+            failed.add(request)
+            self.kv_cache_manager.free(request)
+            del self.requests[req_id]
+            self.finished_req_ids.add(req_id)
+            outputs.append(EngineCoreOutput(
+                request_id=req_id, new_token_ids=[], finish_reason=FinishReason.ABORT,
+                error=f"the KV transfer of request {req_id!r} failed: {reason}",
+            ))
+        if failed:
+            self.running = [r for r in self.running if r not in failed]
+        return outputs
 
     # ---- queries and cache size ----
 
@@ -419,6 +513,9 @@ class Scheduler:
             prefix_cache_hits=kv.prefix_cache_stats.hits,
             num_preemptions=self.num_preemptions,
             num_blocks=kv.num_blocks,
+            external_prefix_cache_queries=self.external_queries,
+            external_prefix_cache_hits=self.external_hits,
+            prompt_tokens_by_source=dict(self.prompt_tokens_by_source),
         )
 
     @property

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -19,6 +19,13 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # prompt(+output) tokens looked up at admission
     prefix_cache_hits: int = 0  # of which served from the prefix cache
     num_preemptions: int = 0
+    # With a KV connector (tokens, cumulative): looked up beyond the local
+    # prefix-cache hit, and of those loaded by the connector instead of computed.
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    # Prompt tokens of first admissions by where their KV came from (vLLM's
+    # prompt_tokens_by_source): "local_compute", "local_cache_hit", "external_kv_transfer".
+    prompt_tokens_by_source: dict[str, int] = field(default_factory=dict)
     num_blocks: int = 0  # KV cache blocks, including the null block
 
     @property

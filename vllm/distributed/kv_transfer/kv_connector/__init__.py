@@ -1,0 +1,1 @@
+"""KV connectors: `KVConnectorFactory` builds one by name from `KVTransferConfig`."""

@@ -1,0 +1,84 @@
+"""`kv_transfer_params`: what a request carries for a KV connector (torch-free).
+
+Keys, as vLLM's NixlConnector and its disaggregation proxy use them:
+
+    to the prefill instance   {"do_remote_decode": true}
+    from it / to the decode   {"do_remote_prefill": true, "do_remote_decode": false,
+                               "remote_block_ids": [int, ...], "remote_engine_id": str,
+                               "remote_host": str, "remote_port": int,
+                               "remote_request_id": str}
+
+`check_kv_transfer_params` is the one validation (the frontend calls it, so a
+malformed value is a 400 naming `kv_transfer_params`, never a silent recompute).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.exceptions import VLLMValidationError
+
+_REMOTE_KEYS: dict[str, type] = {
+    "remote_block_ids": list, "remote_engine_id": str, "remote_host": str,
+    "remote_port": int, "remote_request_id": str,
+}
+_FLAGS = ("do_remote_decode", "do_remote_prefill")
+
+
+@dataclass(frozen=True)
+class RemotePrefill:
+    """Where a decode instance reads a prompt's KV: the prefill's blocks and side channel."""
+
+    block_ids: list[int]
+    engine_id: str
+    host: str
+    port: int
+    request_id: str
+
+
+def check_kv_transfer_params(params: Any, kv_connector: str | None) -> None:
+    """Raise VLLMValidationError (parameter "kv_transfer_params") unless `params` is usable.
+
+    Args:
+        params: the request's value (None: nothing to check).
+        kv_connector: the engine's connector name, or None without one.
+    """
+    if params is None:
+        return
+    if kv_connector is None:
+        _fail("kv_transfer_params needs a server started with --kv-transfer-config "
+              "(this one has no KV connector)")
+    if not isinstance(params, dict):
+        _fail(f"kv_transfer_params must be an object, got {type(params).__name__}")
+    unknown = sorted(set(params) - set(_FLAGS) - set(_REMOTE_KEYS))
+    if unknown:
+        _fail(f"kv_transfer_params has unknown keys {unknown}; "
+              f"supported: {list(_FLAGS) + list(_REMOTE_KEYS)}")
+    for flag in _FLAGS:
+        if flag in params and not isinstance(params[flag], bool):
+            _fail(f"kv_transfer_params.{flag} must be a boolean, got {params[flag]!r}")
+    if params.get("do_remote_prefill"):
+        for key, kind in _REMOTE_KEYS.items():
+            value = params.get(key)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                _fail(f"kv_transfer_params.{key} must be a {kind.__name__} with "
+                      f"do_remote_prefill, got {value!r}")
+        ids = params["remote_block_ids"]
+        if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in ids):
+            _fail("kv_transfer_params.remote_block_ids must be non-negative ints")
+
+
+def parse_kv_transfer_params(extra_args: dict[str, Any] | None) -> RemotePrefill | None:
+    """The remote prefill a (checked) request points at, or None."""
+    params = (extra_args or {}).get("kv_transfer_params") or {}
+    if not params.get("do_remote_prefill"):
+        return None
+    return RemotePrefill(
+        list(params["remote_block_ids"]), params["remote_engine_id"], params["remote_host"],
+        params["remote_port"], params["remote_request_id"],
+    )
+
+
+def _fail(message: str) -> None:
+    raise VLLMValidationError(message, parameter="kv_transfer_params")
