@@ -8,7 +8,8 @@ EngineArgs --create_engine_config()--> VllmConfig
                                         |- parallel_config     ParallelConfig
                                         |- compilation_config  CompilationConfig
                                         |- device_config       DeviceConfig
-                                        '- kv_transfer_config  KVTransferConfig | None
+                                        |- kv_transfer_config  KVTransferConfig | None
+                                        '- speculative_config  SpeculativeConfig | None
 ```
 
 Each sub-config checks its own ranges when built; `__post_init__` here does
@@ -29,6 +30,7 @@ from vllm.config.kv_transfer import KVTransferConfig
 from vllm.config.model import ModelConfig
 from vllm.config.parallel import ParallelConfig
 from vllm.config.scheduler import SchedulerConfig
+from vllm.config.speculative import SpeculativeConfig
 
 
 @dataclass
@@ -47,6 +49,7 @@ class VllmConfig:
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     kv_transfer_config: KVTransferConfig | None = None
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         from vllm import platforms
@@ -93,6 +96,7 @@ class VllmConfig:
             f"max_long_partial_prefills={s.max_long_partial_prefills}, "
             f"long_prefill_token_threshold={s.long_prefill_token_threshold}, "
             f"cudagraphs={self.compilation_config.use_cudagraph}, "
+            f"speculative_config={self.speculative_config}, "
             f"tensor_parallel_size={self.parallel_config.tensor_parallel_size}, "
             f"distributed_executor_backend={self.parallel_config.distributed_executor_backend}"
         )

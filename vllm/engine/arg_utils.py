@@ -26,6 +26,7 @@ from vllm.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     VllmConfig,
 )
 from vllm.config.model import DTYPE_CHOICES, LOAD_FORMAT_CHOICES
@@ -127,6 +128,7 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     worker_cls: str = DEFAULT_WORKER_CLS
     kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     disable_log_stats: bool = False
 
     @staticmethod
@@ -212,6 +214,12 @@ class EngineArgs:
                        default=d.kv_transfer_config,
                        help='KV connector as JSON: \'{"kv_connector": ..., "kv_role": ...}\' '
                             "(no connector is implemented yet).")
+        g.add_argument("--speculative-config",
+                       type=_json_type(SpeculativeConfig.from_cli, "speculative_config"),
+                       default=d.speculative_config,
+                       help='Speculative decoding as JSON (vLLM\'s keys): \'{"method": "ngram", '
+                            '"num_speculative_tokens": 4, "prompt_lookup_max": 5, '
+                            '"prompt_lookup_min": 2}\'.')
         g.add_argument("--disable-log-stats", action="store_true", default=d.disable_log_stats,
                        help="Do not log engine statistics periodically.")
         return parser
@@ -285,6 +293,7 @@ class EngineArgs:
             ),
             compilation_config=self._compilation_config(),
             kv_transfer_config=self._kv_transfer_config(),
+            speculative_config=SpeculativeConfig.coerce(self.speculative_config),
         )
 
     def _compilation_config(self) -> CompilationConfig:
