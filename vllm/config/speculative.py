@@ -111,7 +111,9 @@ class SpeculativeConfig:
     @classmethod
     def from_dict(cls, values: Any) -> SpeculativeConfig:
         if not isinstance(values, dict):
-            raise SpeculativeConfigError(f"must be a JSON object, got {values!r}", "speculative_config")
+            raise SpeculativeConfigError(
+                f"must be a JSON object, got {values!r}", "speculative_config"
+            )
         allowed = [f.name for f in fields(cls)]
         unknown = sorted(set(values) - set(allowed))
         if unknown:

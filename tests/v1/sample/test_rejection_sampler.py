@@ -1,4 +1,4 @@
-"""RejectionSampler: exact for greedy; the speculative-sampling rule keeps the target distribution."""
+"""RejectionSampler: exact for greedy; speculative sampling keeps the target distribution."""
 
 import torch
 
