@@ -43,6 +43,9 @@ class ModelRunnerOutput:
     logprobs: LogprobsLists | None = None  # rows aligned with req_ids
     # req_id -> prompt logprobs of the prompt positions computed this step.
     prompt_logprobs_dict: dict[str, LogprobsLists] = field(default_factory=dict)
+    # Speculative decoding: per request (rows as req_ids), the drafts proposed
+    # for the next step; None without speculative decoding.
+    spec_token_ids: list[list[int]] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

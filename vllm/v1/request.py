@@ -101,6 +101,9 @@ class Request:
         block_hashes: hashes of the request's full blocks, filled by the KV
             cache manager (see kv_cache_utils.update_request_block_hashes).
         num_preemptions: how often the request was preempted.
+        spec_token_ids: draft tokens proposed after the last step (speculative
+            decoding), verified by the next step that schedules them; not part
+            of the token ids until accepted.
         stop_reason: the stop token id (or, set by the engine, stop string) that matched.
     """
 
@@ -134,6 +137,7 @@ class Request:
         self.num_cached_tokens = -1
         self.block_hashes: list[bytes] = []  # kv_cache_utils.BlockHash digests
         self.num_preemptions = 0
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

@@ -52,6 +52,10 @@ class EngineCore:
             long_prefill_token_threshold=sched.long_prefill_token_threshold,
             max_num_partial_prefills=sched.max_num_partial_prefills,
             max_long_partial_prefills=sched.max_long_partial_prefills,
+            num_speculative_tokens=(
+                vllm_config.speculative_config.num_speculative_tokens
+                if vllm_config.speculative_config else 0
+            ),
         )
         self._scheduled_req_ids: list[str] = []  # of the last (possibly failed) step
         policy = self.scheduler.prefill_policy

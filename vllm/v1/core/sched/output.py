@@ -53,6 +53,9 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     # Requests preempted this step (their blocks are already freed).
     preempted_req_ids: set[str] = field(default_factory=set)
+    # req_id -> draft tokens to verify this step (speculative decoding); their
+    # count is included in num_scheduled_tokens (1 + len(drafts) for a decode).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

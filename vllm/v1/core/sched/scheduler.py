@@ -25,6 +25,7 @@ from vllm.v1.core.sched.stats import SchedulerStats
 from vllm.v1.core.sched.utils import check_stop
 from vllm.v1.outputs import EngineCoreOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
+from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
 logger = init_logger(__name__)
 
@@ -42,6 +43,7 @@ class _StepPlan:
     # Scheduled requests the runner already holds: (request, resumed, block ids to send).
     cached_reqs: list[tuple[Request, bool, list[int]]] = field(default_factory=list)
     preempted_req_ids: set[str] = field(default_factory=set)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # drafts to verify
 
     def add(self, request: Request, num_tokens: int) -> None:
         self.num_scheduled_tokens[request.request_id] = num_tokens
@@ -64,6 +66,10 @@ class Scheduler:
         long_prefill_token_threshold, max_num_partial_prefills,
             max_long_partial_prefills: vLLM's concurrent partial prefills, see
             `partial_prefills.py` (defaults: vLLM V1's one partial prefill).
+        num_speculative_tokens: k of speculative decoding (0 = off): a decoding
+            request with drafts (`Request.spec_token_ids`, proposed by the
+            runner) is scheduled for 1 + up to k tokens; the rejected drafts'
+            KV slots are reused by rolling num_computed_tokens back.
 
     Raises:
         ValueError: a value is out of range or the combination can never work.
@@ -82,6 +88,7 @@ class Scheduler:
         long_prefill_token_threshold: int = 0,
         max_num_partial_prefills: int = 1,
         max_long_partial_prefills: int = 1,
+        num_speculative_tokens: int = 0,
     ) -> None:
         _check_positive(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
         if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
@@ -113,6 +120,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # finished since the last schedule()
         self.num_preemptions = 0  # cumulative
+        self.num_speculative_tokens = num_speculative_tokens
+        self.spec_decoding_stats = (
+            SpecDecodingStats(num_speculative_tokens) if num_speculative_tokens else None
+        )
 
     # ---- requests in and out ----
 
@@ -215,7 +226,11 @@ class Scheduler:
             index = mro.req_id_to_index.get(req_id)
             if index is None:
                 raise ValueError(f"model runner output has no entry for request {req_id!r}")
-            new_token_ids, finished = self._append_sampled(request, mro.sampled_token_ids[index])
+            sampled = mro.sampled_token_ids[index]
+            self._settle_drafts(request, scheduler_output.scheduled_spec_decode_tokens, sampled)
+            new_token_ids, finished = self._append_sampled(request, sampled)
+            if mro.spec_token_ids is not None and not finished:
+                request.spec_token_ids = mro.spec_token_ids[index]
             output = self._make_engine_core_output(request, index, new_token_ids, mro)
             if output is not None:
                 outputs.append(output)
@@ -239,10 +254,14 @@ class Scheduler:
             if num_new == 0:
                 req_index += 1
                 continue
+            drafts = self._drafts_to_verify(request, to_compute, plan.token_budget)
+            num_new += len(drafts)
             new_blocks = self._allocate_or_preempt(request, num_new, plan)
             if new_blocks is None:
                 break  # the request preempted itself; everything after it is gone too
             plan.add(request, num_new)
+            if drafts:
+                plan.spec_tokens[request.request_id] = drafts
             plan.cached_reqs.append((request, False, [b.block_id for b in new_blocks]))
             policy.note(plan.prefills, to_compute, num_new, policy.is_long(to_compute))
             req_index += 1
@@ -271,6 +290,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -346,13 +366,47 @@ class Scheduler:
             total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=plan.preempted_req_ids,
+            scheduled_spec_decode_tokens=plan.spec_tokens,
         )
         for req_id, num_tokens in plan.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += num_tokens
         self.finished_req_ids = set()
         return output
 
+    def _drafts_to_verify(self, request: Request, to_compute: int, budget: int) -> list[int]:
+        """The request's drafts that fit this step (a decode only; [] otherwise).
+
+        Capped by the token budget (after the request's own token), by
+        max_model_len (no position past it) and by max_tokens (a draft whose
+        acceptance would exceed it is wasted work, and its KV slot was never
+        promised by `_check_fits_cache`).
+        """
+        drafts = request.spec_token_ids
+        if not drafts or to_compute != 1:
+            return []
+        room = min(budget - 1, self.max_model_len - request.num_tokens)
+        if request.max_tokens is not None:
+            room = min(room, request.max_tokens - request.num_output_tokens - 1)
+        return drafts[: max(room, 0)]
+
     # ---- update_from_output() helpers ----
+
+    def _settle_drafts(
+        self, request: Request, spec: dict[str, list[int]], sampled: list[int]
+    ) -> None:
+        """Roll num_computed_tokens back past the rejected drafts; count the verification.
+
+        A verify step computed 1 + k tokens and yields a + 1 (a accepted
+        drafts plus the target's own): the KV slots of the k - a rejected
+        drafts are overwritten next step.
+        """
+        request.spec_token_ids = []
+        drafts = spec.get(request.request_id)
+        if not drafts or not sampled:
+            return
+        num_accepted = len(sampled) - 1
+        request.num_computed_tokens -= len(drafts) - num_accepted
+        self.spec_decoding_stats.observe_draft(len(drafts), num_accepted)
 
     def _append_sampled(self, request: Request, sampled: list[int]) -> tuple[list[int], bool]:
         """Append sampled tokens one by one until a stop condition hits."""
@@ -415,6 +469,9 @@ class Scheduler:
             prefix_cache_hits=kv.prefix_cache_stats.hits,
             num_preemptions=self.num_preemptions,
             num_blocks=kv.num_blocks,
+            spec_decoding_stats=(
+                self.spec_decoding_stats.copy() if self.spec_decoding_stats else None
+            ),
         )
 
     @property

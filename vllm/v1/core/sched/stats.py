@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vllm.v1.spec_decode.metrics import SpecDecodingStats
+
 
 @dataclass
 class SchedulerStats:
@@ -20,6 +22,8 @@ class SchedulerStats:
     prefix_cache_hits: int = 0  # of which served from the prefix cache
     num_preemptions: int = 0
     num_blocks: int = 0  # KV cache blocks, including the null block
+    # Cumulative draft / acceptance counts; None without speculative decoding.
+    spec_decoding_stats: SpecDecodingStats | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:
