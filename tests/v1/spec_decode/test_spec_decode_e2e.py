@@ -80,20 +80,25 @@ def test_seeded_sampling_reproducible(spec_llm):
     assert first[0] == first[1]  # same seed, same batch step: same tokens
 
 
-def test_greedy_identical_on_random_weights(tmp_path_factory):
+def test_greedy_identical_on_random_weights_with_preemption(tmp_path_factory):
+    """A random-weight Llama shape; a KV cache of 10 blocks for 3 requests of 5 blocks each,
+    so requests are preempted (and recomputed) while drafts are in flight."""
     model_dir = make_model_dir(
         tmp_path_factory.mktemp("spec_llama"), llama_config(vocab_size=256), weights=True
     )
     kwargs = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
-                  kv_cache_memory_bytes=8 * 2**20)
+                  kv_cache_memory_bytes=10 * 8192)  # 16 tokens x 2 layers x 2 x 2 x 16 x 4 B
     prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9, 10] * 4 + [5, 6]},
-               {"prompt_token_ids": [30, 31, 32, 30, 31, 32, 30]}]
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+               {"prompt_token_ids": [30, 31, 32, 30, 31, 32, 30] * 3},
+               {"prompt_token_ids": [40, 41, 42, 43] * 6}]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     outs = []
     for spec in (None, NGRAM):
         engine = LLM(str(model_dir), speculative_config=spec, **kwargs)
         outs.append(_ids(engine.generate(prompts, params, use_tqdm=False)))
+        stats = engine.llm_engine.get_scheduler_stats()
+        assert stats.num_blocks == 10 and stats.num_preemptions > 0
         if spec:
-            assert engine.llm_engine.get_scheduler_stats().spec_decoding_stats.num_drafts > 0
+            assert stats.spec_decoding_stats.num_drafts > 0
         engine.llm_engine.shutdown()
     assert outs[0] == outs[1]
