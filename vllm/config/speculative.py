@@ -4,8 +4,8 @@
 {"method": "ngram", "num_speculative_tokens": k,
  "prompt_lookup_max": 5, "prompt_lookup_min": 2}      prompt lookup, no extra model
 {"method": "draft_model", "model": PATH, "num_speculative_tokens": k}
-                                                      a smaller model (not yet here:
-                                                      rejected with a clear error)
+                                                      a smaller model, same vocabulary;
+                                                      its KV shares the target's blocks
 ```
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 SPEC_METHODS = ("ngram", "draft_model")
 # Methods this engine runs; a known method missing here is rejected by name.
-IMPLEMENTED_SPEC_METHODS = ("ngram",)
+IMPLEMENTED_SPEC_METHODS = ("ngram", "draft_model")
 # vLLM's default n-gram window when neither bound is given.
 DEFAULT_PROMPT_LOOKUP = 5
 
@@ -105,8 +105,9 @@ class SpeculativeConfig:
 
     @property
     def num_lookahead_slots(self) -> int:
-        """KV slots a request may need beyond its tokens: its k drafts."""
-        return self.num_speculative_tokens
+        """KV slots a request holds beyond this step's tokens for the draft model's k
+        decode steps (0 for ngram, whose drafts need slots only when verified)."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
 
     @classmethod
     def from_dict(cls, values: Any) -> SpeculativeConfig:

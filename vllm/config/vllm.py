@@ -64,6 +64,14 @@ class VllmConfig:
             self.kv_transfer_config = None  # an empty config means no connector
         self.cache_config.resolve_kv_cache_path(lambda: platform.get_vmm_driver().probe())
         self._resolve_parallel(platform)
+        spec = self.speculative_config
+        if spec is not None and spec.method == "draft_model" and (
+            self.parallel_config.world_size > 1
+        ):
+            raise ValueError(
+                "speculative_config: method 'draft_model' runs on one rank only "
+                f"(tensor_parallel_size={self.parallel_config.tensor_parallel_size})"
+            )
 
     def _resolve_parallel(self, platform) -> None:
         """Executor backend, model split check, and one seed shared by every rank."""

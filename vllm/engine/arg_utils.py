@@ -243,9 +243,12 @@ class EngineArgs:
         Raises:
             ValueError / FileNotFoundError: the first invalid value, naming it.
         """
-        self._configs_without_model()
+        configs = self._configs_without_model()
         if self.model is not None:
             check_model_path(self.model)
+        spec = configs["speculative_config"]
+        if spec is not None and spec.model is not None:
+            check_model_path(spec.model)
 
     def create_engine_config(self) -> VllmConfig:
         """Build and validate the engine's `VllmConfig` (the one place args are checked).

@@ -41,7 +41,8 @@ def test_ngram_defaults_and_one_bound():
         ({"method": "ngram", "num_speculative_tokens": 2, "model": "/x"}, "model"),
         ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "lookahead"),
         ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
-        ({"method": "draft_model", "num_speculative_tokens": 2, "model": "/m"}, "method"),
+        ({"method": "draft_model", "num_speculative_tokens": 2, "model": "/m",
+          "prompt_lookup_max": 3}, "prompt_lookup_max"),
     ],
 )
 def test_bad_values_name_the_key(values, key):
@@ -49,6 +50,16 @@ def test_bad_values_name_the_key(values, key):
         SpeculativeConfig.from_dict(values)
     assert info.value.key == key
     assert key in str(info.value)
+
+
+def test_draft_model_config_and_missing_path():
+    c = SpeculativeConfig.from_dict({"model": "/some/draft", "num_speculative_tokens": 3})
+    assert c.method == "draft_model" and c.num_lookahead_slots == 3
+    assert SpeculativeConfig(method="ngram", num_speculative_tokens=3).num_lookahead_slots == 0
+    args = EngineArgs(speculative_config={"method": "draft_model", "model": "/no/such/draft",
+                                          "num_speculative_tokens": 2})
+    with pytest.raises(FileNotFoundError, match="/no/such/draft"):
+        args.validate()
 
 
 def test_offline_bad_config_is_value_error_before_any_model_loads():

@@ -120,11 +120,22 @@ class GPUModelRunner:
 
     # --------------------------------------------------------------- KV cache
     def get_kv_cache_specs(self, dtype: torch.dtype) -> dict[str, KVCacheSpec]:
-        """Attention layer name -> what one of its KV blocks holds, in layer order."""
+        """Attention layer name -> what one of its KV blocks holds, in layer order.
+
+        With a draft model its layers (`draft.` names) follow the target's: one
+        layout, one block id space, one sizing for both.
+        """
         return {
             name: layer.get_kv_cache_spec(self.block_size, dtype)
-            for name, layer in get_attention_layers(self.model).items()
+            for name, layer in self._attention_layers().items()
         }
+
+    def _attention_layers(self) -> dict:
+        layers = get_attention_layers(self.model)
+        draft = self.spec_decoder.draft if self.spec_decoder is not None else None
+        if draft is not None:
+            layers.update(get_attention_layers(draft.model))
+        return layers
 
     def bind_kv_cache(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Point every attention layer at its view (after allocation and after each growth).
@@ -134,7 +145,7 @@ class GPUModelRunner:
         Raises:
             ValueError: layers and views differ (see `kv_cache_interface.bind_kv_cache`).
         """
-        layers = get_attention_layers(self.model)
+        layers = self._attention_layers()
         if not kv_caches:
             for layer in layers.values():
                 layer.kv_cache = None
@@ -301,6 +312,11 @@ class GPUModelRunner:
             SpecDecoder.write_drafts(batch, so.scheduled_spec_decode_tokens)
         metadata, num_sched = self._prepare_inputs(so)
         hidden = self._forward(metadata, num_sched)
+        draft = self.spec_decoder.draft if self.spec_decoder is not None else None
+        if draft is not None:
+            draft.forget(so.finished_req_ids | so.preempted_req_ids)
+            total = metadata.num_actual_tokens
+            draft.forward_same_inputs(self.input_ids[:total], self.positions[:total], metadata)
 
         num_reqs = batch.num_reqs
         computed = batch.num_computed_tokens[:num_reqs]
@@ -460,6 +476,10 @@ class GPUModelRunner:
         )
         with torch.inference_mode(), set_forward_context(metadata):
             hidden = self.model(self.input_ids[:num_tokens], self.positions[:num_tokens])
+            if self.spec_decoder is not None and self.spec_decoder.draft is not None:
+                self.spec_decoder.draft.forward_same_inputs(
+                    self.input_ids[:num_tokens], self.positions[:num_tokens], metadata
+                )
         if with_kv:
             # Leave the table clean: unused entries point at the null block.
             self.input_batch.block_table.device_tensor[:num_reqs].zero_()

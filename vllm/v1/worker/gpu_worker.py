@@ -38,6 +38,7 @@ from vllm.v1.outputs import KVCacheMemory, ModelRunnerOutput
 from vllm.v1.spec_decode.ngram_proposer import NgramProposer
 from vllm.v1.worker import kv_cache_sizing as sizing
 from vllm.v1.worker import ranks
+from vllm.v1.worker.draft_model import DraftModelProposer, rename_draft_layers
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.kv_cache import (
     ClassicKVCacheBuffers,
@@ -168,9 +169,11 @@ class Worker:
             tp_rank=tp_rank,
             tp_size=tp_size,
         )
+        draft_model = self._load_draft_model()
+        params = [*model.parameters(), *(draft_model.parameters() if draft_model else [])]
         self.weights_bytes = max(
             self.memory.allocated() - before,
-            sum(p.numel() * p.element_size() for p in model.parameters()),
+            sum(p.numel() * p.element_size() for p in params),
         )
         comp = self.config.compilation_config
         capture_sizes = [] if comp.enforce_eager else list(comp.cudagraph_capture_sizes or [])
@@ -184,7 +187,7 @@ class Worker:
             max_model_len=mc.max_model_len,
             block_size=self.config.cache_config.block_size,
             cudagraph_capture_sizes=capture_sizes,
-            spec_decoder=self._spec_decoder(mc.get_vocab_size()),
+            spec_decoder=self._spec_decoder(mc.get_vocab_size(), draft_model),
         )
         if self.config.cache_config.enable_sleep_mode:
             driver = self.platform.get_vmm_driver(self.device.index or 0)
@@ -200,14 +203,39 @@ class Worker:
             self.startup_seconds["load_model"],
         )
 
-    def _spec_decoder(self, vocab_size: int) -> SpecDecoder | None:
+    def _load_draft_model(self) -> torch.nn.Module | None:
+        """The draft model of method draft_model (target's dtype and device), else None.
+
+        Raises:
+            ValueError: its vocabulary differs from the target's.
+        """
+        from vllm.model_executor.model_loader import get_model
+        from vllm.transformers_utils.config import get_hf_config
+
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        mc = self.config.model_config
+        hf_config = get_hf_config(spec.model)
+        if hf_config.vocab_size != mc.get_vocab_size():
+            raise ValueError(
+                f"speculative_config: the draft model {spec.model!r} has a vocabulary of "
+                f"{hf_config.vocab_size} tokens, the target {mc.get_vocab_size()}; they must match"
+            )
+        model = get_model(spec.model, hf_config, dtype=mc.dtype, device=self.device)
+        rename_draft_layers(model)
+        return model
+
+    def _spec_decoder(self, vocab_size: int, draft_model) -> SpecDecoder | None:
         spec = self.config.speculative_config
         if spec is None:
             return None
-        proposer = NgramProposer(
-            spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
-        )
-        return SpecDecoder(proposer, spec.num_speculative_tokens, vocab_size, self.device)
+        k = spec.num_speculative_tokens
+        if draft_model is not None:
+            proposer = DraftModelProposer(draft_model, k, vocab_size, self.device)
+        else:
+            proposer = NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return SpecDecoder(proposer, k, vocab_size, self.device)
 
     def _verify_positions(self) -> int:
         """Positions of the worst-case verify batch (0 without speculative decoding)."""

@@ -22,6 +22,7 @@ from vllm.v1.sample.metadata import build_sampling_metadata
 from vllm.v1.sample.rejection_sampler import RejectionSampler
 from vllm.v1.spec_decode.ngram_proposer import NgramProposer
 from vllm.v1.spec_decode.utils import is_spec_decode_unsupported
+from vllm.v1.worker.draft_model import DraftModelProposer
 from vllm.v1.worker.input_batch import InputBatch
 
 
@@ -29,17 +30,19 @@ class SpecDecoder:
     """Writes drafts into the batch, verifies them, proposes the next ones.
 
     Args:
-        proposer: the draft source (n-gram prompt lookup).
+        proposer: the draft source: n-gram prompt lookup, or a draft model.
         num_speculative_tokens: k.
         vocab_size: the logits' width.
         device: the model's device.
     """
 
     def __init__(
-        self, proposer: NgramProposer, num_speculative_tokens: int, vocab_size: int,
+        self, proposer: NgramProposer | DraftModelProposer, num_speculative_tokens: int,
+        vocab_size: int,
         device: torch.device,
     ) -> None:
         self.proposer = proposer
+        self.draft = proposer if isinstance(proposer, DraftModelProposer) else None
         self.k = num_speculative_tokens
         self.vocab_size = vocab_size
         self.device = device
@@ -77,11 +80,21 @@ class SpecDecoder:
             params, [[0]] * len(params), [[] for _ in params], {}, self.vocab_size, self.device
         )
         generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
-        return self.rejection_sampler(drafts, logits, metadata, generators)
+        draft_probs = None
+        if self.draft is not None and not metadata.all_greedy:
+            draft_probs = self.draft.take_draft_probs(
+                [batch.req_ids[r] for r in rows], [len(d) for d in drafts]
+            )
+        return self.rejection_sampler(drafts, logits, metadata, generators, draft_probs)
 
     def propose(self, batch: InputBatch, rows: list[int], max_model_len: int) -> list[list[int]]:
         """Drafts for the next step, one list per batch row ([] for rows not in `rows`)."""
         out: list[list[int]] = [[] for _ in range(batch.num_reqs)]
+        if self.draft is not None:
+            skip = {r for r in rows if is_spec_decode_unsupported(batch.states[r].sampling_params)}
+            for row, tokens in self.draft.propose(batch, rows, max_model_len, skip).items():
+                out[row] = tokens
+            return out
         for row in rows:
             state = batch.states[row]
             if is_spec_decode_unsupported(state.sampling_params):
@@ -116,4 +129,7 @@ class SpecDecoder:
             [[] for _ in range(num_positions)], {}, self.vocab_size, self.device,
         )
         drafts = [[0] * (n - 1) for n in sizes]
-        self.rejection_sampler(drafts, logits, metadata, {})
+        draft_probs = None
+        if self.draft is not None:  # the draft distributions kept between steps
+            draft_probs = torch.rand(len(sizes), self.k, self.vocab_size, device=self.device)
+        self.rejection_sampler(drafts, logits, metadata, {}, draft_probs)

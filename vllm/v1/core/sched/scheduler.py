@@ -70,6 +70,8 @@ class Scheduler:
             request with drafts (`Request.spec_token_ids`, proposed by the
             runner) is scheduled for 1 + up to k tokens; the rejected drafts'
             KV slots are reused by rolling num_computed_tokens back.
+        num_lookahead_tokens: KV slots every scheduled request holds beyond
+            its tokens of the step (a draft model writes its k proposals' KV).
 
     Raises:
         ValueError: a value is out of range or the combination can never work.
@@ -89,6 +91,7 @@ class Scheduler:
         max_num_partial_prefills: int = 1,
         max_long_partial_prefills: int = 1,
         num_speculative_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> None:
         _check_positive(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
         if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
@@ -121,6 +124,7 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()  # finished since the last schedule()
         self.num_preemptions = 0  # cumulative
         self.num_speculative_tokens = num_speculative_tokens
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.spec_decoding_stats = (
             SpecDecodingStats(num_speculative_tokens) if num_speculative_tokens else None
         )
@@ -276,7 +280,9 @@ class Scheduler:
         `request` itself had to be preempted.
         """
         while True:
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, num_new_tokens, num_lookahead_tokens=self.num_lookahead_tokens
+            )
             if new_blocks is not None:
                 return new_blocks
             victim = self.running.pop()
@@ -318,7 +324,9 @@ class Scheduler:
             if policy.over_limits(plan.prefills, long, partial=num_new < to_compute):
                 skipped.append(self.waiting.popleft())
                 continue
-            new_blocks = kv.allocate_slots(request, num_new, num_hit_tokens, hits)
+            new_blocks = kv.allocate_slots(
+                request, num_new, num_hit_tokens, hits, self.num_lookahead_tokens
+            )
             if new_blocks is None:
                 break
             self.waiting.popleft()
@@ -506,7 +514,8 @@ class Scheduler:
         max_len = self.max_model_len
         if max_tokens is not None:
             max_len = min(request.num_prompt_tokens + max_tokens, max_len)
-        num_slots = max(request.num_prompt_tokens, max_len - 1)
+        num_slots = min(max(request.num_prompt_tokens, max_len - 1) + self.num_lookahead_tokens,
+                        self.max_model_len)
         blocks_needed = cdiv(num_slots, self.block_size)
         usable = num_blocks - 1
         if blocks_needed > usable:
