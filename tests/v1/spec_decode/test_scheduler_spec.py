@@ -79,3 +79,17 @@ def test_preemption_drops_drafts():
     so, _ = _step(sched, {"a": [13, 20]}, {"a": [21, 22]})
     assert so.preempted_req_ids == {"b"} and b.spec_token_ids == []
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+
+
+def test_lookahead_slots_for_a_draft_model_are_held_but_never_cached():
+    sched = make_scheduler(num_speculative_tokens=3, num_lookahead_tokens=3)
+    req = make_request("a", 8, max_tokens=10)
+    sched.add_request(req)
+    _step(sched, {"a": [50]}, {"a": [51, 52, 53]})
+    # 8 prompt tokens + 3 lookahead slots: 3 blocks of 4; only the 2 full prompt blocks cached.
+    assert len(sched.kv_cache_manager.get_blocks("a")) == 3
+    assert sched.kv_cache_manager.num_cached_block["a"] == 2
+    so, _ = _step(sched, {"a": [51, 60]})
+    # Verify step: 9 tokens computed so far + 4 scheduled + 3 lookahead = 15 slots -> 4 blocks.
+    assert so.num_scheduled_tokens == {"a": 4}
+    assert len(sched.kv_cache_manager.get_blocks("a")) == 4
