@@ -102,3 +102,14 @@ def test_greedy_identical_on_random_weights_with_preemption(tmp_path_factory):
             assert stats.spec_decoding_stats.num_drafts > 0
         engine.llm_engine.shutdown()
     assert outs[0] == outs[1]
+
+
+def test_requests_speculation_does_not_serve_get_no_drafts(spec_llm, bundled_llm):
+    """Penalties and logprobs are not applied by the verification: such requests decode
+    one token a step, with the same output as without speculation."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.3, logprobs=2)
+    before = _spec_stats(spec_llm)
+    out = spec_llm.generate(QUOTING[:1], params, use_tqdm=False)[0].outputs[0]
+    ref = bundled_llm.generate(QUOTING[:1], params, use_tqdm=False)[0].outputs[0]
+    assert _spec_stats(spec_llm).minus(before).num_drafts == 0
+    assert out.token_ids == ref.token_ids and len(out.logprobs) == 12
