@@ -97,16 +97,17 @@ def stress_requests(num_seqs: int, max_model_len: int, vocab: int, seed: int = 0
 
 
 def spec_decode_requests(num_seqs: int, max_model_len: int, vocab: int, seed: int = 0):
-    """Prompts that quote themselves: a random 200-token passage repeated (ngram drafts)."""
+    """Prompts that quote themselves: a random 200-token passage repeated up to a quarter
+    of max_model_len (ngram drafts), 128 output tokens each."""
     from vllm import SamplingParams
 
     rng = random.Random(seed)
     prompts, params = [], []
     for i in range(num_seqs):
         passage = [rng.randrange(3, vocab) for _ in range(200)]
-        prompt = (passage * (max_model_len // 400 + 1))[: max_model_len // 2]
+        prompt = (passage * (max_model_len // 800 + 1))[: max_model_len // 4]
         prompts.append({"prompt_token_ids": prompt})
-        params.append(SamplingParams(max_tokens=256, temperature=0.8 if i % 2 else 0.0,
+        params.append(SamplingParams(max_tokens=128, temperature=0.8 if i % 2 else 0.0,
                                      top_p=0.95, ignore_eos=True, seed=i))
     return prompts, params
 
