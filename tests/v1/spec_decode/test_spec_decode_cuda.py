@@ -53,3 +53,26 @@ def test_spec_decode_seeded_sampling_reproducible_cuda(tmp_path):
     second = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert first == second
     llm.llm_engine.shutdown()
+
+
+def test_draft_model_self_draft_cuda(tmp_path):
+    """The tiny model as its own draft: drafts (nearly) all accepted, greedy output equal."""
+    model_dir = make_model_dir(tmp_path / "tiny", llama_config(), weights=True)
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    outs = []
+    for spec in (None, {"method": "draft_model", "model": str(model_dir),
+                        "num_speculative_tokens": 3}):
+        llm = LLM(str(model_dir), dtype="float32", max_model_len=512, max_num_seqs=8,
+                  gpu_memory_utilization=0.3, speculative_config=spec)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params,
+                                                                  use_tqdm=False)])
+        if spec:
+            stats = llm.llm_engine.get_scheduler_stats().spec_decoding_stats
+            assert stats.num_drafts > 0 and stats.acceptance_rate > 0.9
+        llm.llm_engine.shutdown()
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    exact = sum(a == b for a, b in zip(outs[0], outs[1], strict=True))
+    assert exact >= len(PROMPTS) - 1
