@@ -516,7 +516,7 @@ class GPUModelRunner:
         seen: set[tuple] = set()
         launches = 0
         width = self.input_batch.block_table.device_tensor.shape[1]
-        for layer in get_attention_layers(self.model).values():
+        for layer in self._attention_layers().values():  # the draft model's too
             cache = layer.kv_cache
             key = (layer.num_heads, tuple(cache.shape[1:]), cache.stride(), cache.dtype)
             if key not in seen:
