@@ -10,6 +10,7 @@ from vllm.config.kv_transfer import KVTransferConfig
 from vllm.config.model import ModelConfig
 from vllm.config.parallel import ParallelConfig
 from vllm.config.scheduler import SchedulerConfig
+from vllm.config.speculative import SpeculativeConfig
 from vllm.config.vllm import VllmConfig
 
 __all__ = [
@@ -20,5 +21,6 @@ __all__ = [
     "ModelConfig",
     "ParallelConfig",
     "SchedulerConfig",
+    "SpeculativeConfig",
     "VllmConfig",
 ]

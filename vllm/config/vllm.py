@@ -8,7 +8,8 @@ EngineArgs --create_engine_config()--> VllmConfig
                                         |- parallel_config     ParallelConfig
                                         |- compilation_config  CompilationConfig
                                         |- device_config       DeviceConfig
-                                        '- kv_transfer_config  KVTransferConfig | None
+                                        |- kv_transfer_config  KVTransferConfig | None
+                                        '- speculative_config  SpeculativeConfig | None
 ```
 
 Each sub-config checks its own ranges when built; `__post_init__` here does
@@ -29,6 +30,7 @@ from vllm.config.kv_transfer import KVTransferConfig
 from vllm.config.model import ModelConfig
 from vllm.config.parallel import ParallelConfig
 from vllm.config.scheduler import SchedulerConfig
+from vllm.config.speculative import SpeculativeConfig
 
 
 @dataclass
@@ -47,6 +49,7 @@ class VllmConfig:
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     kv_transfer_config: KVTransferConfig | None = None
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         from vllm import platforms
@@ -61,6 +64,14 @@ class VllmConfig:
             self.kv_transfer_config = None  # an empty config means no connector
         self.cache_config.resolve_kv_cache_path(lambda: platform.get_vmm_driver().probe())
         self._resolve_parallel(platform)
+        spec = self.speculative_config
+        if spec is not None and spec.method == "draft_model" and (
+            self.parallel_config.world_size > 1
+        ):
+            raise ValueError(
+                "speculative_config: method 'draft_model' runs on one rank only "
+                f"(tensor_parallel_size={self.parallel_config.tensor_parallel_size})"
+            )
         self._check_kv_transfer()
 
     def _check_kv_transfer(self) -> None:
@@ -80,6 +91,12 @@ class VllmConfig:
                 "enable_sleep_mode: sleep releases the KV pages the connector has "
                 "registered (or copies from), and deregistering and re-registering "
                 "around sleep is not implemented"
+            )
+        if self.speculative_config is not None:
+            raise ValueError(
+                f"kv_transfer_config ({kv.kv_connector}) cannot be combined with "
+                "speculative_config yet: drafts' KV slots are rolled back after "
+                "verification, and the connectors save and load only settled blocks"
             )
 
     def _resolve_parallel(self, platform) -> None:
@@ -113,6 +130,7 @@ class VllmConfig:
             f"max_long_partial_prefills={s.max_long_partial_prefills}, "
             f"long_prefill_token_threshold={s.long_prefill_token_threshold}, "
             f"cudagraphs={self.compilation_config.use_cudagraph}, "
+            f"speculative_config={self.speculative_config}, "
             f"tensor_parallel_size={self.parallel_config.tensor_parallel_size}, "
             f"distributed_executor_backend={self.parallel_config.distributed_executor_backend}"
         )

@@ -26,6 +26,7 @@ from vllm.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     VllmConfig,
 )
 from vllm.config.model import DTYPE_CHOICES, LOAD_FORMAT_CHOICES
@@ -127,6 +128,7 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     worker_cls: str = DEFAULT_WORKER_CLS
     kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     disable_log_stats: bool = False
     generation_config: str = "auto"
     max_logprobs: int = 20
@@ -222,7 +224,8 @@ class EngineArgs:
                        type=_json_type(KVTransferConfig.from_cli, "kv_transfer_config"),
                        default=d.kv_transfer_config,
                        help='KV connector as JSON: \'{"kv_connector": ..., "kv_role": ...}\' '
-                            "(default: none; no connector is implemented yet).")
+                            "(connectors: OffloadingConnector, NixlConnector; see "
+                            "docs/kv_connectors.md; default: none).")
         g.add_argument("--generation-config", type=str, default=d.generation_config,
                        help="Where the generation config comes from: 'auto' (the model's "
                             "generation_config.json, or a GGUF file's metadata), 'vllm' (its "
@@ -234,6 +237,12 @@ class EngineArgs:
                        help="The most logprobs (sample or prompt) a request may ask for; -1 "
                             "lifts the cap, so logprobs / prompt_logprobs -1 return the whole "
                             "vocabulary (default: %(default)s).")
+        g.add_argument("--speculative-config",
+                       type=_json_type(SpeculativeConfig.from_cli, "speculative_config"),
+                       default=d.speculative_config,
+                       help='Speculative decoding as JSON (vLLM\'s keys): \'{"method": "ngram", '
+                            '"num_speculative_tokens": 4, "prompt_lookup_max": 5, '
+                            '"prompt_lookup_min": 2}\' (default: none).')
         g.add_argument("--disable-log-stats", action="store_true", default=d.disable_log_stats,
                        help="Do not log engine statistics periodically (default: log every 10 s).")
         return parser
@@ -257,10 +266,13 @@ class EngineArgs:
         Raises:
             ValueError / FileNotFoundError: the first invalid value, naming it.
         """
-        self._configs_without_model()
+        configs = self._configs_without_model()
         if self.model is not None:
             check_model_path(self.model)
         check_generation_config_path(self.generation_config)
+        spec = configs["speculative_config"]
+        if spec is not None and spec.model is not None:
+            check_model_path(spec.model)
 
     def create_engine_config(self) -> VllmConfig:
         """Build and validate the engine's `VllmConfig` (the one place args are checked).
@@ -310,6 +322,7 @@ class EngineArgs:
             ),
             compilation_config=self._compilation_config(),
             kv_transfer_config=self._kv_transfer_config(),
+            speculative_config=SpeculativeConfig.coerce(self.speculative_config),
         )
 
     def _compilation_config(self) -> CompilationConfig:

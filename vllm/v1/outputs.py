@@ -56,6 +56,9 @@ class ModelRunnerOutput:
     # req_id -> prompt logprobs of the prompt positions computed this step.
     prompt_logprobs_dict: dict[str, LogprobsLists] = field(default_factory=dict)
     kv_connector_output: KVConnectorOutput | None = None  # with a KV connector
+    # Speculative decoding: per request (rows as req_ids), the drafts proposed
+    # for the next step; None without speculative decoding.
+    spec_token_ids: list[list[int]] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

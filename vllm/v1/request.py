@@ -101,6 +101,9 @@ class Request:
         block_hashes: hashes of the request's full blocks, filled by the KV
             cache manager (see kv_cache_utils.update_request_block_hashes).
         num_preemptions: how often the request was preempted.
+        spec_token_ids: draft tokens proposed after the last step (speculative
+            decoding), verified by the next step that schedules them; not part
+            of the token ids until accepted.
         stop_reason: the stop token id (or, set by the engine, stop string) that matched.
     """
 
@@ -136,6 +139,7 @@ class Request:
         self.num_preemptions = 0
         # time.monotonic() when first scheduled (the end of its queue time), for metrics.
         self.first_scheduled_time: float | None = None
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

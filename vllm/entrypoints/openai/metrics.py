@@ -6,7 +6,8 @@ engine thread after every step; prometheus-client's metrics are thread-safe,
 and `/metrics` renders the registry on the event loop.
 
 Counters whose source is cumulative in `SchedulerStats` (preemptions, prefix
-cache hits / queries) are advanced by the difference since the last record.
+cache hits / queries, KV connector hits, speculative-decoding drafts and
+acceptances) are advanced by the difference since the last record.
 
 Names, meanings and histogram buckets are vLLM's (vllm/v1/metrics/loggers.py),
 so its Grafana dashboard and users' alerts read this server unchanged; the
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.stats import SchedulerStats
     from vllm.v1.metrics.stats import IterationStats
     from vllm.v1.outputs import KVCacheMemory
+    from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
 __all__ = ["CONTENT_TYPE_LATEST", "PrometheusStatLogger", "cache_config_info"]
 
@@ -190,6 +192,7 @@ class PrometheusStatLogger:
         self._last_prefix_queries = 0
         self._last_prefix_hits = 0
         self._last_external: dict[str, int] = {}
+        self._spec: SpecDecodingProm | None = None  # created with the first spec stats
 
     def _record_external(self, s: SchedulerStats) -> None:
         """KV connector counters and prompt tokens by source (cumulative in the scheduler)."""
@@ -227,6 +230,11 @@ class PrometheusStatLogger:
             self.kv_cache_num_blocks.set(s.num_blocks)
         if iteration_stats is not None:
             self._record_iteration(iteration_stats)
+        if s.spec_decoding_stats is not None:
+            if self._spec is None:
+                self._spec = SpecDecodingProm(self.registry, self._model_name,
+                                              s.spec_decoding_stats.num_spec_tokens)
+            self._spec.record(s.spec_decoding_stats)
 
     def _record_iteration(self, it: IterationStats) -> None:
         if it.num_prompt_tokens:
@@ -264,6 +272,38 @@ def cache_config_info(cache_config: Any) -> dict[str, str]:
     """`vllm:cache_config_info` labels: the CacheConfig's public fields as strings."""
     return {f.name: str(getattr(cache_config, f.name)) for f in dataclasses.fields(cache_config)
             if not f.name.startswith("_")}
+class SpecDecodingProm:
+    """vLLM's `vllm:spec_decode_*` counters, fed from cumulative `SpecDecodingStats`.
+
+    Exposed as `vllm:spec_decode_num_drafts_total`, `..._num_draft_tokens_total`,
+    `..._num_accepted_tokens_total` and `..._num_accepted_tokens_per_pos_total`
+    (label `position`, 0 = the first draft).
+    """
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, num_spec_tokens: int) -> None:
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, ["model_name"], registry=registry).labels(model_name)
+
+        self.num_drafts = counter("vllm:spec_decode_num_drafts", "Draft verifications.")
+        self.num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Draft tokens.")
+        self.num_accepted_tokens = counter(
+            "vllm:spec_decode_num_accepted_tokens", "Accepted draft tokens.")
+        per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens, by position in the draft.",
+            ["model_name", "position"], registry=registry)
+        self.per_pos = [per_pos.labels(model_name, str(i)) for i in range(num_spec_tokens)]
+        self._last: SpecDecodingStats | None = None
+
+    def record(self, stats: SpecDecodingStats) -> None:
+        delta = stats.minus(self._last)
+        for counter, value in ((self.num_drafts, delta.num_drafts),
+                               (self.num_draft_tokens, delta.num_draft_tokens),
+                               (self.num_accepted_tokens, delta.num_accepted_tokens),
+                               *zip(self.per_pos, delta.num_accepted_tokens_per_pos, strict=True)):
+            if value > 0:
+                counter.inc(value)
+        self._last = stats.copy()
 
 
 def _advance(counter: Counter, total: int, last: int) -> int:

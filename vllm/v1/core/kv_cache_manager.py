@@ -133,6 +133,7 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: list[KVCacheBlock] | None = None,
         num_external_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
         """Give `request` slots for `num_new_tokens` more tokens.
 
@@ -147,6 +148,8 @@ class KVCacheManager:
                 registered in the prefix cache by this call (a failed load
                 must not leave them there); the request's next allocation
                 registers them.
+            num_lookahead_tokens: slots held beyond this step's tokens (a draft
+                model's proposals); never registered in the prefix cache.
 
         Returns:
             The newly allocated blocks (excluding the hits), possibly empty; or
@@ -167,7 +170,7 @@ class KVCacheManager:
         req_id = request.request_id
         req_blocks = self.req_to_blocks.get(req_id, [])
         num_computed = request.num_computed_tokens + num_new_computed_tokens + num_external_tokens
-        num_slots = min(num_computed + num_new_tokens, self.max_model_len)
+        num_slots = min(num_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         num_new_blocks = (
             cdiv(num_slots, self.block_size) - len(req_blocks) - len(new_computed_blocks)
         )

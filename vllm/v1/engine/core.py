@@ -56,6 +56,14 @@ class EngineCore:
             max_num_partial_prefills=sched.max_num_partial_prefills,
             max_long_partial_prefills=sched.max_long_partial_prefills,
             connector=self.connector,
+            num_speculative_tokens=(
+                vllm_config.speculative_config.num_speculative_tokens
+                if vllm_config.speculative_config else 0
+            ),
+            num_lookahead_tokens=(
+                vllm_config.speculative_config.num_lookahead_slots
+                if vllm_config.speculative_config else 0
+            ),
         )
         self._scheduled_req_ids: list[str] = []  # of the last (possibly failed) step
         policy = self.scheduler.prefill_policy

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.stats import SchedulerStats
     from vllm.v1.metrics.stats import IterationStats
     from vllm.v1.outputs import KVCacheMemory
+    from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
 logger = init_logger(__name__)
 
@@ -45,6 +46,7 @@ class LoggingStatLogger:
         self._last_time = time.monotonic()
         self._scheduler_stats: SchedulerStats | None = None
         self._was_idle = True
+        self.spec_decoding_logging = SpecDecodingLogging()
 
     def record(
         self,
@@ -72,6 +74,40 @@ class LoggingStatLogger:
                 s.num_running_reqs, s.num_waiting_reqs, s.kv_cache_usage * 100,
                 s.prefix_cache_hit_rate * 100,
             )
+        if s is not None and s.spec_decoding_stats is not None:
+            self.spec_decoding_logging.log(s.spec_decoding_stats, elapsed)
         self._was_idle = idle
         self._num_prompt_tokens = self._num_generation_tokens = 0
         self._last_time = now
+
+
+class SpecDecodingLogging:
+    """vLLM's periodic "SpecDecoding metrics: ..." line, over the drafts since the last one.
+
+    Mean acceptance length counts the target's own token: 1 + accepted / drafts.
+    Nothing is logged for an interval without drafts.
+    """
+
+    def __init__(self) -> None:
+        self._last: SpecDecodingStats | None = None
+
+    def log(self, stats: SpecDecodingStats, elapsed: float) -> str | None:
+        """Log (and return) the line for the counts since the previous call."""
+        delta = stats.minus(self._last)
+        self._last = stats.copy()
+        if delta.num_drafts == 0:
+            return None
+        per_pos = ", ".join(
+            f"{a / delta.num_drafts:.3f}" for a in delta.num_accepted_tokens_per_pos
+        )
+        line = (
+            f"SpecDecoding metrics: Mean acceptance length: {delta.mean_acceptance_length:.2f}, "
+            f"Accepted throughput: {delta.num_accepted_tokens / elapsed:.2f} tokens/s, "
+            f"Drafted throughput: {delta.num_draft_tokens / elapsed:.2f} tokens/s, "
+            f"Accepted: {delta.num_accepted_tokens} tokens, "
+            f"Drafted: {delta.num_draft_tokens} tokens, "
+            f"Per-position acceptance rate: {per_pos}, "
+            f"Avg Draft acceptance rate: {delta.acceptance_rate * 100:.1f}%"
+        )
+        logger.info("%s", line)
+        return line

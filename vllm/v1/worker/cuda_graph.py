@@ -1,6 +1,7 @@
-"""Full CUDA graphs for decode-only batches.
+"""Full CUDA graphs for decode-only batches (and uniform spec-decode verify batches).
 
-One graph per capture size B (a decode batch of B requests, one token each).
+One graph per capture size B (a decode batch of B requests, one token each;
+the runner's second manager: B requests of k + 1 tokens each).
 A decode batch of n <= max(B) requests is padded to the next captured size;
 padded requests have seq_len 0 and slot -1, so they read and write nothing.
 Mixed batches (any prefill) run eagerly.
@@ -45,6 +46,7 @@ class CUDAGraphManager:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self.pool_bytes = 0
+        self.num_replays = 0  # of this manager's graphs; tests read it
 
     @property
     def captured(self) -> bool:
@@ -92,4 +94,5 @@ class CUDAGraphManager:
     def replay(self, size: int) -> torch.Tensor:
         """Replay the graph of `size`; returns its hidden states [size, hidden_size]."""
         self._graphs[size].replay()
+        self.num_replays += 1
         return self._outputs[size]

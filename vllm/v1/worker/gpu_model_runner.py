@@ -5,7 +5,8 @@
       2. prepare inputs     flat input ids, positions, slot mapping (numpy, one H2D copy)
       3. attention metadata query_start_loc, seq_lens, block table
       4. forward            CUDA graph for decode-only batches, eager otherwise
-      5. sample             rows whose prompt is complete; prompt logprobs
+      5. sample             rows whose prompt is complete; prompt logprobs; rows
+                            with drafts are verified (spec_decode.py) and propose
       6. outputs            ModelRunnerOutput (token ids as Python lists)
 
 The runner decides nothing: which requests run, and how many tokens each, is
@@ -34,6 +35,7 @@ from vllm.v1.sample.metadata import (
 from vllm.v1.sample.sampler import Sampler, compute_token_logprobs
 from vllm.v1.worker.cuda_graph import CUDAGraphManager
 from vllm.v1.worker.input_batch import CachedRequestState, InputBatch
+from vllm.v1.worker.spec_decode import SpecDecoder
 
 logger = init_logger(__name__)
 
@@ -51,6 +53,10 @@ class GPUModelRunner:
         max_model_len: most tokens per request.
         block_size: tokens per KV block.
         cudagraph_capture_sizes: decode batch sizes to capture; empty = eager only.
+        spec_decoder: speculative decoding (drafts, verification), or None.
+            With one, verify batches where every request has k drafts are
+            captured too, at the capture sizes whose B x (k + 1) tokens fit
+            max_num_tokens.
     """
 
     def __init__(
@@ -65,6 +71,7 @@ class GPUModelRunner:
         max_model_len: int,
         block_size: int,
         cudagraph_capture_sizes: list[int],
+        spec_decoder: SpecDecoder | None = None,
     ) -> None:
         self.model = model
         self.device = device
@@ -98,17 +105,37 @@ class GPUModelRunner:
         self.seq_lens_cpu = torch.zeros(r, dtype=torch.int32, pin_memory=pin)
         self._arange = np.arange(max(n, r) + 1, dtype=np.int64)
 
+        self.spec_decoder = spec_decoder
         self.cuda_graphs = CUDAGraphManager(capture_sizes, self._graph_forward)
+        # Verify batches: B requests x q = k + 1 tokens each (uniform), own graphs.
+        self.verify_query_len = spec_decoder.k + 1 if spec_decoder else 0
+        verify_sizes = [
+            b for b in capture_sizes if spec_decoder and b * self.verify_query_len <= n
+        ]
+        self.verify_graphs = CUDAGraphManager(
+            verify_sizes, lambda b: self._graph_forward(b, self.verify_query_len)
+        )
         # layer name -> view [num_blocks, 2, block_size, num_kv_heads, head_size]
         self.kv_caches: dict[str, torch.Tensor] = {}
 
     # --------------------------------------------------------------- KV cache
     def get_kv_cache_specs(self, dtype: torch.dtype) -> dict[str, KVCacheSpec]:
-        """Attention layer name -> what one of its KV blocks holds, in layer order."""
+        """Attention layer name -> what one of its KV blocks holds, in layer order.
+
+        With a draft model its layers (`draft.` names) follow the target's: one
+        layout, one block id space, one sizing for both.
+        """
         return {
             name: layer.get_kv_cache_spec(self.block_size, dtype)
-            for name, layer in get_attention_layers(self.model).items()
+            for name, layer in self._attention_layers().items()
         }
+
+    def _attention_layers(self) -> dict:
+        layers = get_attention_layers(self.model)
+        draft = self.spec_decoder.draft if self.spec_decoder is not None else None
+        if draft is not None:
+            layers.update(get_attention_layers(draft.model))
+        return layers
 
     def bind_kv_cache(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Point every attention layer at its view (after allocation and after each growth).
@@ -118,7 +145,7 @@ class GPUModelRunner:
         Raises:
             ValueError: layers and views differ (see `kv_cache_interface.bind_kv_cache`).
         """
-        layers = get_attention_layers(self.model)
+        layers = self._attention_layers()
         if not kv_caches:
             for layer in layers.values():
                 layer.kv_cache = None
@@ -225,30 +252,35 @@ class GPUModelRunner:
         return metadata, num_sched
 
     # ---------------------------------------------------------------- forward
-    def _graph_forward(self, size: int) -> torch.Tensor:
-        """Decode forward over the first `size` rows of the buffers (capture target)."""
+    def _graph_forward(self, size: int, query_len: int = 1) -> torch.Tensor:
+        """Forward of `size` requests x `query_len` tokens from the buffers (capture target).
+
+        query_len 1 is a decode batch; k + 1 a uniform verify batch.
+        """
+        tokens = size * query_len
         metadata = AttentionMetadata(
-            num_actual_tokens=size,
-            max_query_len=1,
+            num_actual_tokens=tokens,
+            max_query_len=query_len,
             query_start_loc=self.query_start_loc[: size + 1],
             max_seq_len=self.max_model_len,
             seq_lens=self.seq_lens[:size],
             block_table=self.input_batch.block_table.device_tensor[:size],
-            slot_mapping=self.slot_mapping[:size],
+            slot_mapping=self.slot_mapping[:tokens],
             query_start_loc_cpu=self.query_start_loc_cpu[: size + 1],
             seq_lens_cpu=self.seq_lens_cpu[:size],
         )
         with set_forward_context(metadata):
-            return self.model(self.input_ids[:size], self.positions[:size])
+            return self.model(self.input_ids[:tokens], self.positions[:tokens])
 
-    def _pad_decode_batch(self, num_reqs: int, size: int) -> None:
-        """Make rows num_reqs..size of the buffers harmless padded requests."""
-        self.input_ids[num_reqs:size].zero_()
-        self.positions[num_reqs:size].zero_()
-        self.slot_mapping[num_reqs:size].fill_(-1)
+    def _pad_batch(self, num_reqs: int, size: int, query_len: int = 1) -> None:
+        """Make requests num_reqs..size of the buffers harmless padded requests."""
+        lo, hi = num_reqs * query_len, size * query_len
+        self.input_ids[lo:hi].zero_()
+        self.positions[lo:hi].zero_()
+        self.slot_mapping[lo:hi].fill_(-1)
         self.seq_lens[num_reqs:size].zero_()
         qsl = self.query_start_loc_cpu.numpy()
-        qsl[num_reqs + 1 : size + 1] = self._arange[num_reqs + 1 : size + 1]
+        qsl[num_reqs + 1 : size + 1] = self._arange[num_reqs + 1 : size + 1] * query_len
         self.query_start_loc[num_reqs + 1 : size + 1].copy_(
             self.query_start_loc_cpu[num_reqs + 1 : size + 1], non_blocking=True
         )
@@ -256,11 +288,16 @@ class GPUModelRunner:
     def _forward(self, metadata: AttentionMetadata, num_sched: np.ndarray) -> torch.Tensor:
         num_reqs = len(num_sched)
         total = metadata.num_actual_tokens
+        q = self.verify_query_len
+        graphs = None
         if self.use_cuda_graph and total == num_reqs:
-            size = self.cuda_graphs.padded_size(num_reqs)
-            if size is not None:
-                self._pad_decode_batch(num_reqs, size)
-                return self.cuda_graphs.replay(size)[:num_reqs]
+            graphs, q = self.cuda_graphs, 1
+        elif self.use_cuda_graph and q and total == num_reqs * q and (num_sched == q).all():
+            graphs = self.verify_graphs
+        size = graphs.padded_size(num_reqs) if graphs is not None else None
+        if size is not None:
+            self._pad_batch(num_reqs, size, q)
+            return graphs.replay(size)[: num_reqs * q]
         with set_forward_context(metadata):
             return self.model(self.input_ids[:total], self.positions[:total])
 
@@ -271,8 +308,15 @@ class GPUModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
         batch = self.input_batch
+        if so.scheduled_spec_decode_tokens:
+            SpecDecoder.write_drafts(batch, so.scheduled_spec_decode_tokens)
         metadata, num_sched = self._prepare_inputs(so)
         hidden = self._forward(metadata, num_sched)
+        draft = self.spec_decoder.draft if self.spec_decoder is not None else None
+        if draft is not None:
+            draft.forget(so.finished_req_ids | so.preempted_req_ids)
+            total = metadata.num_actual_tokens
+            draft.forward_same_inputs(self.input_ids[:total], self.positions[:total], metadata)
 
         num_reqs = batch.num_reqs
         computed = batch.num_computed_tokens[:num_reqs]
@@ -280,10 +324,22 @@ class GPUModelRunner:
         # partial prefill samples nothing (and must not advance its seeded
         # generator, or the output would depend on the chunk size).
         done = computed + num_sched >= batch.num_tokens[:num_reqs]
-        rows = np.nonzero(done)[0]
+        spec = so.scheduled_spec_decode_tokens
+        sampling_rows = np.nonzero(done)[0]
+        verify_rows = [r for r in sampling_rows.tolist() if batch.req_ids[r] in spec]
+        rows = np.array([r for r in sampling_rows.tolist() if batch.req_ids[r] not in spec],
+                        dtype=np.int64)
         last_token = np.cumsum(num_sched) - 1
         sampled: list[list[int]] = [[] for _ in range(num_reqs)]
         logprobs = None
+        if verify_rows:
+            emitted = self.spec_decoder.verify(self.model, hidden, batch, verify_rows,
+                                               num_sched, spec)
+            for row, tokens in zip(verify_rows, emitted, strict=True):
+                sampled[row] = tokens
+                batch.states[row].output_token_ids.extend(tokens)
+                for tok in tokens:
+                    batch.append_token(row, tok)
         if len(rows):
             idx = torch.from_numpy(last_token[rows]).to(self.device, non_blocking=True)
             logits = self.model.compute_logits(hidden[idx])
@@ -297,6 +353,11 @@ class GPUModelRunner:
                 batch.states[row].output_token_ids.append(tok)
                 batch.append_token(row, tok)
 
+        spec_token_ids = None
+        if self.spec_decoder is not None:
+            spec_token_ids = self.spec_decoder.propose(
+                batch, sampling_rows.tolist(), self.max_model_len
+            )
         prompt_logprobs = self._prompt_logprobs(hidden, num_sched)
         # Advance the runner's view of computed tokens; the scheduler sends
         # the authoritative count next step.
@@ -309,6 +370,7 @@ class GPUModelRunner:
             sampled_token_ids=sampled,
             logprobs=logprobs,
             prompt_logprobs_dict=prompt_logprobs,
+            spec_token_ids=spec_token_ids,
         )
 
     def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
@@ -414,6 +476,10 @@ class GPUModelRunner:
         )
         with torch.inference_mode(), set_forward_context(metadata):
             hidden = self.model(self.input_ids[:num_tokens], self.positions[:num_tokens])
+            if self.spec_decoder is not None and self.spec_decoder.draft is not None:
+                self.spec_decoder.draft.forward_same_inputs(
+                    self.input_ids[:num_tokens], self.positions[:num_tokens], metadata
+                )
         if with_kv:
             # Leave the table clean: unused entries point at the null block.
             self.input_batch.block_table.device_tensor[:num_reqs].zero_()
@@ -450,7 +516,7 @@ class GPUModelRunner:
         seen: set[tuple] = set()
         launches = 0
         width = self.input_batch.block_table.device_tensor.shape[1]
-        for layer in get_attention_layers(self.model).values():
+        for layer in self._attention_layers().values():  # the draft model's too
             cache = layer.kv_cache
             key = (layer.num_heads, tuple(cache.shape[1:]), cache.stride(), cache.dtype)
             if key not in seen:
@@ -459,18 +525,23 @@ class GPUModelRunner:
         return launches
 
     def capture_model(self) -> None:
-        """Capture decode CUDA graphs (CUDA only); their rows address block 1 / the null block."""
+        """Capture decode (and verify) CUDA graphs (CUDA only); rows address block 1."""
         if not self.use_cuda_graph:
             return
-        size = max(self.cuda_graphs.capture_sizes)
+        self._capture(self.cuda_graphs, 1)
+        if self.verify_graphs.capture_sizes:
+            self._capture(self.verify_graphs, self.verify_query_len)
+
+    def _capture(self, graphs: CUDAGraphManager, query_len: int) -> None:
+        size = max(graphs.capture_sizes)
         with torch.inference_mode():
-            self.seq_lens[:size].fill_(1)
-            self.slot_mapping[:size].fill_(-1)
+            self.seq_lens[:size].fill_(query_len)
+            self.slot_mapping[: size * query_len].fill_(-1)
             self.query_start_loc[: size + 1].copy_(
-                torch.arange(size + 1, dtype=torch.int32, device=self.device)
+                torch.arange(size + 1, dtype=torch.int32, device=self.device) * query_len
             )
             self.input_batch.block_table.device_tensor[:size].fill_(1)
-            self.cuda_graphs.capture()
+            graphs.capture()
             self.input_batch.block_table.device_tensor[:size].zero_()
             self.seq_lens[:size].zero_()
 

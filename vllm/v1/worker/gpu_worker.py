@@ -3,12 +3,14 @@
     init_device     platform, seed, foreign processes, free memory at start
     load_model      weights (bytes measured)
     initialize_kv_cache
-        profile     one worst-case forward + the sampler over max_num_seqs
+        profile     one worst-case forward + the sampler over max_num_seqs (+ the
+                    worst-case spec-decode verify batch, as vLLM's profile run)
         KV cache    the one place that picks the KV cache object:
                       classic     final size from the profile; allocate it all
                       extensible  reserve the capacity, commit the warmup blocks
     compile_or_warm_up_model
-        warmup      worst-case prefill with the KV cache, sampler, CUDA graphs
+        warmup      worst-case prefill with the KV cache, sampler, verify batch,
+                    CUDA graphs (decode and uniform verify batches)
         size        what is free now -> final block count (kv_cache_sizing.py),
                     agreed across ranks; a fully committed cache keeps its size
         extend      extend_kv_cache(final) under the same base, rebind the views
@@ -34,15 +36,18 @@ from vllm.platforms import current_platform
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import KVCacheSpec, get_kv_cache_config
 from vllm.v1.outputs import KVCacheMemory, ModelRunnerOutput
+from vllm.v1.spec_decode.ngram_proposer import NgramProposer
 from vllm.v1.worker import kv_cache_sizing as sizing
 from vllm.v1.worker import ranks
+from vllm.v1.worker.draft_model import DraftModelProposer, rename_draft_layers
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.kv_cache import (
     ClassicKVCacheBuffers,
     ExtensibleKVCacheBuffers,
     KVCacheBuffers,
 )
-from vllm.v1.worker.memory import DeviceMemory
+from vllm.v1.worker.memory import DeviceMemory, PeakReading
+from vllm.v1.worker.spec_decode import SpecDecoder
 from vllm.v1.worker.weight_arena import WeightArena
 
 if TYPE_CHECKING:
@@ -102,6 +107,7 @@ class Worker:
         self.kv_connector: WorkerKVConnector | None = None  # with kv_transfer_config
         if vllm_config.kv_transfer_config is not None:
             self.post_kv_cache_hooks.append(self._create_kv_connector)
+        self.spec_decode_peak = 0  # bytes: the profiled verify batch's peak (spec decode)
 
     # ---------------------------------------------------------------- device
     def init_device(self) -> None:
@@ -170,9 +176,11 @@ class Worker:
             tp_rank=tp_rank,
             tp_size=tp_size,
         )
+        draft_model = self._load_draft_model()
+        params = [*model.parameters(), *(draft_model.parameters() if draft_model else [])]
         self.weights_bytes = max(
             self.memory.allocated() - before,
-            sum(p.numel() * p.element_size() for p in model.parameters()),
+            sum(p.numel() * p.element_size() for p in params),
         )
         comp = self.config.compilation_config
         capture_sizes = [] if comp.enforce_eager else list(comp.cudagraph_capture_sizes or [])
@@ -186,6 +194,7 @@ class Worker:
             max_model_len=mc.max_model_len,
             block_size=self.config.cache_config.block_size,
             cudagraph_capture_sizes=capture_sizes,
+            spec_decoder=self._spec_decoder(mc.get_vocab_size(), draft_model),
         )
         if self.config.cache_config.enable_sleep_mode:
             driver = self.platform.get_vmm_driver(self.device.index or 0)
@@ -201,6 +210,49 @@ class Worker:
             self.startup_seconds["load_model"],
         )
 
+    def _load_draft_model(self) -> torch.nn.Module | None:
+        """The draft model of method draft_model (target's dtype and device), else None.
+
+        Raises:
+            ValueError: its vocabulary differs from the target's.
+        """
+        from vllm.model_executor.model_loader import get_model
+        from vllm.transformers_utils.config import get_hf_config
+
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        mc = self.config.model_config
+        hf_config = get_hf_config(spec.model)
+        if hf_config.vocab_size != mc.get_vocab_size():
+            raise ValueError(
+                f"speculative_config: the draft model {spec.model!r} has a vocabulary of "
+                f"{hf_config.vocab_size} tokens, the target {mc.get_vocab_size()}; they must match"
+            )
+        model = get_model(spec.model, hf_config, dtype=mc.dtype, device=self.device)
+        rename_draft_layers(model)
+        return model
+
+    def _spec_decoder(self, vocab_size: int, draft_model) -> SpecDecoder | None:
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        k = spec.num_speculative_tokens
+        if draft_model is not None:
+            proposer = DraftModelProposer(draft_model, k, vocab_size, self.device)
+        else:
+            proposer = NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return SpecDecoder(proposer, k, vocab_size, self.device)
+
+    def _verify_positions(self) -> int:
+        """Positions of the worst-case verify batch (0 without speculative decoding)."""
+        runner = self.model_runner
+        if runner.spec_decoder is None:
+            return 0
+        return runner.spec_decoder.max_verify_positions(
+            self.config.scheduler_config.max_num_seqs, runner.max_num_tokens
+        )
+
     def _kv_cache_specs(self) -> dict[str, KVCacheSpec]:
         return self.model_runner.get_kv_cache_specs(self.config.model_config.dtype)
 
@@ -214,12 +266,14 @@ class Worker:
         with self.memory.measure_peak() as peak:
             hidden = runner.dummy_run(num_tokens, num_reqs, with_kv=False)
             runner.dummy_sampler_run(hidden, sc.max_num_seqs)
-            del hidden
+        spec_peak = self._profile_verify(hidden)
+        activation_peak = max(peak.torch_peak, spec_peak.torch_peak)
+        del hidden
         profile = sizing.MemoryProfile(
             total=self.memory.total,
             weights=self.weights_bytes,
-            activation_peak=peak.torch_peak,
-            non_torch=peak.non_torch_growth,
+            activation_peak=activation_peak,
+            non_torch=max(peak.non_torch_growth, spec_peak.non_torch_growth),
         )
         logger.info(
             "Memory profile: weights %.2f GiB, activation peak %.2f GiB, non-torch %.2f GiB "
@@ -231,6 +285,34 @@ class Worker:
             sc.max_num_seqs,
         )
         return profile
+
+    def _profile_verify(self, hidden: torch.Tensor) -> PeakReading:
+        """The worst-case verify batch's peak above the steady state (0 without spec decode).
+
+        As vLLM's profile run includes a rejection-sampler run, so does this
+        one: logits over min(max_num_seqs x (k + 1), max_num_batched_tokens)
+        positions and the sampler's temporaries. The reading counts `hidden`
+        (alive during the run), so it compares with the forward's peak.
+        """
+        reading = PeakReading()
+        positions = self._verify_positions()
+        if not positions:
+            return reading
+        with self.memory.measure_peak() as reading:
+            self.model_runner.spec_decoder.dummy_verify_run(
+                self.model_runner.model, hidden, positions
+            )
+        reading.torch_peak += hidden.numel() * hidden.element_size()
+        spec = self.config.speculative_config
+        logger.info(
+            "Speculative decoding (%s, k=%d): the verify batch of %d positions x %d vocab "
+            "peaks at %.2f GiB (%.1f%% of device memory), counted in the activation peak",
+            spec.method, spec.num_speculative_tokens, positions,
+            self.model_runner.vocab_size, reading.torch_peak / GiB,
+            100 * reading.torch_peak / self.memory.total,
+        )
+        self.spec_decode_peak = reading.torch_peak
+        return reading
 
     # --------------------------------------------------------------- KV cache
     def initialize_kv_cache(self) -> int:
@@ -343,9 +425,7 @@ class Worker:
         sc = self.config.scheduler_config
         num_tokens = runner.max_num_tokens
         num_reqs = min(sc.max_num_seqs, num_tokens)
-        hidden = runner.dummy_run(num_tokens, num_reqs, with_kv=True)
-        runner.dummy_sampler_run(hidden, sc.max_num_seqs)
-        del hidden
+        self._warmup_batch(num_tokens, num_reqs)
         # Every attention variant a request can select, compiled now rather
         # than while a user waits (issue 10).
         launches = runner.warm_up_kernels()
@@ -356,9 +436,7 @@ class Worker:
             # torch.cuda.graph empties torch's cache when capture begins, so the
             # activation pool is gone; run the worst case once more so the pool
             # holds it again, in runtime's allocation pattern, before measuring.
-            hidden = runner.dummy_run(num_tokens, num_reqs, with_kv=True)
-            runner.dummy_sampler_run(hidden, sc.max_num_seqs)
-            del hidden
+            self._warmup_batch(num_tokens, num_reqs)
         self.memory.synchronize()
         self.startup_seconds["warmup"] = time.perf_counter() - t0
         ranks.resync_random_state(self.world_size, self.config.model_config.seed)
@@ -373,6 +451,16 @@ class Worker:
         self.startup_seconds["extend"] = time.perf_counter() - t0
         self._log_final_size(snapshot, size, num_blocks)
         return num_blocks
+
+    def _warmup_batch(self, num_tokens: int, num_reqs: int) -> None:
+        """Worst-case prefill with the KV cache, the sampler, the worst-case verify batch."""
+        runner = self.model_runner
+        hidden = runner.dummy_run(num_tokens, num_reqs, with_kv=True)
+        runner.dummy_sampler_run(hidden, self.config.scheduler_config.max_num_seqs)
+        positions = self._verify_positions()
+        if positions:
+            runner.spec_decoder.dummy_verify_run(runner.model, hidden, positions)
+        del hidden
 
     def _size_after_warmup(self) -> tuple[sizing.MemorySnapshot, sizing.KVCacheSize, int]:
         """This rank's measured size, and the block count agreed across ranks."""

@@ -55,6 +55,9 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     # The KV connector's plan for this step (KVConnectorMetadata), None without one.
     kv_connector_metadata: Any = None
+    # req_id -> draft tokens to verify this step (speculative decoding); their
+    # count is included in num_scheduled_tokens (1 + len(drafts) for a decode).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -27,6 +27,7 @@ from vllm.v1.core.sched.stats import SchedulerStats
 from vllm.v1.core.sched.utils import check_stop
 from vllm.v1.outputs import EngineCoreOutput, FinishReason, KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
+from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
@@ -47,6 +48,7 @@ class _StepPlan:
     # Scheduled requests the runner already holds: (request, resumed, block ids to send).
     cached_reqs: list[tuple[Request, bool, list[int]]] = field(default_factory=list)
     preempted_req_ids: set[str] = field(default_factory=set)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # drafts to verify
 
     def add(self, request: Request, num_tokens: int) -> None:
         self.num_scheduled_tokens[request.request_id] = num_tokens
@@ -74,6 +76,12 @@ class Scheduler:
             (loaded into the request's new blocks in the same step), sees every
             step's plan, and may keep a finished request's blocks until its
             worker side has sent them.
+        num_speculative_tokens: k of speculative decoding (0 = off): a decoding
+            request with drafts (`Request.spec_token_ids`, proposed by the
+            runner) is scheduled for 1 + up to k tokens; the rejected drafts'
+            KV slots are reused by rolling num_computed_tokens back.
+        num_lookahead_tokens: KV slots every scheduled request holds beyond
+            its tokens of the step (a draft model writes its k proposals' KV).
 
     Raises:
         ValueError: a value is out of range or the combination can never work.
@@ -93,6 +101,8 @@ class Scheduler:
         max_num_partial_prefills: int = 1,
         max_long_partial_prefills: int = 1,
         connector: KVConnectorBase_V1 | None = None,
+        num_speculative_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> None:
         _check_positive(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
         if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
@@ -130,6 +140,11 @@ class Scheduler:
         self.external_queries = self.external_hits = 0  # tokens, cumulative
         self.prompt_tokens_by_source = {
             "local_compute": 0, "local_cache_hit": 0, "external_kv_transfer": 0}
+        self.num_speculative_tokens = num_speculative_tokens
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.spec_decoding_stats = (
+            SpecDecodingStats(num_speculative_tokens) if num_speculative_tokens else None
+        )
 
     # ---- requests in and out ----
 
@@ -234,7 +249,11 @@ class Scheduler:
             index = mro.req_id_to_index.get(req_id)
             if index is None:
                 raise ValueError(f"model runner output has no entry for request {req_id!r}")
-            new_token_ids, finished = self._append_sampled(request, mro.sampled_token_ids[index])
+            sampled = mro.sampled_token_ids[index]
+            self._settle_drafts(request, scheduler_output.scheduled_spec_decode_tokens, sampled)
+            new_token_ids, finished = self._append_sampled(request, sampled)
+            if mro.spec_token_ids is not None and not finished:
+                request.spec_token_ids = mro.spec_token_ids[index]
             output = self._make_engine_core_output(request, index, new_token_ids, mro)
             if output is not None:
                 outputs.append(output)
@@ -260,10 +279,14 @@ class Scheduler:
             if num_new == 0:
                 req_index += 1
                 continue
+            drafts = self._drafts_to_verify(request, to_compute, plan.token_budget)
+            num_new += len(drafts)
             new_blocks = self._allocate_or_preempt(request, num_new, plan)
             if new_blocks is None:
                 break  # the request preempted itself; everything after it is gone too
             plan.add(request, num_new)
+            if drafts:
+                plan.spec_tokens[request.request_id] = drafts
             plan.cached_reqs.append((request, False, [b.block_id for b in new_blocks]))
             policy.note(plan.prefills, to_compute, num_new, policy.is_long(to_compute))
             req_index += 1
@@ -278,7 +301,9 @@ class Scheduler:
         `request` itself had to be preempted.
         """
         while True:
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, num_new_tokens, num_lookahead_tokens=self.num_lookahead_tokens
+            )
             if new_blocks is not None:
                 return new_blocks
             victim = self.running.pop()
@@ -292,6 +317,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -320,7 +346,10 @@ class Scheduler:
             if policy.over_limits(plan.prefills, long, partial=num_new < to_compute):
                 skipped.append(self.waiting.popleft())
                 continue
-            new_blocks = kv.allocate_slots(request, num_new, num_hit_tokens, hits, num_external)
+            new_blocks = kv.allocate_slots(
+                request, num_new, num_hit_tokens, hits, num_external,
+                num_lookahead_tokens=self.num_lookahead_tokens,
+            )
             if new_blocks is None:
                 break
             self.waiting.popleft()
@@ -374,6 +403,7 @@ class Scheduler:
             total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=plan.preempted_req_ids,
+            scheduled_spec_decode_tokens=plan.spec_tokens,
         )
         for req_id, num_tokens in plan.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += num_tokens
@@ -382,7 +412,40 @@ class Scheduler:
             output.kv_connector_metadata = self.connector.build_connector_meta(output)
         return output
 
+    def _drafts_to_verify(self, request: Request, to_compute: int, budget: int) -> list[int]:
+        """The request's drafts that fit this step (a decode only; [] otherwise).
+
+        Capped by the token budget (after the request's own token), by
+        max_model_len (no position past it) and by max_tokens (a draft whose
+        acceptance would exceed it is wasted work, and its KV slot was never
+        promised by `_check_fits_cache`).
+        """
+        drafts = request.spec_token_ids
+        if not drafts or to_compute != 1:
+            return []
+        room = min(budget - 1, self.max_model_len - request.num_tokens)
+        if request.max_tokens is not None:
+            room = min(room, request.max_tokens - request.num_output_tokens - 1)
+        return drafts[: max(room, 0)]
+
     # ---- update_from_output() helpers ----
+
+    def _settle_drafts(
+        self, request: Request, spec: dict[str, list[int]], sampled: list[int]
+    ) -> None:
+        """Roll num_computed_tokens back past the rejected drafts; count the verification.
+
+        A verify step computed 1 + k tokens and yields a + 1 (a accepted
+        drafts plus the target's own): the KV slots of the k - a rejected
+        drafts are overwritten next step.
+        """
+        request.spec_token_ids = []
+        drafts = spec.get(request.request_id)
+        if not drafts or not sampled:
+            return
+        num_accepted = len(sampled) - 1
+        request.num_computed_tokens -= len(drafts) - num_accepted
+        self.spec_decoding_stats.observe_draft(len(drafts), num_accepted)
 
     def _append_sampled(self, request: Request, sampled: list[int]) -> tuple[list[int], bool]:
         """Append sampled tokens one by one until a stop condition hits."""
@@ -516,6 +579,9 @@ class Scheduler:
             external_prefix_cache_queries=self.external_queries,
             external_prefix_cache_hits=self.external_hits,
             prompt_tokens_by_source=dict(self.prompt_tokens_by_source),
+            spec_decoding_stats=(
+                self.spec_decoding_stats.copy() if self.spec_decoding_stats else None
+            ),
         )
 
     @property
@@ -550,7 +616,8 @@ class Scheduler:
         max_len = self.max_model_len
         if max_tokens is not None:
             max_len = min(request.num_prompt_tokens + max_tokens, max_len)
-        num_slots = max(request.num_prompt_tokens, max_len - 1)
+        num_slots = min(max(request.num_prompt_tokens, max_len - 1) + self.num_lookahead_tokens,
+                        self.max_model_len)
         blocks_needed = cdiv(num_slots, self.block_size)
         usable = num_blocks - 1
         if blocks_needed > usable:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vllm.v1.spec_decode.metrics import SpecDecodingStats
+
 
 @dataclass
 class SchedulerStats:
@@ -27,6 +29,8 @@ class SchedulerStats:
     # prompt_tokens_by_source): "local_compute", "local_cache_hit", "external_kv_transfer".
     prompt_tokens_by_source: dict[str, int] = field(default_factory=dict)
     num_blocks: int = 0  # KV cache blocks, including the null block
+    # Cumulative draft / acceptance counts; None without speculative decoding.
+    spec_decoding_stats: SpecDecodingStats | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:

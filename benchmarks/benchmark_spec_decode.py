@@ -1,0 +1,167 @@
+"""Speculative decoding (ngram) vs none: accepted tokens per step and batch-1 decode speed-up.
+
+    python benchmarks/benchmark_spec_decode.py --model /tmp/smollm2.gguf --out results/spec.json
+
+The bundled SmolLM2-135M-Instruct (real text), greedy, one request at a time,
+on prompts that quote their input (a code edit, a summary with quotations, a
+list continued): the case prompt lookup is for. Each mode runs in a fresh
+process. Per prompt: a warm-up generate (Triton compiles at a new prompt
+length are not decode), then the prefill alone (max_tokens=1) and the whole
+generation; decode tokens/s = (tokens - 1) / (t_all - t_prefill). Reported:
+decode tokens/s for both, the speed-up (target >= 1.5x on the H200), the
+mean acceptance length (tokens per verify step, vLLM's figure), decode tokens
+per engine step (verify steps and steps without a draft), and whether greedy
+outputs were equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+from common import emit
+
+CODE = '''def total_price(items, tax_rate):
+    subtotal = 0
+    for item in items:
+        subtotal += item.price * item.quantity
+    tax = subtotal * tax_rate
+    return subtotal + tax
+
+
+def total_weight(items):
+    weight = 0
+    for item in items:
+        weight += item.weight * item.quantity
+    return weight
+'''
+PASSAGE = (
+    "The committee met on Tuesday to review the budget. The committee approved the budget "
+    "for the new library, the budget for road repairs, and the budget for the summer "
+    "festival. The committee rejected the budget for the new stadium."
+)
+MESSAGES = [
+    f"Rename the variable `subtotal` to `net` in this code and return the whole code:\n\n{CODE}",
+    f"Copy this text exactly, then add one sentence at the end:\n\n{PASSAGE}",
+    f"Repeat the following code exactly, adding a docstring to each function:\n\n{CODE}",
+    "Continue the list in the same format up to 20:\n1. apple\n2. banana\n3. cherry\n"
+    "4. date\n5. elderberry\n6. fig",
+]
+
+
+def run_mode(model: str | None, k: int, max_tokens: int, spec: bool) -> dict:
+    from vllm import LLM, SamplingParams
+
+    cfg = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
+           "prompt_lookup_max": 5} if spec else None
+    llm = LLM(model, max_model_len=2048, max_num_seqs=8, speculative_config=cfg)
+    engine = llm.llm_engine
+    step = engine.step
+    counter = {"steps": 0}
+
+    def counted_step():  # engine steps of the timed generations (tokens per step)
+        counter["steps"] += 1
+        return step()
+
+    engine.step = counted_step
+    prompts = [llm.render_chat([{"role": "user", "content": m}]) for m in MESSAGES]
+    full = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    first = SamplingParams(temperature=0.0, max_tokens=1)
+    per_prompt, outputs = [], []
+    decode_tokens = decode_s = 0.0
+    decode_steps = 0
+    for prompt in prompts:
+        llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+        t0 = time.perf_counter()
+        llm.generate(prompt, first, use_tqdm=False)
+        t_prefill = time.perf_counter() - t0
+        before = _spec(engine)
+        steps = counter["steps"]
+        t0 = time.perf_counter()
+        out = llm.generate(prompt, full, use_tqdm=False)[0].outputs[0]
+        t_all = time.perf_counter() - t0
+        decode_steps += counter["steps"] - steps - 1  # the first step is the prefill
+        after = _spec(engine)
+        n = len(out.token_ids)
+        outputs.append(list(out.token_ids))
+        row = {"output_tokens": n, "decode_tokens_per_s": (n - 1) / max(t_all - t_prefill, 1e-9)}
+        if after is not None:
+            delta = after.minus(before)
+            row["mean_acceptance_length"] = delta.mean_acceptance_length
+            row["acceptance_rate"] = delta.acceptance_rate
+            row["num_drafts"] = delta.num_drafts
+        per_prompt.append(row)
+        decode_tokens += n - 1
+        decode_s += t_all - t_prefill
+    result = {"spec": spec, "per_prompt": per_prompt, "outputs": outputs,
+              "decode_tokens_per_s": decode_tokens / decode_s}
+    stats = _spec(engine)
+    if stats is not None:
+        result["mean_acceptance_length"] = stats.mean_acceptance_length
+        result["num_accepted_tokens_per_pos"] = stats.num_accepted_tokens_per_pos
+    result["decode_tokens_per_step"] = decode_tokens / max(decode_steps, 1)
+    engine.shutdown()
+    return result
+
+
+def _spec(engine):
+    stats = engine.get_scheduler_stats().spec_decoding_stats
+    return None if stats is None else stats.copy()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="GGUF / HF dir (default: the bundled one)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--child", choices=["base", "spec"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        result = run_mode(args.model, args.num_speculative_tokens, args.max_tokens,
+                          args.child == "spec")
+        print("RESULT " + json.dumps(result))
+        return
+
+    import torch
+
+    report: dict = {
+        "model": args.model or "bundled SmolLM2-135M-Instruct",
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "max_tokens": args.max_tokens,
+    }
+    for mode in ("base", "spec"):
+        cmd = [sys.executable, __file__, "--child", mode, "--max-tokens", str(args.max_tokens),
+               "--num-speculative-tokens", str(args.num_speculative_tokens)]
+        if args.model:
+            cmd += ["--model", args.model]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            report[mode] = {"crashed": True, "returncode": proc.returncode,
+                            "stderr_tail": proc.stderr[-3000:]}
+            continue
+        report[mode] = json.loads(lines[-1][len("RESULT "):])
+        sys.stderr.write(
+            "\n".join(line for line in proc.stderr.splitlines() if "SpecDecoding" in line) + "\n"
+        )
+    base, spec = report["base"], report["spec"]
+    if not base.get("crashed") and not spec.get("crashed"):
+        speedup = spec["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+        report["comparison"] = {
+            "decode_speedup_batch1": speedup,
+            "mean_acceptance_length": spec.get("mean_acceptance_length"),
+            "greedy_outputs_equal": base["outputs"] == spec["outputs"],
+            "targets": {"speedup_at_least_1_5x": speedup >= 1.5},
+        }
+        for mode in ("base", "spec"):
+            report[mode].pop("outputs")
+    emit(report, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""`RejectionSampler`: verify draft tokens against the target model's distributions.
+
+The target scores k + 1 positions of a request in one step: position j's
+logits say what follows the request's tokens plus drafts 0..j-1::
+
+    inputs:   t_last  d_0  d_1  ...  d_{k-1}
+    target:   p_0     p_1  p_2  ...  p_k          (one distribution per position)
+    accept d_0 under p_0, d_1 under p_1, ... until the first rejection at j;
+    then draw one more token: from the residual at j, or from p_k (the bonus)
+    when every draft was accepted. 1..k+1 tokens per step.
+
+Greedy rows accept d_j iff d_j == argmax p_j and emit argmax p_a, so their
+output is exactly what decoding one token at a time would produce.
+
+Random rows follow the speculative-sampling rule of Leviathan, Kalman and
+Matias, "Fast Inference from Transformers via Speculative Decoding" (ICML
+2023, arXiv:2211.17192, Algorithm 1) and Chen et al., "Accelerating Large
+Language Model Decoding with Speculative Sampling" (2023, arXiv:2302.01318):
+accept d_j with probability min(1, p_j(d_j) / q_j(d_j)); on rejection draw
+from norm(max(0, p_j - q_j)). The emitted tokens are then distributed exactly
+as samples from p. With n-gram drafts q_j is one-hot at d_j, so the
+acceptance probability is p_j(d_j) and the residual is p_j without d_j.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.sampling_params import _SAMPLING_EPS
+from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.sample.ops.topk_topp import apply_min_p, apply_top_k_top_p, random_sample
+
+PLACEHOLDER_TOKEN_ID = -1  # padding in [R, K + 1] outputs
+
+
+class RejectionSampler:
+    """Verifies drafts of R requests; see the module docstring for the rule."""
+
+    def __call__(
+        self,
+        draft_token_ids: list[list[int]],
+        target_logits: torch.Tensor,
+        metadata: SamplingMetadata,
+        generators: dict[int, torch.Generator],
+        draft_probs: torch.Tensor | None = None,
+    ) -> list[list[int]]:
+        """Accepted drafts plus one target token, per request.
+
+        Args:
+            draft_token_ids: R lists, request r's k_r >= 0 drafts.
+            target_logits: [T, V] float, T = sum(k_r + 1): request r's k_r + 1
+                positions, consecutive, in request order. Modified in place.
+            metadata: T rows (each request's params repeated k_r + 1 times);
+                temperature, top-k, top-p and min-p are applied here.
+            generators: request index r -> its seeded generator; the others
+                draw from the global generator.
+            draft_probs: [R, K, V] float32 draft distributions (K = max k_r),
+                or None for one-hot drafts (n-gram).
+
+        Returns:
+            R lists of 1..k_r + 1 token ids.
+
+        Raises:
+            ValueError: T differs from sum(k_r + 1) or from the metadata's rows.
+        """
+        num_draft = [len(d) for d in draft_token_ids]
+        total = sum(num_draft) + len(num_draft)
+        if target_logits.shape[0] != total or metadata.num_rows != total:
+            raise ValueError(
+                f"target_logits has {target_logits.shape[0]} rows and metadata "
+                f"{metadata.num_rows}; the drafts need {total}"
+            )
+        device = target_logits.device
+        r, k = len(num_draft), max(num_draft, default=0)
+        starts = _starts(num_draft)
+        nd = torch.tensor(num_draft, dtype=torch.int64)
+        pos = torch.arange(k + 1, dtype=torch.int64)
+        # Flat row of (request, position), clamped to the request's last position.
+        flat = (starts.unsqueeze(1) + torch.minimum(pos.unsqueeze(0), nd.unsqueeze(1))).to(device)
+        valid = (pos[:k].unsqueeze(0) < nd.unsqueeze(1)).to(device)  # [R, K]
+        drafts = torch.zeros(r, k, dtype=torch.int64)
+        for i, d in enumerate(draft_token_ids):
+            drafts[i, : len(d)] = torch.tensor(d, dtype=torch.int64)
+        drafts = drafts.to(device)
+
+        logits = target_logits.to(torch.float32)
+        out_greedy = out_random = None
+        if not metadata.all_random:
+            target = logits.argmax(dim=-1)[flat]  # [R, K + 1]
+            match = (drafts == target[:, :k]) & valid
+            accepted = match.to(torch.int64).cumprod(dim=1).sum(dim=1)
+            out_greedy = (target, accepted)
+        if not metadata.all_greedy:
+            probs = _target_probs(logits, metadata)
+            out_random = _verify_random(probs, flat, drafts, valid, nd, generators, draft_probs)
+        is_greedy = _row_is_greedy(metadata, starts, r)
+        return _to_lists(out_greedy, out_random, drafts, is_greedy)
+
+
+def _starts(num_draft: list[int]) -> torch.Tensor:
+    """[R] int64 flat index of each request's first position."""
+    starts, acc = [], 0
+    for n in num_draft:
+        starts.append(acc)
+        acc += n + 1
+    return torch.tensor(starts, dtype=torch.int64)
+
+
+def _target_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """[T, V] float32 softmax after temperature, min-p, top-k and top-p (as `Sampler`)."""
+    is_greedy = md.temperature < _SAMPLING_EPS
+    logits = logits.div_(torch.where(is_greedy, 1.0, md.temperature).unsqueeze(1))
+    if md.min_p is not None:
+        logits = apply_min_p(logits, md.min_p)
+    logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+    return logits.softmax(dim=-1)
+
+
+def _verify_random(probs, flat, drafts, valid, nd, generators, draft_probs):
+    """Accepted counts [R] and the final token [R] under the speculative-sampling rule."""
+    r, k = drafts.shape
+    device = probs.device
+    p_draft = probs[flat[:, :k], drafts]  # [R, K] target probability of each draft
+    q_draft = (
+        torch.ones_like(p_draft) if draft_probs is None
+        else draft_probs.gather(2, drafts.unsqueeze(2)).squeeze(2)
+    )
+    uniform = torch.rand(r, k, device=device)
+    for row, generator in generators.items():
+        uniform[row] = torch.rand(k, device=device, generator=generator)
+    # u < p / q  <=>  u * q < p  (q > 0 for a proposed token)
+    accept = (uniform * q_draft < p_draft) & valid
+    accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [R]
+    nd = nd.to(device)
+    final_rows = flat.gather(1, accepted.unsqueeze(1)).squeeze(1)
+    dist = probs[final_rows].clone()  # [R, V]
+    rejected = accepted < nd
+    if bool(rejected.any()):
+        at = accepted.clamp(max=max(k - 1, 0))
+        if draft_probs is None:
+            # Residual of a one-hot q: p without the rejected draft.
+            token = drafts.gather(1, at.unsqueeze(1))
+            residual = dist.scatter(1, token, 0.0)
+        else:
+            q = draft_probs[torch.arange(r, device=device), at]
+            residual = (dist - q).clamp_(min=0.0)
+        # A residual with no mass cannot occur after a rejection (it needs
+        # p(d) < q(d)); guard against rounding by keeping p there.
+        usable = rejected & (residual.sum(dim=1) > 0)
+        dist = torch.where(usable.unsqueeze(1), residual, dist)
+    final = random_sample(dist, generators)
+    return accepted, final
+
+
+def _row_is_greedy(md: SamplingMetadata, starts: torch.Tensor, r: int) -> list[bool]:
+    if md.all_greedy:
+        return [True] * r
+    if md.all_random:
+        return [False] * r
+    temps = md.temperature[starts.to(md.temperature.device)]
+    return (temps < _SAMPLING_EPS).tolist()
+
+
+def _to_lists(out_greedy, out_random, drafts, is_greedy: list[bool]) -> list[list[int]]:
+    draft_lists = drafts.tolist()
+    g = (out_greedy[0].tolist(), out_greedy[1].tolist()) if out_greedy else None
+    s = (out_random[0].tolist(), out_random[1].tolist()) if out_random else None
+    result = []
+    for row, greedy in enumerate(is_greedy):
+        if greedy:
+            target, accepted = g
+            result.append(target[row][: accepted[row] + 1])
+        else:
+            accepted, final = s
+            result.append(draft_lists[row][: accepted[row]] + [final[row]])
+    return result

@@ -1,0 +1,135 @@
+"""The runner's side of speculative decoding: drafts in, verify, propose.
+
+One step of a request with k drafts (the scheduler counts 1 + k tokens)::
+
+    token_ids[row]:  ... t_{n-1} | d_0 ... d_{k-1}      drafts written after num_tokens
+    forward:             t_{n-1}   d_0 ... d_{k-1}      k + 1 positions, one pass
+    logits:              p_0       p_1 ... p_k          -> RejectionSampler
+    output:          d_0 .. d_{a-1} + one target token   (1 .. k + 1 tokens)
+    propose:         ngram over the updated tokens -> drafts for the next step
+
+The scheduler rolls num_computed_tokens back past the k - a rejected drafts,
+so their KV slots are rewritten next step; nothing here frees anything.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vllm.sampling_params import SamplingParams
+from vllm.v1.sample.metadata import build_sampling_metadata
+from vllm.v1.sample.rejection_sampler import RejectionSampler
+from vllm.v1.spec_decode.ngram_proposer import NgramProposer
+from vllm.v1.spec_decode.utils import is_spec_decode_unsupported
+from vllm.v1.worker.draft_model import DraftModelProposer
+from vllm.v1.worker.input_batch import InputBatch
+
+
+class SpecDecoder:
+    """Writes drafts into the batch, verifies them, proposes the next ones.
+
+    Args:
+        proposer: the draft source: n-gram prompt lookup, or a draft model.
+        num_speculative_tokens: k.
+        vocab_size: the logits' width.
+        device: the model's device.
+    """
+
+    def __init__(
+        self, proposer: NgramProposer | DraftModelProposer, num_speculative_tokens: int,
+        vocab_size: int,
+        device: torch.device,
+    ) -> None:
+        self.proposer = proposer
+        self.draft = proposer if isinstance(proposer, DraftModelProposer) else None
+        self.k = num_speculative_tokens
+        self.vocab_size = vocab_size
+        self.device = device
+        self.rejection_sampler = RejectionSampler()
+
+    @staticmethod
+    def write_drafts(batch: InputBatch, spec: dict[str, list[int]]) -> None:
+        """Put each scheduled request's drafts after its last token (not counted in num_tokens)."""
+        for req_id, drafts in spec.items():
+            row = batch.req_id_to_index[req_id]
+            n = int(batch.num_tokens[row])
+            batch.token_ids[row, n : n + len(drafts)] = drafts
+
+    def verify(
+        self, model: torch.nn.Module, hidden: torch.Tensor, batch: InputBatch,
+        rows: list[int], num_sched: np.ndarray, spec: dict[str, list[int]],
+    ) -> list[list[int]]:
+        """Tokens emitted by each of `rows` (requests with drafts this step).
+
+        Args:
+            hidden: [num_tokens, hidden_size] this step's hidden states.
+            rows: batch rows whose request has drafts in `spec`.
+            num_sched: [num_reqs] tokens scheduled per row (1 + k_r for these).
+        """
+        ends = np.cumsum(num_sched)
+        drafts = [spec[batch.req_ids[r]] for r in rows]
+        idx = np.concatenate(
+            [np.arange(ends[r] - len(d) - 1, ends[r]) for r, d in zip(rows, drafts, strict=True)]
+        )
+        logits = model.compute_logits(hidden[torch.from_numpy(idx).to(self.device)])
+        states = [batch.states[r] for r in rows]
+        params = [s.sampling_params for s, d in zip(states, drafts, strict=True)
+                  for _ in range(len(d) + 1)]
+        metadata = build_sampling_metadata(
+            params, [[0]] * len(params), [[] for _ in params], {}, self.vocab_size, self.device
+        )
+        generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
+        draft_probs = None
+        if self.draft is not None and not metadata.all_greedy:
+            draft_probs = self.draft.take_draft_probs(
+                [batch.req_ids[r] for r in rows], [len(d) for d in drafts]
+            )
+        return self.rejection_sampler(drafts, logits, metadata, generators, draft_probs)
+
+    def propose(self, batch: InputBatch, rows: list[int], max_model_len: int) -> list[list[int]]:
+        """Drafts for the next step, one list per batch row ([] for rows not in `rows`)."""
+        out: list[list[int]] = [[] for _ in range(batch.num_reqs)]
+        if self.draft is not None:
+            skip = {r for r in rows if is_spec_decode_unsupported(batch.states[r].sampling_params)}
+            for row, tokens in self.draft.propose(batch, rows, max_model_len, skip).items():
+                out[row] = tokens
+            return out
+        for row in rows:
+            state = batch.states[row]
+            if is_spec_decode_unsupported(state.sampling_params):
+                continue
+            n = int(batch.num_tokens[row])
+            out[row] = self.proposer.propose(batch.token_ids[row, :n], max_model_len - n)
+        return out
+
+    def max_verify_positions(self, max_num_reqs: int, max_num_tokens: int) -> int:
+        """Most positions one step can verify: every request decoding with k drafts,
+        within the token budget: min(max_num_seqs x (k + 1), max_num_batched_tokens)."""
+        return min(max_num_reqs * (self.k + 1), max_num_tokens)
+
+    @torch.inference_mode()
+    def dummy_verify_run(self, model: torch.nn.Module, hidden: torch.Tensor,
+                         num_positions: int) -> None:
+        """The worst-case verification: logits over `num_positions` positions + the sampler.
+
+        The positions are split into requests of k + 1 (the last one shorter).
+        Random sampling with top-k / top-p: the sort, softmax and residual
+        temporaries are the largest allocations.
+        """
+        per_req = self.k + 1
+        sizes = [per_req] * (num_positions // per_req)
+        if num_positions % per_req:
+            sizes.append(num_positions % per_req)
+        idx = torch.arange(num_positions, device=self.device) % hidden.shape[0]
+        logits = model.compute_logits(hidden[idx])
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
+        metadata = build_sampling_metadata(
+            [params] * num_positions, [[0]] * num_positions,
+            [[] for _ in range(num_positions)], {}, self.vocab_size, self.device,
+        )
+        drafts = [[0] * (n - 1) for n in sizes]
+        draft_probs = None
+        if self.draft is not None:  # the draft distributions kept between steps
+            draft_probs = torch.rand(len(sizes), self.k, self.vocab_size, device=self.device)
+        self.rejection_sampler(drafts, logits, metadata, {}, draft_probs)
