@@ -5,7 +5,7 @@
 
     LlamaDecoderLayer (pre-norm, residual stream carried beside the hidden state):
       h, r = input_layernorm(h, r)          # r = h + r; h = rms(r)
-      h    = self_attn(positions, h)        # qkv_proj -> (q/k norm) -> rope -> Attention -> o_proj
+      h    = self_attn(positions, h)        # qkv_proj -> (q/k norm) -> rope + cache write -> attend -> o_proj
       h, r = post_attention_layernorm(h, r)
       h    = mlp(h)                         # gate_up_proj -> silu(gate) * up -> down_proj
 
@@ -148,8 +148,9 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.qk_norm(q, k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        # The attention layer rotates q and k: on CUDA the rotation and the KV
+        # cache write are one launch (one fewer kernel per layer per step).
+        return self.o_proj(self.attn(q, k, v, positions, self.rotary_emb))
 
 
 class LlamaDecoderLayer(nn.Module):
