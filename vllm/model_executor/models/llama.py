@@ -5,7 +5,7 @@
 
     LlamaDecoderLayer (pre-norm, residual stream carried beside the hidden state):
       h, r = input_layernorm(h, r)          # r = h + r; h = rms(r)
-      h    = self_attn(positions, h)        # qkv_proj -> (q/k norm) -> rope + cache write -> attend -> o_proj
+      h    = self_attn(positions, h)  # qkv_proj -> (q/k norm) -> rope + KV write -> attn -> o_proj
       h, r = post_attention_layernorm(h, r)
       h    = mlp(h)                         # gate_up_proj -> silu(gate) * up -> down_proj
 
