@@ -134,7 +134,7 @@ def _attend_tiles(
             block_id = tl.load(block_row_ptr + logical_block).to(tl.int64)
         kv_off = block_id * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
         k_ptrs = kv_cache_ptr + kv_off[None, :] + offs_d[:, None]  # [HEAD_PAD, BLOCK_N]
-        v_ptrs = kv_cache_ptr + stride_ckv + kv_off[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_PAD]
+        v_ptrs = kv_cache_ptr + stride_ckv + kv_off[:, None] + offs_d[None, :] # [BLOCK_N, HEAD_PAD]
         if MASKED:
             k = tl.load(k_ptrs, mask=n_valid[None, :] & d_valid[:, None], other=0.0)
             v = tl.load(v_ptrs, mask=n_valid[:, None] & d_valid[None, :], other=0.0)
