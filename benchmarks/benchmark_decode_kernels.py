@@ -3,8 +3,9 @@
 Question (issue 10, item 3): the SmolLM2-135M shape is launch-bound at batch 1
 (~1 ms of graph replay for a 0.06 ms weight read). How many kernels does one
 decode forward launch, which, and what does the fused rope + KV-cache write
-(`vllm/v1/attention/ops/rope_and_cache.py`) save against the separate rotary
-and reshape_and_cache kernels?
+(`vllm/v1/attention/ops/rope_and_cache.py`) and the norm / SiLU-and-mul fused
+into the projections after them (`vllm/model_executor/layers/fused_linear.py`)
+save against the separate kernels?
 
     python benchmarks/benchmark_decode_kernels.py --shapes smollm2 llama3_8b \
         --batch-sizes 1 32 --out results/decode_kernels.json
@@ -13,7 +14,8 @@ For each shape (random weights, bf16) and batch: the model (`LlamaForCausalLM`)
 with one paged KV cache per layer, a decode batch whose requests each hold
 `--context` cached tokens, `max_seq_len` = `--max-model-len` as in the
 engine's captured graphs. Per variant ("fused": the code as it runs;
-"unfused": `AttentionImpl.forward_with_rope`'s two-launch default):
+"rope_cache_only": without the projection fusion (FUSED_LINEAR_MAX_TOKENS = 0);
+"unfused": also with `AttentionImpl.forward_with_rope`'s two-launch default):
   kernels_per_step   CUDA kernels of one eager forward + compute_logits
                      (torch.profiler, CUPTI), and by name (`kernels`)
   graph_replay_ms    that forward + compute_logits captured as one CUDA graph,
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import gc
 import math
@@ -117,24 +120,28 @@ def _replay_ms(fn, reps: int = 50) -> float:
     return start.elapsed_time(end) / reps
 
 
-def _variant(unfused: bool):
-    """Context: the Triton backend's forward_with_rope, or the two-launch default."""
-    from contextlib import contextmanager
+VARIANTS = ("fused", "rope_cache_only", "unfused")
 
+
+@contextlib.contextmanager
+def _variant(name: str):
+    """The code as it runs ("fused"), without the norm/act + projection fusion
+    ("rope_cache_only"), or without either fusion ("unfused")."""
+    from vllm.model_executor.layers import fused_linear
     from vllm.v1.attention.backends.abstract import AttentionImpl
     from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
 
-    @contextmanager
-    def cm():
-        fused = TritonAttentionImpl.forward_with_rope
-        if unfused:
-            TritonAttentionImpl.forward_with_rope = AttentionImpl.forward_with_rope
-        try:
-            yield
-        finally:
-            TritonAttentionImpl.forward_with_rope = fused
-
-    return cm()
+    rope_fused = TritonAttentionImpl.forward_with_rope
+    max_tokens = fused_linear.FUSED_LINEAR_MAX_TOKENS
+    if name != "fused":
+        fused_linear.FUSED_LINEAR_MAX_TOKENS = 0
+    if name == "unfused":
+        TritonAttentionImpl.forward_with_rope = AttentionImpl.forward_with_rope
+    try:
+        yield
+    finally:
+        TritonAttentionImpl.forward_with_rope = rope_fused
+        fused_linear.FUSED_LINEAR_MAX_TOKENS = max_tokens
 
 
 def bench(shape: str, batch: int, context: int, max_model_len: int, copy_bps: float) -> dict:
@@ -145,8 +152,8 @@ def bench(shape: str, batch: int, context: int, max_model_len: int, copy_bps: fl
            "weight_limit_ms": weight_bytes / copy_bps * 1e3}
     step = functools.partial(_step, model, input_ids, positions)
     with torch.inference_mode(), set_forward_context(meta):
-        for name in ("fused", "unfused"):
-            with _variant(unfused=name == "unfused"):
+        for name in VARIANTS:
+            with _variant(name):
                 step()  # compile
                 torch.cuda.synchronize()
                 names = _kernels(step)
