@@ -93,8 +93,8 @@ def _rms_norm_linear_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask = m_mask[:, None] & (offs_k < K)[None, :]
         x = _row_chunk(x_ptr, res_ptr, offs_m, offs_k, mask, stride_x, stride_r, HAS_RESIDUAL)
-        if HAS_RESIDUAL:
-            if pid == 0:
+        if HAS_RESIDUAL:  # noqa: SIM102 (constexpr branch, then a runtime one)
+            if pid == 0:  # program 0 writes the new residual stream
                 tl.store(res_out_ptr + offs_m[:, None] * K + offs_k[None, :], x, mask=mask)
         x32 = x.to(tl.float32)
         sum_sq += tl.sum(x32 * x32, axis=1)
