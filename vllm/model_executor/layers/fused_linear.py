@@ -43,6 +43,7 @@ def _fuses(x: torch.Tensor, linear: nn.Module, *, row_parallel: bool) -> bool:
         and x.stride(-1) == 1
         and x.shape[0] <= FUSED_LINEAR_MAX_TOKENS
         and weight.dtype == x.dtype
+        and (linear.bias is None or linear.bias.dtype == x.dtype)
         and weight.numel() * weight.element_size() <= FUSED_LINEAR_MAX_WEIGHT_BYTES
     ):
         return False
