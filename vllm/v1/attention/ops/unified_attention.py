@@ -19,12 +19,9 @@ Work split (all from shapes, so one launch is CUDA-graph capturable):
       keys = split s of the causal range, tiles of BLOCK_N tokens gathered from
              BLOCK_N / block_size cache blocks through the block table
 
-      loop = two passes of `_attend_tiles`: the tiles wholly below the block's
-             first row's causal limit with no masks at all (no length mask on the
-             loads, no causal select: the bulk of a long prefill), then the few
-             tiles that cross a row's limit or the end of the keys, masked
-      order = program 0 takes the LAST q block (the longest causal range), so
-             the short blocks of prompt starts run at the end of the launch
+      loop = `_attend_tiles` twice: tiles wholly below the first row's causal limit
+             unmasked (the bulk of a long prefill), then the few crossing it, masked
+      order = program 0 takes the LAST q block (the longest causal range first)
 
     sum_i cdiv(q_i, BLOCK_Q) <= num_tokens // BLOCK_Q + num_reqs, so the first grid
     dimension covers every q block of any batch of that shape; spare programs
