@@ -72,26 +72,50 @@ class Attention(nn.Module):
             self.kv_cache, max_num_tokens, max_model_len, max_blocks_per_req
         )
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """Attend over the paged cache.
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        rotary_emb: nn.Module | None = None,
+    ) -> torch.Tensor:
+        """Attend over the paged cache, rotating query and key first if given a rope.
 
         query [T, num_heads * head_size], key / value [T, num_kv_heads * head_size]
-        -> [T, num_heads * head_size].
+        (row strides free: slices of the qkv projection) -> [T, num_heads * head_size].
+        With `rotary_emb` (a `RotaryEmbedding`) and `positions` ([T] int64), query
+        and key are rotated before the cache write; the Triton backend does the
+        rotation and the write in one launch (`rope_and_cache`).
         """
+        if (rotary_emb is None) != (positions is None):
+            raise ValueError("Attention.forward: pass both positions and rotary_emb, or neither")
         num_tokens = query.shape[0]
-        output = torch.empty_like(query)
+        output = torch.empty(
+            num_tokens, self.num_heads * self.head_size, dtype=query.dtype, device=query.device
+        )
         attn_metadata = get_forward_context().attn_metadata
         if attn_metadata is None or self.kv_cache is None:
             # Memory-profiling run before the KV cache exists: the kernels
-            # allocate nothing beyond `output`, so skipping them keeps the
-            # profiled peak honest.
+            # allocate nothing beyond `output` (and the rope's outputs, made
+            # here so the profiled peak sees them), so skipping them keeps
+            # the profiled peak honest.
+            if rotary_emb is not None:
+                rotary_emb(positions, query, key)
             return output.zero_()
-        self._impl(query.device.type).forward(
+        impl = self._impl(query.device.type)
+        out3 = output.view(num_tokens, self.num_heads, self.head_size)
+        if rotary_emb is not None:
+            impl.forward_with_rope(
+                positions, rotary_emb, query, key, value, self.kv_cache, attn_metadata, out3
+            )
+            return output
+        impl.forward(
             query.view(num_tokens, self.num_heads, self.head_size),
             key.view(num_tokens, self.num_kv_heads, self.head_size),
             value.view(num_tokens, self.num_kv_heads, self.head_size),
             self.kv_cache,
             attn_metadata,
-            output.view(num_tokens, self.num_heads, self.head_size),
+            out3,
         )
         return output

@@ -215,6 +215,17 @@ INTERPRETED_ATTENTION = [
         num_splits=2,
     ),
     Case("one_head_bs32_split4", "float32", 32, 1, 1, 16, ((13, 50),), num_splits=4),
+    # Long causal ranges in small tiles: most tiles take the unmasked loop, the
+    # ones crossing a row's limit the masked one (the NaN-filled cache catches a
+    # read past the keys); head_size = its padding, then not.
+    Case(
+        "prefill_unmasked_tiles_d32", "float16", 16, 4, 2, 32, ((40, 50), (1, 70), (33, 0)),
+        pad_tokens=2, block_m=16, block_n=16,
+    ),
+    Case(
+        "prefill_unmasked_split2_d40", "float32", 8, 6, 2, 40, ((17, 37), (1, 52)),
+        block_m=16, block_n=16, num_splits=2,
+    ),
     # As replayed under a graph captured at max_query_len 1 / max_seq_len 4096.
     Case(
         "decode_bounds_padded",

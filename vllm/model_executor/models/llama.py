@@ -5,7 +5,7 @@
 
     LlamaDecoderLayer (pre-norm, residual stream carried beside the hidden state):
       h, r = input_layernorm(h, r)          # r = h + r; h = rms(r)
-      h    = self_attn(positions, h)        # qkv_proj -> (q/k norm) -> rope -> Attention -> o_proj
+      h    = self_attn(positions, h)  # qkv_proj -> (q/k norm) -> rope + KV write -> attn -> o_proj
       h, r = post_attention_layernorm(h, r)
       h    = mlp(h)                         # gate_up_proj -> silu(gate) * up -> down_proj
 
@@ -29,6 +29,7 @@ from transformers import PretrainedConfig
 
 from vllm.attention.layer import Attention
 from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.fused_linear import act_and_project, norm_and_project
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
     MergedColumnParallelLinear,
@@ -73,7 +74,15 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.forward_gate_up(self.gate_up_proj(x))
+
+    def forward_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [T, 2 * intermediate] (gate_up_proj's output) -> [T, hidden].
+
+        SiLU-and-mul and down_proj are one launch for small CUDA batches
+        (`layers/fused_linear.py`).
+        """
+        return act_and_project(self.act_fn, self.down_proj, gate_up)
 
 
 class LlamaAttention(nn.Module):
@@ -145,11 +154,15 @@ class LlamaAttention(nn.Module):
         return q, k
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden_states)
+        return self.forward_qkv(positions, self.qkv_proj(hidden_states))
+
+    def forward_qkv(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv [T, q_size + 2 * kv_size] (qkv_proj's output) -> [T, hidden]."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.qk_norm(q, k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        # The attention layer rotates q and k: on CUDA the rotation and the KV
+        # cache write are one launch (one fewer kernel per layer per step).
+        return self.o_proj(self.attn(q, k, v, positions, self.rotary_emb))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -187,15 +200,21 @@ class LlamaDecoderLayer(nn.Module):
         hidden_states: torch.Tensor,
         residual: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (mlp output, residual stream before it), both [T, hidden]."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        """Returns (mlp output, residual stream before it), both [T, hidden].
+
+        Each norm runs with the projection after it (`norm_and_project`: one
+        launch for small CUDA batches, else the norm then the matmul).
+        """
+        attn, mlp = self.self_attn, self.mlp
+        qkv, new_residual = norm_and_project(
+            self.input_layernorm, attn.qkv_proj, hidden_states, residual
+        )
+        residual = hidden_states if residual is None else new_residual
+        hidden_states = attn.forward_qkv(positions, qkv)
+        gate_up, residual = norm_and_project(
+            self.post_attention_layernorm, mlp.gate_up_proj, hidden_states, residual
+        )
+        return mlp.forward_gate_up(gate_up), residual
 
 
 class LlamaModel(nn.Module):

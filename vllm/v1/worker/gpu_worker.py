@@ -429,6 +429,10 @@ class Worker:
         # Every attention variant a request can select, compiled now rather
         # than while a user waits (issue 10).
         launches = runner.warm_up_kernels()
+        # A one-token step: the small-batch kernels (norm / SiLU fused into the
+        # projections, layers/fused_linear.py) that the worst case above does
+        # not reach; CUDA-graph capture would compile them too, eager mode not.
+        runner.dummy_run(1, 1, with_kv=True)
         if launches:
             logger.info("Attention kernels warmed up: %d variants", launches)
         if runner.use_cuda_graph:

@@ -19,6 +19,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 
 @dataclass
@@ -62,6 +63,34 @@ class AttentionImpl(ABC):
         output: torch.Tensor,  # [num_tokens, num_heads, head_size], written in place
     ) -> torch.Tensor:
         """Write key/value into kv_cache at slot_mapping, then attend; returns `output`."""
+
+    def forward_with_rope(
+        self,
+        positions: torch.Tensor,  # [num_tokens] int64
+        rotary_emb: nn.Module,  # a RotaryEmbedding: (positions, q, k) -> (q, k)
+        query: torch.Tensor,  # [num_tokens, num_heads * head_size], any row stride
+        key: torch.Tensor,  # [num_tokens, num_kv_heads * head_size], any row stride
+        value: torch.Tensor,  # [num_tokens, num_kv_heads * head_size], any row stride
+        kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_size]
+        attn_metadata: AttentionMetadata,
+        output: torch.Tensor,  # [num_tokens, num_heads, head_size], written in place
+    ) -> torch.Tensor:
+        """Rotate query and key by `positions`, then `forward`; returns `output`.
+
+        The default runs the rotation and `forward` one after the other;
+        backends with a fused rotation + cache-write kernel override it
+        (Triton: one launch fewer per layer).
+        """
+        num_tokens = query.shape[0]
+        query, key = rotary_emb(positions, query, key)
+        return self.forward(
+            query.reshape(num_tokens, self.num_heads, self.head_size),
+            key.reshape(num_tokens, self.num_kv_heads, self.head_size),
+            value.reshape(num_tokens, self.num_kv_heads, self.head_size),
+            kv_cache,
+            attn_metadata,
+            output,
+        )
 
     def warm_up(
         self, kv_cache: torch.Tensor, max_num_tokens: int, max_model_len: int,

@@ -5,6 +5,11 @@
       2. unified_attention: every request's new tokens attend causally to
          seq_lens[i] keys through block_table[i]; result written into `output`
 
+    forward_with_rope(positions, rotary_emb, query, key, value, ...)   (what models call)
+      1. rope_and_cache: rotate query and key, write rotated key + value into
+         kv_cache at slot_mapping: ONE launch instead of rope + reshape_and_cache
+      2. unified_attention, as above
+
 Nothing here allocates per step: the split-KV workspace is allocated once per
 (device, num_heads, head_size) at the size that covers every split count the
 kernel picks on its own, so CUDA graphs captured at any batch size address the
@@ -16,6 +21,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
+from torch import nn
 
 from vllm.v1.attention.backends.abstract import (
     AttentionBackend,
@@ -25,6 +31,7 @@ from vllm.v1.attention.backends.abstract import (
 from vllm.v1.attention.ops.attention_config import max_split_workspace_numel
 from vllm.v1.attention.ops.attention_warmup import warm_up_unified_attention
 from vllm.v1.attention.ops.reshape_and_cache import reshape_and_cache
+from vllm.v1.attention.ops.rope_and_cache import rope_and_cache
 from vllm.v1.attention.ops.unified_attention import unified_attention
 
 
@@ -71,6 +78,54 @@ class TritonAttentionImpl(AttentionImpl):
                 f"{self.head_size}], got {tuple(kv_cache.shape)}"
             )
         reshape_and_cache(key, value, kv_cache, attn_metadata.slot_mapping)
+        return self._attend(query, kv_cache, attn_metadata, output)
+
+    def forward_with_rope(
+        self,
+        positions: torch.Tensor,  # [num_tokens] int64
+        rotary_emb: nn.Module,  # a RotaryEmbedding (cos_sin_cache, is_neox_style)
+        query: torch.Tensor,  # [num_tokens, num_heads * head_size], any row stride
+        key: torch.Tensor,  # [num_tokens, num_kv_heads * head_size], any row stride
+        value: torch.Tensor,  # [num_tokens, num_kv_heads * head_size], any row stride
+        kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_size]
+        attn_metadata: AttentionMetadata,
+        output: torch.Tensor,  # [num_tokens, num_heads, head_size], written in place
+    ) -> torch.Tensor:
+        """Rotation + cache write in one launch (`rope_and_cache`), then attention.
+
+        Falls back to the two-step default when the rotary module has no
+        `cos_sin_cache` (a rope this kernel does not know).
+        """
+        cos_sin_cache = getattr(rotary_emb, "cos_sin_cache", None)
+        if not isinstance(cos_sin_cache, torch.Tensor):
+            return super().forward_with_rope(
+                positions, rotary_emb, query, key, value, kv_cache, attn_metadata, output
+            )
+        num_tokens = query.shape[0]
+        query = rope_and_cache(
+            positions,
+            _rows_with_unit_stride(query),
+            _rows_with_unit_stride(key),
+            _rows_with_unit_stride(value),
+            cos_sin_cache,
+            kv_cache,
+            attn_metadata.slot_mapping,
+            bool(getattr(rotary_emb, "is_neox_style", True)),
+        )
+        return self._attend(
+            query.view(num_tokens, self.num_heads, self.head_size),
+            kv_cache,
+            attn_metadata,
+            output,
+        )
+
+    def _attend(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        kv_cache: torch.Tensor,  # this step's keys already written
+        attn_metadata: AttentionMetadata,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
         return unified_attention(
             query,
             kv_cache,
@@ -94,6 +149,11 @@ class TritonAttentionImpl(AttentionImpl):
             kv_cache, self.num_heads, self.scale, self._workspace(kv_cache.device),
             max_num_tokens, max_model_len, max_blocks_per_req,
         )
+
+
+def _rows_with_unit_stride(x: torch.Tensor) -> torch.Tensor:
+    """x [T, width] with a contiguous last dim (rows may be strided slices of the qkv output)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 class TritonAttentionBackend(AttentionBackend):

@@ -19,6 +19,10 @@ Work split (all from shapes, so one launch is CUDA-graph capturable):
       keys = split s of the causal range, tiles of BLOCK_N tokens gathered from
              BLOCK_N / block_size cache blocks through the block table
 
+      loop = `_attend_tiles` twice: tiles wholly below the first row's causal limit
+             unmasked (the bulk of a long prefill), then the few crossing it, masked
+      order = program 0 takes the LAST q block (the longest causal range first)
+
     sum_i cdiv(q_i, BLOCK_Q) <= num_tokens // BLOCK_Q + num_reqs, so the first grid
     dimension covers every q block of any batch of that shape; spare programs
     exit at once. The KV head varies fastest so that programs running side by
@@ -79,6 +83,84 @@ _LOG2E = 1.4426950408889634
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y")
 
 
+@triton.jit
+def _attend_tiles(
+    q,  # [BLOCK_M, HEAD_PAD] query rows of this program
+    m_i,  # [BLOCK_M] fp32 running max (base 2)
+    l_i,  # [BLOCK_M] fp32 running sum
+    acc,  # [BLOCK_M, HEAD_PAD] fp32 unnormalised output
+    tile_begin,
+    tile_end,  # key tiles [tile_begin, tile_end) of BLOCK_N keys
+    kv_end,  # keys past this are not read (masked tiles only)
+    key_limit,  # [BLOCK_M] row r attends to keys [0, key_limit[r]) (masked tiles only)
+    block_row_ptr,  # this request's block-table row
+    kv_cache_ptr,
+    kv_head,
+    max_blocks_per_req,
+    scale_log2,
+    stride_cb,
+    stride_ckv,
+    stride_cs,
+    stride_ch,
+    offs_d,  # [HEAD_PAD]
+    d_valid,  # [HEAD_PAD] offs_d < HEAD_SIZE
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP32_IEEE: tl.constexpr,
+    MASKED: tl.constexpr,  # False: every key of every tile is visible to every row
+):
+    """Online softmax over key tiles; returns the updated (m_i, l_i, acc).
+
+    The unmasked variant loads K/V and block ids without length masks and skips
+    the causal select (the bulk of a long prefill's tiles); MASKED handles the
+    tiles that cross a row's causal limit or the end of the keys.
+    """
+    for tile in range(tile_begin, tile_end):
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        logical_block = offs_n // BLOCK_SIZE
+        if MASKED:
+            n_valid = offs_n < kv_end
+            block_id = tl.load(
+                block_row_ptr + logical_block,
+                mask=n_valid & (logical_block < max_blocks_per_req),
+                other=0,
+            ).to(tl.int64)
+        else:
+            block_id = tl.load(block_row_ptr + logical_block).to(tl.int64)
+        kv_off = block_id * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        k_ptrs = kv_cache_ptr + kv_off[None, :] + offs_d[:, None]  # [HEAD_PAD, BLOCK_N]
+        v_ptrs = kv_cache_ptr + stride_ckv + kv_off[:, None] + offs_d[None, :] # [BLOCK_N, HEAD_PAD]
+        if MASKED:
+            k = tl.load(k_ptrs, mask=n_valid[None, :] & d_valid[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=n_valid[:, None] & d_valid[None, :], other=0.0)
+        elif HEAD_PAD == HEAD_SIZE:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=d_valid[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=d_valid[None, :], other=0.0)
+        if FP32_IEEE:  # fp32 inputs: exact products, not TF32
+            s = tl.dot(q, k, input_precision="ieee") * scale_log2
+        else:
+            s = tl.dot(q, k) * scale_log2
+        if MASKED:
+            causal = (offs_n[None, :] < key_limit[:, None]) & n_valid[None, :]
+            s = tl.where(causal, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if FP32_IEEE:
+            acc = tl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None], input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None])
+        m_i = m_new
+    return m_i, l_i, acc
+
+
 # num_tokens and num_reqs change every step: specialising on them (Triton
 # compiles a variant for value 1 and for multiples of 16) would compile on
 # the request path whenever a step falls in a class not seen yet (issue 10).
@@ -119,7 +201,10 @@ def _unified_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     FP32_IEEE: tl.constexpr,  # fp32 inputs: full-precision dots
 ):
-    pid = tl.program_id(0) // num_kv_heads  # q block
+    # q block, longest causal range first: program 0 takes the last q block of
+    # the last request, so the short blocks of prompt starts fill the tail of
+    # the launch instead of the longest ones running alone at its end.
+    pid = tl.num_programs(0) // num_kv_heads - 1 - tl.program_id(0) // num_kv_heads
     kv_head = tl.program_id(0) % num_kv_heads
     split = tl.program_id(1)
 
@@ -185,42 +270,21 @@ def _unified_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     block_row_ptr = block_table_ptr + req.to(tl.int64) * stride_bt
-    for tile in range(tile_lo, tile_hi):
-        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < kv_end
-        logical_block = offs_n // BLOCK_SIZE
-        block_id = tl.load(
-            block_row_ptr + logical_block,
-            mask=n_valid & (logical_block < max_blocks_per_req),
-            other=0,
-        ).to(tl.int64)
-        kv_off = block_id * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-        k = tl.load(  # [HEAD_PAD, BLOCK_N]
-            kv_cache_ptr + kv_off[None, :] + offs_d[:, None],
-            mask=n_valid[None, :] & d_valid[:, None],
-            other=0.0,
-        )
-        v = tl.load(  # [BLOCK_N, HEAD_PAD]
-            kv_cache_ptr + stride_ckv + kv_off[:, None] + offs_d[None, :],
-            mask=n_valid[:, None] & d_valid[None, :],
-            other=0.0,
-        )
-        if FP32_IEEE:  # fp32 inputs: exact products, not TF32
-            s = tl.dot(q, k, input_precision="ieee") * scale_log2
-        else:
-            s = tl.dot(q, k) * scale_log2
-        causal = (offs_n[None, :] < key_limit[:, None]) & n_valid[None, :]
-        s = tl.where(causal, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
-        p = tl.exp2(s - m_use[:, None])
-        alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if FP32_IEEE:
-            acc = tl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None], input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None])
-        m_i = m_new
+    # Tiles below every row's causal limit (the first row's is the lowest) need
+    # no causal or length mask: only the last few tiles of the range do.
+    full_end = tl.minimum((context_len + q_off + 1) // BLOCK_N, tile_hi)
+    m_i, l_i, acc = _attend_tiles(
+        q, m_i, l_i, acc, tile_lo, full_end, kv_end, key_limit, block_row_ptr,
+        kv_cache_ptr, kv_head, max_blocks_per_req, scale_log2,
+        stride_cb, stride_ckv, stride_cs, stride_ch, offs_d, d_valid,
+        HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, FP32_IEEE, False,
+    )
+    m_i, l_i, acc = _attend_tiles(
+        q, m_i, l_i, acc, tl.maximum(full_end, tile_lo), tile_hi, kv_end, key_limit,
+        block_row_ptr, kv_cache_ptr, kv_head, max_blocks_per_req, scale_log2,
+        stride_cb, stride_ckv, stride_cs, stride_ch, offs_d, d_valid,
+        HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, FP32_IEEE, True,
+    )
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
