@@ -308,6 +308,20 @@ def test_async_scheduling_default_fallback_and_flags(tiny_model, probe, caplog):
         on._resolve_async_scheduling(cuda)
     assert on.scheduler_config.async_scheduling is False
     assert "async scheduling is not supported with the 'mp' executor" in caplog.text
+    on.parallel_config.distributed_executor_backend = "uni"
+    for field, value, words in (
+        ("speculative_config", SimpleNamespace(), "speculative decoding"),
+        ("kv_transfer_config", SimpleNamespace(kv_connector="NixlConnector"),
+         "a KV connector (NixlConnector)"),
+    ):
+        setattr(on, field, value)
+        on.scheduler_config.async_scheduling = True
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="vllm"):
+            on._resolve_async_scheduling(cuda)
+        assert on.scheduler_config.async_scheduling is False
+        assert f"async scheduling is not supported with {words}" in caplog.text
+        setattr(on, field, None)
     with pytest.raises(ValueError, match="async_scheduling must be a bool, got 'yes'"):
         SchedulerConfig(async_scheduling="yes")
     for argv, expected in (([], None), (["--async-scheduling"], True),

@@ -59,7 +59,7 @@ def async_llm():
 
 def test_bundled_model_greedy_identical_with_preemption(async_llm, bundled_llm):
     core = async_llm.llm_engine.engine_core
-    assert core.async_scheduling and core.worker.model_runner.async_scheduling
+    assert core.async_scheduling and core.worker.model_runner.async_state is not None
     assert not bundled_llm.llm_engine.engine_core.async_scheduling  # CPU default
     preemptions = core.get_stats().num_preemptions
     runner = core.worker.model_runner
