@@ -80,11 +80,6 @@ class AsyncRunnerOutput(AsyncModelRunnerOutput):
             self._event = torch.cuda.Event()
             self._event.record(copy_stream)
 
-    @property
-    def ready(self) -> bool:
-        """Whether `get_output()` would return without waiting."""
-        return self._fill is None or self._event is None or self._event.query()
-
     def get_output(self) -> ModelRunnerOutput:
         if self._fill is None:
             return self._output
