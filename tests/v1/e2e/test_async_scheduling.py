@@ -29,10 +29,10 @@ PROMPTS = [
 TINY_CACHE = dict(ENGINE_KWARGS, max_num_seqs=8, kv_cache_memory_bytes=7 * 16 * 30 * 2 * 3 * 64 * 4,
                   enable_prefix_caching=False, enable_extensible_kv_cache=False)
 MIXED = [
-    SamplingParams(max_tokens=20, temperature=0),
-    SamplingParams(max_tokens=40, temperature=0, stop=["."]),  # a stop string
+    SamplingParams(max_tokens=16, temperature=0),
+    SamplingParams(max_tokens=24, temperature=0, stop=["."]),  # a stop string
     SamplingParams(max_tokens=3, temperature=0),  # capped while others run on
-    SamplingParams(max_tokens=12, temperature=0, logprobs=2, repetition_penalty=1.3),
+    SamplingParams(max_tokens=8, temperature=0, logprobs=2, repetition_penalty=1.3),
 ]
 
 
@@ -73,7 +73,7 @@ def test_bundled_model_greedy_identical_with_preemption(async_llm, bundled_llm):
 
     runner.execute_model = spy
     try:
-        params = SamplingParams(max_tokens=20, temperature=0)
+        params = SamplingParams(max_tokens=16, temperature=0)
         got = async_llm.generate(PROMPTS, params, use_tqdm=False)
     finally:
         del runner.execute_model
@@ -89,7 +89,7 @@ def test_bundled_model_stop_strings_caps_logprobs_penalties(async_llm, bundled_l
     assert _results(got) == _results(want)
     assert got[1].outputs[0].stop_reason == "."  # " red, blue, and green" stopped at "."
     assert not got[1].outputs[0].text.endswith(".")
-    assert [len(got[i].outputs[0].token_ids) for i in (0, 2)] == [20, 3]
+    assert [len(got[i].outputs[0].token_ids) for i in (0, 2)] == [16, 3]
     # Logprobs of the same tokens (batch composition may differ: rounding only).
     for g, w in zip(got[3].outputs[0].logprobs, want[3].outputs[0].logprobs, strict=True):
         assert g.keys() == w.keys()
