@@ -15,6 +15,11 @@ measured device copy bandwidth.
     python benchmarks/benchmark_throughput.py --shapes smollm2 llama3_8b \
         --batch-sizes 1 32 --out results/throughput.json
 
+`--scheduling sync async` runs every shape twice, without and with async
+scheduling (the engine's default is async on CUDA), and reports the decode
+step of each and `async_step_speedup` (sync step / async step). `ours` is the
+first mode's result.
+
 Targets on the H200 (issues 4 and 10): >= 10x the peer at batch 32 for both
 shapes; 8B decode >= 0.85 of the limit at batch 1, >= 0.80 at batch 32.
 """
@@ -26,6 +31,9 @@ import gc
 import time
 
 from common import copy_bandwidth_bytes_per_s, emit, model_dir_for
+
+# --scheduling choice -> LLM(async_scheduling=...); None = the engine's default.
+SCHEDULING = {"default": None, "sync": False, "async": True}
 
 
 def _prompts(batch: int, input_len: int, vocab: int, seed: int = 0) -> list[dict]:
@@ -42,7 +50,10 @@ def kv_bytes_per_token(hf_config, dtype_bytes: int = 2) -> int:
     return 2 * hf_config.num_hidden_layers * kv_heads * head_dim * dtype_bytes
 
 
-def bench_ours(model_dir: str, batches: list[int], input_len: int, output_len: int) -> dict:
+def bench_ours(
+    model_dir: str, batches: list[int], input_len: int, output_len: int,
+    async_scheduling: bool | None = None,
+) -> dict:
     """TTFT and steady decode of each batch, timed after a warm-up of the same shape.
 
     The warm-up runs the same batch size, prompt length and output length as
@@ -59,8 +70,9 @@ def bench_ours(model_dir: str, batches: list[int], input_len: int, output_len: i
     extra = {"max_num_seqs": max(batches)} if max(batches) > 256 else {}  # default: 256
     llm = LLM(
         model_dir, load_format="dummy", dtype="bfloat16",
-        max_model_len=input_len + output_len + 16, **extra,
+        max_model_len=input_len + output_len + 16, async_scheduling=async_scheduling, **extra,
     )
+    scheduling = "async" if llm.llm_engine.vllm_config.scheduler_config.async_scheduling else "sync"
     config = llm.llm_engine.vllm_config.model_config
     vocab = config.get_vocab_size()
     weight_bytes = llm.llm_engine.engine_core.worker.weights_bytes
@@ -81,7 +93,7 @@ def bench_ours(model_dir: str, batches: list[int], input_len: int, output_len: i
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return {"batches": results, "weight_bytes": weight_bytes,
+    return {"batches": results, "weight_bytes": weight_bytes, "scheduling": scheduling,
             "kv_bytes_per_token": kv_bytes_per_token(config.hf_config)}
 
 
@@ -136,6 +148,20 @@ def bench_transformers(model_dir: str, batches: list[int], input_len: int, outpu
     return {"batches": results}
 
 
+def _summary(ours: dict, bandwidth: float, args) -> dict:
+    """One scheduling mode's decode step, tokens/s, TTFT and ratio to the limit, per batch."""
+    limits = decode_limits(ours, bandwidth, args.input_len, args.output_len)
+    return {
+        "scheduling": ours["scheduling"],
+        "batches": {
+            b: {"decode_step_ms_median": r["decode_step_ms_median"],
+                "decode_tokens_per_s": r["decode_tokens_per_s"], "ttft_s": r["ttft_s"],
+                "ratio_to_limit": limits[b]["ratio_to_limit"]}
+            for b, r in ours["batches"].items()
+        },
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="+", default=["smollm2", "llama3_8b"])
@@ -143,6 +169,9 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--no-peer", action="store_true", help="skip transformers")
+    parser.add_argument("--scheduling", nargs="+", choices=list(SCHEDULING), default=["default"],
+                        help="engine runs per shape: the default, sync (--no-async-scheduling) "
+                             "and/or async (--async-scheduling)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -160,8 +189,21 @@ def main() -> None:
     }
     for shape in args.shapes:
         model_dir = model_dir_for(shape)
-        ours = bench_ours(model_dir, args.batch_sizes, args.input_len, args.output_len)
+        runs = {
+            mode: bench_ours(model_dir, args.batch_sizes, args.input_len, args.output_len,
+                             SCHEDULING[mode])
+            for mode in args.scheduling
+        }
+        ours = runs[args.scheduling[0]]
         entry = {"ours": ours}
+        if len(runs) > 1:
+            entry["by_scheduling"] = {m: _summary(r, bandwidth, args) for m, r in runs.items()}
+        if "sync" in runs and "async" in runs:
+            entry["async_step_speedup"] = {
+                b: runs["sync"]["batches"][b]["decode_step_ms_median"]
+                / runs["async"]["batches"][b]["decode_step_ms_median"]
+                for b in args.batch_sizes
+            }
         limit_s = ours["weight_bytes"] / bandwidth
         entry["bandwidth_limit_tokens_per_s_batch1"] = 1 / limit_s
         entry["decode_vs_bandwidth_limit"] = decode_limits(

@@ -282,6 +282,55 @@ def test_partial_prefill_flags_reach_the_config():
             sched.long_prefill_token_threshold) == (3, 2, 1000)
 
 
+def test_async_scheduling_default_fallback_and_flags(tiny_model, probe, caplog):
+    from types import SimpleNamespace
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.entrypoints.cli.main import make_parser
+
+    probe(None)
+    assert make(tiny_model).scheduler_config.async_scheduling is False  # CPU: nothing to overlap
+    on = VllmConfig(model_config=ModelConfig(tiny_model),
+                    scheduler_config=SchedulerConfig(async_scheduling=True))
+    assert on.scheduler_config.async_scheduling is True
+    # Unset: on for a CUDA-like device with the uni executor, off with another executor.
+    cuda = SimpleNamespace(is_cuda_alike=lambda: True)
+    on.scheduler_config.async_scheduling = None
+    on._resolve_async_scheduling(cuda)
+    assert on.scheduler_config.async_scheduling is True
+    on.scheduler_config.async_scheduling = None
+    on.parallel_config.distributed_executor_backend = "mp"
+    on._resolve_async_scheduling(cuda)
+    assert on.scheduler_config.async_scheduling is False
+    # Asked for where it is unsupported: one warning, synchronous scheduling.
+    on.scheduler_config.async_scheduling = True
+    with caplog.at_level(logging.WARNING, logger="vllm"):
+        on._resolve_async_scheduling(cuda)
+    assert on.scheduler_config.async_scheduling is False
+    assert "async scheduling is not supported with the 'mp' executor" in caplog.text
+    on.parallel_config.distributed_executor_backend = "uni"
+    for field, value, words in (
+        ("speculative_config", SimpleNamespace(), "speculative decoding"),
+        ("kv_transfer_config", SimpleNamespace(kv_connector="NixlConnector"),
+         "a KV connector (NixlConnector)"),
+    ):
+        setattr(on, field, value)
+        on.scheduler_config.async_scheduling = True
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="vllm"):
+            on._resolve_async_scheduling(cuda)
+        assert on.scheduler_config.async_scheduling is False
+        assert f"async scheduling is not supported with {words}" in caplog.text
+        setattr(on, field, None)
+    with pytest.raises(ValueError, match="async_scheduling must be a bool, got 'yes'"):
+        SchedulerConfig(async_scheduling="yes")
+    for argv, expected in (([], None), (["--async-scheduling"], True),
+                           (["--no-async-scheduling"], False)):
+        args = make_parser().parse_args(["serve", *argv])
+        sched = EngineArgs.from_cli_args(args)._configs_without_model()["scheduler_config"]
+        assert sched.async_scheduling is expected
+
+
 def test_parallel_config_values():
     with pytest.raises(ValueError, match="tensor_parallel_size must be an int >= 1, got 0"):
         ParallelConfig(tensor_parallel_size=0)

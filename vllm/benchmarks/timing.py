@@ -54,8 +54,11 @@ def random_token_prompts(batch: int, input_len: int, vocab_size: int, seed: int)
 def time_batch(llm, prompts: list, params) -> BatchTiming:
     """Run `prompts` with `params` on `llm` (an offline `LLM`), one engine step at a time.
 
-    Every step returns only after its sampled tokens reached the host, so the
-    wall time between steps is the device time plus the host's. Raises what
+    Every step returns only after sampled tokens reached the host, so the wall
+    time between steps is the device time plus the host work the device waits
+    for. With async scheduling a step returns the previous step's tokens
+    (after launching the next), so the first call returns nothing and the
+    gaps measure the overlapped loop. Raises what
     `LLMEngine.add_request` raises (nothing runs then).
     """
     engine = llm.llm_engine

@@ -52,6 +52,10 @@ class SchedulerConfig:
             counts as long (vLLM's rule), with no cap.
         max_model_len: copied from ModelConfig by `resolve` (not an argument
             users set).
+        async_scheduling: schedule step N+1 while the device runs step N
+            (vLLM's `--async-scheduling`; see v1/engine/README.md). None = on
+            where it is correct and helps (CUDA-like device, uni executor, no
+            speculative decoding); `VllmConfig` resolves it to a bool.
 
     Raises:
         ValueError: limits < 1, max_num_batched_tokens < max_num_seqs, or
@@ -65,12 +69,15 @@ class SchedulerConfig:
     max_long_partial_prefills: int = 1
     long_prefill_token_threshold: int = 0
     max_model_len: int | None = None
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         _check_positive_int("max_num_seqs", self.max_num_seqs)
         _check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _check_positive_int("max_num_partial_prefills", self.max_num_partial_prefills)
         _check_positive_int("max_long_partial_prefills", self.max_long_partial_prefills)
+        if self.async_scheduling not in (None, True, False):
+            raise ValueError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
         threshold = self.long_prefill_token_threshold
         if not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be an int >= 0, got {threshold!r}")

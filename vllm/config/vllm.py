@@ -31,6 +31,9 @@ from vllm.config.model import ModelConfig
 from vllm.config.parallel import ParallelConfig
 from vllm.config.scheduler import SchedulerConfig
 from vllm.config.speculative import SpeculativeConfig
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
 
 
 @dataclass
@@ -73,6 +76,7 @@ class VllmConfig:
                 f"(tensor_parallel_size={self.parallel_config.tensor_parallel_size})"
             )
         self._check_kv_transfer()
+        self._resolve_async_scheduling(platform)
 
     def _check_kv_transfer(self) -> None:
         """Refuse the combinations a KV connector cannot serve correctly yet (one clear line)."""
@@ -114,6 +118,33 @@ class VllmConfig:
 
             self.model_config.seed = random.SystemRandom().randrange(2**31)
 
+    def _resolve_async_scheduling(self, platform) -> None:
+        """Async scheduling on where it is correct and pays; off, with a log line, elsewhere.
+
+        It needs the worker in the engine process (the uni executor: the
+        sampled ids stay on the device between steps, and the output of a step
+        is a handle that is resolved later, which no RPC can carry). Not built
+        yet with speculative decoding (the drafts are proposed from the step's
+        accepted tokens on the host) or a KV connector (it saves and loads
+        around each step's finished requests). On the CPU nothing runs while
+        Python prepares the next step, so it only costs.
+        """
+        sched = self.scheduler_config
+        backend = self.parallel_config.distributed_executor_backend
+        unsupported = None
+        if backend != "uni":
+            unsupported = f"the {backend!r} executor (it needs 'uni': one rank, in-process)"
+        elif self.speculative_config is not None:
+            unsupported = "speculative decoding (speculative_config)"
+        elif self.kv_transfer_config is not None:
+            unsupported = f"a KV connector ({self.kv_transfer_config.kv_connector})"
+        if sched.async_scheduling is None:
+            sched.async_scheduling = unsupported is None and platform.is_cuda_alike()
+        elif sched.async_scheduling and unsupported is not None:
+            logger.warning("async scheduling is not supported with %s; "
+                           "falling back to synchronous scheduling", unsupported)
+            sched.async_scheduling = False
+
     def summary(self) -> str:
         """One line for the engine's start-up log."""
         m, c, s = self.model_config, self.cache_config, self.scheduler_config
@@ -129,6 +160,7 @@ class VllmConfig:
             f"max_num_partial_prefills={s.max_num_partial_prefills}, "
             f"max_long_partial_prefills={s.max_long_partial_prefills}, "
             f"long_prefill_token_threshold={s.long_prefill_token_threshold}, "
+            f"async_scheduling={s.async_scheduling}, "
             f"cudagraphs={self.compilation_config.use_cudagraph}, "
             f"speculative_config={self.speculative_config}, "
             f"tensor_parallel_size={self.parallel_config.tensor_parallel_size}, "

@@ -122,6 +122,7 @@ class EngineArgs:
     max_num_partial_prefills: int | None = None
     max_long_partial_prefills: int = 1
     long_prefill_token_threshold: int = 0
+    async_scheduling: bool | None = None
     enforce_eager: bool = False
     compilation_config: CompilationConfig | dict[str, Any] | None = None
     tensor_parallel_size: int = 1
@@ -200,6 +201,11 @@ class EngineArgs:
                        help="Prompts with more tokens to compute are long, and compute at most "
                             "this many tokens a step (default: 0 = 4%% of --max-model-len count "
                             "as long, no cap).")
+        g.add_argument("--async-scheduling", action=bool_flag, default=d.async_scheduling,
+                       help="Schedule and prepare the next step while the device runs this "
+                            "one; sampled tokens feed the next step on the device (default: "
+                            "on for CUDA with the 'uni' executor, off elsewhere; unsupported "
+                            "combinations fall back to synchronous with a warning).")
         g.add_argument("--enforce-eager", action=bool_flag, default=d.enforce_eager,
                        help="Never capture CUDA graphs (default: off).")
         g.add_argument("-O", "--compilation-config",
@@ -314,6 +320,7 @@ class EngineArgs:
                 max_num_partial_prefills=self.max_num_partial_prefills,
                 max_long_partial_prefills=self.max_long_partial_prefills,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
+                async_scheduling=self.async_scheduling,
             ),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,

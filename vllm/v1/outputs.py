@@ -9,6 +9,7 @@ finish reason). Both are plain dataclasses so every layer can import them.
 
 from __future__ import annotations
 
+import abc
 import enum
 from dataclasses import dataclass, field
 
@@ -62,6 +63,19 @@ class ModelRunnerOutput:
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+
+
+class AsyncModelRunnerOutput(abc.ABC):
+    """A step's output whose sampled ids are still on their way to the host (async scheduling).
+
+    The runner returns it as soon as the step is launched; the engine core
+    schedules and launches the next step before calling `get_output()`, so
+    the device never waits for the host between the two.
+    """
+
+    @abc.abstractmethod
+    def get_output(self) -> ModelRunnerOutput:
+        """Wait for the copy to the host and return the output (idempotent)."""
 
 
 class FinishReason(enum.IntEnum):

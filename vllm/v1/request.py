@@ -104,6 +104,9 @@ class Request:
         spec_token_ids: draft tokens proposed after the last step (speculative
             decoding), verified by the next step that schedules them; not part
             of the token ids until accepted.
+        num_output_placeholders: tokens scheduled to be sampled whose ids the
+            scheduler has not seen yet (async scheduling: the step that samples
+            them is still running); 0 with synchronous scheduling.
         stop_reason: the stop token id (or, set by the engine, stop string) that matched.
     """
 
@@ -140,6 +143,7 @@ class Request:
         # time.monotonic() when first scheduled (the end of its queue time), for metrics.
         self.first_scheduled_time: float | None = None
         self.spec_token_ids: list[int] = []
+        self.num_output_placeholders = 0
 
     @property
     def num_tokens(self) -> int:

@@ -1,14 +1,32 @@
-"""EngineCore: the step loop. schedule -> execute -> update, and nothing else."""
+"""EngineCore: the step loop. schedule -> execute -> update, and nothing else.
+
+With async scheduling (`SchedulerConfig.async_scheduling`) one step is in
+flight while the next is scheduled and launched::
+
+    step() call k:   schedule(N+1) -> execute(N+1) [launch]   then   get_output(N) -> update(N)
+    device:          ...... step N ......|...... step N+1 ......|
+    host:            schedule, prepare N+1 | wait N's ids, stop checks, detokenize
+
+so the device never waits for the host between steps; the outputs of step N
+come back from the call that launches step N+1.
+"""
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler, SchedulerStats
 from vllm.v1.executor import Executor
-from vllm.v1.outputs import EngineCoreOutput, KVCacheMemory
+from vllm.v1.outputs import (
+    AsyncModelRunnerOutput,
+    EngineCoreOutput,
+    KVCacheMemory,
+    ModelRunnerOutput,
+)
 from vllm.v1.request import Request, RequestStatus
 
 logger = init_logger(__name__)
@@ -64,7 +82,11 @@ class EngineCore:
                 vllm_config.speculative_config.num_lookahead_slots
                 if vllm_config.speculative_config else 0
             ),
+            async_scheduling=bool(sched.async_scheduling),
         )
+        self.async_scheduling = bool(sched.async_scheduling)
+        # Async scheduling: steps launched whose outputs are not yet applied (at most 2).
+        self._batch_queue: deque[tuple[SchedulerOutput, Any]] = deque()
         self._scheduled_req_ids: list[str] = []  # of the last (possibly failed) step
         policy = self.scheduler.prefill_policy
         if policy.concurrent:
@@ -149,22 +171,69 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests queued or running, or a launched step whose outputs are still due."""
+        return self.scheduler.has_unfinished_requests() or bool(self._batch_queue)
 
     def has_pending_kv_sends(self) -> bool:
         """Finished requests whose blocks a KV connector still sends (steps poll for them)."""
         return bool(self.scheduler.sending)
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.async_scheduling:
+            return self._step_async()
         self._scheduled_req_ids = []
         if not (self.scheduler.has_unfinished_requests() or self.scheduler.sending):
             return []
         scheduler_output = self.scheduler.schedule()
         self._scheduled_req_ids = list(scheduler_output.num_scheduled_tokens)
+        runner_output = self._execute(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, _resolve(runner_output))
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> Any:
         (runner_output,) = self.model_executor.collective_rpc(
             "execute_model", args=(scheduler_output,), unique_reply_rank=0
         )
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        return runner_output
+
+    def _step_async(self) -> list[EngineCoreOutput]:
+        """Launch the next step, then apply the outputs of the one before it.
+
+        The first call after an idle engine launches a step and returns
+        nothing; each later call returns the outputs of the step launched by
+        the call before. When nothing can be scheduled, the step in flight is
+        waited for. If a step fails, every step in flight fails with it
+        (`scheduled_request_ids` names all their requests).
+        """
+        queue = self._batch_queue
+        self._scheduled_req_ids = []
+        try:
+            launched = False
+            if self.scheduler.has_unfinished_requests():
+                scheduler_output = self.scheduler.schedule()
+                self._scheduled_req_ids = list(scheduler_output.num_scheduled_tokens)
+                runner_output = self._execute(scheduler_output)
+                if not scheduler_output.is_empty:
+                    queue.append((scheduler_output, runner_output))
+                    launched = True
+            if not queue or (launched and len(queue) == 1):
+                return []  # nothing was in flight: launch the next step before waiting
+            scheduler_output, runner_output = queue[0]
+            outputs = self.scheduler.update_from_output(
+                scheduler_output, _resolve(runner_output)
+            )
+            queue.popleft()
+            return outputs
+        except BaseException:
+            in_flight = [r for so, _ in queue for r in so.num_scheduled_tokens]
+            self._scheduled_req_ids = list(dict.fromkeys([*in_flight, *self._scheduled_req_ids]))
+            queue.clear()
+            raise
+
+    def _drain_batch_queue(self) -> None:
+        """Wait for the steps in flight and apply their outputs (before memory goes away)."""
+        while self._batch_queue:
+            scheduler_output, runner_output = self._batch_queue.popleft()
+            self.scheduler.update_from_output(scheduler_output, _resolve(runner_output))
 
     def scheduled_request_ids(self) -> list[str]:
         """Ids of the requests the last `step()` scheduled (also when it raised)."""
@@ -177,6 +246,7 @@ class EngineCore:
         Requests still queued or running are aborted first: their KV contents
         are about to be discarded. The prefix cache is emptied with them.
         """
+        self._drain_batch_queue()  # no step may still write into the cache
         self.abort_requests(list(self.scheduler.requests))
         self._kv_memory = self._sleeping = None
         self.model_executor.collective_rpc("sleep", args=(level,))
@@ -232,4 +302,11 @@ class EngineCore:
         """Stop every worker (their device memory returns; processes are reaped)."""
         if self.connector is not None:
             self.connector.shutdown()
+        self._batch_queue.clear()
         self.model_executor.shutdown()
+
+
+def _resolve(runner_output: ModelRunnerOutput | AsyncModelRunnerOutput) -> ModelRunnerOutput:
+    if isinstance(runner_output, AsyncModelRunnerOutput):
+        return runner_output.get_output()
+    return runner_output

@@ -7,7 +7,9 @@
       4. forward            CUDA graph for decode-only batches, eager otherwise
       5. sample             rows whose prompt is complete; prompt logprobs; rows
                             with drafts are verified (spec_decode.py) and propose
-      6. outputs            ModelRunnerOutput (token ids as Python lists)
+      6. outputs            ModelRunnerOutput (token ids as Python lists), or with
+                            async scheduling an AsyncRunnerOutput whose ids are still
+                            on their way to the host (async_output.py)
 
 The runner decides nothing: which requests run, and how many tokens each, is
 the scheduler's; how much memory the KV cache gets is the worker's. Works on
@@ -32,7 +34,8 @@ from vllm.v1.sample.metadata import (
     build_sampling_metadata,
     make_request_generator,
 )
-from vllm.v1.sample.sampler import Sampler, compute_token_logprobs
+from vllm.v1.sample.sampler import Sampler, SamplerOutput, compute_token_logprobs
+from vllm.v1.worker.async_output import AsyncRunnerOutput, AsyncStepState, scatter_logprobs
 from vllm.v1.worker.cuda_graph import CUDAGraphManager
 from vllm.v1.worker.input_batch import CachedRequestState, InputBatch
 from vllm.v1.worker.spec_decode import SpecDecoder
@@ -57,6 +60,10 @@ class GPUModelRunner:
             With one, verify batches where every request has k drafts are
             captured too, at the capture sizes whose B x (k + 1) tokens fit
             max_num_tokens.
+        async_scheduling: return `AsyncRunnerOutput`s and take the previous
+            step's sampled ids from the device (`AsyncStepState`); the caller
+            must call `get_output()` of step N before step N+2. Not with
+            speculative decoding (the config refuses the combination).
     """
 
     def __init__(
@@ -72,6 +79,7 @@ class GPUModelRunner:
         block_size: int,
         cudagraph_capture_sizes: list[int],
         spec_decoder: SpecDecoder | None = None,
+        async_scheduling: bool = False,
     ) -> None:
         self.model = model
         self.device = device
@@ -104,6 +112,12 @@ class GPUModelRunner:
         self.query_start_loc_cpu = torch.zeros(r + 1, dtype=torch.int32, pin_memory=pin)
         self.seq_lens_cpu = torch.zeros(r, dtype=torch.int32, pin_memory=pin)
         self._arange = np.arange(max(n, r) + 1, dtype=np.int64)
+        # Flat index of each sampling row's last token, for the logits.
+        self.logits_indices = torch.zeros(r, dtype=torch.int64, device=device)  # [max_num_reqs]
+        self.logits_indices_cpu = torch.zeros(r, dtype=torch.int64, pin_memory=pin)
+        self.async_state = (
+            AsyncStepState(r, device, max_model_len) if async_scheduling else None
+        )
 
         self.spec_decoder = spec_decoder
         self.cuda_graphs = CUDAGraphManager(capture_sizes, self._graph_forward)
@@ -201,10 +215,14 @@ class GPUModelRunner:
                 batch.block_table.append_row(row, cached.new_block_ids[i])
 
     # ----------------------------------------------------------------- inputs
-    def _prepare_inputs(self, so: SchedulerOutput) -> tuple[AttentionMetadata, np.ndarray]:
+    def _prepare_inputs(
+        self, so: SchedulerOutput
+    ) -> tuple[AttentionMetadata, np.ndarray, np.ndarray]:
         """Fill the persistent buffers for this step.
 
-        Returns the attention metadata and the per-row scheduled token counts.
+        Returns the attention metadata, the per-row scheduled token counts and
+        the rows that sample (their last token's flat index is in
+        `logits_indices`, in the same order).
         """
         batch = self.input_batch
         num_reqs = batch.num_reqs
@@ -237,6 +255,16 @@ class GPUModelRunner:
         )
         self.seq_lens[:num_reqs].copy_(self.seq_lens_cpu[:num_reqs], non_blocking=True)
         block_table = batch.block_table.copy_to_device(num_reqs)
+        if self.async_state is not None:
+            self.async_state.feed(self.input_ids, batch, num_sched, computed, cu)
+        # A row samples when its chunk reaches its last known token; a
+        # partial prefill samples nothing (and must not advance its seeded
+        # generator, or the output would depend on the chunk size).
+        rows = np.nonzero(seq_lens >= batch.num_tokens[:num_reqs])[0]
+        self.logits_indices_cpu.numpy()[: len(rows)] = cu[rows] - 1
+        self.logits_indices[: len(rows)].copy_(
+            self.logits_indices_cpu[: len(rows)], non_blocking=True
+        )
 
         metadata = AttentionMetadata(
             num_actual_tokens=total,
@@ -249,7 +277,7 @@ class GPUModelRunner:
             query_start_loc_cpu=self.query_start_loc_cpu[: num_reqs + 1],
             seq_lens_cpu=self.seq_lens_cpu[:num_reqs],
         )
-        return metadata, num_sched
+        return metadata, num_sched, rows
 
     # ---------------------------------------------------------------- forward
     def _graph_forward(self, size: int, query_len: int = 1) -> torch.Tensor:
@@ -297,20 +325,25 @@ class GPUModelRunner:
         size = graphs.padded_size(num_reqs) if graphs is not None else None
         if size is not None:
             self._pad_batch(num_reqs, size, q)
+        if self.async_state is not None:
+            self.async_state.record_inputs_copied()
+        if size is not None:
             return graphs.replay(size)[: num_reqs * q]
         with set_forward_context(metadata):
             return self.model(self.input_ids[:total], self.positions[:total])
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | AsyncRunnerOutput:
+        if self.async_state is not None:
+            self.async_state.wait_inputs_copied()  # the pinned buffers are free to rewrite
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
         batch = self.input_batch
         if so.scheduled_spec_decode_tokens:
             SpecDecoder.write_drafts(batch, so.scheduled_spec_decode_tokens)
-        metadata, num_sched = self._prepare_inputs(so)
+        metadata, num_sched, sampling_rows = self._prepare_inputs(so)
         hidden = self._forward(metadata, num_sched)
         draft = self.spec_decoder.draft if self.spec_decoder is not None else None
         if draft is not None:
@@ -319,61 +352,71 @@ class GPUModelRunner:
             draft.forward_same_inputs(self.input_ids[:total], self.positions[:total], metadata)
 
         num_reqs = batch.num_reqs
-        computed = batch.num_computed_tokens[:num_reqs]
-        # A row samples when its chunk reaches its last known token; a
-        # partial prefill samples nothing (and must not advance its seeded
-        # generator, or the output would depend on the chunk size).
-        done = computed + num_sched >= batch.num_tokens[:num_reqs]
+        output = ModelRunnerOutput(
+            req_ids=list(batch.req_ids),
+            req_id_to_index=dict(batch.req_id_to_index),
+            sampled_token_ids=[[] for _ in range(num_reqs)],
+        )
         spec = so.scheduled_spec_decode_tokens
-        sampling_rows = np.nonzero(done)[0]
-        verify_rows = [r for r in sampling_rows.tolist() if batch.req_ids[r] in spec]
-        rows = np.array([r for r in sampling_rows.tolist() if batch.req_ids[r] not in spec],
-                        dtype=np.int64)
-        last_token = np.cumsum(num_sched) - 1
-        sampled: list[list[int]] = [[] for _ in range(num_reqs)]
-        logprobs = None
-        if verify_rows:
+        is_verify = np.array([batch.req_ids[r] in spec for r in sampling_rows], dtype=bool)
+        rows = sampling_rows[~is_verify]
+        if is_verify.any():
+            verify_rows = sampling_rows[is_verify].tolist()
             emitted = self.spec_decoder.verify(self.model, hidden, batch, verify_rows,
                                                num_sched, spec)
             for row, tokens in zip(verify_rows, emitted, strict=True):
-                sampled[row] = tokens
+                output.sampled_token_ids[row] = tokens
                 batch.states[row].output_token_ids.extend(tokens)
                 for tok in tokens:
                     batch.append_token(row, tok)
+        sampler_output = None
         if len(rows):
-            idx = torch.from_numpy(last_token[rows]).to(self.device, non_blocking=True)
+            idx = self.logits_indices[: len(sampling_rows)]
+            if is_verify.any():
+                idx = idx[torch.from_numpy(np.nonzero(~is_verify)[0]).to(self.device)]
             logits = self.model.compute_logits(hidden[idx])
             states = [batch.states[r] for r in rows]
-            out = self.sampler(logits, self._sampling_metadata(states))
-            token_ids = out.sampled_token_ids.tolist()
-            if out.logprobs_tensors is not None:
-                logprobs = self._scatter_logprobs(out.logprobs_tensors.tolists(), rows, num_reqs)
-            for row, tok in zip(rows.tolist(), token_ids, strict=True):
-                sampled[row] = [tok]
-                batch.states[row].output_token_ids.append(tok)
-                batch.append_token(row, tok)
-
-        spec_token_ids = None
+            sampler_output = self.sampler(logits, self._sampling_metadata(states))
+        if sampler_output is not None and self.async_state is None:
+            self._append_sampled(output, rows, sampler_output)
         if self.spec_decoder is not None:
-            spec_token_ids = self.spec_decoder.propose(
+            output.spec_token_ids = self.spec_decoder.propose(
                 batch, sampling_rows.tolist(), self.max_model_len
             )
-        prompt_logprobs = self._prompt_logprobs(hidden, num_sched)
+        output.prompt_logprobs_dict = self._prompt_logprobs(hidden, num_sched)
         # Advance the runner's view of computed tokens; the scheduler sends
         # the authoritative count next step.
         batch.num_computed_tokens[:num_reqs] += num_sched.astype(np.int32)
         for row in range(num_reqs):
             batch.states[row].num_computed_tokens = int(batch.num_computed_tokens[row])
-        return ModelRunnerOutput(
-            req_ids=list(batch.req_ids),
-            req_id_to_index=dict(batch.req_id_to_index),
-            sampled_token_ids=sampled,
-            logprobs=logprobs,
-            prompt_logprobs_dict=prompt_logprobs,
-            spec_token_ids=spec_token_ids,
-        )
+        if self.async_state is None:
+            return output
+        if sampler_output is None:
+            self.async_state.prev_sampled = None
+            return output
+        return self.async_state.output(output, rows, sampler_output, batch)
+
+    def _append_sampled(
+        self, output: ModelRunnerOutput, rows: np.ndarray, sampler_output: SamplerOutput
+    ) -> None:
+        """Synchronous scheduling: the sampled ids to the host, the output and the rows."""
+        batch = self.input_batch
+        token_ids = sampler_output.sampled_token_ids.tolist()
+        for row, tok in zip(rows.tolist(), token_ids, strict=True):
+            output.sampled_token_ids[row] = [tok]
+            batch.states[row].output_token_ids.append(tok)
+            batch.append_token(row, tok)
+        if sampler_output.logprobs_tensors is not None:
+            output.logprobs = scatter_logprobs(
+                sampler_output.logprobs_tensors.tolists(), rows.tolist(), batch.num_reqs
+            )
 
     def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
+        pending = self.async_state.pending if self.async_state is not None else None
+        if pending is not None and any(_uses_output_ids(s.sampling_params) for s in states):
+            # Penalties read the output ids: wait for the last step's (async
+            # scheduling loses its overlap for this step only).
+            pending.get_output()
         generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
         return build_sampling_metadata(
             [s.sampling_params for s in states],
@@ -383,20 +426,6 @@ class GPUModelRunner:
             self.vocab_size,
             self.device,
         )
-
-    @staticmethod
-    def _scatter_logprobs(lists: LogprobsLists, rows: np.ndarray, num_reqs: int) -> LogprobsLists:
-        """Spread logprobs of the sampled rows over all rows (empty for the others)."""
-        if len(rows) == num_reqs:
-            return lists
-        ids: list[list[int]] = [[] for _ in range(num_reqs)]
-        lps: list[list[float]] = [[] for _ in range(num_reqs)]
-        ranks = [0] * num_reqs
-        for i, row in enumerate(rows.tolist()):
-            ids[row] = lists.logprob_token_ids[i]
-            lps[row] = lists.logprobs[i]
-            ranks[row] = lists.ranks[i]
-        return LogprobsLists(ids, lps, ranks)
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, num_sched: np.ndarray
@@ -544,6 +573,15 @@ class GPUModelRunner:
             graphs.capture()
             self.input_batch.block_table.device_tensor[:size].zero_()
             self.seq_lens[:size].zero_()
+
+
+def _uses_output_ids(params: SamplingParams) -> bool:
+    """Whether sampling reads the values of the request's output ids (the penalties)."""
+    return (
+        params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+        or params.repetition_penalty != 1.0
+    )
 
 
 def _concat_logprobs(parts: list[LogprobsLists]) -> LogprobsLists:

@@ -35,7 +35,7 @@ from vllm.logger import init_logger
 from vllm.platforms import current_platform
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import KVCacheSpec, get_kv_cache_config
-from vllm.v1.outputs import KVCacheMemory, ModelRunnerOutput
+from vllm.v1.outputs import AsyncModelRunnerOutput, KVCacheMemory, ModelRunnerOutput
 from vllm.v1.spec_decode.ngram_proposer import NgramProposer
 from vllm.v1.worker import kv_cache_sizing as sizing
 from vllm.v1.worker import ranks
@@ -195,6 +195,7 @@ class Worker:
             block_size=self.config.cache_config.block_size,
             cudagraph_capture_sizes=capture_sizes,
             spec_decoder=self._spec_decoder(mc.get_vocab_size(), draft_model),
+            async_scheduling=bool(sc.async_scheduling),
         )
         if self.config.cache_config.enable_sleep_mode:
             driver = self.platform.get_vmm_driver(self.device.index or 0)
@@ -599,7 +600,9 @@ class Worker:
             loader.load_weights(self.model_runner.model, mc.model_path)
 
     # ------------------------------------------------------------------ step
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput
+    ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         if self.kv_connector is not None:
             return self.kv_connector.execute(scheduler_output, self.model_runner.execute_model)
         return self.model_runner.execute_model(scheduler_output)

@@ -82,6 +82,14 @@ class Scheduler:
             KV slots are reused by rolling num_computed_tokens back.
         num_lookahead_tokens: KV slots every scheduled request holds beyond
             its tokens of the step (a draft model writes its k proposals' KV).
+        async_scheduling: `schedule()` is called again before the previous
+            step's output reached `update_from_output()`. A request that will
+            sample in a scheduled step counts an output placeholder
+            (`Request.num_output_placeholders`) until its token arrives, so it
+            can be scheduled for the next step; a request whose placeholders
+            already reach max_tokens or max_model_len is not scheduled again.
+            A request that stops (EOS, stop token, stop string, abort) at step
+            N may already be in step N+1: that step's output for it is dropped.
 
     Raises:
         ValueError: a value is out of range or the combination can never work.
@@ -103,6 +111,7 @@ class Scheduler:
         connector: KVConnectorBase_V1 | None = None,
         num_speculative_tokens: int = 0,
         num_lookahead_tokens: int = 0,
+        async_scheduling: bool = False,
     ) -> None:
         _check_positive(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
         if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
@@ -121,6 +130,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.async_scheduling = async_scheduling
         self.kv_cache_manager = KVCacheManager(
             num_blocks, block_size, enable_prefix_caching, max_model_len
         )
@@ -250,6 +260,10 @@ class Scheduler:
             if index is None:
                 raise ValueError(f"model runner output has no entry for request {req_id!r}")
             sampled = mro.sampled_token_ids[index]
+            request.num_output_placeholders = max(0, request.num_output_placeholders - len(sampled))
+            # Async scheduling: a request preempted after this step was scheduled
+            # still gets the step's token; it waits (PREEMPTED) and may stop here.
+            waiting = request.status == RequestStatus.PREEMPTED
             self._settle_drafts(request, scheduler_output.scheduled_spec_decode_tokens, sampled)
             new_token_ids, finished = self._append_sampled(request, sampled)
             if mro.spec_token_ids is not None and not finished:
@@ -258,7 +272,10 @@ class Scheduler:
             if output is not None:
                 outputs.append(output)
             if finished:
-                stopped.add(request)
+                if waiting:
+                    self.waiting.remove(request)
+                else:
+                    stopped.add(request)
                 kv_transfer_params = self._free_request(request)
                 if output is not None:
                     output.kv_transfer_params = kv_transfer_params
@@ -274,7 +291,7 @@ class Scheduler:
         req_index = 0
         while req_index < len(self.running) and plan.token_budget > 0:
             request = self.running[req_index]
-            to_compute = request.num_tokens - request.num_computed_tokens
+            to_compute = self._num_tokens_to_compute(request)
             num_new = min(policy.num_new_tokens(to_compute, plan.prefills), plan.token_budget)
             if num_new == 0:
                 req_index += 1
@@ -290,6 +307,24 @@ class Scheduler:
             plan.cached_reqs.append((request, False, [b.block_id for b in new_blocks]))
             policy.note(plan.prefills, to_compute, num_new, policy.is_long(to_compute))
             req_index += 1
+
+    def _num_tokens_to_compute(self, request: Request) -> int:
+        """Tokens of a running request not yet scheduled, placeholders included.
+
+        0 when its placeholders already reach max_tokens or max_model_len:
+        the step in flight samples its last token, so one more step could only
+        produce a token that would be dropped (and need a KV slot past its
+        reservation).
+        """
+        num_placeholders = request.num_output_placeholders
+        total = request.num_tokens + num_placeholders
+        if num_placeholders and (
+            total >= self.max_model_len
+            or (request.max_tokens is not None
+                and request.num_output_tokens + num_placeholders >= request.max_tokens)
+        ):
+            return 0
+        return total - request.num_computed_tokens
 
     def _allocate_or_preempt(
         self, request: Request, num_new_tokens: int, plan: _StepPlan
@@ -318,6 +353,8 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
+        # The token of a step in flight arrives later and is appended as usual.
+        request.num_output_placeholders = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -406,7 +443,11 @@ class Scheduler:
             scheduled_spec_decode_tokens=plan.spec_tokens,
         )
         for req_id, num_tokens in plan.num_scheduled_tokens.items():
-            self.requests[req_id].num_computed_tokens += num_tokens
+            request = self.requests[req_id]
+            request.num_computed_tokens += num_tokens
+            if (self.async_scheduling and request.num_computed_tokens
+                    >= request.num_tokens + request.num_output_placeholders):
+                request.num_output_placeholders += 1  # this step samples its next token
         self.finished_req_ids = set()
         if self.connector is not None:
             output.kv_connector_metadata = self.connector.build_connector_meta(output)
