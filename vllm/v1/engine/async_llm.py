@@ -311,7 +311,8 @@ class AsyncLLM:
 
         Raises:
             ValueError: an unknown tag.
-            VmmError: no device memory now (the engine stays asleep; retry later).
+            DeviceMemoryError: no device memory now (names the bytes needed and
+                free; the engine stays asleep; retry later).
             RuntimeError: loading the checkpoint failed (the cause is chained);
                 the engine stays asleep and the next `wake_up` retries the reload.
         """
