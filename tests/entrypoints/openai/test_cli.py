@@ -346,6 +346,36 @@ def test_startup_log_mentions_graph_pool_exactly_when_graphs_are_captured(key_se
     assert ("CUDA graph pool" in line) == graphs_captured, line
 
 
+def test_startup_sizing_line_names_its_limit_and_adds_up(key_server):
+    """The line says which limit set the budget (this server gives --kv-cache-memory-bytes;
+    the CPU default's name is tested in tests/platforms) and its "held besides KV" parts
+    add up to the whole as printed."""
+    import re
+
+    (line,) = [ln for ln in key_server.startup_log.splitlines()
+               if "KV cache sized after warmup" in ln]
+    assert "budget 0.25 GiB, limited by kv_cache_memory_bytes;" in line, line
+    held = re.search(r"held besides KV (-?\d+\.\d+) GiB \(([^)]*)\)", line)
+    parts = [float(x) for x in re.findall(r"-?\d+\.\d+", held.group(2))]
+    assert "other " in held.group(2) and len(parts) >= 3
+    assert round(sum(parts), 2) == float(held.group(1)), line
+
+
+def test_startup_announces_each_phase_before_it_runs(key_server):
+    """A line as each slow phase begins (model load, memory profile, warmup), each before
+    the line that reports its end: no minute of silence at start-up."""
+    lines = key_server.startup_log.splitlines()
+
+    def index(text: str) -> int:
+        return next(i for i, ln in enumerate(lines) if text in ln)
+
+    for begins, ends in [("Loading the model from", "Model loaded:"),
+                         ("Profiling memory:", "Memory profile:"),
+                         ("Warming up:", "KV cache sized after warmup")]:
+        assert index(begins) < index(ends), (begins, ends)
+    assert index("Model loaded:") < index("Profiling memory:") < index("Warming up:")
+
+
 def test_startup_log_names_the_cpu_threads(key_server):
     import torch
 

@@ -169,6 +169,8 @@ class Worker:
         sc = self.config.scheduler_config
         before = self.memory.allocated()
         tp_rank, tp_size = ranks.tensor_parallel_rank(self.world_size)
+        logger.info("Loading the model from %s (%s, %s) ...", mc.model_path, mc.load_format,
+                    self.device)
         model = get_model(
             mc.model_path,
             mc.hf_config,
@@ -266,6 +268,8 @@ class Worker:
         runner = self.model_runner
         num_tokens = runner.max_num_tokens
         num_reqs = min(sc.max_num_seqs, num_tokens)
+        logger.info("Profiling memory: a worst-case forward of %d tokens and the sampler over "
+                    "%d sequences ...", num_tokens, sc.max_num_seqs)
         with self.memory.measure_peak() as peak:
             hidden = runner.dummy_run(num_tokens, num_reqs, with_kv=False)
             runner.dummy_sampler_run(hidden, sc.max_num_seqs)
@@ -348,13 +352,17 @@ class Worker:
             explicit_bytes=cache.kv_cache_memory_bytes,
             free=self.memory.free_bytes() if cap is not None else 0,
             budget_cap=cap,
+            budget_cap_name=self.platform.default_kv_cache_cap_name(),
         ))
         num_blocks = self.agree_num_blocks(size.num_blocks)
         kv_cache = ClassicKVCacheBuffers(get_kv_cache_config(specs, num_blocks), self.device)
         kv_cache.allocate(num_blocks)
         logger.info(
-            "KV cache (classic): %.2f GiB, %d blocks, %d tokens of capacity",
+            "KV cache (classic): %.2f GiB (budget %.2f GiB, limited by %s), %d blocks, "
+            "%d tokens of capacity",
             kv_cache.config.size_bytes / GiB,
+            size.bytes.budget_bytes / GiB,
+            size.bytes.limited_by,
             num_blocks,
             (num_blocks - 1) * cache.block_size,
         )
@@ -428,6 +436,10 @@ class Worker:
         sc = self.config.scheduler_config
         num_tokens = runner.max_num_tokens
         num_reqs = min(sc.max_num_seqs, num_tokens)
+        logger.info("Warming up: a worst-case prefill of %d tokens with the KV cache, the "
+                    "sampler%s ...", num_tokens,
+                    f", then CUDA graph capture of {len(runner.cuda_graphs.capture_sizes)} decode "
+                    "sizes" if runner.use_cuda_graph else "")
         self._warmup_batch(num_tokens, num_reqs)
         # Every attention variant a request can select, compiled now rather
         # than while a user waits (issue 10).
@@ -485,6 +497,7 @@ class Worker:
             capacity=kv_cache.capacity_blocks,
             explicit_bytes=cache.kv_cache_memory_bytes,
             budget_cap=self._budget_cap(),
+            budget_cap_name=self.platform.default_kv_cache_cap_name(),
         ))
         return snapshot, size, self.agree_num_blocks(size.num_blocks)
 
@@ -492,17 +505,18 @@ class Worker:
         self, snapshot: sizing.MemorySnapshot, size: sizing.KVCacheSize, num_blocks: int
     ) -> None:
         graphs = self.model_runner.cuda_graphs
+        parts = [("weights", self.weights_bytes), ("activation peak", self.profile.activation_peak)]
         # The graph pool exists only where graphs were captured (not on CPU, not eager).
-        pool = f", CUDA graph pool {graphs.pool_bytes / GiB:.2f}" if graphs.captured else ""
+        if graphs.captured:
+            parts.append(("CUDA graph pool", graphs.pool_bytes))
         logger.info(
-            "KV cache sized after warmup: free %.2f GiB, held besides KV %.2f GiB "
-            "(weights %.2f, activation peak %.2f%s), buffer %.2f GiB; "
+            "KV cache sized after warmup: budget %.2f GiB, limited by %s; free %.2f GiB, "
+            "held besides KV %s, buffer %.2f GiB; "
             "KV committed %.2f GiB of %.2f GiB reserved: %d blocks, %d tokens of capacity",
+            size.bytes.budget_bytes / GiB,
+            size.bytes.limited_by,
             snapshot.free / GiB,
-            snapshot.held_non_kv / GiB,
-            self.weights_bytes / GiB,
-            self.profile.activation_peak / GiB,
-            pool,
+            sizing.describe_parts(snapshot.held_non_kv, parts),
             size.bytes.buffer_bytes / GiB,
             self.kv_cache.committed_bytes / GiB,
             self.kv_cache.reserved_bytes / GiB,
