@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import re
 import socket
 import subprocess
 import sys
@@ -350,7 +351,6 @@ def test_startup_sizing_line_names_its_limit_and_adds_up(key_server):
     """The line says which limit set the budget (this server gives --kv-cache-memory-bytes;
     the CPU default's name is tested in tests/platforms) and its "held besides KV" parts
     add up to the whole as printed."""
-    import re
 
     (line,) = [ln for ln in key_server.startup_log.splitlines()
                if "KV cache sized after warmup" in ln]
@@ -408,7 +408,14 @@ def test_level2_sleep_then_wake_reloads_the_weights(key_server):
                       timeout=120).status_code == 200
     assert httpx.get(key_server.url_for("is_sleeping")).json() == {"is_sleeping": False}
     assert greedy() == before
-    assert "reloading the weights" in key_server.log()
+    log = key_server.log()
+    assert "reloading the weights" in log
+    # One line for the sleep and one per wake, with their sizes.
+    assert re.search(r"Sleep level 2: released \d+\.\d+ GiB of weights \(discarded\) and "
+                     r"\d+\.\d+ GiB of KV cache", log)
+    assert re.search(r"Woke kv_cache: mapped \d+\.\d+ GiB in", log)
+    assert re.search(r"Woke weights: mapped \d+\.\d+ GiB in [\d.]+ s; the weights must be "
+                     r"reloaded", log)
 
 
 def test_bounded_mixed_load_gets_only_well_formed_answers(key_server):
