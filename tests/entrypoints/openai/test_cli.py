@@ -362,7 +362,8 @@ def test_startup_sizing_line_names_its_limit_and_adds_up(key_server):
 
 
 def test_startup_announces_each_phase_before_it_runs(key_server):
-    """A line as each slow phase begins (model load, memory profile, warmup), each before
+    """A line as each slow phase begins (the engine core process with its imports, model
+    load, memory profile, warmup), each before
     the line that reports its end: no minute of silence at start-up."""
     lines = key_server.startup_log.splitlines()
 
@@ -373,7 +374,8 @@ def test_startup_announces_each_phase_before_it_runs(key_server):
                          ("Profiling memory:", "Memory profile:"),
                          ("Warming up:", "KV cache sized after warmup")]:
         assert index(begins) < index(ends), (begins, ends)
-    assert index("Model loaded:") < index("Profiling memory:") < index("Warming up:")
+    assert (index("Started the engine core process") < index("Loading the model from")
+            < index("Model loaded:") < index("Profiling memory:") < index("Warming up:"))
 
 
 def test_startup_log_names_the_cpu_threads(key_server):
