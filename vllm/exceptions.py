@@ -27,3 +27,27 @@ class VLLMValidationError(ValueError):
         super().__init__(message)
         self.parameter = parameter
         self.value = value
+
+
+class DeviceMemoryError(RuntimeError):
+    """The device could not give memory that an operation needs now (a wake after a
+    sleep); the engine state is unchanged and the call can be retried. The server
+    answers it with HTTP 503. Sizes in bytes.
+
+    Args:
+        message: what needed the memory, with the figures and the driver's error.
+        needed_bytes: bytes the operation had to map.
+        free_bytes: bytes free on the device when it failed.
+    """
+
+    def __init__(self, message: str, *, needed_bytes: int, free_bytes: int) -> None:
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
+        self.free_bytes = free_bytes
+
+    def __reduce__(self) -> tuple[Any, ...]:  # keyword arguments survive pickling (processes)
+        return (_rebuild_device_memory_error, (str(self), self.needed_bytes, self.free_bytes))
+
+
+def _rebuild_device_memory_error(message: str, needed: int, free: int) -> DeviceMemoryError:
+    return DeviceMemoryError(message, needed_bytes=needed, free_bytes=free)

@@ -135,6 +135,17 @@ def test_cpu_kv_cache_cap(monkeypatch):
     assert CudaPlatform().default_kv_cache_bytes_cap() is None
 
 
+def test_cpu_kv_cache_cap_is_named_for_the_sizing_line(monkeypatch):
+    cpu = CpuPlatform()
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    assert cpu.default_kv_cache_cap_name().startswith("the CPU default min(4 GiB, available")
+    assert "set VLLM_CPU_KVCACHE_SPACE" in cpu.default_kv_cache_cap_name()
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0")
+    assert cpu.default_kv_cache_cap_name().startswith("the CPU default")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "6")
+    assert cpu.default_kv_cache_cap_name() == "VLLM_CPU_KVCACHE_SPACE=6 GiB"
+
+
 # ------------------------------------------------------------------- dtypes
 
 

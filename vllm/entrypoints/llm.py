@@ -149,7 +149,13 @@ class LLM:
 
         After `sleep(level=2)` the woken weights hold nothing: call
         `reload_weights()` (or load your own) before generating. (`vllm serve`
-        reloads from the checkpoint itself.)
+        reloads from the checkpoint itself.) A wake that failed part-way and
+        is called again still needs that reload (`LLMEngine.wake_up()` keeps
+        returning True until the weights are loaded).
+
+        Raises:
+            DeviceMemoryError: no device memory now (names the bytes needed and
+                free); what could not be mapped stays asleep; call again later.
         """
         self.llm_engine.wake_up(tags)
 

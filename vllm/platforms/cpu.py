@@ -3,6 +3,7 @@ vLLM's CPU thread rules (`cpu_threads.py`)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -202,3 +203,12 @@ class CpuPlatform(Platform):
                 return int(gib * GiB)
         available, _ = self.mem_get_info()
         return min(DEFAULT_CPU_KV_CACHE_BYTES, available)
+
+    def default_kv_cache_cap_name(self) -> str:
+        """"VLLM_CPU_KVCACHE_SPACE=<GiB>" when set (> 0), else the default and how to change it."""
+        env = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
+        with contextlib.suppress(ValueError):
+            if float(env) > 0:
+                return f"VLLM_CPU_KVCACHE_SPACE={env} GiB"
+        return (f"the CPU default min({DEFAULT_CPU_KV_CACHE_BYTES / GiB:g} GiB, available "
+                f"memory); set VLLM_CPU_KVCACHE_SPACE (GiB) to change it")

@@ -96,6 +96,10 @@ class Platform:
         """
         return None
 
+    def default_kv_cache_cap_name(self) -> str:
+        """What `default_kv_cache_bytes_cap` is, for the KV sizing log line."""
+        return "the platform's cap"
+
     def configure_torch_allocator(self) -> None:
         """Settings for torch's device allocator, before the engine allocates anything."""
 

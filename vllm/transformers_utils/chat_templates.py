@@ -1,7 +1,8 @@
 """Chat conversations -> prompts through the model's chat template (transformers).
 
-Used by the offline `LLM.chat` and, on the engine thread, by `AsyncLLM` for the
-OpenAI server's chat and tokenize endpoints: one renderer, one set of errors.
+Used by the offline `LLM.chat` and by `AsyncLLM` for the OpenAI server's chat
+and tokenize endpoints (rendered on its render threads, encoded on its
+tokenizer thread): one renderer, one set of errors.
 Every way a conversation or a template can be wrong is a `VLLMValidationError`
 (a ValueError): a malformed message names its field as its `parameter`
 ("messages.0.content.1.text"); a `ChatTemplateError` is the template's own
@@ -86,10 +87,36 @@ def apply_chat_template(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
 ) -> dict[str, Any]:
-    """Render a conversation; returns {"prompt": text, "prompt_token_ids": ids}.
+    """Render a conversation and encode it: {"prompt": text, "prompt_token_ids": ids}.
 
     The template adds any BOS itself, so the text is encoded without special
-    tokens.
+    tokens. Errors: those of `render_chat_template`.
+    """
+    text = render_chat_template(
+        tokenizer, conversation, chat_template=chat_template,
+        add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+    )
+    return {"prompt": text, "prompt_token_ids": encode_rendered_chat(tokenizer, text)}
+
+
+def encode_rendered_chat(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """Token ids of a rendered conversation (no special tokens: the template adds its own)."""
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def render_chat_template(
+    tokenizer: PreTrainedTokenizerBase,
+    conversation: list[dict[str, Any]],
+    *,
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> str:
+    """The conversation through the chat template, as text (nothing is tokenized).
+
+    Pure Python over the tokenizer's Python-side attributes (the template and
+    the special tokens' strings): safe to run on several threads at once, also
+    while another thread encodes with the same tokenizer.
 
     Raises:
         VLLMValidationError: an empty conversation or a malformed message
@@ -123,5 +150,4 @@ def apply_chat_template(
         )
     except _template_errors() as e:
         raise ChatTemplateError(f"the chat template failed to render: {e}") from e
-    token_ids = tokenizer.encode(text, add_special_tokens=False)
-    return {"prompt": text, "prompt_token_ids": token_ids}
+    return text

@@ -231,6 +231,15 @@ class ExtensibleTensor:
         return sorted((c.first * self._g, c.count * self._g) for c in self._res.chunks)
 
     @property
+    def released_bytes(self) -> int:
+        """Bytes `recommit_()` maps again (0 unless released): the committed prefixes
+        held at release, each rounded up to whole granules (a granule shared by two
+        segments counts twice, so this may exceed the need by one granule per segment)."""
+        if self._saved_sizes is None:
+            return 0
+        return sum(-(-size // self._g) * self._g for size in self._saved_sizes)
+
+    @property
     def is_released(self) -> bool:
         """True between `release_physical()` and the next successful commit."""
         return self._saved_sizes is not None

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import httpx
 import pytest
 
@@ -129,3 +132,30 @@ def test_chat_prompt_logprobs(server):
                           json={**body, "stream": True}, timeout=120)
     assert streamed.status_code == 400
     assert streamed.json()["error"]["param"] == "prompt_logprobs"
+
+
+# 40 million empty loop turns in jinja's sandbox: ~3 s of rendering on this CPU, against
+# ~0.3 s for a 2-token chat; the sandbox caps one range() at 100000, so two loops nest.
+SLOW_TEMPLATE = ("{% for i in range(100000) %}{% for j in range(400) %}{% endfor %}{% endfor %}"
+                 "{{ messages[0]['content'] }}")
+
+
+def test_a_slow_chat_template_holds_no_other_request(client, server):
+    """A request whose template renders for seconds, then a small chat: the small one is
+    answered first (an ordering check; before renders left the tokenizer thread, the
+    small chat waited for the whole render)."""
+    finished = []
+
+    def slow() -> None:
+        response = httpx.post(server.url_for("tokenize"), timeout=120,
+                              json={"messages": MESSAGES, "chat_template": SLOW_TEMPLATE})
+        finished.append(("slow", response.status_code, response.json().get("count")))
+
+    thread = threading.Thread(target=slow)
+    thread.start()
+    time.sleep(0.3)  # the slow render is under way (if not yet, the order proves less)
+    completion = _chat(client, max_completion_tokens=2)
+    finished.append(("small", 200, completion.usage.completion_tokens))
+    thread.join(120)
+    assert [f[0] for f in finished] == ["small", "slow"], finished
+    assert finished[1][1] == 200 and finished[1][2] > 0

@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import re
 import socket
 import subprocess
 import sys
@@ -346,6 +347,37 @@ def test_startup_log_mentions_graph_pool_exactly_when_graphs_are_captured(key_se
     assert ("CUDA graph pool" in line) == graphs_captured, line
 
 
+def test_startup_sizing_line_names_its_limit_and_adds_up(key_server):
+    """The line says which limit set the budget (this server gives --kv-cache-memory-bytes;
+    the CPU default's name is tested in tests/platforms) and its "held besides KV" parts
+    add up to the whole as printed."""
+
+    (line,) = [ln for ln in key_server.startup_log.splitlines()
+               if "KV cache sized after warmup" in ln]
+    assert "budget 0.25 GiB, limited by kv_cache_memory_bytes;" in line, line
+    held = re.search(r"held besides KV (-?\d+\.\d+) GiB \(([^)]*)\)", line)
+    parts = [float(x) for x in re.findall(r"-?\d+\.\d+", held.group(2))]
+    assert "other " in held.group(2) and len(parts) >= 3
+    assert round(sum(parts), 2) == float(held.group(1)), line
+
+
+def test_startup_announces_each_phase_before_it_runs(key_server):
+    """A line as each slow phase begins (the engine core process with its imports, model
+    load, memory profile, warmup), each before
+    the line that reports its end: no minute of silence at start-up."""
+    lines = key_server.startup_log.splitlines()
+
+    def index(text: str) -> int:
+        return next(i for i, ln in enumerate(lines) if text in ln)
+
+    for begins, ends in [("Loading the model from", "Model loaded:"),
+                         ("Profiling memory:", "Memory profile:"),
+                         ("Warming up:", "KV cache sized after warmup")]:
+        assert index(begins) < index(ends), (begins, ends)
+    assert (index("Started the engine core process") < index("Loading the model from")
+            < index("Model loaded:") < index("Profiling memory:") < index("Warming up:"))
+
+
 def test_startup_log_names_the_cpu_threads(key_server):
     import torch
 
@@ -378,7 +410,14 @@ def test_level2_sleep_then_wake_reloads_the_weights(key_server):
                       timeout=120).status_code == 200
     assert httpx.get(key_server.url_for("is_sleeping")).json() == {"is_sleeping": False}
     assert greedy() == before
-    assert "reloading the weights" in key_server.log()
+    log = key_server.log()
+    assert "reloading the weights" in log
+    # One line for the sleep and one per wake, with their sizes.
+    assert re.search(r"Sleep level 2: released \d+\.\d+ GiB of weights \(discarded\) and "
+                     r"\d+\.\d+ GiB of KV cache", log)
+    assert re.search(r"Woke kv_cache: mapped \d+\.\d+ GiB in", log)
+    assert re.search(r"Woke weights: mapped \d+\.\d+ GiB in [\d.]+ s; the weights must be "
+                     r"reloaded", log)
 
 
 def test_bounded_mixed_load_gets_only_well_formed_answers(key_server):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -251,7 +252,8 @@ def test_unknown_route_and_method(server):
 @pytest.fixture(scope="module")
 def fault_server():
     fault_file = os.path.join(tempfile.mkdtemp(prefix="vllm-fault-"), "fault")
-    remote = RemoteServer([*DEFAULT_SERVER_ARGS, "--worker-cls", FAULT_WORKER],
+    remote = RemoteServer([*DEFAULT_SERVER_ARGS, "--worker-cls", FAULT_WORKER,
+                           "--enable-sleep-mode"],
                           env={"VLLM_TEST_FAULT_FILE": fault_file})
     remote.fault_file = fault_file
     try:
@@ -288,6 +290,51 @@ def test_step_failure_fails_only_that_step(fault_server):
     assert '"code":500' in events[-2] and "injected step failure" in events[-2]
     assert len(events) < 200  # it did not run to the end
     _assert_still_serving(fault_server, reference_text)
+
+
+def _post(server, route: str, **params) -> httpx.Response:
+    return httpx.post(server.url_for(route), params=params, timeout=120)
+
+
+def _is_sleeping(server) -> bool:
+    return httpx.get(server.url_for("is_sleeping")).json()["is_sleeping"]
+
+
+def test_level2_wake_failing_part_way_then_retried_serves_the_same_text(fault_server):
+    """After /sleep?level=2 the driver maps the weights, then fails on the KV cache: 503;
+    the retry succeeds and must reload the weights (zero pages would answer garbage)."""
+    log_start = len(fault_server.log())  # earlier tests' injected step faults log tracebacks
+    reference_text = httpx.post(fault_server.url_for("v1/completions"), json=GOOD,
+                                timeout=120).json()["choices"][0]["text"]
+    assert _post(fault_server, "sleep", level=2).status_code == 200
+    _inject(fault_server, "wake_map:1")
+    failed = _post(fault_server, "wake_up")
+    assert failed.status_code == 503, failed.text
+    assert _is_sleeping(fault_server)
+    assert _post(fault_server, "wake_up").status_code == 200
+    assert not _is_sleeping(fault_server)
+    _assert_still_serving(fault_server, reference_text)
+    assert "Traceback" not in fault_server.log()[log_start:]
+
+
+def test_wake_without_memory_is_503_naming_the_sizes_and_stays_asleep(fault_server):
+    log_start = len(fault_server.log())  # earlier tests' injected step faults log tracebacks
+    reference_text = httpx.post(fault_server.url_for("v1/completions"), json=GOOD,
+                                timeout=120).json()["choices"][0]["text"]
+    assert _post(fault_server, "sleep", level=1).status_code == 200
+    _inject(fault_server, "wake_map:0")
+    failed = _post(fault_server, "wake_up")
+    assert failed.status_code == 503, failed.text
+    message = error_of(failed)["message"]
+    assert re.search(r"needs \d+\.\d+ GiB of device memory and \d+\.\d+ GiB is free "
+                     r"\(map\(size=\d+\) failed: out of memory", message), message
+    assert error_of(failed)["type"] == "ServiceUnavailableError"
+    assert _is_sleeping(fault_server)
+    asleep = httpx.post(fault_server.url_for("v1/completions"), json=GOOD, timeout=120)
+    assert asleep.status_code == 503
+    assert _post(fault_server, "wake_up").status_code == 200
+    _assert_still_serving(fault_server, reference_text)
+    assert "Traceback" not in fault_server.log()[log_start:]
 
 
 def test_device_error_kills_engine_and_exits_nonzero(fault_server):

@@ -146,3 +146,16 @@ def test_explicit_threshold_caps_each_long_request_as_in_vllm_v1():
 def test_invalid_settings_are_rejected_naming_them(kwargs, message):
     with pytest.raises(ValueError, match=message):
         _scheduler(**kwargs)
+
+
+def test_prefill_tokens_are_counted_as_each_chunk_is_scheduled():
+    """The stats line's prompt throughput: a 3000-token prompt counts 512 prompt tokens per
+    step while its prefill runs, long before its first token (then the 30-token prompt
+    joins; decode tokens are never prompt tokens)."""
+    sched, runner, res = _long_then_short(max_num_partial_prefills=4)
+    assert sched.get_stats().num_prefill_tokens == BUDGET
+    step(sched, runner, res)  # long 256 + short 30
+    assert sched.get_stats().num_prefill_tokens == BUDGET + 256 + 30
+    step(sched, runner, res)  # long 511 + one decode token of short
+    assert sched.get_stats().num_prefill_tokens == BUDGET + 256 + 30 + 511
+    assert not res.outputs.get("long")  # its prefill is still running

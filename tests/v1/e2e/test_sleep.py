@@ -8,6 +8,7 @@ import pytest
 
 from vllm import LLM, SamplingParams
 from vllm.device_allocator.vmm import VmmError
+from vllm.exceptions import DeviceMemoryError
 from vllm.v1.engine.exceptions import EngineSleepingError
 
 PROMPTS = ["The capital of France is", "List three colors:"]
@@ -124,14 +125,60 @@ def test_failed_wake_stays_asleep_and_a_later_wake_succeeds(llm, reference, monk
         return real_create(size)
 
     monkeypatch.setattr(driver, "create", create_fails_once)
-    with pytest.raises(VmmError):
+    with pytest.raises(DeviceMemoryError, match=r"needs \d+\.\d+ GiB of device memory and "
+                       r"\d+\.\d+ GiB is free \(create\(\d+\) failed: out of memory") as info:
         llm.wake_up(tags=["kv_cache"])
+    assert info.value.needed_bytes == worker.kv_cache.released_bytes > 0
     assert llm.llm_engine.is_sleeping()
     assert worker.sleeping_tags() == ["weights", "kv_cache"]
     with pytest.raises(EngineSleepingError):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     llm.wake_up()
     assert not llm.llm_engine.is_sleeping()
+    assert _texts(llm) == reference
+
+
+def test_level2_wake_failing_part_way_still_reloads_on_retry(llm, reference, monkeypatch):
+    """The weights map, the KV cache's first map fails: the retry that succeeds must still
+    say the weights need loading (they are zero pages), not serve garbage."""
+    worker = llm.llm_engine.engine_core.worker
+    driver = worker.kv_cache.driver
+    llm.sleep(level=2)
+    real_map = driver.map
+    calls = {"n": 0}
+
+    def map_fails_after_one(va, size, handle):
+        calls["n"] += 1
+        if calls["n"] > 1:
+            raise VmmError(f"map(size={size}) failed: out of memory (injected after 1 map)")
+        return real_map(va, size, handle)
+
+    monkeypatch.setattr(driver, "map", map_fails_after_one)
+    with pytest.raises(DeviceMemoryError, match="injected after 1 map"):
+        llm.llm_engine.wake_up()
+    assert worker.sleeping_tags() == ["kv_cache"]  # the weights' map went through
+    monkeypatch.undo()
+    assert llm.llm_engine.wake_up() is True
+    assert llm.llm_engine.wake_up() is True  # until they are loaded, whoever asks
+    llm.reload_weights()
+    assert llm.llm_engine.wake_up() is False
+    assert _texts(llm) == reference
+
+
+def test_sleep_and_wake_log_one_line_each_with_sizes(llm, reference, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="vllm")
+    worker = llm.llm_engine.engine_core.worker
+    weights = worker.weight_arena.physical_bytes
+    llm.sleep(level=1)
+    llm.wake_up()
+    sleeps = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Sleep level")]
+    wakes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Woke ")]
+    assert len(sleeps) == 1 and len(wakes) == 1, (sleeps, wakes)
+    assert f"released {weights / 2**30:.3f} GiB of weights (copied to host)" in sleeps[0]
+    assert wakes[0].startswith("Woke weights and kv_cache: mapped ")
+    assert "reloaded" not in wakes[0]
     assert _texts(llm) == reference
 
 

@@ -61,5 +61,31 @@ def test_sleep_wake_keeps_graphs_and_returns_memory(tmp_path):
             assert worker.kv_cache.tensor.base == kv_base
             assert next(worker.model_runner.model.parameters()).data_ptr() == weight_ptr
         assert CUDAGraphManager.num_captures == captures  # no re-capture
+        _wake_without_memory_stays_asleep(llm, reference)
     finally:
         llm.llm_engine.shutdown()
+
+
+def _wake_without_memory_stays_asleep(llm: LLM, reference: list[list[int]]) -> None:
+    """Another allocation takes the memory while the engine sleeps: wake_up raises
+    DeviceMemoryError naming the bytes it needs and the bytes free (the server's 503),
+    the engine stays asleep, and a wake after the memory returns restores the outputs."""
+    from vllm.exceptions import DeviceMemoryError
+
+    worker = llm.llm_engine.engine_core.worker
+    llm.sleep(level=1)
+    torch.cuda.synchronize()
+    free, _ = torch.cuda.mem_get_info()
+    hog = torch.empty(free - (256 << 20), dtype=torch.uint8, device="cuda")  # 256 MiB left
+    try:
+        with pytest.raises(DeviceMemoryError, match=r"needs \d+\.\d+ GiB of device memory and "
+                           r"0\.\d+ GiB is free") as info:
+            llm.wake_up()
+        assert info.value.needed_bytes > info.value.free_bytes
+        assert llm.llm_engine.is_sleeping()
+    finally:
+        del hog
+        torch.cuda.empty_cache()
+    llm.wake_up()
+    assert not llm.llm_engine.is_sleeping() and worker.sleeping_tags() == []
+    assert _tokens(llm) == reference

@@ -243,6 +243,47 @@ def test_step_failure_fails_that_step_only(engine):
     assert _idle(engine)
 
 
+def test_a_slow_chat_template_render_holds_no_other_request(engine, monkeypatch):
+    """While one conversation's render is stuck (held on an event, standing in for a
+    template that loops for seconds), another conversation renders, encodes and
+    generates to the end: the slow render holds neither the event loop nor the
+    tokenizer thread. Before renders had threads of their own the small request
+    queued behind it (the wait_for below would expire: an ordering check, not a
+    time limit)."""
+    tokenizer = engine._input_tokenizer
+    real_render = tokenizer.apply_chat_template
+    started, release = threading.Event(), threading.Event()
+
+    def render(messages, **kwargs):
+        if messages[0]["content"] == "slow":
+            started.set()
+            assert release.wait(120)
+        return real_render(messages, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", render)
+
+    async def main():
+        slow = asyncio.ensure_future(
+            engine.apply_chat_template([{"role": "user", "content": "slow"}]))
+        assert await asyncio.to_thread(started.wait, 60)
+        try:
+            small = await asyncio.wait_for(
+                engine.apply_chat_template([{"role": "user", "content": "Hi"}]), 60)
+            outputs = await asyncio.wait_for(_collect(engine, "after-slow", _params(),
+                                                      prompt=small), 60)
+            assert not slow.done()  # the order: the small request ended first
+        finally:
+            release.set()
+        rendered = await slow
+        assert "slow" in rendered["prompt"] and rendered["prompt_token_ids"]
+        return small, outputs
+
+    small, outputs = asyncio.run(main())
+    assert "Hi" in small["prompt"]
+    assert small["prompt_token_ids"] == tokenizer.encode(small["prompt"], add_special_tokens=False)
+    assert len(outputs[-1].outputs[0].token_ids) == 6
+
+
 def test_shutdown_ends_inflight_requests(engine):
     async def main():
         gen = engine.generate(PROMPT, _params(RequestOutputKind.DELTA, max_tokens=200), "last")
@@ -285,3 +326,4 @@ def test_device_error_kills_the_engine():
         assert engine.engine is None
     finally:
         engine.shutdown()
+

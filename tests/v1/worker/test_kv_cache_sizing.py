@@ -6,6 +6,8 @@ constant, the warmup block count or a rounding rule makes these tests fail,
 and whoever changes it must update the numbers on purpose.
 """
 
+import re
+
 import pytest
 
 from vllm.v1.worker.kv_cache_sizing import (
@@ -20,6 +22,7 @@ from vllm.v1.worker.kv_cache_sizing import (
     classic_kv_cache_bytes,
     classic_num_blocks,
     committed_bytes_for_blocks,
+    describe_parts,
     extensible_kv_cache_bytes,
     final_num_blocks,
     min_across_ranks,
@@ -247,3 +250,41 @@ def test_min_across_ranks():
         min_across_ranks([])
     with pytest.raises(ValueError, match="one block count >= 1 per rank"):
         min_across_ranks([4, 0])
+
+
+def test_the_budget_names_the_limit_that_set_it():
+    common = dict(total=TOTAL, kv_committed=0, held_non_kv=GiB, activation_peak=GiB)
+    by_free = extensible_kv_cache_bytes(free=10 * GiB, gpu_memory_utilization=1.0, **common)
+    assert (by_free.limited_by, by_free.budget_bytes) == ("free memory", 10 * GiB)
+    by_util = extensible_kv_cache_bytes(free=100 * GiB, gpu_memory_utilization=0.5, **common)
+    assert by_util.limited_by == "gpu_memory_utilization 0.5"
+    assert by_util.budget_bytes == int(0.5 * TOTAL) - GiB
+    by_cap = extensible_kv_cache_bytes(free=100 * GiB, gpu_memory_utilization=1.0,
+                                       budget_cap=4 * GiB, budget_cap_name="VLLM_X", **common)
+    assert (by_cap.limited_by, by_cap.budget_bytes) == ("VLLM_X", 4 * GiB)
+    snapshot = MemorySnapshot(total=TOTAL, free=100 * GiB, kv_committed=0,
+                              used_since_start=GiB)
+    explicit = final_num_blocks(snapshot, activation_peak=GiB, gpu_memory_utilization=1.0,
+                                block_stride=STRIDE, num_segments=SEGMENTS, granularity=GRANULE,
+                                capacity=71680, explicit_bytes=GiB)
+    assert explicit.bytes.limited_by == "kv_cache_memory_bytes"
+    profile = MemoryProfile(total=TOTAL, weights=16 * GiB, activation_peak=2 * GiB, non_torch=GiB)
+    assert classic_num_blocks(profile, 2 * MiB, gpu_memory_utilization=0.92
+                              ).bytes.limited_by == "gpu_memory_utilization 0.92"
+    cpu = classic_num_blocks(profile, 2 * MiB, gpu_memory_utilization=0.92, free=3 * GiB,
+                             budget_cap=4 * GiB, budget_cap_name="the CPU default")
+    assert cpu.bytes.limited_by == "free memory"
+
+
+def test_a_breakdown_adds_up_exactly_as_printed():
+    # 0.764 = 0.504 + 0.024 + 0.236: rounded separately the parts would print 0.50 + 0.02
+    # and leave "other" to make 0.76 exactly.
+    held, weights, peak = int(0.764 * GiB), int(0.504 * GiB), int(0.024 * GiB)
+    text = describe_parts(held, [("weights", weights), ("activation peak", peak)])
+    assert text == "0.76 GiB (weights 0.50, activation peak 0.02, other 0.24)"
+    # Parts larger than the whole (an activation peak already returned to the OS): other < 0.
+    text = describe_parts(int(0.5 * GiB), [("weights", int(0.45 * GiB)),
+                                           ("activation peak", int(0.1 * GiB))])
+    assert text == "0.50 GiB (weights 0.45, activation peak 0.10, other -0.05)"
+    numbers = [float(x) for x in re.findall(r"-?\d+\.\d+", text)]
+    assert round(sum(numbers[1:]), 2) == numbers[0]

@@ -4,6 +4,7 @@
 VLLMValidationError (a ValueError)  -> 400, param = error.parameter (renamed per endpoint)
 other ValueError                     -> 400, param given by the caller (or null)
 EngineSleepingError / EngineShutdownError -> 503     SleepModeUnavailableError -> 501
+DeviceMemoryError (a wake found no memory) -> 503
 EngineGenerateError / EngineDeadError     -> 500     anything else -> 500 (logged)
 KVTransferError (the prefill instance's KV could not be read)     -> 502
 ```
@@ -20,7 +21,7 @@ from http import HTTPStatus
 from fastapi.responses import JSONResponse
 
 from vllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
-from vllm.exceptions import VLLMValidationError
+from vllm.exceptions import DeviceMemoryError, VLLMValidationError
 from vllm.logger import init_logger
 from vllm.v1.engine.exceptions import (
     EngineDeadError,
@@ -87,7 +88,7 @@ def error_from_exception(error: BaseException, param: str | None = None) -> APIE
         return error
     if isinstance(error, ValueError):
         return validation_error(error, default=param)
-    if isinstance(error, EngineSleepingError | EngineShutdownError):
+    if isinstance(error, EngineSleepingError | EngineShutdownError | DeviceMemoryError):
         return APIError(503, str(error))
     if isinstance(error, SleepModeUnavailableError):
         return APIError(501, str(error))

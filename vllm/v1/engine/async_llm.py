@@ -17,7 +17,9 @@ thread of their own with a tokenizer of their own (HF fast tokenizers must
 not be shared between threads), so a huge prompt never delays the outputs of
 running requests; a prompt whose text alone proves it longer than
 `max_model_len` tokens is rejected without being tokenized at all
-(`transformers_utils.tokenizer.min_num_tokens`). With `multiprocess_mode`
+(`transformers_utils.tokenizer.min_num_tokens`). Chat templates render on
+render threads (a slow template holds no one's encode) and the rendered text is
+encoded on the tokenizer thread. With `multiprocess_mode`
 (the server) the engine core steps in a process of its own and the engine
 thread only moves requests in and outputs out (core_client.py). Requests arriving
 while asleep are rejected with `EngineSleepingError`; `wake_up()` after a
@@ -54,6 +56,11 @@ logger = init_logger(__name__)
 
 __all__ = ["AsyncLLM", "RequestOutputStream", "is_device_error"]
 
+# Chat templates render on threads of their own (see apply_chat_template). Renders are
+# pure Python under the GIL, so more threads add no throughput, only fairness: up to
+# this many slow renders at once still leave a thread for a small request's render.
+_RENDER_THREADS = 8
+
 
 class AsyncLLM:
     """Async engine client: the step loop of an `LLMEngine` runs in a background thread.
@@ -83,6 +90,9 @@ class AsyncLLM:
         self._token_chars = max_token_chars(self._input_tokenizer)
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="vllm-tokenizer"
+        )
+        self._render_pool = concurrent.futures.ThreadPoolExecutor(
+            _RENDER_THREADS, thread_name_prefix="vllm-chat-render"
         )
         loggers = list(stat_loggers)
         if log_stats:
@@ -272,26 +282,41 @@ class AsyncLLM:
             )
 
     async def _tokenizer_call(self, fn: Callable[[], Any]) -> Any:
+        return await self._run_on(self._tokenizer_pool, fn)
+
+    async def _run_on(self, pool: concurrent.futures.Executor, fn: Callable[[], Any]) -> Any:
         try:
-            future = asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn)
+            future = asyncio.get_running_loop().run_in_executor(pool, fn)
         except RuntimeError:  # the pool is shut down with the engine
             raise self._thread.unavailable_error() from None
         return await future
 
     async def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> dict:
-        """`chat_templates.apply_chat_template` on the tokenizer thread.
+        """Render on a render thread, then encode on the tokenizer thread.
 
-        Returns {"prompt", "prompt_token_ids"}.
+        A template can take seconds to render (loops are the template's own);
+        rendering on one of `_RENDER_THREADS` threads, not on the tokenizer
+        thread, lets other requests' renders and encodes run meanwhile (the
+        GIL is shared between them, so a small render is slowed, not queued).
+        Returns {"prompt", "prompt_token_ids"}; errors as
+        `chat_templates.render_chat_template`, plus VLLMValidationError
+        (parameter "messages") for a rendered text that cannot fit
+        max_model_len tokens, found before it is encoded.
         """
-        from vllm.transformers_utils.chat_templates import apply_chat_template
+        from vllm.transformers_utils.chat_templates import (
+            encode_rendered_chat,
+            render_chat_template,
+        )
 
         text_chars = sum(len(m["content"]) for m in messages
                          if isinstance(m, dict) and isinstance(m.get("content"), str))
         self._check_prompt_chars(text_chars, "messages")
         tokenizer = self._input_tokenizer
-        return await self._tokenizer_call(
-            lambda: apply_chat_template(tokenizer, messages, **kwargs)
-        )
+        text = await self._run_on(
+            self._render_pool, lambda: render_chat_template(tokenizer, messages, **kwargs))
+        self._check_prompt_chars(len(text), "messages")
+        token_ids = await self._tokenizer_call(lambda: encode_rendered_chat(tokenizer, text))
+        return {"prompt": text, "prompt_token_ids": token_ids}
 
     # ------------------------------------------------------------------ sleep
     async def sleep(self, level: int = 1) -> None:
@@ -311,7 +336,8 @@ class AsyncLLM:
 
         Raises:
             ValueError: an unknown tag.
-            VmmError: no device memory now (the engine stays asleep; retry later).
+            DeviceMemoryError: no device memory now (names the bytes needed and
+                free; the engine stays asleep; retry later).
             RuntimeError: loading the checkpoint failed (the cause is chained);
                 the engine stays asleep and the next `wake_up` retries the reload.
         """
@@ -326,6 +352,7 @@ class AsyncLLM:
         (its device memory returns), join the thread. Idempotent."""
         self._thread.stop(timeout)
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        self._render_pool.shutdown(wait=False, cancel_futures=True)
 
     # ====================================================== event-loop helpers
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:

@@ -104,6 +104,8 @@ class MPEngineCoreClient:
             daemon=False,  # it starts the worker processes itself
         )
         self.process.start()
+        logger.info("Started the engine core process (pid %d); it loads the model, profiles "
+                    "and warms up before serving ...", self.process.pid)
         child_status.close()
         self._stop_state = {"asked": False}
         self._finalizer = weakref.finalize(

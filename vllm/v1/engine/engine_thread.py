@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from vllm.exceptions import DeviceMemoryError
 from vllm.logger import init_logger
 from vllm.outputs import RequestOutput
 from vllm.v1.engine.core_client import StepFailedError
@@ -430,9 +431,13 @@ class EngineThread:
 
     def wake_now(self, tags: list[str] | None) -> None:
         self._check_sleep_mode()
-        # True: the weights' pages are fresh after a level-2 sleep (see LLMEngine.wake_up).
-        if self.engine.wake_up(tags):
-            self._weights_stale = True
+        # True: the weights hold nothing since a level-2 sleep (see LLMEngine.wake_up).
+        try:
+            if self.engine.wake_up(tags):
+                self._weights_stale = True
+        except DeviceMemoryError as e:
+            logger.warning("%s", e)  # the caller gets a 503 with the same words
+            raise
         if self._weights_stale:  # also retries a reload that failed on an earlier wake_up
             model = self.engine.vllm_config.model_config.model
             logger.info("wake_up after a level-2 sleep: reloading the weights from %s", model)

@@ -163,14 +163,15 @@ class LLMEngine:
         """Recommit "weights" and/or "kv_cache" (both when None) at the same addresses.
 
         Returns:
-            True when the weights were woken after a level-2 sleep: their pages
-            are fresh (garbage) and the caller must call `reload_weights()`
-            before generating. The server (`AsyncLLM`) does so itself; the
+            True while the weights hold nothing since a level-2 sleep (this
+            call or an earlier, failed one woke them): the caller must call
+            `reload_weights()` before generating. The server (`AsyncLLM`) does so itself; the
             offline `LLM` leaves it to its caller. False otherwise.
 
         Raises:
-            VmmError: not enough device memory now; the engine stays asleep for
-                what could not be mapped, and a later call can succeed.
+            DeviceMemoryError: not enough device memory now (names the bytes
+                needed and free); the engine stays asleep for what could not be
+                mapped, and a later call can succeed.
         """
         return self.engine_core.wake_up(tags)
 

@@ -38,10 +38,15 @@ class StatLoggerBase(Protocol):
 
 
 class LoggingStatLogger:
-    """The periodic "Avg prompt throughput ..." line, when the engine did something."""
+    """The periodic "Avg prompt throughput ..." line, when the engine did something.
+
+    Prompt throughput counts prompt tokens as steps compute them (the scheduler's
+    cumulative `num_prefill_tokens`), so a long chunked prefill shows as it runs,
+    not only when its first token comes out.
+    """
 
     def __init__(self) -> None:
-        self._num_prompt_tokens = 0
+        self._prefill_tokens_at_last_log = 0
         self._num_generation_tokens = 0
         self._last_time = time.monotonic()
         self._scheduler_stats: SchedulerStats | None = None
@@ -56,28 +61,30 @@ class LoggingStatLogger:
     ) -> None:
         self._scheduler_stats = scheduler_stats
         if iteration_stats is not None:
-            self._num_prompt_tokens += iteration_stats.num_prompt_tokens
             self._num_generation_tokens += iteration_stats.num_generation_tokens
 
     def log(self) -> None:
         now = time.monotonic()
         elapsed = max(now - self._last_time, 1e-9)
         s = self._scheduler_stats
-        idle = (self._num_prompt_tokens == 0 and self._num_generation_tokens == 0
+        prefill_total = self._prefill_tokens_at_last_log if s is None else s.num_prefill_tokens
+        num_prompt_tokens = max(prefill_total - self._prefill_tokens_at_last_log, 0)
+        idle = (num_prompt_tokens == 0 and self._num_generation_tokens == 0
                 and (s is None or s.num_running_reqs + s.num_waiting_reqs == 0))
         if not (idle and self._was_idle) and s is not None:
             logger.info(
                 "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
                 "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
                 "Prefix cache hit rate: %.1f%%",
-                self._num_prompt_tokens / elapsed, self._num_generation_tokens / elapsed,
+                num_prompt_tokens / elapsed, self._num_generation_tokens / elapsed,
                 s.num_running_reqs, s.num_waiting_reqs, s.kv_cache_usage * 100,
                 s.prefix_cache_hit_rate * 100,
             )
         if s is not None and s.spec_decoding_stats is not None:
             self.spec_decoding_logging.log(s.spec_decoding_stats, elapsed)
         self._was_idle = idle
-        self._num_prompt_tokens = self._num_generation_tokens = 0
+        self._prefill_tokens_at_last_log = prefill_total
+        self._num_generation_tokens = 0
         self._last_time = now
 
 

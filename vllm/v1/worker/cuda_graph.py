@@ -21,6 +21,7 @@ import bisect
 from collections.abc import Callable
 
 import torch
+from tqdm.auto import tqdm
 
 from vllm.logger import init_logger
 
@@ -71,7 +72,10 @@ class CUDAGraphManager:
         free_before = torch.cuda.mem_get_info()[0]
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
-        for size in reversed(self.capture_sizes):
+        # A bar, as vLLM shows one: capture takes seconds to minutes on big models.
+        sizes = tqdm(list(reversed(self.capture_sizes)), desc="Capturing CUDA graphs (decode)",
+                     unit="size")
+        for size in sizes:
             # Warm up once outside the graph so lazy initialisation (Triton
             # compilation, cuBLAS workspaces) is not captured.
             self._forward(size)

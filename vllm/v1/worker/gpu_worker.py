@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from vllm.config import VllmConfig
+from vllm.device_allocator.vmm import VmmError
+from vllm.exceptions import DeviceMemoryError
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -167,6 +169,8 @@ class Worker:
         sc = self.config.scheduler_config
         before = self.memory.allocated()
         tp_rank, tp_size = ranks.tensor_parallel_rank(self.world_size)
+        logger.info("Loading the model from %s (%s, %s) ...", mc.model_path, mc.load_format,
+                    self.device)
         model = get_model(
             mc.model_path,
             mc.hf_config,
@@ -264,6 +268,8 @@ class Worker:
         runner = self.model_runner
         num_tokens = runner.max_num_tokens
         num_reqs = min(sc.max_num_seqs, num_tokens)
+        logger.info("Profiling memory: a worst-case forward of %d tokens and the sampler over "
+                    "%d sequences ...", num_tokens, sc.max_num_seqs)
         with self.memory.measure_peak() as peak:
             hidden = runner.dummy_run(num_tokens, num_reqs, with_kv=False)
             runner.dummy_sampler_run(hidden, sc.max_num_seqs)
@@ -346,13 +352,17 @@ class Worker:
             explicit_bytes=cache.kv_cache_memory_bytes,
             free=self.memory.free_bytes() if cap is not None else 0,
             budget_cap=cap,
+            budget_cap_name=self.platform.default_kv_cache_cap_name(),
         ))
         num_blocks = self.agree_num_blocks(size.num_blocks)
         kv_cache = ClassicKVCacheBuffers(get_kv_cache_config(specs, num_blocks), self.device)
         kv_cache.allocate(num_blocks)
         logger.info(
-            "KV cache (classic): %.2f GiB, %d blocks, %d tokens of capacity",
+            "KV cache (classic): %.2f GiB (budget %.2f GiB, limited by %s), %d blocks, "
+            "%d tokens of capacity",
             kv_cache.config.size_bytes / GiB,
+            size.bytes.budget_bytes / GiB,
+            size.bytes.limited_by,
             num_blocks,
             (num_blocks - 1) * cache.block_size,
         )
@@ -426,6 +436,10 @@ class Worker:
         sc = self.config.scheduler_config
         num_tokens = runner.max_num_tokens
         num_reqs = min(sc.max_num_seqs, num_tokens)
+        logger.info("Warming up: a worst-case prefill of %d tokens with the KV cache, the "
+                    "sampler%s ...", num_tokens,
+                    f", then CUDA graph capture of {len(runner.cuda_graphs.capture_sizes)} decode "
+                    "sizes" if runner.use_cuda_graph else "")
         self._warmup_batch(num_tokens, num_reqs)
         # Every attention variant a request can select, compiled now rather
         # than while a user waits (issue 10).
@@ -483,6 +497,7 @@ class Worker:
             capacity=kv_cache.capacity_blocks,
             explicit_bytes=cache.kv_cache_memory_bytes,
             budget_cap=self._budget_cap(),
+            budget_cap_name=self.platform.default_kv_cache_cap_name(),
         ))
         return snapshot, size, self.agree_num_blocks(size.num_blocks)
 
@@ -490,17 +505,18 @@ class Worker:
         self, snapshot: sizing.MemorySnapshot, size: sizing.KVCacheSize, num_blocks: int
     ) -> None:
         graphs = self.model_runner.cuda_graphs
+        parts = [("weights", self.weights_bytes), ("activation peak", self.profile.activation_peak)]
         # The graph pool exists only where graphs were captured (not on CPU, not eager).
-        pool = f", CUDA graph pool {graphs.pool_bytes / GiB:.2f}" if graphs.captured else ""
+        if graphs.captured:
+            parts.append(("CUDA graph pool", graphs.pool_bytes))
         logger.info(
-            "KV cache sized after warmup: free %.2f GiB, held besides KV %.2f GiB "
-            "(weights %.2f, activation peak %.2f%s), buffer %.2f GiB; "
+            "KV cache sized after warmup: budget %.2f GiB, limited by %s; free %.2f GiB, "
+            "held besides KV %s, buffer %.2f GiB; "
             "KV committed %.2f GiB of %.2f GiB reserved: %d blocks, %d tokens of capacity",
+            size.bytes.budget_bytes / GiB,
+            size.bytes.limited_by,
             snapshot.free / GiB,
-            snapshot.held_non_kv / GiB,
-            self.weights_bytes / GiB,
-            self.profile.activation_peak / GiB,
-            pool,
+            sizing.describe_parts(snapshot.held_non_kv, parts),
             size.bytes.buffer_bytes / GiB,
             self.kv_cache.committed_bytes / GiB,
             self.kv_cache.reserved_bytes / GiB,
@@ -551,11 +567,19 @@ class Worker:
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         if self.weight_arena is None:
             raise RuntimeError("sleep needs enable_sleep_mode=True and the extensible KV cache")
+        start = time.monotonic()
+        weights, kv = self.weight_arena.physical_bytes, self.kv_cache.committed_bytes
         self.memory.synchronize()
         self.kv_cache.release()
         self.weight_arena.sleep(keep_on_host=level == 1)
         gc.collect()
         self.platform.empty_cache()
+        logger.info(
+            "Sleep level %d: released %.3f GiB of weights (%s) and %.3f GiB of KV cache "
+            "in %.2f s; %.2f GiB free now",
+            level, weights / GiB, "copied to host" if level == 1 else "discarded", kv / GiB,
+            time.monotonic() - start, self.memory.free_bytes() / GiB,
+        )
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
         """Map fresh pages for "weights" and/or "kv_cache" (both when tags is None).
@@ -565,21 +589,44 @@ class Worker:
             must be reloaded (`reload_weights`) before generating; False
             otherwise. The same meaning at every layer up to `LLMEngine.wake_up`.
 
+        A call that fails part-way (the weights mapped, the KV cache not) keeps
+        what it mapped; the retry maps the rest and still returns True when the
+        weights were not reloaded since a level-2 sleep (`WeightArena.needs_load`).
+
         Raises:
             ValueError: an unknown tag.
-            VmmError: not enough device memory; what could not be mapped stays
-                asleep (a later call can retry).
+            DeviceMemoryError: the driver could not map the memory (names the
+                bytes still to map and the bytes free); what could not be
+                mapped stays asleep and a later call can retry.
         """
         tags = ["weights", "kv_cache"] if tags is None else list(tags)
         unknown = set(tags) - {"weights", "kv_cache"}
         if unknown:
             raise ValueError(f"unknown wake_up tags {sorted(unknown)}; use 'weights', 'kv_cache'")
-        needs_reload = False
-        if "weights" in tags:
-            needs_reload = self.weight_arena.wake_up()
-        if "kv_cache" in tags and self.kv_cache.is_released:
-            self.kv_cache.recommit()
+        asleep = [t for t in tags if t in self.sleeping_tags()]
+        needed = self._bytes_to_wake(asleep)
+        start = time.monotonic()
+        try:
+            needs_reload = self.weight_arena.wake_up() if "weights" in tags else False
+            if "kv_cache" in asleep:
+                self.kv_cache.recommit()
+        except VmmError as e:
+            raise DeviceMemoryError(
+                f"wake_up could not map the {', '.join(asleep)} memory: it needs "
+                f"{needed / GiB:.3f} GiB of device memory and {self.memory.free_bytes() / GiB:.3f}"
+                f" GiB is free ({e}); the engine stays asleep, retry when memory is free",
+                needed_bytes=needed, free_bytes=self.memory.free_bytes(),
+            ) from e
+        if asleep:
+            logger.info("Woke %s: mapped %.3f GiB in %.2f s%s", " and ".join(asleep),
+                        needed / GiB, time.monotonic() - start,
+                        "; the weights must be reloaded" if needs_reload else "")
         return needs_reload
+
+    def _bytes_to_wake(self, tags: list[str]) -> int:
+        """Bytes a wake of these (sleeping) parts maps: what they held when they slept."""
+        parts = {"weights": self.weight_arena, "kv_cache": self.kv_cache}
+        return sum(parts[t].released_bytes for t in tags)
 
     def sleeping_tags(self) -> list[str]:
         """Which of "weights" / "kv_cache" are asleep now."""
@@ -598,6 +645,8 @@ class Worker:
         loader = get_model_loader(mc.load_format, mc.model_path)
         with torch.inference_mode(False), torch.no_grad():
             loader.load_weights(self.model_runner.model, mc.model_path)
+        if self.weight_arena is not None:
+            self.weight_arena.mark_loaded()
 
     # ------------------------------------------------------------------ step
     def execute_model(

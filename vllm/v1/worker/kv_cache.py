@@ -159,6 +159,11 @@ class KVCacheBuffers(ABC):
     def is_released(self) -> bool:
         """True between `release()` and `recommit()` (sleep)."""
 
+    @property
+    def released_bytes(self) -> int:
+        """Bytes `recommit()` maps (0 unless released; a classic cache never is)."""
+        return 0
+
     @abstractmethod
     def allocate(self, num_blocks: int) -> dict[str, torch.Tensor]:
         """Back the cache and commit its first `num_blocks` blocks; returns the views."""
@@ -313,6 +318,10 @@ class ExtensibleKVCacheBuffers(KVCacheBuffers):
     @property
     def is_released(self) -> bool:
         return self.tensor is not None and self.tensor.is_released
+
+    @property
+    def released_bytes(self) -> int:
+        return 0 if self.tensor is None else self.tensor.released_bytes
 
     def allocate(self, num_blocks: int) -> dict[str, torch.Tensor]:
         """Reserve the capacity and commit the first `num_blocks` blocks of every segment.

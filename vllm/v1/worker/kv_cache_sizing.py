@@ -137,11 +137,38 @@ class MemorySnapshot:
         return self.free - self.torch_shortfall
 
 
+# Names of the limits a budget can hit (the sizing log line says which one did).
+LIMIT_FREE = "free memory"
+LIMIT_EXPLICIT = "kv_cache_memory_bytes"
+
+
+def limit_utilization(gpu_memory_utilization: float) -> str:
+    return f"gpu_memory_utilization {gpu_memory_utilization:g}"
+
+
 @dataclass(frozen=True)
 class SizingResult:
     kv_bytes: int  # bytes the KV cache may use
     budget_bytes: int  # before the buffer (extensible); equal to kv_bytes (classic)
     buffer_bytes: int  # held back for post-warmup allocations (0 on the classic path)
+    limited_by: str = ""  # the limit that set budget_bytes (LIMIT_*, or the platform cap's name)
+
+
+def _smallest(limits: list[tuple[str, int]]) -> tuple[str, int]:
+    """The (name, bytes) limit that binds: the smallest; the first listed on a tie."""
+    return min(limits, key=lambda limit: limit[1])
+
+
+def describe_parts(total: int, parts: list[tuple[str, int]]) -> str:
+    """`total` and its parts as "T GiB (a x, b y, other z)" with 2 decimals, where
+    "other" is what the named parts leave and the printed figures add up exactly
+    (other is computed from the rounded figures; it is negative when the named parts
+    overlap, e.g. an activation peak the allocator has already returned)."""
+    unit = GiB
+    cents = [round(nbytes * 100 / unit) for _, nbytes in parts]
+    other = round(total * 100 / unit) - sum(cents)
+    shown = ", ".join(f"{name} {c / 100:.2f}" for (name, _), c in zip(parts, cents, strict=True))
+    return f"{round(total * 100 / unit) / 100:.2f} GiB ({shown}, other {other / 100:.2f})"
 
 
 @dataclass(frozen=True)
@@ -173,7 +200,8 @@ def classic_kv_cache_bytes(profile: MemoryProfile, gpu_memory_utilization: float
             f"peak {_gib(profile.activation_peak)}, other {_gib(profile.non_torch)}); raise "
             f"--gpu-memory-utilization or lower --max-num-batched-tokens"
         )
-    return SizingResult(kv_bytes=kv, budget_bytes=kv, buffer_bytes=0)
+    return SizingResult(kv_bytes=kv, budget_bytes=kv, buffer_bytes=0,
+                        limited_by=limit_utilization(gpu_memory_utilization))
 
 
 def extensible_kv_cache_bytes(
@@ -185,6 +213,7 @@ def extensible_kv_cache_bytes(
     activation_peak: int,
     gpu_memory_utilization: float,
     budget_cap: int | None = None,
+    budget_cap_name: str = "the platform's cap",
 ) -> SizingResult:
     """The measured rule, applied after warmup and graph capture.
 
@@ -197,6 +226,7 @@ def extensible_kv_cache_bytes(
         activation_peak: the profiled transient peak.
         gpu_memory_utilization: the engine may hold at most this fraction of total.
         budget_cap: an extra upper bound of the budget (the CPU platform's default).
+        budget_cap_name: what `budget_cap` is, for `SizingResult.limited_by`.
 
     Raises:
         KVCacheSizingError: the buffer leaves nothing for the KV cache; the
@@ -204,9 +234,10 @@ def extensible_kv_cache_bytes(
     """
     physical = free + kv_committed
     cap = int(gpu_memory_utilization * total) - held_non_kv
-    budget = min(physical, cap)
+    limits = [(LIMIT_FREE, physical), (limit_utilization(gpu_memory_utilization), cap)]
     if budget_cap is not None:
-        budget = min(budget, budget_cap)
+        limits.append((budget_cap_name, budget_cap))
+    limited_by, budget = _smallest(limits)
     buffer = max(int(ACTIVATION_HEADROOM_FRACTION * activation_peak), BUFFER_FLOOR_BYTES)
     buffer += int(POST_WARMUP_FRACTION * max(budget, 0))
     kv = budget - buffer
@@ -217,7 +248,8 @@ def extensible_kv_cache_bytes(
             f"{_gib(cap)} by gpu_memory_utilization {gpu_memory_utilization}; the buffer "
             f"for post-warmup allocations needs {_gib(buffer)}"
         )
-    return SizingResult(kv_bytes=kv, budget_bytes=budget, buffer_bytes=buffer)
+    return SizingResult(kv_bytes=kv, budget_bytes=budget, buffer_bytes=buffer,
+                        limited_by=limited_by)
 
 
 def num_blocks_for_bytes(
@@ -274,6 +306,7 @@ def classic_num_blocks(
     explicit_bytes: int | None = None,
     free: int = 0,
     budget_cap: int | None = None,
+    budget_cap_name: str = "the platform's cap",
 ) -> KVCacheSize:
     """The classic path's final block count, decided before warmup.
 
@@ -287,16 +320,17 @@ def classic_num_blocks(
             (CPU: host memory is shared with everything else; see
             `Platform.default_kv_cache_bytes_cap`). There the budget is
             `min(budget_cap, free)` instead of vLLM's profile rule.
+        budget_cap_name: what `budget_cap` is, for `SizingResult.limited_by`.
 
     Raises:
         KVCacheSizingError: nothing left, or fewer than two blocks (the null
             block and one usable); the message has the numbers.
     """
     if explicit_bytes is not None:
-        result = SizingResult(explicit_bytes, explicit_bytes, 0)
+        result = SizingResult(explicit_bytes, explicit_bytes, 0, LIMIT_EXPLICIT)
     elif budget_cap is not None:
-        kv = min(budget_cap, free)
-        result = SizingResult(kv, kv, 0)
+        name, kv = _smallest([(budget_cap_name, budget_cap), (LIMIT_FREE, free)])
+        result = SizingResult(kv, kv, 0, name)
     else:
         result = classic_kv_cache_bytes(profile, gpu_memory_utilization)
     num_blocks = result.kv_bytes // bytes_per_block
@@ -332,6 +366,7 @@ def final_num_blocks(
     capacity: int,
     explicit_bytes: int | None = None,
     budget_cap: int | None = None,
+    budget_cap_name: str = "the platform's cap",
 ) -> KVCacheSize:
     """The extensible path's block count after warmup, from what is really free.
 
@@ -350,6 +385,7 @@ def final_num_blocks(
         capacity: blocks the reservation holds.
         explicit_bytes: `kv_cache_memory_bytes`, if given.
         budget_cap: the platform's bound on the KV cache (CPU), if any.
+        budget_cap_name: what `budget_cap` is, for `SizingResult.limited_by`.
 
     Raises:
         KVCacheSizingError: the explicit size exceeds what is available, the
@@ -363,7 +399,7 @@ def final_num_blocks(
                 f"kv_cache_memory_bytes={explicit_bytes} exceeds the "
                 f"{available / GiB:.2f} GiB available after warmup"
             )
-        result = SizingResult(explicit_bytes, explicit_bytes, 0)
+        result = SizingResult(explicit_bytes, explicit_bytes, 0, LIMIT_EXPLICIT)
         num_blocks = explicit_bytes // bytes_per_block
     else:
         result = extensible_kv_cache_bytes(
@@ -374,6 +410,7 @@ def final_num_blocks(
             activation_peak=activation_peak,
             gpu_memory_utilization=gpu_memory_utilization,
             budget_cap=budget_cap,
+            budget_cap_name=budget_cap_name,
         )
         num_blocks = num_blocks_for_bytes(result.kv_bytes, block_stride, num_segments, granularity)
     num_blocks = min(num_blocks, capacity)

@@ -5,7 +5,11 @@
       ^ param.data views the arena: CUDA graphs and kernels see these addresses
 
 Sleep level 1 copies the arena to host memory (pinned on CUDA) and releases
-its pages; level 2 releases them without a copy. Wake maps fresh pages at the
+its pages; level 2 releases them without a copy, and from then on the arena's
+bytes are not the model's weights (`needs_load`) until the caller loads them
+and says so (`mark_loaded`): a wake that fails part-way (the weights mapped,
+the KV cache not) and is retried must still reload them, so the flag follows
+the bytes, not the one wake call that mapped them. Wake maps fresh pages at the
 same addresses (and, after level 1, copies the bytes back), so CUDA graphs
 captured before the sleep replay unchanged. Buffers (rope tables) are small
 and deterministic; they stay where they are.
@@ -50,10 +54,16 @@ class WeightArena:
             view.copy_(p.data)
             p.data = view
         self._host: torch.Tensor | None = None
+        self.needs_load = False  # True from a level-2 sleep until mark_loaded()
 
     @property
     def physical_bytes(self) -> int:
         return self.tensor.physical_bytes
+
+    @property
+    def released_bytes(self) -> int:
+        """Bytes a wake maps (0 while awake)."""
+        return self.tensor.released_bytes
 
     @property
     def is_sleeping(self) -> bool:
@@ -71,29 +81,35 @@ class WeightArena:
             self._host.copy_(self.tensor.full_view()[: self.nbytes])
         else:
             self._host = None
+            self.needs_load = True
         self.tensor.release_physical()
 
     def wake_up(self) -> bool:
-        """Map fresh pages at the same addresses; returns True if the weights must be reloaded.
+        """Map fresh pages at the same addresses; returns True if the weights must be loaded.
 
         After a level-1 sleep the host copy is written back (returns False).
         After a level-2 sleep nothing was kept: the pages are zero and the
-        caller must load weights (returns True). Awake already: False.
+        caller must load weights, then call `mark_loaded` (returns True, on
+        every call until then, awake already or not).
 
         Raises:
             VmmError: the device has no room (nothing stays mapped; call again later).
         """
         if not self.is_sleeping:
-            return False
+            return self.needs_load
         self.tensor.recommit_(zero_new=self._host is None)
         if self._host is None:
-            return True
+            return self.needs_load
         self.tensor.full_view()[: self.nbytes].copy_(self._host)
         if not self._host.is_pinned():
             # A plain host copy (CPU platform) is freed; a pinned one is kept for
             # the next sleep, since pinning gigabytes takes seconds.
             self._host = None
         return False
+
+    def mark_loaded(self) -> None:
+        """The caller has written the model's weights into the (awake) arena."""
+        self.needs_load = False
 
     def free(self) -> None:
         self.tensor.free()

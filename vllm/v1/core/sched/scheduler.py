@@ -155,6 +155,7 @@ class Scheduler:
         self.spec_decoding_stats = (
             SpecDecodingStats(num_speculative_tokens) if num_speculative_tokens else None
         )
+        self.num_prefill_tokens = 0  # cumulative: prompt tokens scheduled, chunk by chunk
 
     # ---- requests in and out ----
 
@@ -444,7 +445,10 @@ class Scheduler:
         )
         for req_id, num_tokens in plan.num_scheduled_tokens.items():
             request = self.requests[req_id]
-            request.num_computed_tokens += num_tokens
+            computed = request.num_computed_tokens
+            self.num_prefill_tokens += max(
+                min(computed + num_tokens, request.num_prompt_tokens) - computed, 0)
+            request.num_computed_tokens = computed + num_tokens
             if (self.async_scheduling and request.num_computed_tokens
                     >= request.num_tokens + request.num_output_placeholders):
                 request.num_output_placeholders += 1  # this step samples its next token
@@ -623,6 +627,7 @@ class Scheduler:
             spec_decoding_stats=(
                 self.spec_decoding_stats.copy() if self.spec_decoding_stats else None
             ),
+            num_prefill_tokens=self.num_prefill_tokens,
         )
 
     @property

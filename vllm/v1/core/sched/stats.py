@@ -11,8 +11,8 @@ from vllm.v1.spec_decode.metrics import SpecDecodingStats
 class SchedulerStats:
     """A snapshot taken by `Scheduler.get_stats()`.
 
-    Counts are requests; prefix-cache figures are tokens and, like
-    num_preemptions, cumulative since the scheduler was created.
+    Counts are requests; prefix-cache figures and num_prefill_tokens are
+    tokens and, like num_preemptions, cumulative since the scheduler was created.
     """
 
     num_running_reqs: int = 0
@@ -31,6 +31,9 @@ class SchedulerStats:
     num_blocks: int = 0  # KV cache blocks, including the null block
     # Cumulative draft / acceptance counts; None without speculative decoding.
     spec_decoding_stats: SpecDecodingStats | None = None
+    # Prompt tokens scheduled for computing (chunk by chunk, recomputes after a preemption
+    # included; prefix-cache hits excluded); the log line's "Avg prompt throughput".
+    num_prefill_tokens: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
