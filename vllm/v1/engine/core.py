@@ -28,6 +28,7 @@ from vllm.v1.outputs import (
     ModelRunnerOutput,
 )
 from vllm.v1.request import Request, RequestStatus
+from vllm.v1.worker.kv_cache_sizing import fit_max_model_len
 
 logger = init_logger(__name__)
 
@@ -62,10 +63,11 @@ class EngineCore:
         except BaseException:
             self.model_executor.shutdown()  # no rank keeps its memory after a failed start
             raise
+        self.max_model_len = self._fit_max_model_len(num_blocks)
         self.scheduler = Scheduler(
             max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
-            max_model_len=vllm_config.model_config.max_model_len,
+            max_model_len=self.max_model_len,
             block_size=cache.block_size,
             num_blocks=num_blocks,
             enable_prefix_caching=cache.enable_prefix_caching,
@@ -132,6 +134,21 @@ class EngineCore:
         logger.info("KV connector %s (scheduler side), %d KV blocks",
                     type(connector).__name__, num_blocks)
         return connector
+
+    def _fit_max_model_len(self, num_blocks: int) -> int:
+        """max_model_len, lowered (with a warning) to what the final KV cache holds."""
+        configured = self.vllm_config.model_config.max_model_len
+        block_size = self.vllm_config.cache_config.block_size
+        fitted = fit_max_model_len(configured, num_blocks, block_size)
+        if fitted < configured:
+            logger.warning(
+                "max_model_len %d does not fit the KV cache: %d blocks of %d tokens hold "
+                "%d tokens for one sequence; serving with max_model_len %d (raise "
+                "--kv-cache-memory-bytes or --gpu-memory-utilization, or lower "
+                "--max-model-len, to silence this)",
+                configured, num_blocks - 1, block_size, fitted, fitted,
+            )
+        return fitted
 
     def _agree_on_kv_cache_path(self) -> None:
         """One rank that cannot hold the extensible cache puts every rank on the classic path."""

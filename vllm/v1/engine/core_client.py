@@ -115,6 +115,7 @@ class MPEngineCoreClient:
             self.shutdown()
             raise
         self.num_blocks = info["num_blocks"]
+        self.max_model_len = info["max_model_len"]  # fitted to the KV cache
         self._scheduler_stats = info["scheduler_stats"]
         self._kv_memory = info["kv_memory"]
         self._monitor_thread = threading.Thread(

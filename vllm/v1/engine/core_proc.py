@@ -145,6 +145,7 @@ class EngineCoreProc:
         """What the frontend learns at start-up (final block count, first statistics)."""
         return {
             "num_blocks": self.core.num_blocks,
+            "max_model_len": self.core.max_model_len,
             "scheduler_stats": self.core.get_stats(),
             "kv_memory": self.core.kv_cache_memory(),
         }

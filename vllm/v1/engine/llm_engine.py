@@ -60,6 +60,9 @@ class LLMEngine:
             self.engine_core: EngineCore | MPEngineCoreClient = MPEngineCoreClient(vllm_config)
         else:
             self.engine_core = EngineCore(vllm_config)
+        # The core fits max_model_len to the final KV cache; everything the
+        # frontend advertises or checks (/v1/models, the processor) reads this.
+        model_config.max_model_len = self.processor.max_model_len = self.engine_core.max_model_len
         # What the last step produced (timings, token counts), for metrics.
         self.last_iteration_stats: IterationStats | None = None
 

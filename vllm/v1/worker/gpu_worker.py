@@ -397,7 +397,8 @@ class Worker:
                 enable()
         layout = get_kv_cache_config(specs, 1)
         capacity = sizing.capacity_blocks(
-            self.memory.total, layout.block_stride, layout.num_segments, driver.granularity
+            self.memory.total, layout.block_stride, layout.num_segments, driver.granularity,
+            max_blocks=self._max_useful_blocks(),
         )
         kv_cache = ExtensibleKVCacheBuffers(
             get_kv_cache_config(specs, capacity), driver, self.device
@@ -483,8 +484,17 @@ class Worker:
             capacity=kv_cache.capacity_blocks,
             explicit_bytes=cache.kv_cache_memory_bytes,
             budget_cap=self._budget_cap(),
+            max_blocks=self._max_useful_blocks(),
         ))
         return snapshot, size, self.agree_num_blocks(size.num_blocks)
+
+    def _max_useful_blocks(self) -> int:
+        """Blocks `max_num_seqs x max_model_len` can address (the extensible cache's cap)."""
+        return sizing.max_useful_blocks(
+            self.config.scheduler_config.max_num_seqs,
+            self.config.model_config.max_model_len,
+            self.config.cache_config.block_size,
+        )
 
     def _log_final_size(
         self, snapshot: sizing.MemorySnapshot, size: sizing.KVCacheSize, num_blocks: int

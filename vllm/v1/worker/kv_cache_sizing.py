@@ -26,7 +26,9 @@ Extensible: decided after warmup and graph capture, from what is really free.
                                                                   ^ grows into here
 
 Both results are turned into a whole number of blocks after granule rounding
-by `num_blocks_for_bytes`. The worker calls three entry points, in order:
+by `num_blocks_for_bytes`. The extensible cache never commits more blocks than
+`max_num_seqs x max_model_len` can address (`max_useful_blocks`, applied
+through the reservation's capacity). The worker calls three entry points, in order:
 
     classic_num_blocks(profile, ...)        classic: the final count, before warmup
     capacity_blocks(total, ...)             extensible: the reservation, before warmup
@@ -252,6 +254,19 @@ def committed_bytes_for_blocks(
     return per_segment * num_segments
 
 
+def blocks_filling_granules(
+    num_blocks: int, block_stride: int, num_segments: int, granularity: int
+) -> int:
+    """The most blocks that commit no more bytes than `num_blocks` do (>= num_blocks).
+
+    `num_blocks` rounds every segment up to whole granules; the blocks that fit
+    in that rounding come free, so a cap of `num_blocks` is applied as this.
+    E.g. 17 blocks of 24 KiB fill one 2 MiB granule per segment, which holds 85.
+    """
+    committed = committed_bytes_for_blocks(num_blocks, block_stride, num_segments, granularity)
+    return num_blocks_for_bytes(committed, block_stride, num_segments, granularity)
+
+
 def check_min_blocks(num_blocks: int, available_bytes: int, bytes_per_block: int) -> None:
     """At least one usable block besides the null block.
 
@@ -304,20 +319,54 @@ def classic_num_blocks(
     return KVCacheSize(num_blocks, result)
 
 
-def capacity_blocks(total: int, block_stride: int, num_segments: int, granularity: int) -> int:
-    """The most blocks the extensible reservation is made for: what the whole device holds.
+def max_useful_blocks(max_num_seqs: int, max_model_len: int, block_size: int) -> int:
+    """The most blocks the engine can ever address at once, counting the null block.
 
-    Reserving address space costs nothing physical, so the capacity is
-    `total / bytes_per_block` (at least `WARMUP_NUM_BLOCKS`), rounded up so
-    every segment's capacity ends on a granule: a granule is then never shared
-    between two segments' capacities.
+    `max_num_seqs` requests of `max_model_len` tokens each need
+    `ceil(max_model_len / block_size)` blocks apiece; a block beyond that can
+    hold nothing a running request reads, so committing it only takes memory
+    from other processes (issue #16 item 6: `max_num_seqs 1 x max_model_len
+    1024` once committed 3.96 GiB for 46 MiB of possible use).
+
+        useful = max_num_seqs x ceil(max_model_len / block_size) + 1
+
+    Raises:
+        ValueError: a count below 1.
+    """
+    if min(max_num_seqs, max_model_len, block_size) < 1:
+        raise ValueError(
+            f"max_num_seqs ({max_num_seqs}), max_model_len ({max_model_len}) and "
+            f"block_size ({block_size}) must be >= 1"
+        )
+    return max_num_seqs * -(-max_model_len // block_size) + 1
+
+
+def capacity_blocks(
+    total: int,
+    block_stride: int,
+    num_segments: int,
+    granularity: int,
+    max_blocks: int | None = None,
+) -> int:
+    """The most blocks the extensible reservation is made for.
+
+    Reserving address space costs nothing physical, so the capacity is what
+    the whole device holds, `total / bytes_per_block`, bounded by `max_blocks`
+    (`max_useful_blocks`: what `max_num_seqs x max_model_len` can use) and at
+    least `WARMUP_NUM_BLOCKS`, rounded up so every segment's capacity ends on
+    a granule: a granule is then never shared between two segments'
+    capacities, and the blocks up to that end cost no extra memory (the
+    granule holding them is committed anyway).
 
         align    = granularity / gcd(granularity, block_stride)
-        n        = max(total / (block_stride x num_segments), WARMUP_NUM_BLOCKS)
+        n        = max(min(total / (block_stride x num_segments), max_blocks), WARMUP_NUM_BLOCKS)
         capacity = ceil(n / align) x align
     """
     align = granularity // math.gcd(granularity, block_stride)
-    capacity = max(total // (block_stride * num_segments), WARMUP_NUM_BLOCKS)
+    capacity = total // (block_stride * num_segments)
+    if max_blocks is not None:
+        capacity = min(capacity, max_blocks)
+    capacity = max(capacity, WARMUP_NUM_BLOCKS)
     return -(-capacity // align) * align
 
 
@@ -332,14 +381,20 @@ def final_num_blocks(
     capacity: int,
     explicit_bytes: int | None = None,
     budget_cap: int | None = None,
+    max_blocks: int | None = None,
 ) -> KVCacheSize:
     """The extensible path's block count after warmup, from what is really free.
 
     A measured budget (`extensible_kv_cache_bytes`) is a hard limit: its blocks
     are rounded down to whole granules per segment (`num_blocks_for_bytes`).
-    An explicit `kv_cache_memory_bytes` is a number of KV bytes the user
-    wants: that many whole blocks, each segment's commit rounded up to the
-    granularity. Either way at most `capacity` blocks.
+    An explicit `kv_cache_memory_bytes` is honoured within one granule in
+    total: the committed bytes (every segment rounded up to the granularity)
+    never exceed `explicit_bytes + granularity`, so with many segments the
+    count is rounded *down* to whole granules per segment (fewer blocks, never
+    one extra granule per segment: 64 MiB asked on 30 segments of 2 MiB
+    granules commits 60 MiB, not 120 MiB). Either way at most `capacity`
+    blocks, and at most the blocks that fill the granules `max_blocks` commit
+    (`blocks_filling_granules`: what the engine can use costs no more memory).
 
     Args:
         snapshot: memory after warmup.
@@ -350,6 +405,7 @@ def final_num_blocks(
         capacity: blocks the reservation holds.
         explicit_bytes: `kv_cache_memory_bytes`, if given.
         budget_cap: the platform's bound on the KV cache (CPU), if any.
+        max_blocks: `max_useful_blocks(...)`, if the count is to be bounded by use.
 
     Raises:
         KVCacheSizingError: the explicit size exceeds what is available, the
@@ -364,7 +420,10 @@ def final_num_blocks(
                 f"{available / GiB:.2f} GiB available after warmup"
             )
         result = SizingResult(explicit_bytes, explicit_bytes, 0)
-        num_blocks = explicit_bytes // bytes_per_block
+        num_blocks = num_blocks_for_bytes(
+            explicit_bytes + granularity, block_stride, num_segments, granularity
+        )
+        num_blocks = min(num_blocks, explicit_bytes // bytes_per_block)
     else:
         result = extensible_kv_cache_bytes(
             total=snapshot.total,
@@ -377,8 +436,26 @@ def final_num_blocks(
         )
         num_blocks = num_blocks_for_bytes(result.kv_bytes, block_stride, num_segments, granularity)
     num_blocks = min(num_blocks, capacity)
+    if max_blocks is not None:
+        cap = blocks_filling_granules(max_blocks, block_stride, num_segments, granularity)
+        num_blocks = min(num_blocks, cap)
     check_min_blocks(num_blocks, result.kv_bytes, bytes_per_block)
     return KVCacheSize(num_blocks, result)
+
+
+def fit_max_model_len(max_model_len: int, num_blocks: int, block_size: int) -> int:
+    """The context length the KV cache can hold for one request, at most `max_model_len`.
+
+    One request may use every block but the null block 0, so the cache holds
+    `(num_blocks - 1) x block_size` tokens of one sequence. A longer
+    `max_model_len` would be advertised (`/v1/models`) and then refused per
+    request; the engine serves the fitted length instead (vLLM refuses to start
+    in this case; fitting keeps the server usable and says so in a warning).
+
+    Returns:
+        min(max_model_len, (num_blocks - 1) x block_size), tokens.
+    """
+    return min(max_model_len, (num_blocks - 1) * block_size)
 
 
 def min_across_ranks(num_blocks_per_rank: Iterable[int]) -> int:
