@@ -540,3 +540,19 @@ def test_cuda_oom_part_way_rolls_back_and_leaks_nothing():
     et.grow_segments_([g, g])  # still usable
     assert et.physical_bytes == 2 * g
     et.free()
+
+
+def test_segment_view_storage_is_the_committed_prefix_at_a_fixed_address():
+    driver = HostVmmDriver()
+    et = ExtensibleTensor([8 * MiB, 8 * MiB], driver)
+    et.grow_segments_([3 * MiB + 17, MiB])
+    view = et.segment_view(1)
+    assert view.untyped_storage().nbytes() == MiB  # not the 16 MiB reservation
+    assert view.data_ptr() == et.base + 8 * MiB
+    et.grow_segments_([3 * MiB + 17, 5 * MiB])
+    grown = et.segment_view(1)
+    assert grown.data_ptr() == view.data_ptr()
+    assert grown.untyped_storage().nbytes() == 5 * MiB
+    assert et.segment_view(0).untyped_storage().nbytes() == 3 * MiB + 17
+    assert et.full_view().untyped_storage().nbytes() == 16 * MiB  # address arithmetic only
+    et.free()

@@ -31,9 +31,11 @@ Invariants (what captured CUDA graphs and per-layer views rely on):
     the base pointer and a block table keep working while it grows.
   * Growth is grow-only and maps *new* granules only; nothing already mapped is
     touched, so data written before a growth is intact after it.
-  * Views are authoritative: `segment_view(i)` spans exactly the committed prefix.
-    Never derive extents from `tensor.untyped_storage().nbytes()`: every view
-    shares one storage object that spans the whole (mostly uncommitted) capacity.
+  * Views are authoritative: `segment_view(i)` spans exactly the committed
+    prefix, and so does its storage (`untyped_storage().nbytes()` is the
+    committed prefix, upstream's contract): each call builds a tensor of its
+    own at the same address. Only `full_view()` has a storage that spans the
+    whole (mostly uncommitted) capacity.
 
 Reading or writing an uncommitted byte is a bug: on the host it kills the
 process with SIGSEGV (the range is PROT_NONE), on a GPU it is an illegal memory
@@ -251,14 +253,25 @@ class ExtensibleTensor:
     def segment_view(self, index: int) -> torch.Tensor:
         """uint8 tensor `[segment_sizes[index]]` over exactly the committed prefix of a segment.
 
+        Its storage spans that prefix too (`untyped_storage().nbytes() ==
+        segment_sizes[index]`); `data_ptr()` is `base + segment_offsets[index]`
+        on every call. Views taken before a growth keep their old extent: take
+        new ones after `grow_segments_`.
+
         Raises:
             IndexError: no such segment.
         """
         self._check_alive()
         if not 0 <= index < len(self._caps):
             raise IndexError(f"segment index {index} out of range for {len(self._caps)} segments")
-        start = self._offsets[index]
-        return self._full[start:start + self._sizes[index]]
+        start, size = self._offsets[index], self._sizes[index]
+        if size == 0:
+            return self._full[start:start]
+        # A tensor of its own over the committed prefix, so that its storage
+        # (`untyped_storage().nbytes()`) is exactly the committed bytes: code
+        # that sizes memory from a storage never reaches uncommitted pages.
+        # Same address every time (the base never moves).
+        return _tensor_over(self._res.va + start, size, self._driver.device, self._res)
 
     # ----------------------------------------------------------------- growth
 
