@@ -281,8 +281,8 @@ class ExtensibleTensor:
         Maps the missing granules of each growing segment as ONE driver
         allocation (driver cost is per call, not per byte), then zeroes the bytes
         that became part of a prefix when `zero_new` (skipped where the driver
-        guarantees fresh pages read zero, i.e. on the host, so a large commit
-        costs no resident memory until it is used). Equal sizes are a no-op.
+        guarantees fresh pages read zero, i.e. on the host, whose driver makes
+        committed pages resident itself). Equal sizes are a no-op.
 
         On a driver failure part-way (e.g. out of memory) everything this call
         mapped is unmapped and released again, sizes are unchanged, and the
