@@ -388,6 +388,55 @@ class ExtensibleTensor:
         for a, b in _merge(ranges):
             self._full[a:b].zero_()
 
+    def shrink_segments_(self, sizes: Sequence[int]) -> int:
+        """Shrink each segment's committed prefix to `sizes[i]` bytes; release whole tail chunks.
+
+        The elastic KV cache's shrink. Exposed sizes drop to `sizes`; a driver
+        allocation ("chunk") is unmapped and released when it lies wholly in
+        its segment beyond the new prefix (a chunk cannot be partly unmapped,
+        on GPUs as here), so callers shrink to an earlier growth's size to
+        return memory. Addresses never move; bytes below `sizes[i]` are kept.
+        Waits for device work first.
+
+        Returns:
+            bytes released.
+
+        Raises:
+            ValueError: wrong number of sizes, or a size above what is committed.
+            RuntimeError: released (asleep) or used after `free()`.
+            VmmError: the driver failed (chunks released so far stay released).
+        """
+        self._check_alive()
+        if self._saved_sizes is not None:
+            raise RuntimeError("shrink_segments_() on a released tensor: recommit_() first")
+        sizes = [_as_size("size", i, s) for i, s in enumerate(sizes)]
+        if len(sizes) != len(self._caps):
+            raise ValueError(f"expected {len(self._caps)} sizes (one per segment), got {len(sizes)}")
+        for i, (new, old) in enumerate(zip(sizes, self._sizes, strict=True)):
+            if new > old:
+                raise ValueError(
+                    f"segment {i}: size {new} bytes is above its committed size {old} bytes; "
+                    "shrink_segments_ only shrinks (grow_segments_ grows)"
+                )
+        g = self._g
+        # Views shrink first, so none ever covers an unmapped byte.
+        self._sizes = sizes
+        doomed = [
+            c for c in self._res.chunks
+            if c.first * g >= self._offsets[c.segment] + sizes[c.segment]
+            and (c.first + c.count) * g <= self._offsets[c.segment] + self._caps[c.segment]
+        ]
+        if not doomed:
+            return 0
+        self._driver.synchronize()
+        released = 0
+        for chunk in sorted(doomed, key=lambda c: -c.first):
+            self._driver.unmap(self._res.va + chunk.first * g, chunk.count * g)
+            self._res.chunks.remove(chunk)  # unmapped: no longer backs anything
+            self._driver.release(chunk.handle)
+            released += chunk.count * g
+        return released
+
     # ------------------------------------------------------ release / recommit
 
     def release_physical(self) -> None:
