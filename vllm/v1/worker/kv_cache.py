@@ -169,7 +169,7 @@ class KVCacheBuffers(ABC):
 
         Equal counts are a no-op. Raises ValueError past the capacity or below
         what is committed. (Releasing free tail blocks while serving, the
-        elastic cache's shrink, belongs next to this as `release_tail_blocks`.)
+        elastic cache's shrink, is `ExtensibleKVCacheBuffers.release_tail_blocks`.)
         """
 
     @abstractmethod
@@ -364,6 +364,32 @@ class ExtensibleKVCacheBuffers(KVCacheBuffers):
     @property
     def rdma_unsupported_reason(self) -> str | None:
         return getattr(self.driver, "rdma_unsupported_reason", None)
+
+    def release_tail_blocks(self, num_blocks: int) -> int:
+        """Shrink every segment to `num_blocks` blocks; release the whole chunks beyond.
+
+        The elastic cache's shrink: blocks `num_blocks ..` must hold nothing
+        (the block pool gave them up first). Memory returns in whole driver
+        allocations, so the caller shrinks to an earlier growth's count. Live
+        blocks never move; the views are rebuilt at the same addresses.
+
+        Returns:
+            bytes released.
+
+        Raises:
+            ValueError: below 1 block or above what is committed.
+            RuntimeError: not allocated, or released (asleep).
+        """
+        tensor = self._allocated()
+        if not 1 <= num_blocks <= self.committed_blocks:
+            raise ValueError(
+                f"release_tail_blocks({num_blocks}): must be in [1, {self.committed_blocks}] "
+                f"(the committed blocks)"
+            )
+        released = tensor.shrink_segments_([num_blocks * self.block_stride] * self.num_segments)
+        self.committed_blocks = num_blocks
+        self.views = self._committed_views()
+        return released
 
     def _committed_views(self) -> dict[str, torch.Tensor]:
         """Per-layer views whose storage is their segment's committed prefix.
