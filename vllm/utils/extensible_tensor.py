@@ -411,7 +411,9 @@ class ExtensibleTensor:
             raise RuntimeError("shrink_segments_() on a released tensor: recommit_() first")
         sizes = [_as_size("size", i, s) for i, s in enumerate(sizes)]
         if len(sizes) != len(self._caps):
-            raise ValueError(f"expected {len(self._caps)} sizes (one per segment), got {len(sizes)}")
+            raise ValueError(
+                f"expected {len(self._caps)} sizes (one per segment), got {len(sizes)}"
+            )
         for i, (new, old) in enumerate(zip(sizes, self._sizes, strict=True)):
             if new > old:
                 raise ValueError(

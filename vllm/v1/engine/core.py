@@ -20,6 +20,7 @@ from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler, SchedulerStats
+from vllm.v1.engine.elastic_kv import ElasticKVController
 from vllm.v1.executor import Executor
 from vllm.v1.outputs import (
     AsyncModelRunnerOutput,
@@ -63,7 +64,11 @@ class EngineCore:
         except BaseException:
             self.model_executor.shutdown()  # no rank keeps its memory after a failed start
             raise
-        self.max_model_len = self._fit_max_model_len(num_blocks)
+        bounds = None
+        if cache.enable_elastic_kv_cache:
+            bounds = self.model_executor.collective_rpc("elastic_kv_cache_bounds")[0]
+        # Elastic: a request may use what the cache can grow to, not what it holds now.
+        self.max_model_len = self._fit_max_model_len(bounds.limit if bounds else num_blocks)
         self.scheduler = Scheduler(
             max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
@@ -90,6 +95,10 @@ class EngineCore:
         # Async scheduling: steps launched whose outputs are not yet applied (at most 2).
         self._batch_queue: deque[tuple[SchedulerOutput, Any]] = deque()
         self._scheduled_req_ids: list[str] = []  # of the last (possibly failed) step
+        self.elastic = (
+            None if bounds is None
+            else ElasticKVController(self.model_executor, self.scheduler, bounds)
+        )
         policy = self.scheduler.prefill_policy
         if policy.concurrent:
             logger.info(
@@ -199,6 +208,7 @@ class EngineCore:
         if self.async_scheduling:
             return self._step_async()
         self._scheduled_req_ids = []
+        self.adjust_kv_cache()
         if not (self.scheduler.has_unfinished_requests() or self.scheduler.sending):
             return []
         scheduler_output = self.scheduler.schedule()
@@ -252,6 +262,29 @@ class EngineCore:
             scheduler_output, runner_output = self._batch_queue.popleft()
             self.scheduler.update_from_output(scheduler_output, _resolve(runner_output))
 
+    def adjust_kv_cache(self) -> None:
+        """The elastic cache grows or shrinks here, between steps (a no-op otherwise).
+
+        Called before every step and at every idle poll of the engine loops.
+        """
+        if self.elastic is not None and not self.is_sleeping() and self.elastic.adjust():
+            self._kv_memory = None
+
+    def set_kv_cache_limit(self, limit_bytes: int | None) -> int:
+        """A runtime ceiling for the elastic cache in bytes (None: the start-up limit).
+
+        Returns:
+            the limit in blocks (floor <= limit <= the start-up limit).
+
+        Raises:
+            RuntimeError: the elastic cache is off.
+        """
+        if self.elastic is None:
+            raise RuntimeError("a KV cache limit needs --enable-elastic-kv-cache")
+        limit = self.elastic.set_limit(limit_bytes)
+        self._kv_memory = None
+        return limit
+
     def scheduled_request_ids(self) -> list[str]:
         """Ids of the requests the last `step()` scheduled (also when it raised)."""
         return list(self._scheduled_req_ids)
@@ -266,6 +299,10 @@ class EngineCore:
         self._drain_batch_queue()  # no step may still write into the cache
         self.abort_requests(list(self.scheduler.requests))
         self._kv_memory = self._sleeping = None
+        if self.elastic is not None:  # wake commits the floor, then grows what fits
+            self._blocks_before_sleep = self.scheduler.num_blocks
+            self.scheduler.reset_prefix_cache()
+            self.elastic.shrink_to_floor()
         self.model_executor.collective_rpc("sleep", args=(level,))
         self.scheduler.reset_prefix_cache()
 
@@ -277,7 +314,11 @@ class EngineCore:
             sleep) on any rank; see `Worker.wake_up`.
         """
         self._kv_memory = self._sleeping = None
-        return any(self.model_executor.collective_rpc("wake_up", args=(tags,)))
+        reload = any(self.model_executor.collective_rpc("wake_up", args=(tags,)))
+        if self.elastic is not None and not self.is_sleeping():
+            self.elastic.regrow(getattr(self, "_blocks_before_sleep", 0))
+            self._kv_memory = None
+        return reload
 
     def is_sleeping(self) -> bool:
         """Whether any rank has weights or KV cache asleep (cached between sleep and wake)."""
@@ -304,12 +345,13 @@ class EngineCore:
 
     def _read_kv_cache_memory(self) -> KVCacheMemory:
         per_rank = self.model_executor.collective_rpc("kv_cache_memory")
-        if len(per_rank) == 1:
-            return per_rank[0]
+        policy = None if self.elastic is None else self.elastic.policy
         return KVCacheMemory(
             committed_bytes=sum(m.committed_bytes for m in per_rank),
             reserved_bytes=sum(m.reserved_bytes for m in per_rank),
             num_blocks=per_rank[0].num_blocks,
+            num_grows=0 if policy is None else policy.num_grows,
+            num_shrinks=0 if policy is None else policy.num_shrinks,
         )
 
     def reset_prefix_cache(self) -> bool:

@@ -248,6 +248,8 @@ class EngineThread:
                     break
                 if self._has_work():
                     self._step()
+                elif not self._sleeping:
+                    self.engine.adjust_kv_cache()  # the elastic cache shrinks while idle
                 self._maybe_log_stats()
         except BaseException as e:  # a bug in the loop itself: nothing can be trusted
             logger.exception("the engine loop crashed")

@@ -66,6 +66,14 @@ class LLMEngine:
         # What the last step produced (timings, token counts), for metrics.
         self.last_iteration_stats: IterationStats | None = None
 
+    def adjust_kv_cache(self) -> None:
+        """Let the elastic KV cache grow or shrink now (idle loops call this).
+
+        An engine core in its own process does this in its own loop.
+        """
+        if isinstance(self.engine_core, EngineCore):
+            self.engine_core.adjust_kv_cache()
+
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
         return cls(engine_args.create_engine_config())

@@ -23,6 +23,7 @@ Each stage logs one INFO line with its GiB figures. The worker holds one
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 from collections.abc import Callable
@@ -40,6 +41,8 @@ from vllm.v1.spec_decode.ngram_proposer import NgramProposer
 from vllm.v1.worker import kv_cache_sizing as sizing
 from vllm.v1.worker import ranks
 from vllm.v1.worker.draft_model import DraftModelProposer, rename_draft_layers
+
+from vllm.v1.worker.elastic_kv_cache import ElasticBounds, ElasticKVCache
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.kv_cache import (
     ClassicKVCacheBuffers,
@@ -108,6 +111,8 @@ class Worker:
         if vllm_config.kv_transfer_config is not None:
             self.post_kv_cache_hooks.append(self._create_kv_connector)
         self.spec_decode_peak = 0  # bytes: the profiled verify batch's peak (spec decode)
+
+        self.elastic: ElasticKVCache | None = None  # with enable_elastic_kv_cache
 
     # ---------------------------------------------------------------- device
     def init_device(self) -> None:
@@ -453,7 +458,10 @@ class Worker:
             return kv_cache.committed_blocks
         t0 = time.perf_counter()
         snapshot, size, num_blocks = self._size_after_warmup()
-        self.extend_kv_cache(num_blocks)
+        if self.config.cache_config.enable_elastic_kv_cache:
+            num_blocks = self._start_elastic(num_blocks)
+        else:
+            self.extend_kv_cache(num_blocks)
         self.startup_seconds["extend"] = time.perf_counter() - t0
         self._log_final_size(snapshot, size, num_blocks)
         return num_blocks
@@ -468,14 +476,57 @@ class Worker:
             runner.spec_decoder.dummy_verify_run(runner.model, hidden, positions)
         del hidden
 
+    # ---------------------------------------------------------- elastic KV
+    def _start_elastic(self, limit: int) -> int:
+        """Commit the elastic floor; `limit` (sized after warmup) bounds later growth."""
+        cache = self.config.cache_config
+        per_request = -(-self.config.model_config.max_model_len // cache.block_size)
+        self.elastic = ElasticKVCache(self.kv_cache, self.memory, limit, per_request)
+        floor = max(self.elastic.bounds.floor, self.kv_cache.committed_blocks)
+        self.extend_kv_cache(floor)
+        logger.info(
+            "Elastic KV cache: committed %.2f GiB (%d blocks) at start-up; grows while serving "
+            "up to %d blocks, in chunks of %d blocks, into memory free at the time",
+            self.kv_cache.committed_bytes / GiB, floor, limit, self.elastic.bounds.chunk,
+        )
+        return floor
+
+    def elastic_kv_cache_bounds(self) -> ElasticBounds | None:
+        """Floor, limit and chunk of the elastic cache; None when it is off."""
+        return None if self.elastic is None else self.elastic.bounds
+
+    def grow_kv_cache(self, num_blocks: int) -> int:
+        """Commit up to `num_blocks` blocks where memory is free now; returns the count reached."""
+        reached = self.elastic.grow(num_blocks)
+        self.model_runner.bind_kv_cache(self.kv_cache.views)
+        return reached
+
+    def shrink_kv_cache(self, num_blocks: int) -> int:
+        """Release the (free) tail blocks `num_blocks..`; returns the count kept."""
+        self.memory.synchronize()
+        kept = self.elastic.shrink(num_blocks)
+        self.model_runner.bind_kv_cache(self.kv_cache.views)
+        return kept
+
+    def set_kv_cache_limit(self, limit_bytes: int | None) -> ElasticBounds:
+        """A runtime ceiling for the elastic cache, bytes (None: the start-up limit)."""
+        if self.elastic is None:
+            raise RuntimeError("a KV cache limit needs --enable-elastic-kv-cache")
+        return self.elastic.set_limit(limit_bytes)
+
     def _size_after_warmup(self) -> tuple[sizing.MemorySnapshot, sizing.KVCacheSize, int]:
         """This rank's measured size, and the block count agreed across ranks."""
         cache = self.config.cache_config
         kv_cache = self.kv_cache
         gc.collect()
         snapshot = self.memory.snapshot(kv_cache.committed_bytes, self.profile.activation_peak)
+        sized = snapshot
+        if cache.enable_elastic_kv_cache:
+            # The limit is what the engine may ever hold (gpu_memory_utilization
+            # x total, the use cap); what is free is checked at every growth.
+            sized = dataclasses.replace(snapshot, free=snapshot.total)
         size = ranks.on_every_rank(self.world_size, lambda: sizing.final_num_blocks(
-            snapshot,
+            sized,
             activation_peak=self.profile.activation_peak,
             gpu_memory_utilization=cache.gpu_memory_utilization,
             block_stride=kv_cache.config.block_stride,

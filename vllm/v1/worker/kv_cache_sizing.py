@@ -79,6 +79,22 @@ POST_WARMUP_FRACTION = 0.001
 WARMUP_NUM_BLOCKS = 2
 
 
+# Elastic mode (docs/elastic_kv_cache.md). Growth goes only into memory that is
+# free at that moment less this headroom, left for everyone else on the device
+# (another engine's next step, a trainer's allocator, our own post-warmup
+# allocations): 2 % of the device with a 256 MiB floor (2.8 GiB on an H200,
+# ~0.5 GiB on a 24 GiB host). A guess to be measured by
+# benchmarks/benchmark_elastic.py, not a measured figure yet.
+ELASTIC_HEADROOM_FRACTION = 0.02
+ELASTIC_HEADROOM_FLOOR_BYTES = 256 * MiB
+
+# The range between the floor and the limit is committed in this many chunks
+# at most: one driver allocation per segment each (commit cost is per call,
+# ~0.1-0.4 ms for 1-8 GiB on the H200, so large chunks), and the unit a shrink
+# returns (a driver allocation is released whole).
+ELASTIC_NUM_CHUNKS = 8
+
+
 class KVCacheSizingError(RuntimeError):
     """The device cannot hold the KV cache asked for (message has the numbers)."""
 
@@ -456,6 +472,55 @@ def fit_max_model_len(max_model_len: int, num_blocks: int, block_size: int) -> i
         min(max_model_len, (num_blocks - 1) x block_size), tokens.
     """
     return min(max_model_len, (num_blocks - 1) * block_size)
+
+
+def elastic_headroom_bytes(total: int) -> int:
+    """Memory an elastic cache leaves free when it grows: max(2 % of total, 256 MiB)."""
+    return max(int(ELASTIC_HEADROOM_FRACTION * total), ELASTIC_HEADROOM_FLOOR_BYTES)
+
+
+def elastic_floor_blocks(
+    limit: int, max_blocks_per_request: int, block_stride: int, num_segments: int,
+    granularity: int,
+) -> int:
+    """Blocks an elastic cache commits at start-up and never releases.
+
+    One request of `max_model_len` tokens (plus the null block) fits without
+    growing, up to the end of the granules it occupies, and never more than
+    `limit`:
+
+        floor = min(limit, blocks_filling_granules(max_blocks_per_request + 1))
+    """
+    wanted = blocks_filling_granules(
+        max_blocks_per_request + 1, block_stride, num_segments, granularity
+    )
+    return max(min(limit, wanted), WARMUP_NUM_BLOCKS)
+
+
+def elastic_chunk_blocks(floor: int, limit: int) -> int:
+    """Blocks one growth adds at least: ceil((limit - floor) / ELASTIC_NUM_CHUNKS), >= 1."""
+    return max(-(-(limit - floor) // ELASTIC_NUM_CHUNKS), 1)
+
+
+def elastic_growth_blocks(
+    *, free: int, total: int, committed_bytes: int, block_stride: int, num_segments: int,
+    granularity: int,
+) -> int:
+    """The most blocks the cache may hold if it grows now into free memory less the headroom.
+
+        blocks = num_blocks_for_bytes(committed_bytes + free - headroom)
+
+    Args:
+        free: free device memory now, bytes.
+        total: device memory, bytes (sizes the headroom).
+        committed_bytes: bytes the cache holds now (granule-rounded).
+
+    Returns:
+        blocks (counting the null block); may be below what is committed when
+        memory is short (then the cache does not grow).
+    """
+    room = committed_bytes + free - elastic_headroom_bytes(total)
+    return num_blocks_for_bytes(room, block_stride, num_segments, granularity)
 
 
 def min_across_ranks(num_blocks_per_rank: Iterable[int]) -> int:

@@ -646,6 +646,17 @@ class Scheduler:
         """
         self.kv_cache_manager.resize(num_blocks)
 
+    def kv_blocks_wanted(self) -> int:
+        """Blocks the requests ask for next (the elastic policy's demand signal).
+
+        Every waiting request's uncomputed tokens (prefix-cache hits not
+        counted) plus one block per running request (a decode crosses into a
+        new block at most once per step).
+        """
+        bs = self.block_size
+        waiting = sum(cdiv(r.num_tokens - r.num_computed_tokens, bs) for r in self.waiting)
+        return waiting + len(self.running)
+
     def reset_prefix_cache(self) -> bool:
         """Forget all cached blocks; False while any request holds blocks."""
         return self.kv_cache_manager.reset_prefix_cache()
