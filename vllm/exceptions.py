@@ -27,3 +27,11 @@ class VLLMValidationError(ValueError):
         super().__init__(message)
         self.parameter = parameter
         self.value = value
+
+
+class DeviceBusyError(RuntimeError):
+    """The device is held by other processes so that this engine cannot start (or may not).
+
+    `str(error)` is one line naming the other processes, their memory and the
+    flag to set; `vllm serve` prints it as is (no traceback).
+    """

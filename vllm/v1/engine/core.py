@@ -262,13 +262,18 @@ class EngineCore:
             scheduler_output, runner_output = self._batch_queue.popleft()
             self.scheduler.update_from_output(scheduler_output, _resolve(runner_output))
 
-    def adjust_kv_cache(self) -> None:
+    def adjust_kv_cache(self) -> bool:
         """The elastic cache grows or shrinks here, between steps (a no-op otherwise).
 
         Called before every step and at every idle poll of the engine loops.
+
+        Returns:
+            True when the committed block count changed.
         """
         if self.elastic is not None and not self.is_sleeping() and self.elastic.adjust():
             self._kv_memory = None
+            return True
+        return False
 
     def set_kv_cache_limit(self, limit_bytes: int | None) -> int:
         """A runtime ceiling for the elastic cache in bytes (None: the start-up limit).

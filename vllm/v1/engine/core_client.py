@@ -318,6 +318,9 @@ class MPEngineCoreClient:
     def reset_prefix_cache(self) -> bool:
         return self.call("reset_prefix_cache")
 
+    def set_kv_cache_limit(self, limit_bytes: int | None) -> int:
+        return self.call("set_kv_cache_limit", limit_bytes)
+
     def get_stats(self) -> Any:
         return self._scheduler_stats
 

@@ -39,9 +39,8 @@ from vllm.v1.kv_cache_interface import KVCacheSpec, get_kv_cache_config
 from vllm.v1.outputs import AsyncModelRunnerOutput, KVCacheMemory, ModelRunnerOutput
 from vllm.v1.spec_decode.ngram_proposer import NgramProposer
 from vllm.v1.worker import kv_cache_sizing as sizing
-from vllm.v1.worker import ranks
+from vllm.v1.worker import ranks, sharing
 from vllm.v1.worker.draft_model import DraftModelProposer, rename_draft_layers
-
 from vllm.v1.worker.elastic_kv_cache import ElasticBounds, ElasticKVCache
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.kv_cache import (
@@ -119,6 +118,8 @@ class Worker:
         t0 = time.perf_counter()
         self.platform.configure_torch_allocator()
         self.platform.configure_threads()
+        # Before a context exists (on a device others filled, it would not fit).
+        sharing.check_device_fits(self.platform, self.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             torch.cuda.init()
@@ -135,33 +136,9 @@ class Worker:
             )
         if self.config.model_config.seed is not None:
             torch.manual_seed(self.config.model_config.seed)
-        self._check_foreign_processes()
+        sharing.check_sharing(self.platform, self.device, self.config.cache_config)
         self.memory = DeviceMemory(self.platform, self.device)
         self.startup_seconds["init_device"] = time.perf_counter() - t0
-
-    def _check_foreign_processes(self) -> None:
-        """Refuse to share the device on the default utilization (DESIGN.md section 5)."""
-        cache = self.config.cache_config
-        others = self.platform.get_foreign_device_processes(self.device.index or 0)
-        if not others:
-            return
-        desc = ", ".join(
-            f"pid {p.pid}" + (f" ({p.used_bytes / GiB:.1f} GiB)" if p.used_bytes else "")
-            for p in others
-        )
-        if not cache.gpu_memory_utilization_explicit:
-            raise RuntimeError(
-                f"another process holds memory on {self.device} ({desc}) and "
-                f"--gpu-memory-utilization was left to its default "
-                f"{cache.gpu_memory_utilization}: set --gpu-memory-utilization to the share "
-                f"of the device this engine may use"
-            )
-        logger.warning(
-            "Sharing %s with %s; this engine keeps to gpu_memory_utilization=%s",
-            self.device,
-            desc,
-            cache.gpu_memory_utilization,
-        )
 
     # ----------------------------------------------------------------- model
     def load_model(self) -> None:
@@ -689,3 +666,4 @@ class Worker:
         gc.collect()
         self.platform.empty_cache()
         ranks.leave_process_group(self.world_size)
+
