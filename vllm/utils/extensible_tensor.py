@@ -67,6 +67,7 @@ import torch
 
 from vllm.device_allocator.vmm import VmmDriver, round_up
 from vllm.logger import init_logger
+from vllm.utils.byte_ranges import merge_ranges, subtract_ranges
 from vllm.utils.dlpack import dlpack_tensor
 
 logger = init_logger(__name__)
@@ -351,15 +352,15 @@ class ExtensibleTensor:
 
     def _plan_growth(self, old: list[int], new: list[int]) -> list[_Chunk]:
         """Chunks to map so every new prefix is backed, each granule mapped once."""
-        mapped = _merge([(c.first, c.first + c.count) for c in self._res.chunks])
+        mapped = merge_ranges([(c.first, c.first + c.count) for c in self._res.chunks])
         plan: list[_Chunk] = []
         for i, (before, after) in enumerate(zip(old, new, strict=True)):
             if after == before or after == 0:
                 continue
             lo, hi = self._granule_span(i, after)
-            for a, b in _subtract(lo, hi, mapped):
+            for a, b in subtract_ranges(lo, hi, mapped):
                 plan.append(_Chunk(segment=i, first=a, count=b - a, handle=None))
-                mapped = _merge(mapped + [(a, b)])
+                mapped = merge_ranges(mapped + [(a, b)])
         return plan
 
     def _map_chunk(self, chunk: _Chunk) -> None:
@@ -385,7 +386,7 @@ class ExtensibleTensor:
             (self._offsets[i] + o, self._offsets[i] + n)
             for i, (o, n) in enumerate(zip(old, new, strict=True)) if n > o
         ]
-        for a, b in _merge(ranges):
+        for a, b in merge_ranges(ranges):
             self._full[a:b].zero_()
 
     def shrink_segments_(self, sizes: Sequence[int]) -> int:
@@ -573,31 +574,6 @@ def _as_size(what: str, index: int | None, value: Any) -> int:
     if value < 0:
         raise ValueError(f"{where}{what} {value} is negative")
     return value
-
-
-def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Sorted union of half-open integer ranges, touching ranges joined."""
-    out: list[tuple[int, int]] = []
-    for a, b in sorted(r for r in ranges if r[1] > r[0]):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
-
-
-def _subtract(lo: int, hi: int, covered: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Parts of [lo, hi) not in the sorted, merged ranges `covered`."""
-    out, cur = [], lo
-    for a, b in covered:
-        if b <= cur or a >= hi:
-            continue
-        if a > cur:
-            out.append((cur, a))
-        cur = max(cur, b)
-    if cur < hi:
-        out.append((cur, hi))
-    return out
 
 
 def _tensor_over(va: int, nbytes: int, device: torch.device, owner: object) -> torch.Tensor:
