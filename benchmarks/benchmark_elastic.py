@@ -44,8 +44,10 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchmark_serving import make_prompts, resolve_model, run_level
+
 from common import ROOT, emit, model_dir_for
+
+from vllm.benchmarks.serve_client import make_prompts, resolve_model, run_level
 
 _URL = re.compile(r"listening on (http://\S+)")
 _METRIC = re.compile(r'^(vllm:[a-z_]+)\{[^}]*\} ([0-9.e+]+)$', re.M)
