@@ -580,3 +580,32 @@ def test_shrink_releases_whole_tail_chunks_and_keeps_addresses_and_data():
     assert int(et.segment_view(1)[MiB:].count_nonzero()) == 0
     et.free()
     assert driver.num_mappings == 0
+
+
+@pytest.mark.cuda
+def test_cuda_shrink_releases_device_memory_and_a_graph_writes_into_the_regrown_range():
+    g = _cuda_driver().granularity
+    et = _cuda_et([64 * g, 64 * g])
+    et.grow_segments_([2 * g, 2 * g])
+    et.segment_view(0).fill_(3)
+    # A graph captured now writes the last byte of a 40-granule prefix of segment 0.
+    index = torch.tensor([40 * g - 1], dtype=torch.int64, device="cuda")
+    value = torch.full((1,), 9, dtype=torch.uint8, device="cuda")
+    target = et.full_view()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        target.index_copy_(0, index, value)
+    torch.cuda.synchronize()
+    et.grow_segments_([40 * g, 40 * g])
+    free_grown = torch.cuda.mem_get_info()[0]
+    assert et.shrink_segments_([2 * g, 2 * g]) == 2 * 38 * g
+    assert torch.cuda.mem_get_info()[0] - free_grown >= 2 * 38 * g  # really returned
+    assert et.segment_view(0).untyped_storage().nbytes() == 2 * g
+    et.grow_segments_([40 * g, 40 * g])  # fresh zeroed pages, same addresses
+    graph.replay()
+    torch.cuda.synchronize()
+    s0 = et.segment_view(0)
+    assert int((s0[: 2 * g] != 3).sum()) == 0 and int(s0[40 * g - 1]) == 9
+    assert int(s0[2 * g: 40 * g - 1].count_nonzero()) == 0
+    del graph
+    et.free()

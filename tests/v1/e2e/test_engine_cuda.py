@@ -116,3 +116,38 @@ def test_classic_and_extensible_paths_byte_identical(tmp_path, shape):
         assert ext_blocks == use_cap < classic_blocks
     else:
         assert classic_blocks < ext_blocks <= use_cap
+
+
+def test_elastic_engine_grows_and_shrinks_without_recapture_and_matches(tmp_path, monkeypatch):
+    # Issue #18 on the GPU: 64 requests of ~400 tokens need ~1700 blocks; the
+    # elastic engine starts at its floor (one 1024-token request), grows while
+    # serving, shrinks when idle, never re-captures a graph, and its greedy
+    # outputs equal the non-elastic engine's.
+    monkeypatch.setenv("VLLM_ELASTIC_KV_SHRINK_DELAY_S", "0")
+    model_dir = make_model_dir(tmp_path / "smollm2", smollm2_config(), weights=False)
+    common = dict(load_format="dummy", dtype="bfloat16", max_model_len=1024, max_num_seqs=64)
+    prompts = [{"prompt_token_ids": [0] + [5 + (i * 7 + j) % 900 for j in range(400)]}
+               for i in range(64)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+    def run(llm):
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    reference = LLM(str(model_dir), **common)
+    expected = run(reference)
+    _shutdown(reference)
+    before = CUDAGraphManager.num_captures
+    elastic = LLM(str(model_dir), enable_elastic_kv_cache=True, **common)
+    captured = CUDAGraphManager.num_captures - before
+    core = elastic.llm_engine.engine_core
+    floor, floor_bytes = core.num_blocks, core.worker.kv_cache.committed_bytes
+    assert floor == core.elastic.policy.floor < core.elastic.policy.limit
+    assert run(elastic) == expected
+    assert core.elastic.policy.num_grows >= 1
+    for _ in range(20):
+        elastic.llm_engine.adjust_kv_cache()
+    assert core.num_blocks == floor and core.worker.kv_cache.committed_bytes == floor_bytes
+    assert core.elastic.policy.num_shrinks >= 1
+    assert CUDAGraphManager.num_captures - before == captured > 0  # never re-captured
+    assert run(elastic) == expected
+    _shutdown(elastic)
