@@ -149,3 +149,48 @@ class ElasticKVCache:
         return sizing.committed_bytes_for_blocks(
             num_blocks, config.block_stride, config.num_segments, self.kv_cache.driver.granularity
         )
+
+
+class ElasticWorkerMixin:
+    """The Worker's elastic-cache calls (reached through `collective_rpc`).
+
+    Expects the Worker's `config`, `kv_cache`, `memory`, `model_runner`,
+    `elastic` and `extend_kv_cache`.
+    """
+
+    def _start_elastic(self, limit: int) -> int:
+        """Commit the elastic floor; `limit` (sized after warmup) bounds later growth."""
+        cache = self.config.cache_config
+        per_request = -(-self.config.model_config.max_model_len // cache.block_size)
+        self.elastic = ElasticKVCache(self.kv_cache, self.memory, limit, per_request)
+        floor = max(self.elastic.bounds.floor, self.kv_cache.committed_blocks)
+        self.extend_kv_cache(floor)
+        logger.info(
+            "Elastic KV cache: committed %.2f GiB (%d blocks) at start-up; grows while serving "
+            "up to %d blocks, in chunks of %d blocks, into memory free at the time",
+            self.kv_cache.committed_bytes / GiB, floor, limit, self.elastic.bounds.chunk,
+        )
+        return floor
+
+    def elastic_kv_cache_bounds(self) -> ElasticBounds | None:
+        """Floor, limit and chunk of the elastic cache; None when it is off."""
+        return None if self.elastic is None else self.elastic.bounds
+
+    def grow_kv_cache(self, num_blocks: int) -> int:
+        """Commit up to `num_blocks` blocks where memory is free now; returns the count reached."""
+        reached = self.elastic.grow(num_blocks)
+        self.model_runner.bind_kv_cache(self.kv_cache.views)
+        return reached
+
+    def shrink_kv_cache(self, num_blocks: int) -> int:
+        """Release the (free) tail blocks `num_blocks..`; returns the count kept."""
+        self.memory.synchronize()
+        kept = self.elastic.shrink(num_blocks)
+        self.model_runner.bind_kv_cache(self.kv_cache.views)
+        return kept
+
+    def set_kv_cache_limit(self, limit_bytes: int | None) -> ElasticBounds:
+        """A runtime ceiling for the elastic cache, bytes (None: the start-up limit)."""
+        if self.elastic is None:
+            raise RuntimeError("a KV cache limit needs --enable-elastic-kv-cache")
+        return self.elastic.set_limit(limit_bytes)

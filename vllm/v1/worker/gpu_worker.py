@@ -41,7 +41,7 @@ from vllm.v1.spec_decode.ngram_proposer import NgramProposer
 from vllm.v1.worker import kv_cache_sizing as sizing
 from vllm.v1.worker import ranks, sharing
 from vllm.v1.worker.draft_model import DraftModelProposer, rename_draft_layers
-from vllm.v1.worker.elastic_kv_cache import ElasticBounds, ElasticKVCache
+from vllm.v1.worker.elastic_kv_cache import ElasticKVCache, ElasticWorkerMixin
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.kv_cache import (
     ClassicKVCacheBuffers,
@@ -59,7 +59,7 @@ logger = init_logger(__name__)
 GiB = sizing.GiB
 
 
-class Worker:
+class Worker(ElasticWorkerMixin):
     """Runs the model on one device (one rank) and owns its KV cache.
 
     Args:
@@ -452,44 +452,6 @@ class Worker:
         if positions:
             runner.spec_decoder.dummy_verify_run(runner.model, hidden, positions)
         del hidden
-
-    # ---------------------------------------------------------- elastic KV
-    def _start_elastic(self, limit: int) -> int:
-        """Commit the elastic floor; `limit` (sized after warmup) bounds later growth."""
-        cache = self.config.cache_config
-        per_request = -(-self.config.model_config.max_model_len // cache.block_size)
-        self.elastic = ElasticKVCache(self.kv_cache, self.memory, limit, per_request)
-        floor = max(self.elastic.bounds.floor, self.kv_cache.committed_blocks)
-        self.extend_kv_cache(floor)
-        logger.info(
-            "Elastic KV cache: committed %.2f GiB (%d blocks) at start-up; grows while serving "
-            "up to %d blocks, in chunks of %d blocks, into memory free at the time",
-            self.kv_cache.committed_bytes / GiB, floor, limit, self.elastic.bounds.chunk,
-        )
-        return floor
-
-    def elastic_kv_cache_bounds(self) -> ElasticBounds | None:
-        """Floor, limit and chunk of the elastic cache; None when it is off."""
-        return None if self.elastic is None else self.elastic.bounds
-
-    def grow_kv_cache(self, num_blocks: int) -> int:
-        """Commit up to `num_blocks` blocks where memory is free now; returns the count reached."""
-        reached = self.elastic.grow(num_blocks)
-        self.model_runner.bind_kv_cache(self.kv_cache.views)
-        return reached
-
-    def shrink_kv_cache(self, num_blocks: int) -> int:
-        """Release the (free) tail blocks `num_blocks..`; returns the count kept."""
-        self.memory.synchronize()
-        kept = self.elastic.shrink(num_blocks)
-        self.model_runner.bind_kv_cache(self.kv_cache.views)
-        return kept
-
-    def set_kv_cache_limit(self, limit_bytes: int | None) -> ElasticBounds:
-        """A runtime ceiling for the elastic cache, bytes (None: the start-up limit)."""
-        if self.elastic is None:
-            raise RuntimeError("a KV cache limit needs --enable-elastic-kv-cache")
-        return self.elastic.set_limit(limit_bytes)
 
     def _size_after_warmup(self) -> tuple[sizing.MemorySnapshot, sizing.KVCacheSize, int]:
         """This rank's measured size, and the block count agreed across ranks."""
