@@ -395,6 +395,9 @@ def test_kv_connector_refused_with_tp_or_sleep(tiny_model, probe):
     with pytest.raises(ValueError, match="cannot be combined with enable_sleep_mode"):
         VllmConfig(model_config=ModelConfig(tiny_model), kv_transfer_config=kv,
                    cache_config=CacheConfig(enable_sleep_mode=True))
+    with pytest.raises(ValueError, match="cannot be combined with enable_elastic_kv_cache"):
+        VllmConfig(model_config=ModelConfig(tiny_model), kv_transfer_config=kv,
+                   cache_config=CacheConfig(enable_elastic_kv_cache=True))
     cfg = VllmConfig(model_config=ModelConfig(tiny_model), kv_transfer_config=kv)
     assert cfg.kv_transfer_config is kv
 
@@ -426,3 +429,16 @@ def test_summary_mentions_resolved_path(tiny_model, probe):
     probe("no VMM")
     line = make(tiny_model).summary()
     assert "kv_cache=classic" in line and "gpu_memory_utilization=0.92" in line
+
+
+def test_elastic_implies_and_requires_the_extensible_cache(tiny_model, probe):
+    probe(None)
+    cache = make(tiny_model, enable_elastic_kv_cache=True).cache_config
+    assert cache.enable_elastic_kv_cache and cache.enable_extensible_kv_cache is True
+    with pytest.raises(ValueError, match="drop --no-enable-extensible-kv-cache"):
+        CacheConfig(enable_elastic_kv_cache=True, enable_extensible_kv_cache=False)
+    with pytest.raises(ValueError, match="enable_elastic_kv_cache must be a bool"):
+        CacheConfig(enable_elastic_kv_cache="yes")
+    probe("no VMM here")
+    with pytest.raises(ValueError, match="cannot be honoured: no VMM here"):
+        make(tiny_model, enable_elastic_kv_cache=True)

@@ -51,3 +51,11 @@ class DeviceMemoryError(RuntimeError):
 
 def _rebuild_device_memory_error(message: str, needed: int, free: int) -> DeviceMemoryError:
     return DeviceMemoryError(message, needed_bytes=needed, free_bytes=free)
+
+
+class DeviceBusyError(RuntimeError):
+    """The device is held by other processes so that this engine cannot start (or may not).
+
+    `str(error)` is one line naming the other processes, their memory and the
+    flag to set; `vllm serve` prints it as is (no traceback).
+    """

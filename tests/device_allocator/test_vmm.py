@@ -57,18 +57,22 @@ def test_host_reserve_is_aligned_and_costs_no_memory():
     assert d.num_reservations == 0
 
 
-def test_host_map_reads_zero_and_unmap_drops_pages():
+@pytest.mark.parametrize("madvise", [True, False], ids=["MADV_POPULATE_WRITE", "touch"])
+def test_host_map_makes_pages_resident_reads_zero_and_unmap_drops_pages(madvise):
+    # Issue #18: a host commit means resident pages (before: only a protection
+    # change, so RSS grew only when the pages were touched).
     d = HostVmmDriver()
+    d.populate_with_madvise = madvise  # False: the pre-5.14 fallback (memset)
     size = 64 * MiB
     va = d.reserve(size)
     h = d.create(size)
+    base_rss = rss_bytes()
     d.map(va, size, h)
     d.set_access(va, size)
+    assert rss_bytes() - base_rss >= 0.9 * size  # resident on commit, untouched
     view = host_bytes(va, size)
     assert int(view.count_nonzero()) == 0  # fresh pages read zero
-    base_rss = rss_bytes()
     view.fill_(0xAB)
-    assert rss_bytes() - base_rss >= 0.9 * size  # touching made them resident
     touched = rss_bytes()
     d.unmap(va, size)
     assert touched - rss_bytes() >= 0.9 * size  # MADV_DONTNEED dropped them

@@ -40,6 +40,9 @@ class CacheConfig:
         enable_extensible_kv_cache: None = on where the platform's VMM probe
             passes, True = required, False = classic path. A bool once resolved.
         enable_sleep_mode: allow `sleep()` / `wake_up()` (needs the extensible cache).
+        enable_elastic_kv_cache: commit KV blocks while serving as they are
+            needed and release free tail blocks when idle (docs/elastic_kv_cache.md);
+            implies (requires) the extensible cache.
         gpu_memory_utilization_explicit: whether the user set
             gpu_memory_utilization (the foreign-process check refuses to share
             a device on a default; not an argument).
@@ -56,6 +59,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     enable_extensible_kv_cache: bool | None = None
     enable_sleep_mode: bool = False
+    enable_elastic_kv_cache: bool = False
     gpu_memory_utilization_explicit: bool = field(init=False)
     extensible_kv_cache_unavailable_reason: str | None = field(init=False, default=None)
     kv_cache_path_resolved: bool = field(init=False, default=False, repr=False)
@@ -80,6 +84,17 @@ class CacheConfig:
                 "enable_extensible_kv_cache must be None (auto), True or False, "
                 f"got {self.enable_extensible_kv_cache!r}"
             )
+        if not isinstance(self.enable_elastic_kv_cache, bool):
+            raise ValueError(
+                f"enable_elastic_kv_cache must be a bool, got {self.enable_elastic_kv_cache!r}"
+            )
+        if self.enable_elastic_kv_cache:
+            if self.enable_extensible_kv_cache is False:
+                raise ValueError(
+                    "enable_elastic_kv_cache (--enable-elastic-kv-cache) needs the extensible "
+                    "KV cache; drop --no-enable-extensible-kv-cache"
+                )
+            self.enable_extensible_kv_cache = True  # implied, hence required
         self.gpu_memory_utilization_explicit = util is not None
 
     def resolve_kv_cache_path(self, vmm_probe: Callable[[], str | None]) -> None:

@@ -96,6 +96,12 @@ class VllmConfig:
                 "registered (or copies from), and deregistering and re-registering "
                 "around sleep is not implemented"
             )
+        if self.cache_config.enable_elastic_kv_cache:
+            raise ValueError(
+                f"kv_transfer_config ({kv.kv_connector}) cannot be combined with "
+                "enable_elastic_kv_cache yet: the connector registers the committed KV "
+                "memory once, and the elastic cache commits and releases it while serving"
+            )
         if self.speculative_config is not None:
             raise ValueError(
                 f"kv_transfer_config ({kv.kv_connector}) cannot be combined with "

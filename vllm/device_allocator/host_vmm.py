@@ -20,6 +20,10 @@ import torch
 from vllm.device_allocator.vmm import VmmDriver, VmmError, effective_granularity, round_up
 
 _PROT_NONE = 0  # <sys/mman.h>; the mmap module does not export it
+# madvise(2): populate (prefault) page tables writable, faulting in every page
+# (Linux 5.14+; older kernels answer EINVAL). Not exported by every Python.
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+_EINVAL = 22
 
 
 class HostPages:
@@ -44,13 +48,18 @@ class HostVmmDriver(VmmDriver):
     """The CPU platform's backend: real address ranges, real pages.
 
     reserve = mmap(PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE): costs
-    no memory and traps on any access. map = mprotect(PROT_READ | PROT_WRITE):
-    the range becomes usable; pages become resident only when touched and read
-    zero until written. unmap = madvise(MADV_DONTNEED) + mprotect(PROT_NONE): the
-    pages are dropped (RSS falls) and the range traps again; a later map sees
-    zeros. So freshly mapped memory is always zero and callers never need to
-    write it (`fresh_pages_zeroed`), which keeps a large commit free of resident
-    memory until it is used.
+    no memory and traps on any access. map = mprotect(PROT_READ | PROT_WRITE)
+    then populate: madvise(MADV_POPULATE_WRITE) (Linux 5.14+), or, where the
+    kernel lacks it, a memset of the range, so every committed page is resident
+    when `map` returns, as `cuMemCreate` memory is on a GPU. That makes a
+    commit mean memory really taken: free memory read afterwards is honest,
+    and two engines on one host see each other's caches (issue #18: two
+    uncommitted-until-touched CPU engines once "committed" 41 GiB on a 23.5 GiB
+    machine without either noticing). A commit the host cannot back fails
+    here with a VmmError (ENOMEM), and the caller rolls it back. unmap =
+    madvise(MADV_DONTNEED) + mprotect(PROT_NONE): the pages are dropped (RSS
+    falls) and the range traps again; a later map sees zeros. Freshly mapped
+    memory is always zero, so callers never need to write it (`fresh_pages_zeroed`).
 
     Like the GPU drivers it refuses to map a range twice or to unmap a range
     that is not exactly a union of whole mappings, so bookkeeping bugs surface
@@ -64,6 +73,8 @@ class HostVmmDriver(VmmDriver):
         self._libc: Any = None
         self._reservations: dict[int, int] = {}  # va -> size
         self._mappings: dict[int, tuple[int, HostPages]] = {}  # va -> (size, handle)
+        # False once the kernel answered EINVAL (pre-5.14): populate by touching.
+        self.populate_with_madvise = True
 
     def probe(self) -> str | None:
         try:
@@ -146,8 +157,32 @@ class HostVmmDriver(VmmDriver):
                     f"[{start:#x}, {start + length:#x}) (size={size})"
                 )
         self._os_call("mprotect", va, size, mmap.PROT_READ | mmap.PROT_WRITE, va=va, size=size)
+        try:
+            self._populate(va, size)
+        except BaseException:
+            self._load_libc().mprotect(va, size, _PROT_NONE)
+            self._load_libc().madvise(va, size, mmap.MADV_DONTNEED)
+            raise
         handle.mapped_at = va
         self._mappings[va] = (size, handle)
+
+    def _populate(self, va: int, size: int) -> None:
+        """Make [va, va + size) resident (see the class docstring).
+
+        Raises:
+            VmmError: the host cannot back the range (ENOMEM, EFAULT).
+        """
+        if self.populate_with_madvise:
+            if self._load_libc().madvise(va, size, _MADV_POPULATE_WRITE) == 0:
+                return
+            errno = ctypes.get_errno()
+            if errno != _EINVAL:
+                raise VmmError(
+                    f"madvise(MADV_POPULATE_WRITE) failed with {os.strerror(errno)} "
+                    f"(errno {errno}; va={va:#x}, size={size}): the host cannot back the commit"
+                )
+            self.populate_with_madvise = False  # an older kernel: touch the pages instead
+        ctypes.memset(va, 0, size)  # pages read zero already: writing zero faults them in
 
     def set_access(self, va: int, size: int) -> None:
         # Access came with map (mprotect); here only check the range is backed.

@@ -115,6 +115,7 @@ class EngineArgs:
     gpu_memory_utilization: float | None = None
     kv_cache_memory_bytes: int | None = None
     enable_extensible_kv_cache: bool | None = None
+    enable_elastic_kv_cache: bool = False
     enable_prefix_caching: bool = True
     enable_sleep_mode: bool = False
     max_num_seqs: int | None = None
@@ -172,6 +173,12 @@ class EngineArgs:
                        default=d.enable_extensible_kv_cache,
                        help="Reserve, warm up, measure, then grow the KV cache (default: on "
                             "where the platform supports it; the flag makes it required).")
+        g.add_argument("--enable-elastic-kv-cache", action=bool_flag,
+                       default=d.enable_elastic_kv_cache,
+                       help="Commit KV cache memory while serving as it is needed, only into "
+                            "memory free at that moment, and return free tail blocks when "
+                            "idle, so engines share a device without tuning (implies "
+                            "--enable-extensible-kv-cache; default: off).")
         g.add_argument("--enable-prefix-caching", action=bool_flag,
                        default=d.enable_prefix_caching,
                        help="Reuse KV cache blocks of shared prompt prefixes (default: on).")
@@ -311,6 +318,7 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
             enable_extensible_kv_cache=self.enable_extensible_kv_cache,
             enable_sleep_mode=self.enable_sleep_mode,
+            enable_elastic_kv_cache=self.enable_elastic_kv_cache,
         )
         return dict(
             cache_config=cache_config,

@@ -190,6 +190,24 @@ class CudaPlatform(CudaAlikePlatform):
             self._vmm[device_index] = CudaVmmDriver(device_index)
         return self._vmm[device_index]
 
+    def free_bytes_before_init(self, device_index: int = 0) -> int | None:
+        """Free device memory from NVML, without creating a CUDA context (None: unknown).
+
+        A context itself takes ~0.5 GiB: on a device another engine filled,
+        creating one is what fails (an OOM traceback in `torch.cuda.set_device`).
+        """
+        try:
+            nvml = importlib.import_module("pynvml")
+            nvml.nvmlInit()
+            try:
+                handle = _nvml_handle_for(nvml, device_index)
+                return None if handle is None else int(nvml.nvmlDeviceGetMemoryInfo(handle).free)
+            finally:
+                nvml.nvmlShutdown()
+        except Exception as e:  # no NVML: unknown
+            logger.debug("NVML memory query failed, treating as unknown: %s", e)
+            return None
+
     def get_foreign_device_processes(self, device_index: int = 0) -> list[DeviceProcess] | None:
         try:
             return nvml_foreign_processes(device_index, self.engine_pids())

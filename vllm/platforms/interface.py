@@ -73,6 +73,10 @@ class Platform:
         """(free bytes, total bytes) of device memory, as the driver reports them now."""
         raise NotImplementedError
 
+    def free_bytes_before_init(self, device_index: int = 0) -> int | None:
+        """Free device memory, read without initialising the device (None: cannot tell)."""
+        return None
+
     def get_foreign_device_processes(self, device_index: int = 0) -> list[DeviceProcess] | None:
         """Other processes holding memory on the device, excluding this engine's own.
 

@@ -31,9 +31,11 @@ Invariants (what captured CUDA graphs and per-layer views rely on):
     the base pointer and a block table keep working while it grows.
   * Growth is grow-only and maps *new* granules only; nothing already mapped is
     touched, so data written before a growth is intact after it.
-  * Views are authoritative: `segment_view(i)` spans exactly the committed prefix.
-    Never derive extents from `tensor.untyped_storage().nbytes()`: every view
-    shares one storage object that spans the whole (mostly uncommitted) capacity.
+  * Views are authoritative: `segment_view(i)` spans exactly the committed
+    prefix, and so does its storage (`untyped_storage().nbytes()` is the
+    committed prefix, upstream's contract): each call builds a tensor of its
+    own at the same address. Only `full_view()` has a storage that spans the
+    whole (mostly uncommitted) capacity.
 
 Reading or writing an uncommitted byte is a bug: on the host it kills the
 process with SIGSEGV (the range is PROT_NONE), on a GPU it is an illegal memory
@@ -65,6 +67,7 @@ import torch
 
 from vllm.device_allocator.vmm import VmmDriver, round_up
 from vllm.logger import init_logger
+from vllm.utils.byte_ranges import merge_ranges, subtract_ranges
 from vllm.utils.dlpack import dlpack_tensor
 
 logger = init_logger(__name__)
@@ -260,14 +263,25 @@ class ExtensibleTensor:
     def segment_view(self, index: int) -> torch.Tensor:
         """uint8 tensor `[segment_sizes[index]]` over exactly the committed prefix of a segment.
 
+        Its storage spans that prefix too (`untyped_storage().nbytes() ==
+        segment_sizes[index]`); `data_ptr()` is `base + segment_offsets[index]`
+        on every call. Views taken before a growth keep their old extent: take
+        new ones after `grow_segments_`.
+
         Raises:
             IndexError: no such segment.
         """
         self._check_alive()
         if not 0 <= index < len(self._caps):
             raise IndexError(f"segment index {index} out of range for {len(self._caps)} segments")
-        start = self._offsets[index]
-        return self._full[start:start + self._sizes[index]]
+        start, size = self._offsets[index], self._sizes[index]
+        if size == 0:
+            return self._full[start:start]
+        # A tensor of its own over the committed prefix, so that its storage
+        # (`untyped_storage().nbytes()`) is exactly the committed bytes: code
+        # that sizes memory from a storage never reaches uncommitted pages.
+        # Same address every time (the base never moves).
+        return _tensor_over(self._res.va + start, size, self._driver.device, self._res)
 
     # ----------------------------------------------------------------- growth
 
@@ -277,8 +291,8 @@ class ExtensibleTensor:
         Maps the missing granules of each growing segment as ONE driver
         allocation (driver cost is per call, not per byte), then zeroes the bytes
         that became part of a prefix when `zero_new` (skipped where the driver
-        guarantees fresh pages read zero, i.e. on the host, so a large commit
-        costs no resident memory until it is used). Equal sizes are a no-op.
+        guarantees fresh pages read zero, i.e. on the host, whose driver makes
+        committed pages resident itself). Equal sizes are a no-op.
 
         On a driver failure part-way (e.g. out of memory) everything this call
         mapped is unmapped and released again, sizes are unchanged, and the
@@ -347,15 +361,15 @@ class ExtensibleTensor:
 
     def _plan_growth(self, old: list[int], new: list[int]) -> list[_Chunk]:
         """Chunks to map so every new prefix is backed, each granule mapped once."""
-        mapped = _merge([(c.first, c.first + c.count) for c in self._res.chunks])
+        mapped = merge_ranges([(c.first, c.first + c.count) for c in self._res.chunks])
         plan: list[_Chunk] = []
         for i, (before, after) in enumerate(zip(old, new, strict=True)):
             if after == before or after == 0:
                 continue
             lo, hi = self._granule_span(i, after)
-            for a, b in _subtract(lo, hi, mapped):
+            for a, b in subtract_ranges(lo, hi, mapped):
                 plan.append(_Chunk(segment=i, first=a, count=b - a, handle=None))
-                mapped = _merge(mapped + [(a, b)])
+                mapped = merge_ranges(mapped + [(a, b)])
         return plan
 
     def _map_chunk(self, chunk: _Chunk) -> None:
@@ -381,8 +395,59 @@ class ExtensibleTensor:
             (self._offsets[i] + o, self._offsets[i] + n)
             for i, (o, n) in enumerate(zip(old, new, strict=True)) if n > o
         ]
-        for a, b in _merge(ranges):
+        for a, b in merge_ranges(ranges):
             self._full[a:b].zero_()
+
+    def shrink_segments_(self, sizes: Sequence[int]) -> int:
+        """Shrink each segment's committed prefix to `sizes[i]` bytes; release whole tail chunks.
+
+        The elastic KV cache's shrink. Exposed sizes drop to `sizes`; a driver
+        allocation ("chunk") is unmapped and released when it lies wholly in
+        its segment beyond the new prefix (a chunk cannot be partly unmapped,
+        on GPUs as here), so callers shrink to an earlier growth's size to
+        return memory. Addresses never move; bytes below `sizes[i]` are kept.
+        Waits for device work first.
+
+        Returns:
+            bytes released.
+
+        Raises:
+            ValueError: wrong number of sizes, or a size above what is committed.
+            RuntimeError: released (asleep) or used after `free()`.
+            VmmError: the driver failed (chunks released so far stay released).
+        """
+        self._check_alive()
+        if self._saved_sizes is not None:
+            raise RuntimeError("shrink_segments_() on a released tensor: recommit_() first")
+        sizes = [_as_size("size", i, s) for i, s in enumerate(sizes)]
+        if len(sizes) != len(self._caps):
+            raise ValueError(
+                f"expected {len(self._caps)} sizes (one per segment), got {len(sizes)}"
+            )
+        for i, (new, old) in enumerate(zip(sizes, self._sizes, strict=True)):
+            if new > old:
+                raise ValueError(
+                    f"segment {i}: size {new} bytes is above its committed size {old} bytes; "
+                    "shrink_segments_ only shrinks (grow_segments_ grows)"
+                )
+        g = self._g
+        # Views shrink first, so none ever covers an unmapped byte.
+        self._sizes = sizes
+        doomed = [
+            c for c in self._res.chunks
+            if c.first * g >= self._offsets[c.segment] + sizes[c.segment]
+            and (c.first + c.count) * g <= self._offsets[c.segment] + self._caps[c.segment]
+        ]
+        if not doomed:
+            return 0
+        self._driver.synchronize()
+        released = 0
+        for chunk in sorted(doomed, key=lambda c: -c.first):
+            self._driver.unmap(self._res.va + chunk.first * g, chunk.count * g)
+            self._res.chunks.remove(chunk)  # unmapped: no longer backs anything
+            self._driver.release(chunk.handle)
+            released += chunk.count * g
+        return released
 
     # ------------------------------------------------------ release / recommit
 
@@ -518,31 +583,6 @@ def _as_size(what: str, index: int | None, value: Any) -> int:
     if value < 0:
         raise ValueError(f"{where}{what} {value} is negative")
     return value
-
-
-def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Sorted union of half-open integer ranges, touching ranges joined."""
-    out: list[tuple[int, int]] = []
-    for a, b in sorted(r for r in ranges if r[1] > r[0]):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
-
-
-def _subtract(lo: int, hi: int, covered: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Parts of [lo, hi) not in the sorted, merged ranges `covered`."""
-    out, cur = [], lo
-    for a, b in covered:
-        if b <= cur or a >= hi:
-            continue
-        if a > cur:
-            out.append((cur, a))
-        cur = max(cur, b)
-    if cur < hi:
-        out.append((cur, hi))
-    return out
 
 
 def _tensor_over(va: int, nbytes: int, device: torch.device, owner: object) -> torch.Tensor:

@@ -47,7 +47,7 @@ Per-layer view shape: [num_blocks, 2, block_size, num_kv_heads, head_size]
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -321,30 +321,78 @@ def reshape_kv_cache(
             f"got {num_blocks!r}"
         )
     byte_view = backing[:size]
-    views: dict[str, torch.Tensor] = {}
+    return {
+        t.layer_name: _layer_view(t, byte_view, t.offset, kv_cache_config.block_stride, num_blocks)
+        for t in kv_cache_config.kv_cache_tensors
+    }
+
+
+def reshape_kv_cache_segments(
+    kv_cache_config: KVCacheConfig, segments: Sequence[torch.Tensor], num_blocks: int
+) -> dict[str, torch.Tensor]:
+    """Per-layer views over per-segment backings: each view's storage is its segment's prefix.
+
+    Like `reshape_kv_cache`, but the backing comes as one uint8 tensor per
+    segment covering exactly its committed prefix (`ExtensibleTensor.segment_view`),
+    so a view's `untyped_storage().nbytes()` is the committed bytes of its
+    segment, never the reservation (issue #16 item 1). Segment `i` spans
+    `[i x size_bytes / num_segments, ...)` of the layout.
+
+    Args:
+        kv_cache_config: the placement at the capacity.
+        segments: `num_segments` uint8 1-D tensors, each at least
+            `num_blocks x block_stride` bytes (for a layer's blocks to fit).
+        num_blocks: committed blocks per layer, 1 <= num_blocks <= capacity.
+
+    Returns / Raises: as `reshape_kv_cache`.
+    """
+    if len(segments) != kv_cache_config.num_segments:
+        raise ValueError(
+            f"expected {kv_cache_config.num_segments} segment backings, got {len(segments)}"
+        )
+    if not isinstance(num_blocks, int) or not 1 <= num_blocks <= kv_cache_config.num_blocks:
+        raise ValueError(
+            f"num_blocks must be in [1, {kv_cache_config.num_blocks}] (the config's capacity), "
+            f"got {num_blocks!r}"
+        )
+    seg_bytes = kv_cache_config.size_bytes // kv_cache_config.num_segments
+    views = {}
     for t in kv_cache_config.kv_cache_tensors:
-        spec = t.spec
-        if not isinstance(spec, FullAttentionSpec):
-            raise ValueError(f"layer {t.layer_name!r}: no view rule for spec {type(spec).__name__}")
-        itemsize = torch.empty((), dtype=spec.dtype).element_size()
-        for what, value in (
-            ("offset", t.offset),
-            ("block_stride", kv_cache_config.block_stride),
-            ("base storage offset", backing.storage_offset()),
-        ):
-            if value % itemsize:
-                raise ValueError(
-                    f"layer {t.layer_name!r}: {what} {value} bytes is not a multiple of "
-                    f"the element size {itemsize} of {spec.dtype}"
-                )
-        typed = byte_view.view(spec.dtype)
-        h, d = spec.num_kv_heads, spec.head_size
-        views[t.layer_name] = typed.as_strided(
-            size=(num_blocks, 2, spec.block_size, h, d),
-            stride=(kv_cache_config.block_stride // itemsize, spec.block_size * h * d, h * d, d, 1),
-            storage_offset=typed.storage_offset() + t.offset // itemsize,
+        index, offset = divmod(t.offset, seg_bytes)
+        segment = segments[index]
+        if segment.dtype != torch.uint8 or segment.dim() != 1:
+            raise ValueError(f"segment {index} backing must be a 1-D uint8 tensor")
+        views[t.layer_name] = _layer_view(
+            t, segment, offset, kv_cache_config.block_stride, num_blocks
         )
     return views
+
+
+def _layer_view(
+    t: KVCacheTensor, byte_view: torch.Tensor, offset: int, block_stride: int, num_blocks: int
+) -> torch.Tensor:
+    """One layer's view [num_blocks, 2, block_size, h, d] at `offset` bytes into `byte_view`."""
+    spec = t.spec
+    if not isinstance(spec, FullAttentionSpec):
+        raise ValueError(f"layer {t.layer_name!r}: no view rule for spec {type(spec).__name__}")
+    itemsize = torch.empty((), dtype=spec.dtype).element_size()
+    for what, value in (
+        ("offset", offset),
+        ("block_stride", block_stride),
+        ("base storage offset", byte_view.storage_offset()),
+    ):
+        if value % itemsize:
+            raise ValueError(
+                f"layer {t.layer_name!r}: {what} {value} bytes is not a multiple of "
+                f"the element size {itemsize} of {spec.dtype}"
+            )
+    typed = byte_view.view(spec.dtype)
+    h, d = spec.num_kv_heads, spec.head_size
+    return typed.as_strided(
+        size=(num_blocks, 2, spec.block_size, h, d),
+        stride=(block_stride // itemsize, spec.block_size * h * d, h * d, d, 1),
+        storage_offset=typed.storage_offset() + offset // itemsize,
+    )
 
 
 def bind_kv_cache(

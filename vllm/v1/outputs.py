@@ -120,8 +120,12 @@ class KVCacheMemory:
         committed_bytes: physical memory backing the cache (granule-rounded).
         reserved_bytes: address space reserved (== committed on the classic path).
         num_blocks: committed blocks, counting the null block.
+        num_grows / num_shrinks: how often the elastic cache grew / released
+            memory while serving (0 without it).
     """
 
     committed_bytes: int
     reserved_bytes: int
     num_blocks: int
+    num_grows: int = 0
+    num_shrinks: int = 0

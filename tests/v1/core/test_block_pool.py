@@ -177,9 +177,35 @@ def test_grow_appends_new_blocks_at_queue_tail_and_keeps_state():
     assert pool.get_usage() == pytest.approx(2 / 7)
     pool.resize(8)  # same size: no-op
     assert pool.num_blocks == 8
-    with pytest.raises(ValueError, match="cannot shrink the block pool from 8 to 6 blocks"):
-        pool.resize(6)
+    # Shrinking drops free tail blocks only (the elastic cache); block 3 is in use.
+    with pytest.raises(ValueError, match="from 8 to 3 blocks: 1 of the tail blocks are in use "
+                                         r"\(first: block 3\)"):
+        pool.resize(3)
     assert pool.num_blocks == 8 and _free_ids(pool) == [4, 2, 5, 6, 7]
+    assert pool.num_free_tail_blocks() == 4  # 7, 6, 5, 4
+    pool.resize(6)
+    assert _ids(pool.blocks) == list(range(6)) and _free_ids(pool) == [4, 2, 5]
+
+
+def test_shrink_evicts_cached_tail_blocks_and_prefer_below_empties_the_tail():
+    pool = BlockPool(9, enable_caching=True)
+    blocks = pool.get_new_blocks(8)  # 1..8
+    hashes = _hashes(8)
+    pool.cache_full_blocks(blocks, hashes, 0, 8)
+    pool.free_blocks(reversed(blocks))  # queue: 8, 7, ..., 1, all cached
+    pool.resize(6)  # drops 6, 7, 8 and their cache entries
+    assert _free_ids(pool) == [5, 4, 3, 2, 1]
+    assert [pool.get_cached_block(h) is not None for h in hashes] == [True] * 5 + [False] * 3
+    pool.resize(9)  # grows back: fresh blocks without hashes at the queue tail
+    assert _free_ids(pool) == [5, 4, 3, 2, 1, 6, 7, 8]
+    pool.free_blocks(pool.get_new_blocks(3))  # 5, 4, 3 taken and freed (evicted)
+    assert _free_ids(pool) == [2, 1, 6, 7, 8, 5, 4, 3]
+    # Prefer ids below 6: 6, 7, 8 are passed over (to the tail) while lower ones are free.
+    pool.prefer_below = 6
+    assert _ids(pool.get_new_blocks(4)) == [2, 1, 5, 4]
+    assert _free_ids(pool) == [3, 6, 7, 8]
+    assert _ids(pool.get_new_blocks(2)) == [3, 6]  # then higher ones, when lower run out
+    assert pool.num_free_tail_blocks() == 2
 
 
 def test_pool_of_only_the_null_block_grows():

@@ -301,13 +301,25 @@ def test_growing_the_cache_unblocks_a_waiting_request():
     run_until_done(sched, runner)
 
 
-def test_the_cache_never_shrinks():
+def test_the_cache_shrinks_only_over_free_tail_blocks():
     sched = make_scheduler(num_blocks=16)
     sched.add_request(make_request("A", _prompt(8, 1000), max_tokens=8))
-    with pytest.raises(ValueError, match="cannot shrink the block pool from 16 to 6 blocks"):
-        sched.resize_kv_cache(6)
-    assert sched.num_blocks == 16
-    run_until_done(sched, FakeRunner(block_size=4))
+    runner = FakeRunner(block_size=4)
+    res = step(sched, runner)  # A holds blocks 1 and 2
+    with pytest.raises(ValueError, match="cannot shrink the block pool from 16 to 2 blocks"):
+        sched.resize_kv_cache(2)
+    sched.resize_kv_cache(6)  # 6..15 were free: live blocks never move
+    assert sched.num_blocks == 6
+    run_until_done(sched, runner, res)
+
+
+def test_requests_are_checked_against_the_elastic_limit_not_the_committed_blocks():
+    sched = make_scheduler(num_blocks=4)  # 3 usable blocks of 4 tokens
+    with pytest.raises(ValueError, match="can never fit"):
+        sched.add_request(make_request("long", _prompt(20, 1000), max_tokens=4))
+    sched.max_num_blocks = 16  # the elastic cache may grow to 16 blocks
+    sched.add_request(make_request("long", _prompt(20, 1000), max_tokens=4))
+    assert sched.get_num_unfinished_requests() == 1
 
 
 def test_constructor_rejects_bad_sizes():

@@ -111,14 +111,24 @@ def test_extensible_release_and_recommit_keep_addresses(driver):
     kv.free()
 
 
-def test_spans_never_come_from_the_storage_size(driver):
-    kv = ExtensibleKVCacheBuffers(_config(1024), driver, CPU)
+@pytest.mark.parametrize("layout", list(KVCacheLayout))
+def test_a_views_storage_is_the_committed_bytes_and_its_address_fixed(driver, layout):
+    # Issue #16 item 1: upstream's contract. Before: every view's storage spanned
+    # the whole reservation (3 x 1024 blocks), whatever was committed.
+    kv = ExtensibleKVCacheBuffers(_config(1024, layout), driver, CPU)
     kv.allocate(2)
-    view = kv.views[LAYERS[0]]
-    # Every view shares one storage spanning the whole reservation ...
-    assert view.untyped_storage().nbytes() >= 3 * 1024 * PAGE
-    # ... but the spans cover only the committed blocks.
-    assert sum(length for _, length in kv.committed_spans()) == 3 * 2 * PAGE
+    per_segment = 2 * PAGE * (3 if layout == KVCacheLayout.BLOCK_OUTERMOST else 1)
+    view = kv.views[LAYERS[1]]
+    ptr = view.data_ptr()
+    assert view.untyped_storage().nbytes() == per_segment == (
+        196608 if layout == KVCacheLayout.BLOCK_OUTERMOST else 65536)
+    grown = kv.extend_kv_cache(40)[LAYERS[1]]
+    assert grown.data_ptr() == ptr  # the same address after growth
+    assert grown.untyped_storage().nbytes() == 20 * per_segment
+    # The whole storage can be read without touching an uncommitted page.
+    whole = torch.empty(0, dtype=torch.uint8).set_(grown.untyped_storage())
+    assert whole.numel() == 20 * per_segment and int(whole.count_nonzero()) == 0
+    assert sum(length for _, length in kv.committed_spans()) == 3 * 40 * PAGE
     assert spans_of_views({}) == []
     kv.free()
 
@@ -148,7 +158,10 @@ def test_cuda_extensible_cache_grows_under_a_captured_graph_and_spans_follow():
     # while only the warmup blocks are committed.
     block = torch.ones(1, dtype=torch.int64, device="cuda")
     value = torch.full(views[layer].shape[1:], 3.0, dtype=torch.bfloat16, device="cuda")
-    full = views[layer].as_strided((4096, *views[layer].shape[1:]), views[layer].stride())
+    # Through the reservation (a view's own storage ends at the committed blocks).
+    page = spec.page_size_bytes
+    full = kv.tensor.full_view()[4096 * page:2 * 4096 * page].view(torch.bfloat16).view(
+        4096, *views[layer].shape[1:])
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -165,7 +178,7 @@ def test_cuda_extensible_cache_grows_under_a_captured_graph_and_spans_follow():
     graph.replay()
     torch.cuda.synchronize()
     assert bool((grown[layer][2999] == 3.0).all())
-    page = spec.page_size_bytes
+    assert grown[layer].untyped_storage().nbytes() == 3000 * page
     assert kv.committed_spans() == [
         (kv.tensor.base + i * 4096 * page, 3000 * page) for i in range(len(LAYERS))
     ]

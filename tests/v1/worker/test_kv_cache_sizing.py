@@ -17,6 +17,7 @@ from vllm.v1.worker.kv_cache_sizing import (
     MemoryProfile,
     MemorySnapshot,
     MiB,
+    blocks_filling_granules,
     capacity_blocks,
     check_min_blocks,
     classic_kv_cache_bytes,
@@ -25,6 +26,7 @@ from vllm.v1.worker.kv_cache_sizing import (
     describe_parts,
     extensible_kv_cache_bytes,
     final_num_blocks,
+    max_useful_blocks,
     min_across_ranks,
     num_blocks_for_bytes,
 )
@@ -288,3 +290,63 @@ def test_a_breakdown_adds_up_exactly_as_printed():
     assert text == "0.50 GiB (weights 0.45, activation peak 0.10, other -0.05)"
     numbers = [float(x) for x in re.findall(r"-?\d+\.\d+", text)]
     assert round(sum(numbers[1:]), 2) == numbers[0]
+
+
+# Issue #16 item 6: 30 segments (one per layer) of 24 KiB blocks, 2 MiB granules.
+LAYER_STRIDE, LAYERS = 24 * 1024, 30
+
+
+@pytest.mark.parametrize(
+    "explicit, blocks, committed",
+    [
+        # (64 MiB + 2 MiB) / 30 = 2306867 -> 1 granule = 2097152 -> 85 blocks;
+        # 30 x 2 MiB = 60 MiB committed (the old rule: 91 blocks, 2 granules each, 120 MiB).
+        (64 * MiB, 85, 62914560),
+        # (2 GiB + 2 MiB) / 30 = 71653922 -> 34 granules = 71303168 -> 2901 blocks;
+        # 30 x 68 MiB = 2040 MiB (the old rule: 2912 blocks, 35 granules each, 2100 MiB).
+        (2 * GiB, 2901, 2139095040),
+        # A multiple of 30 granules is met exactly: 60 MiB -> 85 blocks, 60 MiB.
+        (60 * MiB, 85, 62914560),
+    ],
+)
+def test_explicit_bytes_honoured_within_one_granule_in_total(explicit, blocks, committed):
+    snapshot = MemorySnapshot(total=TOTAL, free=100 * GiB, kv_committed=0,
+                              used_since_start=30 * GiB)
+    size = final_num_blocks(snapshot, activation_peak=GiB, gpu_memory_utilization=1.0,
+                            block_stride=LAYER_STRIDE, num_segments=LAYERS,
+                            granularity=GRANULE, capacity=204032, explicit_bytes=explicit)
+    assert size.num_blocks == blocks
+    assert committed_bytes_for_blocks(blocks, LAYER_STRIDE, LAYERS, GRANULE) == committed
+    assert committed <= explicit + GRANULE
+
+
+def test_capacity_never_exceeds_what_max_num_seqs_x_max_model_len_can_use():
+    # 1 x ceil(1024 / 16) + 1 = 65; 256 x ceil(4096 / 16) + 1 = 65537; 3 x ceil(100/16) + 1 = 22.
+    assert max_useful_blocks(1, 1024, 16) == 65
+    assert max_useful_blocks(256, 4096, 16) == 65537
+    assert max_useful_blocks(3, 100, 16) == 22
+    with pytest.raises(ValueError, match="must be >= 1"):
+        max_useful_blocks(0, 1024, 16)
+    # align 32: 65 -> 96 blocks = 3 granules per segment, 32 x 6 MiB = 192 MiB in all
+    # (the uncapped capacity is the whole device, 71680 blocks, 140 GiB).
+    assert capacity_blocks(TOTAL, STRIDE, SEGMENTS, GRANULE, max_blocks=65) == 96
+    assert committed_bytes_for_blocks(96, STRIDE, SEGMENTS, GRANULE) == 201326592
+    # The cap never goes below the warmup blocks; a large cap leaves the device bound.
+    assert capacity_blocks(TOTAL, STRIDE, SEGMENTS, GRANULE, max_blocks=1) == 32
+    assert capacity_blocks(TOTAL, STRIDE, SEGMENTS, GRANULE, max_blocks=10**9) == 71680
+    # After warmup the measured count stops at that capacity, 96 blocks, not 50944.
+    snapshot = MemorySnapshot(total=TOTAL, free=100 * GiB, kv_committed=64 * MiB,
+                              used_since_start=30 * GiB)
+    size = final_num_blocks(snapshot, activation_peak=4 * GiB, gpu_memory_utilization=1.0,
+                            block_stride=STRIDE, num_segments=SEGMENTS, granularity=GRANULE,
+                            capacity=96)
+    assert size.num_blocks == 96
+    # 30 layers of 24 KiB blocks: 17 useful blocks fill one granule per segment, which
+    # holds 85 blocks (60 MiB in all); the reservation stays granule aligned (256 blocks).
+    assert blocks_filling_granules(17, LAYER_STRIDE, LAYERS, GRANULE) == 85
+    assert capacity_blocks(TOTAL, LAYER_STRIDE, LAYERS, GRANULE, max_blocks=17) == 256
+    size = final_num_blocks(snapshot, activation_peak=4 * GiB, gpu_memory_utilization=1.0,
+                            block_stride=LAYER_STRIDE, num_segments=LAYERS,
+                            granularity=GRANULE, capacity=256, max_blocks=17)
+    assert size.num_blocks == 85
+    assert committed_bytes_for_blocks(85, LAYER_STRIDE, LAYERS, GRANULE) == 60 * MiB

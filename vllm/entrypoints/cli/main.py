@@ -117,6 +117,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     """
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.entrypoints.openai.cli_args import bind_socket, validate_parsed_serve_args
+    from vllm.exceptions import DeviceBusyError
 
     try:
         validate_parsed_serve_args(args)
@@ -134,7 +135,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             vllm_config = build_engine_config(args)
         except (ValueError, FileNotFoundError) as e:
             return _usage_error("serve", e)
-        return run_server(args, vllm_config, sock)
+        try:
+            return run_server(args, vllm_config, sock)
+        except DeviceBusyError as e:  # another process holds the device: one line, exit 1
+            print(f"vllm serve: error: {' '.join(str(e).split())}", file=sys.stderr)
+            return 1
     finally:
         sock.close()
 

@@ -7,6 +7,7 @@ vllm serve ... -> (cli) check flags, bind the port: before torch is imported, so
 build_app:  /v1/models  /v1/completions  /v1/chat/completions          (API key if set)
             /health  /version  /metrics  /tokenize  /detokenize
             /sleep  /wake_up  /is_sleeping                              (--enable-sleep-mode)
+            /kv_cache/limit                                      (--enable-elastic-kv-cache)
 ```
 
 Shutdown: the first SIGINT/SIGTERM stops accepting connections, lets
@@ -37,6 +38,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from vllm.engine.arg_utils import human_readable_bytes
 from vllm.entrypoints.openai.cli_args import (
     DEFAULT_SHUTDOWN_TIMEOUT_S,
     bind_socket,
@@ -117,6 +119,8 @@ def build_app(engine_client: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     _add_server_routes(app, engine_client, metrics)
     if engine_client.vllm_config.cache_config.enable_sleep_mode:
         _add_sleep_routes(app, engine_client)
+    if engine_client.vllm_config.cache_config.enable_elastic_kv_cache:
+        _add_elastic_routes(app, engine_client)
     return app
 
 
@@ -197,6 +201,23 @@ def _add_sleep_routes(app: FastAPI, engine_client: AsyncLLM) -> None:
             return JSONResponse({"is_sleeping": await engine_client.is_sleeping()})
         except Exception as e:
             raise error_from_exception(e) from e
+
+
+def _add_elastic_routes(app: FastAPI, engine_client: AsyncLLM) -> None:
+    # Like /sleep (which exists only with --enable-sleep-mode), a control
+    # endpoint that exists only when its feature flag is on: an operator
+    # lowers an engine's share of the device at runtime without a restart.
+    @app.post("/kv_cache/limit")
+    async def kv_cache_limit(limit_bytes: str | None = None) -> JSONResponse:
+        """`?limit_bytes=8GiB` caps the elastic KV cache; no value restores the start-up limit."""
+        try:
+            value = None if limit_bytes is None else human_readable_bytes(limit_bytes)
+        except (ValueError, TypeError) as e:
+            raise APIError(400, f"limit_bytes: {e}", param="limit_bytes") from e
+        try:
+            return JSONResponse(await engine_client.set_kv_cache_limit(value))
+        except Exception as e:
+            raise error_from_exception(e, "limit_bytes") from e
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -120,6 +120,12 @@ class PrometheusStatLogger:
             "KV cache virtual address space reserved, bytes (= committed on the classic path).")
         self.kv_cache_num_blocks = gauge(
             "vllm:kv_cache_num_blocks", "KV cache blocks in the pool (including the null block).")
+        self.kv_cache_elastic_grows = counter(
+            "vllm:kv_cache_elastic_grows",
+            "Times the elastic KV cache committed more memory while serving.")
+        self.kv_cache_elastic_shrinks = counter(
+            "vllm:kv_cache_elastic_shrinks",
+            "Times the elastic KV cache released free tail blocks' memory.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
         self.num_preemptions = counter("vllm:num_preemptions", "Preemptions (by recompute).")
@@ -193,6 +199,8 @@ class PrometheusStatLogger:
         self._last_prefix_hits = 0
         self._last_external: dict[str, int] = {}
         self._spec: SpecDecodingProm | None = None  # created with the first spec stats
+        self._last_grows = 0
+        self._last_shrinks = 0
 
     def _record_external(self, s: SchedulerStats) -> None:
         """KV connector counters and prompt tokens by source (cumulative in the scheduler)."""
@@ -226,6 +234,10 @@ class PrometheusStatLogger:
             self.kv_cache_committed_bytes.set(kv_cache_memory.committed_bytes)
             self.kv_cache_reserved_bytes.set(kv_cache_memory.reserved_bytes)
             self.kv_cache_num_blocks.set(kv_cache_memory.num_blocks)
+            self._last_grows = _advance(self.kv_cache_elastic_grows, kv_cache_memory.num_grows,
+                                        self._last_grows)
+            self._last_shrinks = _advance(self.kv_cache_elastic_shrinks,
+                                          kv_cache_memory.num_shrinks, self._last_shrinks)
         else:
             self.kv_cache_num_blocks.set(s.num_blocks)
         if iteration_stats is not None:

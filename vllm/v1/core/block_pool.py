@@ -98,6 +98,8 @@ class BlockPool:
         # Initially free in id order, so a fresh pool hands out 1, 2, 3, ...
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
         self.cached_block_hash_to_block = BlockHashToBlockMap()
+        # Elastic cache: hand out ids below this first, so the tail can be released.
+        self.prefer_below: int | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -132,12 +134,33 @@ class BlockPool:
             raise ValueError(
                 f"cannot get {num_blocks} new blocks: only {self.get_num_free_blocks()} are free"
             )
-        blocks = self.free_block_queue.popleft_n(num_blocks)
+        blocks = self._pop_free(num_blocks)
         for block in blocks:
             self._evict_cached_block(block)
             assert block.ref_cnt == 0, block
             block.ref_cnt = 1
         return blocks
+
+    def _pop_free(self, n: int) -> list[KVCacheBlock]:
+        """`n` blocks from the free queue's head; with `prefer_below`, ids below it first.
+
+        The elastic cache sets `prefer_below` to the block count it would like
+        to shrink to, so the tail empties: free blocks at or above it are
+        passed over (moved to the queue's tail, where they are evicted last)
+        while enough lower ones are free. Without it: vLLM's LRU order.
+        """
+        if self.prefer_below is None:
+            return self.free_block_queue.popleft_n(n)
+        queue, taken, passed = self.free_block_queue, [], []
+        for _ in range(len(queue)):
+            if len(taken) == n:
+                break
+            block = queue.popleft()
+            (taken if block.block_id < self.prefer_below else passed).append(block)
+        need = n - len(taken)
+        taken += passed[:need]
+        queue.append_n(passed[need:])
+        return taken
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on prefix-cache hits, reviving free ones from the queue."""
@@ -224,21 +247,47 @@ class BlockPool:
         of the free queue in id order; existing blocks, hashes, reference
         counts and queue order are untouched. Equal counts are a no-op.
 
-        Shrinking is not supported yet: the elastic KV cache will add it here
-        (release free *tail* blocks, so live blocks never move); nothing in the
-        engine asks for it today.
+        Shrinking (the elastic cache returning memory) drops the *tail* blocks
+        `num_blocks ..`, which must all be free: live blocks never move. Any of
+        them that still held a prefix-cache entry is evicted (a later request
+        with that prefix misses and recomputes).
 
         Raises:
-            ValueError: num_blocks < the current count (names both numbers).
+            ValueError: num_blocks < 1, or a tail block to drop is in use
+                (names the block and the counts).
         """
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1 (the null block), got {num_blocks}")
         if num_blocks < self.num_blocks:
-            raise ValueError(
-                f"cannot shrink the block pool from {self.num_blocks} to {num_blocks} blocks: "
-                "only growing is supported"
-            )
+            self._drop_tail(num_blocks)
+            return
         new_blocks = [KVCacheBlock(i) for i in range(self.num_blocks, num_blocks)]
         self.blocks += new_blocks
         self.free_block_queue.append_n(new_blocks)
+
+    def num_free_tail_blocks(self) -> int:
+        """How many blocks at the end of the id range are free (ref_cnt 0): what may shrink."""
+        n = 0
+        for block in reversed(self.blocks):
+            if block.is_null or block.ref_cnt:
+                break
+            n += 1
+        return n
+
+    def _drop_tail(self, num_blocks: int) -> None:
+        tail = self.blocks[num_blocks:]
+        busy = [b.block_id for b in tail if b.ref_cnt]
+        if busy:
+            raise ValueError(
+                f"cannot shrink the block pool from {self.num_blocks} to {num_blocks} blocks: "
+                f"{len(busy)} of the tail blocks are in use (first: block {busy[0]})"
+            )
+        for block in tail:
+            self.free_block_queue.remove(block)
+            self._evict_cached_block(block)
+        del self.blocks[num_blocks:]
+        if self.prefer_below is not None and self.prefer_below >= num_blocks:
+            self.prefer_below = None
 
     def _evict_cached_block(self, block: KVCacheBlock) -> None:
         """Drop `block`'s prefix-cache entry, if it has one."""

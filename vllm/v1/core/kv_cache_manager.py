@@ -87,7 +87,7 @@ class KVCacheManager:
         return self.block_pool.get_num_free_blocks()
 
     def resize(self, num_blocks: int) -> None:
-        """Change the block count; see BlockPool.resize (grow-only today)."""
+        """Change the block count; see BlockPool.resize (a shrink drops free tail blocks)."""
         self.block_pool.resize(num_blocks)
 
     def reset_prefix_cache(self) -> bool:

@@ -346,6 +346,20 @@ class AsyncLLM:
     async def is_sleeping(self) -> bool:
         return await self._call(self._thread.is_sleeping)
 
+    async def set_kv_cache_limit(self, limit_bytes: int | None) -> dict[str, int]:
+        """Cap the elastic KV cache at `limit_bytes` (None: the start-up limit).
+
+        Blocks above the limit are released once free (between steps).
+
+        Returns:
+            {"limit_blocks", "committed_bytes", "num_blocks"} after the change.
+
+        Raises:
+            ValueError: a negative limit.
+            RuntimeError: the elastic cache is off.
+        """
+        return await self._call(self._thread.set_kv_cache_limit, limit_bytes)
+
     # --------------------------------------------------------------- shutdown
     def shutdown(self, timeout: float = 60.0) -> None:
         """Stop the loop (in-flight requests get EngineShutdownError), free the engine

@@ -20,6 +20,7 @@ from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler, SchedulerStats
+from vllm.v1.engine.elastic_kv import ElasticKVController
 from vllm.v1.executor import Executor
 from vllm.v1.outputs import (
     AsyncModelRunnerOutput,
@@ -28,6 +29,7 @@ from vllm.v1.outputs import (
     ModelRunnerOutput,
 )
 from vllm.v1.request import Request, RequestStatus
+from vllm.v1.worker.kv_cache_sizing import fit_max_model_len
 
 logger = init_logger(__name__)
 
@@ -62,10 +64,15 @@ class EngineCore:
         except BaseException:
             self.model_executor.shutdown()  # no rank keeps its memory after a failed start
             raise
+        bounds = None
+        if cache.enable_elastic_kv_cache:
+            bounds = self.model_executor.collective_rpc("elastic_kv_cache_bounds")[0]
+        # Elastic: a request may use what the cache can grow to, not what it holds now.
+        self.max_model_len = self._fit_max_model_len(bounds.limit if bounds else num_blocks)
         self.scheduler = Scheduler(
             max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
-            max_model_len=vllm_config.model_config.max_model_len,
+            max_model_len=self.max_model_len,
             block_size=cache.block_size,
             num_blocks=num_blocks,
             enable_prefix_caching=cache.enable_prefix_caching,
@@ -88,6 +95,10 @@ class EngineCore:
         # Async scheduling: steps launched whose outputs are not yet applied (at most 2).
         self._batch_queue: deque[tuple[SchedulerOutput, Any]] = deque()
         self._scheduled_req_ids: list[str] = []  # of the last (possibly failed) step
+        self.elastic = (
+            None if bounds is None
+            else ElasticKVController(self.model_executor, self.scheduler, bounds)
+        )
         policy = self.scheduler.prefill_policy
         if policy.concurrent:
             logger.info(
@@ -132,6 +143,21 @@ class EngineCore:
         logger.info("KV connector %s (scheduler side), %d KV blocks",
                     type(connector).__name__, num_blocks)
         return connector
+
+    def _fit_max_model_len(self, num_blocks: int) -> int:
+        """max_model_len, lowered (with a warning) to what the final KV cache holds."""
+        configured = self.vllm_config.model_config.max_model_len
+        block_size = self.vllm_config.cache_config.block_size
+        fitted = fit_max_model_len(configured, num_blocks, block_size)
+        if fitted < configured:
+            logger.warning(
+                "max_model_len %d does not fit the KV cache: %d blocks of %d tokens hold "
+                "%d tokens for one sequence; serving with max_model_len %d (raise "
+                "--kv-cache-memory-bytes or --gpu-memory-utilization, or lower "
+                "--max-model-len, to silence this)",
+                configured, num_blocks - 1, block_size, fitted, fitted,
+            )
+        return fitted
 
     def _agree_on_kv_cache_path(self) -> None:
         """One rank that cannot hold the extensible cache puts every rank on the classic path."""
@@ -182,6 +208,7 @@ class EngineCore:
         if self.async_scheduling:
             return self._step_async()
         self._scheduled_req_ids = []
+        self.adjust_kv_cache()
         if not (self.scheduler.has_unfinished_requests() or self.scheduler.sending):
             return []
         scheduler_output = self.scheduler.schedule()
@@ -235,6 +262,34 @@ class EngineCore:
             scheduler_output, runner_output = self._batch_queue.popleft()
             self.scheduler.update_from_output(scheduler_output, _resolve(runner_output))
 
+    def adjust_kv_cache(self) -> bool:
+        """The elastic cache grows or shrinks here, between steps (a no-op otherwise).
+
+        Called before every step and at every idle poll of the engine loops.
+
+        Returns:
+            True when the committed block count changed.
+        """
+        if self.elastic is not None and not self.is_sleeping() and self.elastic.adjust():
+            self._kv_memory = None
+            return True
+        return False
+
+    def set_kv_cache_limit(self, limit_bytes: int | None) -> int:
+        """A runtime ceiling for the elastic cache in bytes (None: the start-up limit).
+
+        Returns:
+            the limit in blocks (floor <= limit <= the start-up limit).
+
+        Raises:
+            RuntimeError: the elastic cache is off.
+        """
+        if self.elastic is None:
+            raise RuntimeError("a KV cache limit needs --enable-elastic-kv-cache")
+        limit = self.elastic.set_limit(limit_bytes)
+        self._kv_memory = None
+        return limit
+
     def scheduled_request_ids(self) -> list[str]:
         """Ids of the requests the last `step()` scheduled (also when it raised)."""
         return list(self._scheduled_req_ids)
@@ -249,6 +304,10 @@ class EngineCore:
         self._drain_batch_queue()  # no step may still write into the cache
         self.abort_requests(list(self.scheduler.requests))
         self._kv_memory = self._sleeping = None
+        if self.elastic is not None:  # wake commits the floor, then grows what fits
+            self._blocks_before_sleep = self.scheduler.num_blocks
+            self.scheduler.reset_prefix_cache()
+            self.elastic.shrink_to_floor()
         self.model_executor.collective_rpc("sleep", args=(level,))
         self.scheduler.reset_prefix_cache()
 
@@ -260,7 +319,11 @@ class EngineCore:
             sleep) on any rank; see `Worker.wake_up`.
         """
         self._kv_memory = self._sleeping = None
-        return any(self.model_executor.collective_rpc("wake_up", args=(tags,)))
+        reload = any(self.model_executor.collective_rpc("wake_up", args=(tags,)))
+        if self.elastic is not None and not self.is_sleeping():
+            self.elastic.regrow(getattr(self, "_blocks_before_sleep", 0))
+            self._kv_memory = None
+        return reload
 
     def is_sleeping(self) -> bool:
         """Whether any rank has weights or KV cache asleep (cached between sleep and wake)."""
@@ -287,12 +350,13 @@ class EngineCore:
 
     def _read_kv_cache_memory(self) -> KVCacheMemory:
         per_rank = self.model_executor.collective_rpc("kv_cache_memory")
-        if len(per_rank) == 1:
-            return per_rank[0]
+        policy = None if self.elastic is None else self.elastic.policy
         return KVCacheMemory(
             committed_bytes=sum(m.committed_bytes for m in per_rank),
             reserved_bytes=sum(m.reserved_bytes for m in per_rank),
             num_blocks=per_rank[0].num_blocks,
+            num_grows=0 if policy is None else policy.num_grows,
+            num_shrinks=0 if policy is None else policy.num_shrinks,
         )
 
     def reset_prefix_cache(self) -> bool:

@@ -117,6 +117,7 @@ class MPEngineCoreClient:
             self.shutdown()
             raise
         self.num_blocks = info["num_blocks"]
+        self.max_model_len = info["max_model_len"]  # fitted to the KV cache
         self._scheduler_stats = info["scheduler_stats"]
         self._kv_memory = info["kv_memory"]
         self._monitor_thread = threading.Thread(
@@ -318,6 +319,9 @@ class MPEngineCoreClient:
 
     def reset_prefix_cache(self) -> bool:
         return self.call("reset_prefix_cache")
+
+    def set_kv_cache_limit(self, limit_bytes: int | None) -> int:
+        return self.call("set_kv_cache_limit", limit_bytes)
 
     def get_stats(self) -> Any:
         return self._scheduler_stats

@@ -145,6 +145,7 @@ class EngineCoreProc:
         """What the frontend learns at start-up (final block count, first statistics)."""
         return {
             "num_blocks": self.core.num_blocks,
+            "max_model_len": self.core.max_model_len,
             "scheduler_stats": self.core.get_stats(),
             "kv_memory": self.core.kv_cache_memory(),
         }
@@ -184,6 +185,10 @@ class EngineCoreProc:
             busy = self.core.has_unfinished_requests()
             if not self._drain_inputs(block=not busy):
                 return self.dead_reason
+            if not busy and self.core.adjust_kv_cache():  # the elastic cache shrinks while idle
+                self._outputs.put(("outputs", EngineCoreOutputs(
+                    outputs=[], scheduler_stats=self.core.get_stats(),
+                    kv_memory=self.core.kv_cache_memory())))
             # Pending KV sends (a prefill instance's blocks waiting to be read) are
             # polled once per idle wait: their blocks are freed within ~_IDLE_POLL_S.
             if self.core.has_unfinished_requests() or self.core.has_pending_kv_sends():

@@ -249,6 +249,8 @@ class EngineThread:
                     break
                 if self._has_work():
                     self._step()
+                elif not self._sleeping and self.engine.adjust_kv_cache():
+                    self._record_stats(None)  # the elastic cache shrank while idle
                 self._maybe_log_stats()
         except BaseException as e:  # a bug in the loop itself: nothing can be trusted
             logger.exception("the engine loop crashed")
@@ -455,6 +457,14 @@ class EngineThread:
 
     def is_sleeping(self) -> bool:
         return self._weights_stale or self.engine.is_sleeping()
+
+    def set_kv_cache_limit(self, limit_bytes: int | None) -> dict[str, int]:
+        """The elastic cache's runtime limit; returns the limit in blocks and what is committed."""
+        limit = self.engine.set_kv_cache_limit(limit_bytes)
+        self._record_stats(None)
+        memory = self.engine.get_kv_cache_memory()
+        return {"limit_blocks": limit, "committed_bytes": memory.committed_bytes,
+                "num_blocks": memory.num_blocks}
 
     def _check_sleep_mode(self) -> None:
         if not self.enable_sleep_mode:

@@ -60,8 +60,32 @@ class LLMEngine:
             self.engine_core: EngineCore | MPEngineCoreClient = MPEngineCoreClient(vllm_config)
         else:
             self.engine_core = EngineCore(vllm_config)
+        # The core fits max_model_len to the final KV cache; everything the
+        # frontend advertises or checks (/v1/models, the processor) reads this.
+        model_config.max_model_len = self.processor.max_model_len = self.engine_core.max_model_len
         # What the last step produced (timings, token counts), for metrics.
         self.last_iteration_stats: IterationStats | None = None
+
+    def adjust_kv_cache(self) -> bool:
+        """Let the elastic KV cache grow or shrink now (idle loops call this).
+
+        An engine core in its own process does this in its own loop.
+
+        Returns:
+            True when the committed block count changed here.
+        """
+        return isinstance(self.engine_core, EngineCore) and self.engine_core.adjust_kv_cache()
+
+    def set_kv_cache_limit(self, limit_bytes: int | None) -> int:
+        """A runtime ceiling for the elastic KV cache, bytes (None: the start-up limit).
+
+        Returns:
+            the limit in blocks.
+
+        Raises:
+            RuntimeError: the elastic cache is off.
+        """
+        return self.engine_core.set_kv_cache_limit(limit_bytes)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:

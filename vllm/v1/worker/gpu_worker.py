@@ -23,6 +23,7 @@ Each stage logs one INFO line with its GiB figures. The worker holds one
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 from collections.abc import Callable
@@ -40,8 +41,9 @@ from vllm.v1.kv_cache_interface import KVCacheSpec, get_kv_cache_config
 from vllm.v1.outputs import AsyncModelRunnerOutput, KVCacheMemory, ModelRunnerOutput
 from vllm.v1.spec_decode.ngram_proposer import NgramProposer
 from vllm.v1.worker import kv_cache_sizing as sizing
-from vllm.v1.worker import ranks
+from vllm.v1.worker import ranks, sharing
 from vllm.v1.worker.draft_model import DraftModelProposer, rename_draft_layers
+from vllm.v1.worker.elastic_kv_cache import ElasticKVCache, ElasticWorkerMixin
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.kv_cache import (
     ClassicKVCacheBuffers,
@@ -59,7 +61,7 @@ logger = init_logger(__name__)
 GiB = sizing.GiB
 
 
-class Worker:
+class Worker(ElasticWorkerMixin):
     """Runs the model on one device (one rank) and owns its KV cache.
 
     Args:
@@ -111,11 +113,15 @@ class Worker:
             self.post_kv_cache_hooks.append(self._create_kv_connector)
         self.spec_decode_peak = 0  # bytes: the profiled verify batch's peak (spec decode)
 
+        self.elastic: ElasticKVCache | None = None  # with enable_elastic_kv_cache
+
     # ---------------------------------------------------------------- device
     def init_device(self) -> None:
         t0 = time.perf_counter()
         self.platform.configure_torch_allocator()
         self.platform.configure_threads()
+        # Before a context exists (on a device others filled, it would not fit).
+        sharing.check_device_fits(self.platform, self.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             torch.cuda.init()
@@ -132,33 +138,9 @@ class Worker:
             )
         if self.config.model_config.seed is not None:
             torch.manual_seed(self.config.model_config.seed)
-        self._check_foreign_processes()
+        sharing.check_sharing(self.platform, self.device, self.config.cache_config)
         self.memory = DeviceMemory(self.platform, self.device)
         self.startup_seconds["init_device"] = time.perf_counter() - t0
-
-    def _check_foreign_processes(self) -> None:
-        """Refuse to share the device on the default utilization (DESIGN.md section 5)."""
-        cache = self.config.cache_config
-        others = self.platform.get_foreign_device_processes(self.device.index or 0)
-        if not others:
-            return
-        desc = ", ".join(
-            f"pid {p.pid}" + (f" ({p.used_bytes / GiB:.1f} GiB)" if p.used_bytes else "")
-            for p in others
-        )
-        if not cache.gpu_memory_utilization_explicit:
-            raise RuntimeError(
-                f"another process holds memory on {self.device} ({desc}) and "
-                f"--gpu-memory-utilization was left to its default "
-                f"{cache.gpu_memory_utilization}: set --gpu-memory-utilization to the share "
-                f"of the device this engine may use"
-            )
-        logger.warning(
-            "Sharing %s with %s; this engine keeps to gpu_memory_utilization=%s",
-            self.device,
-            desc,
-            cache.gpu_memory_utilization,
-        )
 
     # ----------------------------------------------------------------- model
     def load_model(self) -> None:
@@ -407,7 +389,8 @@ class Worker:
                 enable()
         layout = get_kv_cache_config(specs, 1)
         capacity = sizing.capacity_blocks(
-            self.memory.total, layout.block_stride, layout.num_segments, driver.granularity
+            self.memory.total, layout.block_stride, layout.num_segments, driver.granularity,
+            max_blocks=self._max_useful_blocks(),
         )
         kv_cache = ExtensibleKVCacheBuffers(
             get_kv_cache_config(specs, capacity), driver, self.device
@@ -466,7 +449,10 @@ class Worker:
             return kv_cache.committed_blocks
         t0 = time.perf_counter()
         snapshot, size, num_blocks = self._size_after_warmup()
-        self.extend_kv_cache(num_blocks)
+        if self.config.cache_config.enable_elastic_kv_cache:
+            num_blocks = self._start_elastic(num_blocks)
+        else:
+            self.extend_kv_cache(num_blocks)
         self.startup_seconds["extend"] = time.perf_counter() - t0
         self._log_final_size(snapshot, size, num_blocks)
         return num_blocks
@@ -487,8 +473,13 @@ class Worker:
         kv_cache = self.kv_cache
         gc.collect()
         snapshot = self.memory.snapshot(kv_cache.committed_bytes, self.profile.activation_peak)
+        sized = snapshot
+        if cache.enable_elastic_kv_cache:
+            # The limit is what the engine may ever hold (gpu_memory_utilization
+            # x total, the use cap); what is free is checked at every growth.
+            sized = dataclasses.replace(snapshot, free=snapshot.total)
         size = ranks.on_every_rank(self.world_size, lambda: sizing.final_num_blocks(
-            snapshot,
+            sized,
             activation_peak=self.profile.activation_peak,
             gpu_memory_utilization=cache.gpu_memory_utilization,
             block_stride=kv_cache.config.block_stride,
@@ -498,8 +489,17 @@ class Worker:
             explicit_bytes=cache.kv_cache_memory_bytes,
             budget_cap=self._budget_cap(),
             budget_cap_name=self.platform.default_kv_cache_cap_name(),
+            max_blocks=self._max_useful_blocks(),
         ))
         return snapshot, size, self.agree_num_blocks(size.num_blocks)
+
+    def _max_useful_blocks(self) -> int:
+        """Blocks `max_num_seqs x max_model_len` can address (the extensible cache's cap)."""
+        return sizing.max_useful_blocks(
+            self.config.scheduler_config.max_num_seqs,
+            self.config.model_config.max_model_len,
+            self.config.cache_config.block_size,
+        )
 
     def _log_final_size(
         self, snapshot: sizing.MemorySnapshot, size: sizing.KVCacheSize, num_blocks: int
@@ -677,3 +677,4 @@ class Worker:
         gc.collect()
         self.platform.empty_cache()
         ranks.leave_process_group(self.world_size)
+

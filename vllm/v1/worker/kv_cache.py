@@ -38,7 +38,7 @@ import torch
 
 from vllm.device_allocator.vmm import VmmDriver
 from vllm.utils.extensible_tensor import ExtensibleReserve, ExtensibleTensor
-from vllm.v1.kv_cache_interface import KVCacheConfig, reshape_kv_cache
+from vllm.v1.kv_cache_interface import KVCacheConfig, reshape_kv_cache, reshape_kv_cache_segments
 from vllm.v1.outputs import KVCacheMemory
 
 # reserve(size_bytes, num_segments) -> uint8 tensor spanning size_bytes whose
@@ -95,9 +95,9 @@ def allocate_and_reshape_kv_cache(
 def spans_of_views(views: dict[str, torch.Tensor]) -> list[tuple[int, int]]:
     """(base address, length in bytes) of each contiguous byte range the views cover, sorted.
 
-    Derived from the views' data pointers, shapes and strides, never from
-    `untyped_storage().nbytes()` (on the extensible cache every view shares one
-    storage spanning the whole, mostly unmapped, reservation). Overlapping or
+    Derived from the views' data pointers, shapes and strides (a view's
+    storage is its own segment's committed prefix, so storages alone would
+    not say which views are adjacent). Overlapping or
     touching ranges are merged: one span for a fully backed allocation, one per
     committed segment prefix for a grown one.
     """
@@ -174,7 +174,7 @@ class KVCacheBuffers(ABC):
 
         Equal counts are a no-op. Raises ValueError past the capacity or below
         what is committed. (Releasing free tail blocks while serving, the
-        elastic cache's shrink, belongs next to this as `release_tail_blocks`.)
+        elastic cache's shrink, is `ExtensibleKVCacheBuffers.release_tail_blocks`.)
         """
 
     @abstractmethod
@@ -335,11 +335,10 @@ class ExtensibleKVCacheBuffers(KVCacheBuffers):
             raise RuntimeError("the KV cache reservation already exists")
         self._check_range(num_blocks)
         reserve = ExtensibleReserve(self.driver, num_blocks * self.block_stride)
-        self.views = allocate_and_reshape_kv_cache(
-            self.config, self.device, reserve, num_blocks=num_blocks
-        )
+        allocate_and_reshape_kv_cache(self.config, self.device, reserve, num_blocks=num_blocks)
         self.tensor = reserve.tensor
         self.committed_blocks = num_blocks
+        self.views = self._committed_views()
         return self.views
 
     def extend_kv_cache(self, num_blocks: int) -> dict[str, torch.Tensor]:
@@ -361,7 +360,7 @@ class ExtensibleKVCacheBuffers(KVCacheBuffers):
             )
         tensor.grow_segments_([num_blocks * self.block_stride] * self.num_segments)
         self.committed_blocks = num_blocks
-        self.views = reshape_kv_cache(self.config, tensor.full_view(), num_blocks)
+        self.views = self._committed_views()
         return self.views
 
     @property
@@ -374,6 +373,44 @@ class ExtensibleKVCacheBuffers(KVCacheBuffers):
     @property
     def rdma_unsupported_reason(self) -> str | None:
         return getattr(self.driver, "rdma_unsupported_reason", None)
+
+    def release_tail_blocks(self, num_blocks: int) -> int:
+        """Shrink every segment to `num_blocks` blocks; release the whole chunks beyond.
+
+        The elastic cache's shrink: blocks `num_blocks ..` must hold nothing
+        (the block pool gave them up first). Memory returns in whole driver
+        allocations, so the caller shrinks to an earlier growth's count. Live
+        blocks never move; the views are rebuilt at the same addresses.
+
+        Returns:
+            bytes released.
+
+        Raises:
+            ValueError: below 1 block or above what is committed.
+            RuntimeError: not allocated, or released (asleep).
+        """
+        tensor = self._allocated()
+        if not 1 <= num_blocks <= self.committed_blocks:
+            raise ValueError(
+                f"release_tail_blocks({num_blocks}): must be in [1, {self.committed_blocks}] "
+                f"(the committed blocks)"
+            )
+        released = tensor.shrink_segments_([num_blocks * self.block_stride] * self.num_segments)
+        self.committed_blocks = num_blocks
+        self.views = self._committed_views()
+        return released
+
+    def _committed_views(self) -> dict[str, torch.Tensor]:
+        """Per-layer views whose storage is their segment's committed prefix.
+
+        Same data pointers as before every growth (the base never moves), so
+        captured CUDA graphs stay valid; new tensor objects, so that
+        `untyped_storage().nbytes()` of a view is the committed bytes of its
+        segment (`committed_blocks x block_stride`), never the reservation.
+        """
+        tensor = self._allocated()
+        segments = [tensor.segment_view(i) for i in range(self.num_segments)]
+        return reshape_kv_cache_segments(self.config, segments, self.committed_blocks)
 
     def release(self) -> None:
         self._allocated().release_physical()

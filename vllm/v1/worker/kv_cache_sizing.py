@@ -26,7 +26,9 @@ Extensible: decided after warmup and graph capture, from what is really free.
                                                                   ^ grows into here
 
 Both results are turned into a whole number of blocks after granule rounding
-by `num_blocks_for_bytes`. The worker calls three entry points, in order:
+by `num_blocks_for_bytes`. The extensible cache never commits more blocks than
+`max_num_seqs x max_model_len` can address (`max_useful_blocks`, applied
+through the reservation's capacity). The worker calls three entry points, in order:
 
     classic_num_blocks(profile, ...)        classic: the final count, before warmup
     capacity_blocks(total, ...)             extensible: the reservation, before warmup
@@ -75,6 +77,22 @@ POST_WARMUP_FRACTION = 0.001
 # tables of dummy requests point only at it). Warmup thus commits two blocks'
 # worth of pages per segment, never memory the activation peak needs.
 WARMUP_NUM_BLOCKS = 2
+
+
+# Elastic mode (docs/elastic_kv_cache.md). Growth goes only into memory that is
+# free at that moment less this headroom, left for everyone else on the device
+# (another engine's next step, a trainer's allocator, our own post-warmup
+# allocations): 2 % of the device with a 256 MiB floor (2.8 GiB on an H200,
+# ~0.5 GiB on a 24 GiB host). A guess to be measured by
+# benchmarks/benchmark_elastic.py, not a measured figure yet.
+ELASTIC_HEADROOM_FRACTION = 0.02
+ELASTIC_HEADROOM_FLOOR_BYTES = 256 * MiB
+
+# The range between the floor and the limit is committed in this many chunks
+# at most: one driver allocation per segment each (commit cost is per call,
+# ~0.1-0.4 ms for 1-8 GiB on the H200, so large chunks), and the unit a shrink
+# returns (a driver allocation is released whole).
+ELASTIC_NUM_CHUNKS = 8
 
 
 class KVCacheSizingError(RuntimeError):
@@ -284,6 +302,19 @@ def committed_bytes_for_blocks(
     return per_segment * num_segments
 
 
+def blocks_filling_granules(
+    num_blocks: int, block_stride: int, num_segments: int, granularity: int
+) -> int:
+    """The most blocks that commit no more bytes than `num_blocks` do (>= num_blocks).
+
+    `num_blocks` rounds every segment up to whole granules; the blocks that fit
+    in that rounding come free, so a cap of `num_blocks` is applied as this.
+    E.g. 17 blocks of 24 KiB fill one 2 MiB granule per segment, which holds 85.
+    """
+    committed = committed_bytes_for_blocks(num_blocks, block_stride, num_segments, granularity)
+    return num_blocks_for_bytes(committed, block_stride, num_segments, granularity)
+
+
 def check_min_blocks(num_blocks: int, available_bytes: int, bytes_per_block: int) -> None:
     """At least one usable block besides the null block.
 
@@ -338,20 +369,54 @@ def classic_num_blocks(
     return KVCacheSize(num_blocks, result)
 
 
-def capacity_blocks(total: int, block_stride: int, num_segments: int, granularity: int) -> int:
-    """The most blocks the extensible reservation is made for: what the whole device holds.
+def max_useful_blocks(max_num_seqs: int, max_model_len: int, block_size: int) -> int:
+    """The most blocks the engine can ever address at once, counting the null block.
 
-    Reserving address space costs nothing physical, so the capacity is
-    `total / bytes_per_block` (at least `WARMUP_NUM_BLOCKS`), rounded up so
-    every segment's capacity ends on a granule: a granule is then never shared
-    between two segments' capacities.
+    `max_num_seqs` requests of `max_model_len` tokens each need
+    `ceil(max_model_len / block_size)` blocks apiece; a block beyond that can
+    hold nothing a running request reads, so committing it only takes memory
+    from other processes (issue #16 item 6: `max_num_seqs 1 x max_model_len
+    1024` once committed 3.96 GiB for 46 MiB of possible use).
+
+        useful = max_num_seqs x ceil(max_model_len / block_size) + 1
+
+    Raises:
+        ValueError: a count below 1.
+    """
+    if min(max_num_seqs, max_model_len, block_size) < 1:
+        raise ValueError(
+            f"max_num_seqs ({max_num_seqs}), max_model_len ({max_model_len}) and "
+            f"block_size ({block_size}) must be >= 1"
+        )
+    return max_num_seqs * -(-max_model_len // block_size) + 1
+
+
+def capacity_blocks(
+    total: int,
+    block_stride: int,
+    num_segments: int,
+    granularity: int,
+    max_blocks: int | None = None,
+) -> int:
+    """The most blocks the extensible reservation is made for.
+
+    Reserving address space costs nothing physical, so the capacity is what
+    the whole device holds, `total / bytes_per_block`, bounded by `max_blocks`
+    (`max_useful_blocks`: what `max_num_seqs x max_model_len` can use) and at
+    least `WARMUP_NUM_BLOCKS`, rounded up so every segment's capacity ends on
+    a granule: a granule is then never shared between two segments'
+    capacities, and the blocks up to that end cost no extra memory (the
+    granule holding them is committed anyway).
 
         align    = granularity / gcd(granularity, block_stride)
-        n        = max(total / (block_stride x num_segments), WARMUP_NUM_BLOCKS)
+        n        = max(min(total / (block_stride x num_segments), max_blocks), WARMUP_NUM_BLOCKS)
         capacity = ceil(n / align) x align
     """
     align = granularity // math.gcd(granularity, block_stride)
-    capacity = max(total // (block_stride * num_segments), WARMUP_NUM_BLOCKS)
+    capacity = total // (block_stride * num_segments)
+    if max_blocks is not None:
+        capacity = min(capacity, max_blocks)
+    capacity = max(capacity, WARMUP_NUM_BLOCKS)
     return -(-capacity // align) * align
 
 
@@ -367,14 +432,20 @@ def final_num_blocks(
     explicit_bytes: int | None = None,
     budget_cap: int | None = None,
     budget_cap_name: str = "the platform's cap",
+    max_blocks: int | None = None,
 ) -> KVCacheSize:
     """The extensible path's block count after warmup, from what is really free.
 
     A measured budget (`extensible_kv_cache_bytes`) is a hard limit: its blocks
     are rounded down to whole granules per segment (`num_blocks_for_bytes`).
-    An explicit `kv_cache_memory_bytes` is a number of KV bytes the user
-    wants: that many whole blocks, each segment's commit rounded up to the
-    granularity. Either way at most `capacity` blocks.
+    An explicit `kv_cache_memory_bytes` is honoured within one granule in
+    total: the committed bytes (every segment rounded up to the granularity)
+    never exceed `explicit_bytes + granularity`, so with many segments the
+    count is rounded *down* to whole granules per segment (fewer blocks, never
+    one extra granule per segment: 64 MiB asked on 30 segments of 2 MiB
+    granules commits 60 MiB, not 120 MiB). Either way at most `capacity`
+    blocks, and at most the blocks that fill the granules `max_blocks` commit
+    (`blocks_filling_granules`: what the engine can use costs no more memory).
 
     Args:
         snapshot: memory after warmup.
@@ -386,6 +457,7 @@ def final_num_blocks(
         explicit_bytes: `kv_cache_memory_bytes`, if given.
         budget_cap: the platform's bound on the KV cache (CPU), if any.
         budget_cap_name: what `budget_cap` is, for `SizingResult.limited_by`.
+        max_blocks: `max_useful_blocks(...)`, if the count is to be bounded by use.
 
     Raises:
         KVCacheSizingError: the explicit size exceeds what is available, the
@@ -400,7 +472,10 @@ def final_num_blocks(
                 f"{available / GiB:.2f} GiB available after warmup"
             )
         result = SizingResult(explicit_bytes, explicit_bytes, 0, LIMIT_EXPLICIT)
-        num_blocks = explicit_bytes // bytes_per_block
+        num_blocks = num_blocks_for_bytes(
+            explicit_bytes + granularity, block_stride, num_segments, granularity
+        )
+        num_blocks = min(num_blocks, explicit_bytes // bytes_per_block)
     else:
         result = extensible_kv_cache_bytes(
             total=snapshot.total,
@@ -414,8 +489,75 @@ def final_num_blocks(
         )
         num_blocks = num_blocks_for_bytes(result.kv_bytes, block_stride, num_segments, granularity)
     num_blocks = min(num_blocks, capacity)
+    if max_blocks is not None:
+        cap = blocks_filling_granules(max_blocks, block_stride, num_segments, granularity)
+        num_blocks = min(num_blocks, cap)
     check_min_blocks(num_blocks, result.kv_bytes, bytes_per_block)
     return KVCacheSize(num_blocks, result)
+
+
+def fit_max_model_len(max_model_len: int, num_blocks: int, block_size: int) -> int:
+    """The context length the KV cache can hold for one request, at most `max_model_len`.
+
+    One request may use every block but the null block 0, so the cache holds
+    `(num_blocks - 1) x block_size` tokens of one sequence. A longer
+    `max_model_len` would be advertised (`/v1/models`) and then refused per
+    request; the engine serves the fitted length instead (vLLM refuses to start
+    in this case; fitting keeps the server usable and says so in a warning).
+
+    Returns:
+        min(max_model_len, (num_blocks - 1) x block_size), tokens.
+    """
+    return min(max_model_len, (num_blocks - 1) * block_size)
+
+
+def elastic_headroom_bytes(total: int) -> int:
+    """Memory an elastic cache leaves free when it grows: max(2 % of total, 256 MiB)."""
+    return max(int(ELASTIC_HEADROOM_FRACTION * total), ELASTIC_HEADROOM_FLOOR_BYTES)
+
+
+def elastic_floor_blocks(
+    limit: int, max_blocks_per_request: int, block_stride: int, num_segments: int,
+    granularity: int,
+) -> int:
+    """Blocks an elastic cache commits at start-up and never releases.
+
+    One request of `max_model_len` tokens (plus the null block) fits without
+    growing, up to the end of the granules it occupies, and never more than
+    `limit`:
+
+        floor = min(limit, blocks_filling_granules(max_blocks_per_request + 1))
+    """
+    wanted = blocks_filling_granules(
+        max_blocks_per_request + 1, block_stride, num_segments, granularity
+    )
+    return max(min(limit, wanted), WARMUP_NUM_BLOCKS)
+
+
+def elastic_chunk_blocks(floor: int, limit: int) -> int:
+    """Blocks one growth adds at least: ceil((limit - floor) / ELASTIC_NUM_CHUNKS), >= 1."""
+    return max(-(-(limit - floor) // ELASTIC_NUM_CHUNKS), 1)
+
+
+def elastic_growth_blocks(
+    *, free: int, total: int, committed_bytes: int, block_stride: int, num_segments: int,
+    granularity: int,
+) -> int:
+    """The most blocks the cache may hold if it grows now into free memory less the headroom.
+
+        blocks = num_blocks_for_bytes(committed_bytes + free - headroom)
+
+    Args:
+        free: free device memory now, bytes.
+        total: device memory, bytes (sizes the headroom).
+        committed_bytes: bytes the cache holds now (granule-rounded).
+
+    Returns:
+        blocks (counting the null block); may be below what is committed when
+        memory is short (then the cache does not grow).
+    """
+    room = committed_bytes + free - elastic_headroom_bytes(total)
+    return num_blocks_for_bytes(room, block_stride, num_segments, granularity)
 
 
 def min_across_ranks(num_blocks_per_rank: Iterable[int]) -> int:

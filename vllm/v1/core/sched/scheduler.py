@@ -134,6 +134,9 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager(
             num_blocks, block_size, enable_prefix_caching, max_model_len
         )
+        # The elastic cache: the most blocks it may grow to (requests are
+        # checked against it, not against what is committed now). None: fixed.
+        self.max_num_blocks: int | None = None
 
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()  # FCFS; preempted requests go to the front
@@ -181,7 +184,7 @@ class Scheduler:
                 f"length max_model_len={self.max_model_len}",
                 parameter="prompt",
             )
-        self._check_fits_cache(request, self.num_blocks)
+        self._check_fits_cache(request, self.max_num_blocks or self.num_blocks)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -636,16 +639,28 @@ class Scheduler:
         return self.kv_cache_manager.num_blocks
 
     def resize_kv_cache(self, num_blocks: int) -> None:
-        """Adopt a new KV block count (the worker committed more blocks).
+        """Adopt a new KV block count: the worker committed more, or free tail blocks go.
 
         The engine builds the scheduler once, with the final count; this is
-        the seam for the elastic cache, which commits blocks while serving.
-        See `BlockPool.resize` (grow-only today).
+        the seam for the elastic cache, which commits and releases blocks
+        while serving. See `BlockPool.resize`: a shrink must only drop free
+        tail blocks (cached ones are evicted); live blocks never move.
 
         Raises:
-            ValueError: a count below the current one.
+            ValueError: a shrink over a block in use.
         """
         self.kv_cache_manager.resize(num_blocks)
+
+    def kv_blocks_wanted(self) -> int:
+        """Blocks the requests ask for next (the elastic policy's demand signal).
+
+        Every waiting request's uncomputed tokens (prefix-cache hits not
+        counted) plus one block per running request (a decode crosses into a
+        new block at most once per step).
+        """
+        bs = self.block_size
+        waiting = sum(cdiv(r.num_tokens - r.num_computed_tokens, bs) for r in self.waiting)
+        return waiting + len(self.running)
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached blocks; False while any request holds blocks."""

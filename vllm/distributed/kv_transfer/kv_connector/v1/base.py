@@ -92,9 +92,10 @@ class KVConnectorBase_V1(ABC):
         - called once, after `extend_kv_cache`: the views span only committed
           memory and will not change size while the connector lives;
         - `regions` come from the per-layer views (`KVCacheBuffers.committed_spans()`,
-          derived from data pointers, shapes and strides), never from
-          `untyped_storage().nbytes()`, which on the extensible cache spans the
-          whole, mostly unmapped, reservation;
+          derived from data pointers, shapes and strides); a view's
+          `untyped_storage().nbytes()` is its own segment's committed prefix
+          (never the reservation), but storages alone do not say which views
+          are adjacent;
         - a fully backed allocation gives one region; a grown extensible cache
           one region per committed segment prefix (per layer when layers are
           outermost); a connector that registers memory (NIXL) registers

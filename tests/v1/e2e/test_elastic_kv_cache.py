@@ -1,0 +1,148 @@
+"""The elastic KV cache on real host pages: it follows the load up and back down (issue #18).
+
+The bundled model (SmolLM2-135M, fp32): 30 layers of 24 KiB blocks; a 2 MiB
+host granule per layer holds 85 blocks. The engine starts with the floor (one
+max_model_len request: 17 blocks, filling one granule per layer = 85 blocks,
+60 MiB), grows under a burst of 16 requests and returns to the floor when idle
+(`VLLM_ELASTIC_KV_SHRINK_DELAY_S=0`).
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from vllm import LLM, SamplingParams
+
+MiB = 1 << 20
+PROMPTS = [f"Write a short story number {i} about a lighthouse keeper and the sea." * 8
+           for i in range(16)]
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+@pytest.fixture(scope="module")
+def elastic_llm():
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_ELASTIC_KV_SHRINK_DELAY_S", "0")
+    engine = LLM(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=512,
+                 kv_cache_memory_bytes=256 * MiB, enable_elastic_kv_cache=True,
+                 enable_sleep_mode=True)
+    yield engine
+    engine.llm_engine.shutdown()
+    mp.undo()
+    gc.collect()
+
+
+def _texts(llm: LLM) -> list[str]:
+    return [o.outputs[0].text for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def _idle_until_floor(llm: LLM, core) -> None:
+    for _ in range(20):
+        llm.llm_engine.adjust_kv_cache()
+        if core.num_blocks == core.elastic.policy.floor:
+            return
+
+
+def test_committed_bytes_and_rss_follow_the_load_up_and_down(elastic_llm, offline_llm):
+    core = elastic_llm.llm_engine.engine_core
+    kv_cache = core.worker.kv_cache
+    floor = core.elastic.policy.floor
+    assert floor == kv_cache.committed_blocks == core.num_blocks == 85
+    assert kv_cache.committed_bytes == 60 * MiB
+    # Record every resize on the worker: (blocks, bytes, RSS) before and after.
+    worker, trace = core.worker, []
+
+    def traced(fn):
+        def call(num_blocks):
+            before = (kv_cache.committed_blocks, kv_cache.committed_bytes, _rss())
+            out = fn(num_blocks)
+            trace.append((before, (kv_cache.committed_blocks, kv_cache.committed_bytes, _rss())))
+            return out
+        return call
+
+    worker.grow_kv_cache = traced(worker.grow_kv_cache)
+    worker.shrink_kv_cache = traced(worker.shrink_kv_cache)
+    # And how many prefix-cache entries each shrink of the block pool evicted.
+    pool = core.scheduler.kv_cache_manager.block_pool
+    resize, evicted = core.scheduler.resize_kv_cache, []
+
+    def traced_resize(num_blocks):
+        cached = len(pool.cached_block_hash_to_block)
+        resize(num_blocks)
+        evicted.append(cached - len(pool.cached_block_hash_to_block))
+
+    core.scheduler.resize_kv_cache = traced_resize
+    # No shrink during the burst, so the blocks above the floor end it holding
+    # cached prompt blocks (the shrink after it must evict them).
+    core.elastic.policy.shrink_delay_s = 1e9
+    texts = _texts(elastic_llm)  # 16 prompts of ~120 tokens: ~150 blocks in flight, 84 committed
+    grows = [(a, b) for a, b in trace if b[0] > a[0]]
+    assert grows and core.elastic.policy.num_grows == len(grows)
+    assert max(b[0] for _, b in grows) > floor
+    for a, b in grows:  # host commits are resident at once
+        assert b[2] - a[2] >= 0.8 * (b[1] - a[1])
+    assert texts == _texts(offline_llm)  # identical to the non-elastic engine (greedy, fp32)
+
+    core.elastic.policy.shrink_delay_s = 0.0
+    _idle_until_floor(elastic_llm, core)
+    assert core.num_blocks == kv_cache.committed_blocks == floor
+    assert kv_cache.committed_bytes == 60 * MiB
+    assert core.elastic.policy.num_shrinks >= 1
+    shrinks = [(a, b) for a, b in trace if b[0] < a[0]]
+    assert sum(a[1] - b[1] for a, b in shrinks) > 0
+    for a, b in shrinks:  # the pages really left
+        assert a[2] - b[2] >= 0.8 * (a[1] - b[1])
+    memory = core.kv_cache_memory()
+    assert memory.committed_bytes == 60 * MiB and memory.num_shrinks >= 1
+
+    # The shrink evicted cached prefix blocks above the floor; the same prompts
+    # again hit only what survived and still give the same text.
+    assert sum(evicted) > 0
+    hits_before = core.get_stats().prefix_cache_hits
+    assert _texts(elastic_llm) == texts
+    assert core.get_stats().prefix_cache_hits > hits_before  # survivors were reused
+
+
+def test_a_runtime_limit_caps_growth_and_releases_blocks_above_it(elastic_llm):
+    core = elastic_llm.llm_engine.engine_core
+    # 90 MiB: (90 MiB / 30 segments) rounded down to one granule = 85 blocks = the floor.
+    assert elastic_llm.llm_engine.set_kv_cache_limit(90 * MiB) == 85
+    assert core.scheduler.max_num_blocks == 85
+    elastic_llm.generate(PROMPTS, GREEDY, use_tqdm=False)  # queues instead of growing
+    assert core.num_blocks == 85 and core.worker.kv_cache.committed_bytes == 60 * MiB
+    assert elastic_llm.llm_engine.set_kv_cache_limit(None) == 341  # the start-up limit back
+    with pytest.raises(ValueError, match=">= 0 bytes"):
+        elastic_llm.llm_engine.set_kv_cache_limit(-1)
+
+
+def test_wake_under_pressure_commits_the_floor_and_grows_later(elastic_llm, monkeypatch):
+    core = elastic_llm.llm_engine.engine_core
+    worker, kv_cache = core.worker, core.worker.kv_cache
+    elastic_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    elastic_llm.sleep(level=1)
+    assert kv_cache.committed_bytes == 0 and core.num_blocks == 85
+    # Another process took the memory: only 100 MiB free now (less than the headroom).
+    monkeypatch.setattr(worker.memory, "free_bytes", lambda: 100 * MiB)
+    elastic_llm.wake_up()
+    assert not elastic_llm.llm_engine.is_sleeping()
+    assert core.num_blocks == kv_cache.committed_blocks == 85  # the floor, no failure
+    assert kv_cache.committed_bytes == 60 * MiB
+    texts = [o.outputs[0].text for o in elastic_llm.generate(PROMPTS[:2], GREEDY,
+                                                              use_tqdm=False)]
+    assert core.num_blocks == 85  # served from the floor (queued, never grown)
+    monkeypatch.undo()  # the memory came back: the next burst grows again
+    grows = core.elastic.policy.num_grows
+    assert [o.outputs[0].text for o in elastic_llm.generate(PROMPTS[:2], GREEDY,
+                                                             use_tqdm=False)] == texts
+    elastic_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert core.elastic.policy.num_grows > grows

@@ -1,0 +1,72 @@
+"""The KV cache honours its size and its use, and max_model_len fits the cache (issue #16).
+
+The bundled model (SmolLM2-135M, fp32 on the CPU): 30 layers, one segment each,
+blocks of 16 tokens x 2 x 3 KV heads x 64 x 4 bytes = 24 KiB per layer; host
+granules of 2 MiB hold 85 blocks per segment.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import httpx
+import pytest
+
+from tests.entrypoints.openai.utils import RemoteServer
+from vllm import LLM, SamplingParams
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def small_cache_llm():
+    # 64 MiB asked: (64 + 2) MiB / 30 segments -> one 2 MiB granule each = 85 blocks,
+    # 60 MiB committed; (85 - 1) x 16 = 1344 tokens for one sequence < 2048.
+    engine = LLM(max_model_len=2048, max_num_seqs=2, max_num_batched_tokens=256,
+                 kv_cache_memory_bytes=64 * MiB, enable_extensible_kv_cache=True)
+    yield engine
+    engine.llm_engine.shutdown()
+    gc.collect()
+
+
+def test_explicit_size_within_one_granule_and_max_model_len_fitted(small_cache_llm):
+    worker = small_cache_llm.llm_engine.engine_core.worker
+    assert worker.kv_cache.committed_blocks == 85
+    assert worker.kv_cache.committed_bytes == 60 * MiB  # the old rule committed 120 MiB
+    assert small_cache_llm.llm_engine.vllm_config.model_config.max_model_len == 1344
+    # A request up to the fitted length is served; one past it is refused up front.
+    prompt = {"prompt_token_ids": [28] * 1340}  # prefill in six steps, then four tokens
+    out = small_cache_llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0,
+                                                            ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    with pytest.raises(ValueError, match="1344"):
+        small_cache_llm.generate(["Hello"], SamplingParams(max_tokens=1400), use_tqdm=False)
+
+
+def test_committed_kv_never_exceeds_what_the_engine_can_use():
+    # max_num_seqs 1 x max_model_len 256 = 17 blocks of use: one granule per layer
+    # (85 blocks, 60 MiB), not the CPU default budget of several GiB.
+    engine = LLM(max_model_len=256, max_num_seqs=1, max_num_batched_tokens=256,
+                 enable_extensible_kv_cache=True)
+    try:
+        kv_cache = engine.llm_engine.engine_core.worker.kv_cache
+        assert kv_cache.committed_blocks == 85
+        assert kv_cache.committed_bytes == 60 * MiB
+        assert kv_cache.capacity_blocks == 256  # address space, granule aligned
+    finally:
+        engine.llm_engine.shutdown()
+        gc.collect()
+
+
+def test_server_advertises_the_fitted_max_model_len():
+    with RemoteServer(["--max-model-len", "2048", "--max-num-seqs", "2",
+                       "--max-num-batched-tokens", "256", "--kv-cache-memory-bytes", "64MiB",
+                       "--uvicorn-log-level", "warning", "--disable-log-stats"]) as server:
+        assert "serving with max_model_len 1344" in server.startup_log
+        models = httpx.get(server.url_for("v1/models"), timeout=30).json()
+        assert models["data"][0]["max_model_len"] == 1344
+        # A plain chat request without max_tokens is served (not refused for 2048).
+        reply = server.get_client().chat.completions.create(
+            model=models["data"][0]["id"], messages=[{"role": "user", "content": "Hi"}],
+            stop=[" ", "\n", "."])  # a few tokens: the point is that it is accepted
+        assert reply.choices[0].message.content

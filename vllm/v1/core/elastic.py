@@ -1,0 +1,132 @@
+"""The elastic KV cache's policy: when to commit more blocks and when to return some.
+
+Torch-free; the engine core asks it between steps (and every idle poll) and
+carries out its answer on the workers (`ElasticKVCache.grow` / `.shrink`) and
+on the block pool (`Scheduler.resize_kv_cache`). Numbers are block counts
+counting the null block.
+
+    grow    when the free blocks run below a low-water mark (a quarter chunk,
+            or what waiting requests need): to committed + max(chunk, need),
+            at most the limit. The worker may reach less (memory is free only
+            now, less a headroom); the scheduler then queues or preempts as it
+            does whenever the cache is full.
+    shrink  when every block of the last growth (the tail, [b, committed)) has
+            been free, or held only evictable prefix-cache entries, for
+            `shrink_delay_s`, and the blocks below b still leave the low-water
+            mark free: back to b (the growth's driver allocations are released
+            whole). Also when a runtime limit is set below what is committed.
+    prefer  while a shrink is possible, allocation prefers ids below b
+            (`BlockPool.prefer_below`), so the tail empties.
+
+Sources: kvcached (elastic KV memory for co-located LLMs, github.com/ovg-project/kvcached)
+shrinks idle tail pages the same way; the thresholds here are ours.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+DEFAULT_SHRINK_DELAY_S = 10.0
+
+
+@dataclass(frozen=True)
+class ElasticDecision:
+    """What to do now: grow to `num_blocks`, shrink to it, or nothing (None)."""
+
+    action: str  # "grow" | "shrink"
+    num_blocks: int
+
+
+class ElasticKVPolicy:
+    """Decides grow/shrink targets from the block pool's state.
+
+    Args:
+        committed: blocks committed at start-up (the floor, normally).
+        floor: never shrink below.
+        limit: never grow above (changed by `set_limit`).
+        chunk: the least one growth adds.
+        shrink_delay_s: how long the tail must stay free before it goes.
+        clock: seconds, monotonic (tests pass their own).
+    """
+
+    def __init__(
+        self, committed: int, floor: int, limit: int, chunk: int,
+        shrink_delay_s: float = DEFAULT_SHRINK_DELAY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not 1 <= floor <= committed <= max(limit, committed) or chunk < 1:
+            raise ValueError(
+                f"need 1 <= floor ({floor}) <= committed ({committed}) and chunk ({chunk}) >= 1"
+            )
+        self.floor, self.limit, self.chunk = floor, limit, chunk
+        self.shrink_delay_s = shrink_delay_s
+        self.clock = clock
+        self.boundaries = [committed]  # committed counts after each growth, ascending
+        self._tail_free_since: float | None = None
+        self.num_grows = 0
+        self.num_shrinks = 0
+
+    @property
+    def low_water(self) -> int:
+        return max(self.chunk // 4, 1)
+
+    @property
+    def committed(self) -> int:
+        return self.boundaries[-1]
+
+    def shrink_target(self) -> int | None:
+        """The count a shrink would go back to (the previous growth's end), if any."""
+        below = [b for b in self.boundaries[:-1] if b <= self.limit]
+        if self.committed > self.limit:
+            return max(below, default=self.floor)
+        return below[-1] if below else None
+
+    def decide(
+        self, num_free: int, num_free_tail: int, blocks_wanted: int
+    ) -> ElasticDecision | None:
+        """What to do now.
+
+        Args:
+            num_free: free blocks in the pool (cached ones included).
+            num_free_tail: free blocks at the end of the id range.
+            blocks_wanted: blocks the waiting and running requests ask for next.
+        """
+        committed = self.committed
+        need = max(self.low_water, blocks_wanted)
+        if num_free < need and committed < self.limit:
+            self._tail_free_since = None
+            target = min(self.limit, committed + max(self.chunk, need - num_free))
+            return ElasticDecision("grow", target)
+        target = self.shrink_target()
+        if target is None:
+            self._tail_free_since = None
+            return None
+        tail = committed - target
+        over_limit = committed > self.limit
+        if num_free_tail < tail or (not over_limit and num_free - tail < need):
+            self._tail_free_since = None
+            return None
+        now = self.clock()
+        if self._tail_free_since is None:
+            self._tail_free_since = now
+        if over_limit or now - self._tail_free_since >= self.shrink_delay_s:
+            return ElasticDecision("shrink", target)
+        return None
+
+    def adopt(self, num_blocks: int) -> None:
+        """Record the count the workers reached (after a grow or a shrink)."""
+        self._tail_free_since = None
+        if num_blocks > self.committed:
+            self.boundaries.append(num_blocks)
+            self.num_grows += 1
+        elif num_blocks < self.committed:
+            while len(self.boundaries) > 1 and self.boundaries[-1] > num_blocks:
+                self.boundaries.pop()
+            if self.boundaries[-1] < num_blocks:
+                self.boundaries.append(num_blocks)
+            self.num_shrinks += 1
+
+    def set_limit(self, limit: int) -> None:
+        self.limit = limit
