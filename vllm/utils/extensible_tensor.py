@@ -45,7 +45,8 @@ after `release_physical()` every segment view is empty. `full_view()` spans the
 whole capacity and is meant only for address arithmetic (base pointer, kernels
 that index through a block table); slicing it by hand is the caller's risk.
 
-Tensors over the reservation: on CUDA/ROCm through DLPack (a capsule built with
+Tensors over the reservation (`vmm_reservation.tensor_over`, which also holds
+the chunk bookkeeping): on CUDA/ROCm through DLPack (a capsule built with
 ctypes; DLPack names the device explicitly, so no pointer query is made on a
 range that may not be backed yet), on the host a ctypes buffer with
 `torch.frombuffer`. Every such tensor keeps the reservation alive; the finalizer
@@ -56,11 +57,9 @@ Not thread-safe: one owner (the model runner) calls it.
 
 from __future__ import annotations
 
-import ctypes
 import operator
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -68,49 +67,16 @@ import torch
 from vllm.device_allocator.vmm import VmmDriver, round_up
 from vllm.logger import init_logger
 from vllm.utils.byte_ranges import merge_ranges, subtract_ranges
-from vllm.utils.dlpack import dlpack_tensor
+from vllm.utils.vmm_reservation import (
+    Chunk,
+    Reservation,
+    map_chunk,
+    release_reservation,
+    tensor_over,
+    unmap_chunks,
+)
 
 logger = init_logger(__name__)
-
-
-@dataclass
-class _Chunk:
-    """One driver allocation mapped at granules [first, first + count)."""
-
-    segment: int  # the segment whose growth mapped it
-    first: int  # granule index from the base
-    count: int  # granules
-    handle: Any
-
-
-class _Reservation:
-    """The address range and its mapped chunks; what tensors over it keep alive."""
-
-    def __init__(self, driver: VmmDriver, size: int) -> None:
-        self.driver = driver
-        self.size = size  # bytes, a multiple of the granularity
-        self.va = driver.reserve(size)
-        self.chunks: list[_Chunk] = []  # mutated in place: the finalizer holds this list
-
-
-def _unmap_chunks(driver: VmmDriver, va: int, g: int, chunks: list[_Chunk]) -> None:
-    """Unmap and release `chunks` (last first), removing each from the list once done."""
-    while chunks:
-        chunk = chunks[-1]
-        driver.unmap(va + chunk.first * g, chunk.count * g)
-        chunks.pop()  # unmapped: no longer backs anything, even if release fails
-        driver.release(chunk.handle)
-
-
-def _release_reservation(driver: VmmDriver, va: int, size: int, chunks: list[_Chunk]) -> None:
-    """Finalizer body: drop every page and the address range. Never raises."""
-    try:
-        driver.synchronize()
-        _unmap_chunks(driver, va, driver.granularity, chunks)
-        driver.free_reservation(va, size)
-    except Exception as e:  # a finalizer must not raise; say what leaked
-        logger.warning("ExtensibleTensor: releasing reservation %#x (%d bytes) failed: %s",
-                       va, size, e)
 
 
 class ExtensibleTensor:
@@ -149,14 +115,14 @@ class ExtensibleTensor:
         self._capacity = total
         self._sizes = [0] * len(caps)  # committed prefix of each segment, bytes
         self._saved_sizes: list[int] | None = None  # set while released
-        self._res = _Reservation(driver, round_up(total, self._g))
+        self._res = Reservation(driver, round_up(total, self._g))
         self._finalizer = weakref.finalize(
-            self._res, _release_reservation, driver, self._res.va, self._res.size,
+            self._res, release_reservation, driver, self._res.va, self._res.size,
             self._res.chunks,
         )
         self._finalizer.atexit = False  # process exit returns everything anyway
         self._freed = False
-        self._full = _tensor_over(self._res.va, total, driver.device, self._res)
+        self._full = tensor_over(self._res.va, total, driver.device, self._res)
 
     @classmethod
     def from_capacity(
@@ -281,7 +247,7 @@ class ExtensibleTensor:
         # (`untyped_storage().nbytes()`) is exactly the committed bytes: code
         # that sizes memory from a storage never reaches uncommitted pages.
         # Same address every time (the base never moves).
-        return _tensor_over(self._res.va + start, size, self._driver.device, self._res)
+        return tensor_over(self._res.va + start, size, self._driver.device, self._res)
 
     # ----------------------------------------------------------------- growth
 
@@ -314,14 +280,14 @@ class ExtensibleTensor:
         new = self._validate_sizes(sizes)
         old = list(self._sizes)
         plan = self._plan_growth(old, new)
-        created: list[_Chunk] = []
+        created: list[Chunk] = []
         try:
             for chunk in plan:
-                self._map_chunk(chunk)
+                map_chunk(self._driver, self._res.va, self._g, chunk)
                 created.append(chunk)
         except BaseException:
             try:
-                _unmap_chunks(self._driver, self._res.va, self._g, created)
+                unmap_chunks(self._driver, self._res.va, self._g, created)
             except Exception as cleanup_error:  # report, but keep the original error
                 logger.error("ExtensibleTensor: rollback after a failed commit failed: %s",
                              cleanup_error)
@@ -359,35 +325,18 @@ class ExtensibleTensor:
         start = self._offsets[segment]
         return start // self._g, -(-(start + size) // self._g)
 
-    def _plan_growth(self, old: list[int], new: list[int]) -> list[_Chunk]:
+    def _plan_growth(self, old: list[int], new: list[int]) -> list[Chunk]:
         """Chunks to map so every new prefix is backed, each granule mapped once."""
         mapped = merge_ranges([(c.first, c.first + c.count) for c in self._res.chunks])
-        plan: list[_Chunk] = []
+        plan: list[Chunk] = []
         for i, (before, after) in enumerate(zip(old, new, strict=True)):
             if after == before or after == 0:
                 continue
             lo, hi = self._granule_span(i, after)
             for a, b in subtract_ranges(lo, hi, mapped):
-                plan.append(_Chunk(segment=i, first=a, count=b - a, handle=None))
+                plan.append(Chunk(segment=i, first=a, count=b - a, handle=None))
                 mapped = merge_ranges(mapped + [(a, b)])
         return plan
-
-    def _map_chunk(self, chunk: _Chunk) -> None:
-        driver, g = self._driver, self._g
-        va, size = self._res.va + chunk.first * g, chunk.count * g
-        handle = driver.create(size)
-        try:
-            driver.map(va, size, handle)
-        except BaseException:
-            driver.release(handle)
-            raise
-        try:
-            driver.set_access(va, size)
-        except BaseException:
-            driver.unmap(va, size)
-            driver.release(handle)
-            raise
-        chunk.handle = handle
 
     def _zero_ranges(self, old: list[int], new: list[int]) -> None:
         """Zero [offset_i + old_i, offset_i + new_i) per segment, adjacent ranges merged."""
@@ -466,7 +415,7 @@ class ExtensibleTensor:
         # unmap fails part-way (a later recommit_ maps only what is missing).
         self._saved_sizes = self._sizes
         self._sizes = [0] * len(self._caps)
-        _unmap_chunks(self._driver, self._res.va, self._g, self._res.chunks)
+        unmap_chunks(self._driver, self._res.va, self._g, self._res.chunks)
 
     def recommit_(self, zero_new: bool = True) -> None:
         """Map fresh pages for the sizes held before `release_physical()` (wake).
@@ -583,19 +532,3 @@ def _as_size(what: str, index: int | None, value: Any) -> int:
     if value < 0:
         raise ValueError(f"{where}{what} {value} is negative")
     return value
-
-
-def _tensor_over(va: int, nbytes: int, device: torch.device, owner: object) -> torch.Tensor:
-    """uint8 tensor `[nbytes]` at address `va` on `device`, keeping `owner` alive."""
-    if device.type == "cpu":
-        return _host_tensor(va, nbytes, owner)
-    return dlpack_tensor(va, nbytes, device, owner)
-
-
-def _host_tensor(va: int, nbytes: int, owner: object) -> torch.Tensor:
-    # A subclass so the buffer can carry `_owner`; torch.frombuffer keeps the
-    # buffer object alive for the tensor's lifetime. No byte is read here.
-    buf_type = type("_HostBytes", (ctypes.c_uint8 * nbytes,), {})
-    buf = buf_type.from_address(va)
-    buf._owner = owner
-    return torch.frombuffer(buf, dtype=torch.uint8)

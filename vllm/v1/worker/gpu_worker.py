@@ -19,6 +19,9 @@
 
 Each stage logs one INFO line with its GiB figures. The worker holds one
 `KVCacheBuffers` (kv_cache.py) and never asks which kind it is after creating it.
+Three concerns live in mixins of their own: sleep / wake (sleep_mode.py), the
+speculative-decoding set-up (spec_decode_worker.py), the elastic cache's calls
+(elastic_kv_cache.py).
 """
 
 from __future__ import annotations
@@ -32,17 +35,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from vllm.config import VllmConfig
-from vllm.device_allocator.vmm import VmmError
-from vllm.exceptions import DeviceMemoryError
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.kv_cache_interface import KVCacheSpec, get_kv_cache_config
 from vllm.v1.outputs import AsyncModelRunnerOutput, KVCacheMemory, ModelRunnerOutput
-from vllm.v1.spec_decode.ngram_proposer import NgramProposer
 from vllm.v1.worker import kv_cache_sizing as sizing
 from vllm.v1.worker import ranks, sharing
-from vllm.v1.worker.draft_model import DraftModelProposer, rename_draft_layers
 from vllm.v1.worker.elastic_kv_cache import ElasticKVCache, ElasticWorkerMixin
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.kv_cache import (
@@ -50,8 +49,9 @@ from vllm.v1.worker.kv_cache import (
     ExtensibleKVCacheBuffers,
     KVCacheBuffers,
 )
-from vllm.v1.worker.memory import DeviceMemory, PeakReading
-from vllm.v1.worker.spec_decode import SpecDecoder
+from vllm.v1.worker.memory import DeviceMemory
+from vllm.v1.worker.sleep_mode import SleepModeWorkerMixin
+from vllm.v1.worker.spec_decode_worker import SpecDecodeWorkerMixin
 from vllm.v1.worker.weight_arena import WeightArena
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ logger = init_logger(__name__)
 GiB = sizing.GiB
 
 
-class Worker(ElasticWorkerMixin):
+class Worker(SleepModeWorkerMixin, SpecDecodeWorkerMixin, ElasticWorkerMixin):
     """Runs the model on one device (one rank) and owns its KV cache.
 
     Args:
@@ -184,10 +184,7 @@ class Worker(ElasticWorkerMixin):
             async_scheduling=bool(sc.async_scheduling),
         )
         if self.config.cache_config.enable_sleep_mode:
-            driver = self.platform.get_vmm_driver(self.device.index or 0)
-            self.weight_arena = WeightArena(model, driver)
-            gc.collect()
-            self.platform.empty_cache()  # the parameters' old storage
+            self._create_weight_arena(model)
         self.startup_seconds["load_model"] = time.perf_counter() - t0
         logger.info(
             "Model loaded: weights %.2f GiB (%s, %s) in %.1f s",
@@ -195,49 +192,6 @@ class Worker(ElasticWorkerMixin):
             mc.dtype,
             self.device,
             self.startup_seconds["load_model"],
-        )
-
-    def _load_draft_model(self) -> torch.nn.Module | None:
-        """The draft model of method draft_model (target's dtype and device), else None.
-
-        Raises:
-            ValueError: its vocabulary differs from the target's.
-        """
-        from vllm.model_executor.model_loader import get_model
-        from vllm.transformers_utils.config import get_hf_config
-
-        spec = self.config.speculative_config
-        if spec is None or spec.method != "draft_model":
-            return None
-        mc = self.config.model_config
-        hf_config = get_hf_config(spec.model)
-        if hf_config.vocab_size != mc.get_vocab_size():
-            raise ValueError(
-                f"speculative_config: the draft model {spec.model!r} has a vocabulary of "
-                f"{hf_config.vocab_size} tokens, the target {mc.get_vocab_size()}; they must match"
-            )
-        model = get_model(spec.model, hf_config, dtype=mc.dtype, device=self.device)
-        rename_draft_layers(model)
-        return model
-
-    def _spec_decoder(self, vocab_size: int, draft_model) -> SpecDecoder | None:
-        spec = self.config.speculative_config
-        if spec is None:
-            return None
-        k = spec.num_speculative_tokens
-        if draft_model is not None:
-            proposer = DraftModelProposer(draft_model, k, vocab_size, self.device)
-        else:
-            proposer = NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
-        return SpecDecoder(proposer, k, vocab_size, self.device)
-
-    def _verify_positions(self) -> int:
-        """Positions of the worst-case verify batch (0 without speculative decoding)."""
-        runner = self.model_runner
-        if runner.spec_decoder is None:
-            return 0
-        return runner.spec_decoder.max_verify_positions(
-            self.config.scheduler_config.max_num_seqs, runner.max_num_tokens
         )
 
     def _kv_cache_specs(self) -> dict[str, KVCacheSpec]:
@@ -274,34 +228,6 @@ class Worker(ElasticWorkerMixin):
             sc.max_num_seqs,
         )
         return profile
-
-    def _profile_verify(self, hidden: torch.Tensor) -> PeakReading:
-        """The worst-case verify batch's peak above the steady state (0 without spec decode).
-
-        As vLLM's profile run includes a rejection-sampler run, so does this
-        one: logits over min(max_num_seqs x (k + 1), max_num_batched_tokens)
-        positions and the sampler's temporaries. The reading counts `hidden`
-        (alive during the run), so it compares with the forward's peak.
-        """
-        reading = PeakReading()
-        positions = self._verify_positions()
-        if not positions:
-            return reading
-        with self.memory.measure_peak() as reading:
-            self.model_runner.spec_decoder.dummy_verify_run(
-                self.model_runner.model, hidden, positions
-            )
-        reading.torch_peak += hidden.numel() * hidden.element_size()
-        spec = self.config.speculative_config
-        logger.info(
-            "Speculative decoding (%s, k=%d): the verify batch of %d positions x %d vocab "
-            "peaks at %.2f GiB (%.1f%% of device memory), counted in the activation peak",
-            spec.method, spec.num_speculative_tokens, positions,
-            self.model_runner.vocab_size, reading.torch_peak / GiB,
-            100 * reading.torch_peak / self.memory.total,
-        )
-        self.spec_decode_peak = reading.torch_peak
-        return reading
 
     # --------------------------------------------------------------- KV cache
     def initialize_kv_cache(self) -> int:
@@ -550,104 +476,6 @@ class Worker(ElasticWorkerMixin):
 
         self.kv_connector = WorkerKVConnector.create(self.config, kv_cache)
 
-    # ----------------------------------------------------------------- sleep
-    def sleep(self, level: int) -> None:
-        """Release weights' and KV cache's pages, keeping every address.
-
-        Level 1 keeps a host copy of the weights; level 2 keeps nothing (reload
-        with `reload_weights` after waking). KV contents are discarded at both.
-        torch's cached (unused) memory is returned too.
-
-        Raises:
-            ValueError: a level other than 1 or 2.
-            RuntimeError: sleep mode is off (no weight arena), or the KV cache
-                cannot release its memory (the classic cache).
-        """
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, got {level}")
-        if self.weight_arena is None:
-            raise RuntimeError("sleep needs enable_sleep_mode=True and the extensible KV cache")
-        start = time.monotonic()
-        weights, kv = self.weight_arena.physical_bytes, self.kv_cache.committed_bytes
-        self.memory.synchronize()
-        self.kv_cache.release()
-        self.weight_arena.sleep(keep_on_host=level == 1)
-        gc.collect()
-        self.platform.empty_cache()
-        logger.info(
-            "Sleep level %d: released %.3f GiB of weights (%s) and %.3f GiB of KV cache "
-            "in %.2f s; %.2f GiB free now",
-            level, weights / GiB, "copied to host" if level == 1 else "discarded", kv / GiB,
-            time.monotonic() - start, self.memory.free_bytes() / GiB,
-        )
-
-    def wake_up(self, tags: list[str] | None = None) -> bool:
-        """Map fresh pages for "weights" and/or "kv_cache" (both when tags is None).
-
-        Returns:
-            True when the woken weights are empty (after a level-2 sleep) and
-            must be reloaded (`reload_weights`) before generating; False
-            otherwise. The same meaning at every layer up to `LLMEngine.wake_up`.
-
-        A call that fails part-way (the weights mapped, the KV cache not) keeps
-        what it mapped; the retry maps the rest and still returns True when the
-        weights were not reloaded since a level-2 sleep (`WeightArena.needs_load`).
-
-        Raises:
-            ValueError: an unknown tag.
-            DeviceMemoryError: the driver could not map the memory (names the
-                bytes still to map and the bytes free); what could not be
-                mapped stays asleep and a later call can retry.
-        """
-        tags = ["weights", "kv_cache"] if tags is None else list(tags)
-        unknown = set(tags) - {"weights", "kv_cache"}
-        if unknown:
-            raise ValueError(f"unknown wake_up tags {sorted(unknown)}; use 'weights', 'kv_cache'")
-        asleep = [t for t in tags if t in self.sleeping_tags()]
-        needed = self._bytes_to_wake(asleep)
-        start = time.monotonic()
-        try:
-            needs_reload = self.weight_arena.wake_up() if "weights" in tags else False
-            if "kv_cache" in asleep:
-                self.kv_cache.recommit()
-        except VmmError as e:
-            raise DeviceMemoryError(
-                f"wake_up could not map the {', '.join(asleep)} memory: it needs "
-                f"{needed / GiB:.3f} GiB of device memory and {self.memory.free_bytes() / GiB:.3f}"
-                f" GiB is free ({e}); the engine stays asleep, retry when memory is free",
-                needed_bytes=needed, free_bytes=self.memory.free_bytes(),
-            ) from e
-        if asleep:
-            logger.info("Woke %s: mapped %.3f GiB in %.2f s%s", " and ".join(asleep),
-                        needed / GiB, time.monotonic() - start,
-                        "; the weights must be reloaded" if needs_reload else "")
-        return needs_reload
-
-    def _bytes_to_wake(self, tags: list[str]) -> int:
-        """Bytes a wake of these (sleeping) parts maps: what they held when they slept."""
-        parts = {"weights": self.weight_arena, "kv_cache": self.kv_cache}
-        return sum(parts[t].released_bytes for t in tags)
-
-    def sleeping_tags(self) -> list[str]:
-        """Which of "weights" / "kv_cache" are asleep now."""
-        tags = []
-        if self.weight_arena is not None and self.weight_arena.is_sleeping:
-            tags.append("weights")
-        if self.kv_cache is not None and self.kv_cache.is_released:
-            tags.append("kv_cache")
-        return tags
-
-    def reload_weights(self) -> None:
-        """Load the checkpoint again into the (awake) parameters, in place."""
-        from vllm.model_executor.model_loader import get_model_loader
-
-        mc = self.config.model_config
-        loader = get_model_loader(mc.load_format, mc.model_path)
-        with torch.inference_mode(False), torch.no_grad():
-            loader.load_weights(self.model_runner.model, mc.model_path)
-        if self.weight_arena is not None:
-            self.weight_arena.mark_loaded()
-
     # ------------------------------------------------------------------ step
     def execute_model(
         self, scheduler_output: SchedulerOutput
@@ -677,4 +505,3 @@ class Worker(ElasticWorkerMixin):
         gc.collect()
         self.platform.empty_cache()
         ranks.leave_process_group(self.world_size)
-

@@ -6,7 +6,9 @@ One step::
 
 `schedule()` decides how many tokens each request computes this step and
 which KV blocks they go to; `update_from_output()` appends the sampled
-tokens, applies the stop checks and frees finished requests' blocks.
+tokens, applies the stop checks and frees finished requests' blocks. Helpers
+in modules of their own: step.py (the plan, its packaging), kv_connector.py and
+spec_decode.py (mixins: a KV connector's calls, drafts).
 """
 
 from __future__ import annotations
@@ -14,18 +16,20 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.exceptions import VLLMValidationError
 from vllm.logger import init_logger
 from vllm.v1.core.kv_cache_manager import KVCacheManager, cdiv
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
-from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-from vllm.v1.core.sched.partial_prefills import PartialPrefills, StepPrefills
+from vllm.v1.core.sched.kv_connector import KVConnectorSchedulerMixin
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.partial_prefills import PartialPrefills
+from vllm.v1.core.sched.spec_decode import SpecDecodeSchedulerMixin
 from vllm.v1.core.sched.stats import SchedulerStats
+from vllm.v1.core.sched.step import StepPlan, make_engine_core_output, package_plan
 from vllm.v1.core.sched.utils import check_stop
-from vllm.v1.outputs import EngineCoreOutput, FinishReason, KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import EngineCoreOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
@@ -37,25 +41,7 @@ logger = init_logger(__name__)
 __all__ = ["Scheduler", "SchedulerStats"]
 
 
-@dataclass
-class _StepPlan:
-    """What one `schedule()` call has decided so far."""
-
-    token_budget: int
-    prefills: StepPrefills = field(default_factory=StepPrefills)
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    new_reqs: list[Request] = field(default_factory=list)
-    # Scheduled requests the runner already holds: (request, resumed, block ids to send).
-    cached_reqs: list[tuple[Request, bool, list[int]]] = field(default_factory=list)
-    preempted_req_ids: set[str] = field(default_factory=set)
-    spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # drafts to verify
-
-    def add(self, request: Request, num_tokens: int) -> None:
-        self.num_scheduled_tokens[request.request_id] = num_tokens
-        self.token_budget -= num_tokens
-
-
-class Scheduler:
+class Scheduler(KVConnectorSchedulerMixin, SpecDecodeSchedulerMixin):
     """FCFS continuous-batching scheduler with chunked prefill and preemption by recompute.
 
     Args (plain ints, no config objects):
@@ -232,7 +218,7 @@ class Scheduler:
         max_num_seqs or the free blocks run out.
         """
         budget = self.max_num_batched_tokens
-        plan = _StepPlan(budget, self.prefill_policy.start_step(budget, self.running, self.waiting))
+        plan = StepPlan(budget, self.prefill_policy.start_step(budget, self.running, self.waiting))
         self._schedule_running(plan)
         if not plan.preempted_req_ids:
             self._schedule_waiting(plan)
@@ -272,7 +258,7 @@ class Scheduler:
             new_token_ids, finished = self._append_sampled(request, sampled)
             if mro.spec_token_ids is not None and not finished:
                 request.spec_token_ids = mro.spec_token_ids[index]
-            output = self._make_engine_core_output(request, index, new_token_ids, mro)
+            output = make_engine_core_output(request, index, new_token_ids, mro)
             if output is not None:
                 outputs.append(output)
             if finished:
@@ -289,7 +275,7 @@ class Scheduler:
 
     # ---- schedule() helpers ----
 
-    def _schedule_running(self, plan: _StepPlan) -> None:
+    def _schedule_running(self, plan: StepPlan) -> None:
         """Continue running requests (decodes and unfinished chunked prefills)."""
         policy = self.prefill_policy
         req_index = 0
@@ -331,7 +317,7 @@ class Scheduler:
         return total - request.num_computed_tokens
 
     def _allocate_or_preempt(
-        self, request: Request, num_new_tokens: int, plan: _StepPlan
+        self, request: Request, num_new_tokens: int, plan: StepPlan
     ) -> list[KVCacheBlock] | None:
         """Allocate, preempting the newest running requests until it fits.
 
@@ -364,7 +350,7 @@ class Scheduler:
         self.waiting.appendleft(request)
         logger.debug("preempted %s (%d tokens)", request.request_id, request.num_tokens)
 
-    def _schedule_waiting(self, plan: _StepPlan) -> None:
+    def _schedule_waiting(self, plan: StepPlan) -> None:
         """Admit waiting requests FCFS; stop at the first that does not fit.
 
         With concurrent partial prefills, a request that would exceed
@@ -403,7 +389,7 @@ class Scheduler:
             policy.note(plan.prefills, to_compute, num_new, long)
         self.waiting.extendleft(reversed(skipped))
 
-    def _admit(self, request: Request, num_hit_tokens: int, plan: _StepPlan) -> None:
+    def _admit(self, request: Request, num_hit_tokens: int, plan: StepPlan) -> None:
         """Move a request that got its blocks from waiting to running."""
         resumed = request.status == RequestStatus.PREEMPTED
         request.status = RequestStatus.RUNNING
@@ -419,33 +405,9 @@ class Scheduler:
         else:
             plan.new_reqs.append(request)
 
-    def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
+    def _make_output(self, plan: StepPlan) -> SchedulerOutput:
         """Package the plan, then advance num_computed_tokens past this step's tokens."""
-        new_reqs = [
-            NewRequestData(
-                req_id=r.request_id,
-                prompt_token_ids=r.prompt_token_ids,
-                sampling_params=r.sampling_params,
-                block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
-                num_computed_tokens=r.num_computed_tokens,
-            )
-            for r in plan.new_reqs
-        ]
-        cached = CachedRequestData()
-        for request, resumed, block_ids in plan.cached_reqs:
-            cached.req_ids.append(request.request_id)
-            cached.resumed_from_preemption.append(resumed)
-            cached.new_block_ids.append(block_ids)
-            cached.num_computed_tokens.append(request.num_computed_tokens)
-        output = SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached,
-            num_scheduled_tokens=plan.num_scheduled_tokens,
-            total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
-            finished_req_ids=self.finished_req_ids,
-            preempted_req_ids=plan.preempted_req_ids,
-            scheduled_spec_decode_tokens=plan.spec_tokens,
-        )
+        output = package_plan(plan, self.kv_cache_manager.get_block_ids, self.finished_req_ids)
         for req_id, num_tokens in plan.num_scheduled_tokens.items():
             request = self.requests[req_id]
             computed = request.num_computed_tokens
@@ -460,40 +422,7 @@ class Scheduler:
             output.kv_connector_metadata = self.connector.build_connector_meta(output)
         return output
 
-    def _drafts_to_verify(self, request: Request, to_compute: int, budget: int) -> list[int]:
-        """The request's drafts that fit this step (a decode only; [] otherwise).
-
-        Capped by the token budget (after the request's own token), by
-        max_model_len (no position past it) and by max_tokens (a draft whose
-        acceptance would exceed it is wasted work, and its KV slot was never
-        promised by `_check_fits_cache`).
-        """
-        drafts = request.spec_token_ids
-        if not drafts or to_compute != 1:
-            return []
-        room = min(budget - 1, self.max_model_len - request.num_tokens)
-        if request.max_tokens is not None:
-            room = min(room, request.max_tokens - request.num_output_tokens - 1)
-        return drafts[: max(room, 0)]
-
     # ---- update_from_output() helpers ----
-
-    def _settle_drafts(
-        self, request: Request, spec: dict[str, list[int]], sampled: list[int]
-    ) -> None:
-        """Roll num_computed_tokens back past the rejected drafts; count the verification.
-
-        A verify step computed 1 + k tokens and yields a + 1 (a accepted
-        drafts plus the target's own): the KV slots of the k - a rejected
-        drafts are overwritten next step.
-        """
-        request.spec_token_ids = []
-        drafts = spec.get(request.request_id)
-        if not drafts or not sampled:
-            return
-        num_accepted = len(sampled) - 1
-        request.num_computed_tokens -= len(drafts) - num_accepted
-        self.spec_decoding_stats.observe_draft(len(drafts), num_accepted)
 
     def _append_sampled(self, request: Request, sampled: list[int]) -> tuple[list[int], bool]:
         """Append sampled tokens one by one until a stop condition hits."""
@@ -504,28 +433,6 @@ class Scheduler:
             if check_stop(request, self.max_model_len):
                 return new_token_ids, True
         return new_token_ids, False
-
-    @staticmethod
-    def _make_engine_core_output(
-        request: Request, index: int, new_token_ids: list[int], mro: ModelRunnerOutput
-    ) -> EngineCoreOutput | None:
-        prompt_logprobs = mro.prompt_logprobs_dict.get(request.request_id)
-        finish_reason = request.get_finished_reason()
-        if not new_token_ids and prompt_logprobs is None and finish_reason is None:
-            return None
-        new_logprobs = None
-        if mro.logprobs is not None and new_token_ids:
-            new_logprobs = mro.logprobs.slice(index, index + 1)
-        return EngineCoreOutput(
-            request_id=request.request_id,
-            new_token_ids=new_token_ids,
-            new_logprobs=new_logprobs,
-            new_prompt_logprobs=prompt_logprobs,
-            finish_reason=finish_reason,
-            stop_reason=request.stop_reason,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-            first_scheduled_time=request.first_scheduled_time,
-        )
 
     def _free_request(self, request: Request) -> dict[str, Any] | None:
         """Free a finished request's blocks (or hand them to the connector to send first).
@@ -550,54 +457,6 @@ class Scheduler:
         by_source["local_cache_hit"] += num_hit
         by_source["external_kv_transfer"] += num_external
         by_source["local_compute"] += request.num_prompt_tokens - num_hit - num_external
-
-    # ---- KV connector helpers ----
-
-    def _external_tokens(self, request: Request, num_hit_tokens: int) -> int:
-        """Tokens after the prefix-cache hit the connector loads (one token is left to compute)."""
-        if self.connector is None or request.sampling_params.prompt_logprobs is not None:
-            return 0
-        num_external, _ = self.connector.get_num_new_matched_tokens(request, num_hit_tokens)
-        return max(0, min(num_external, request.num_tokens - 1 - num_hit_tokens))
-
-    def _note_external(self, request: Request, num_hit_tokens: int, num_external: int) -> None:
-        if request.num_preemptions == 0:
-            self.external_queries += request.num_tokens - num_hit_tokens
-            self.external_hits += num_external
-        blocks = self.kv_cache_manager.get_blocks(request.request_id)
-        self.connector.update_state_after_alloc(request, blocks, num_external)
-
-    def _update_from_kv_connector(self, kv_output: KVConnectorOutput) -> list[EngineCoreOutput]:
-        """Free blocks the connector finished sending; fail requests whose load failed.
-
-        A failed request's blocks were never registered in the prefix cache
-        (`allocate_slots` delays that for loaded blocks), so freeing them
-        leaves no wrong KV behind. Its output carries the reason as `error`.
-        """
-        self.connector.update_connector_output(kv_output)
-        for req_id in kv_output.finished_sending:
-            request = self.sending.pop(req_id, None)
-            if request is not None:
-                self.kv_cache_manager.free(request)
-        outputs = []
-        failed = set()
-        for req_id, reason in kv_output.failed_recving.items():
-            request = self.requests.get(req_id)
-            if request is None or request.is_finished():
-                continue
-            logger.warning("request %s failed: its KV transfer failed: %s", req_id, reason)
-            request.status = RequestStatus.FINISHED_ABORTED
-            failed.add(request)
-            self.kv_cache_manager.free(request)
-            del self.requests[req_id]
-            self.finished_req_ids.add(req_id)
-            outputs.append(EngineCoreOutput(
-                request_id=req_id, new_token_ids=[], finish_reason=FinishReason.ABORT,
-                error=f"the KV transfer of request {req_id!r} failed: {reason}",
-            ))
-        if failed:
-            self.running = [r for r in self.running if r not in failed]
-        return outputs
 
     # ---- queries and cache size ----
 

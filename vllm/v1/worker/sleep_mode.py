@@ -1,0 +1,140 @@
+"""The Worker's sleep mode: release and map again the weights' and KV cache's pages.
+
+    sleep(level)      level 1: weights copied to host, level 2: discarded; KV
+                      contents discarded at both; every address is kept
+    wake_up(tags)     fresh pages for "weights" and/or "kv_cache"; True when the
+                      weights must be reloaded (`reload_weights`) after level 2
+    sleeping_tags()   which parts are asleep now
+
+The weights live in a `WeightArena` (weight_arena.py, created at load time with
+enable_sleep_mode); the KV cache releases and recommits itself
+(`KVCacheBuffers.release` / `recommit`, the extensible cache only).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import torch
+
+from vllm.device_allocator.vmm import VmmError
+from vllm.exceptions import DeviceMemoryError
+from vllm.logger import init_logger
+from vllm.v1.worker.kv_cache_sizing import GiB
+from vllm.v1.worker.weight_arena import WeightArena
+
+logger = init_logger(__name__)
+
+
+class SleepModeWorkerMixin:
+    """The Worker's sleep / wake calls (reached through `collective_rpc`).
+
+    Expects the Worker's `config`, `platform`, `device`, `kv_cache`, `memory`,
+    `model_runner` and `weight_arena`.
+    """
+
+    def _create_weight_arena(self, model: torch.nn.Module) -> None:
+        """Move the parameters into one reservation that can sleep (enable_sleep_mode)."""
+        driver = self.platform.get_vmm_driver(self.device.index or 0)
+        self.weight_arena = WeightArena(model, driver)
+        gc.collect()
+        self.platform.empty_cache()  # the parameters' old storage
+
+    def sleep(self, level: int) -> None:
+        """Release weights' and KV cache's pages, keeping every address.
+
+        Level 1 keeps a host copy of the weights; level 2 keeps nothing (reload
+        with `reload_weights` after waking). KV contents are discarded at both.
+        torch's cached (unused) memory is returned too.
+
+        Raises:
+            ValueError: a level other than 1 or 2.
+            RuntimeError: sleep mode is off (no weight arena), or the KV cache
+                cannot release its memory (the classic cache).
+        """
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self.weight_arena is None:
+            raise RuntimeError("sleep needs enable_sleep_mode=True and the extensible KV cache")
+        start = time.monotonic()
+        weights, kv = self.weight_arena.physical_bytes, self.kv_cache.committed_bytes
+        self.memory.synchronize()
+        self.kv_cache.release()
+        self.weight_arena.sleep(keep_on_host=level == 1)
+        gc.collect()
+        self.platform.empty_cache()
+        logger.info(
+            "Sleep level %d: released %.3f GiB of weights (%s) and %.3f GiB of KV cache "
+            "in %.2f s; %.2f GiB free now",
+            level, weights / GiB, "copied to host" if level == 1 else "discarded", kv / GiB,
+            time.monotonic() - start, self.memory.free_bytes() / GiB,
+        )
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Map fresh pages for "weights" and/or "kv_cache" (both when tags is None).
+
+        Returns:
+            True when the woken weights are empty (after a level-2 sleep) and
+            must be reloaded (`reload_weights`) before generating; False
+            otherwise. The same meaning at every layer up to `LLMEngine.wake_up`.
+
+        A call that fails part-way (the weights mapped, the KV cache not) keeps
+        what it mapped; the retry maps the rest and still returns True when the
+        weights were not reloaded since a level-2 sleep (`WeightArena.needs_load`).
+
+        Raises:
+            ValueError: an unknown tag.
+            DeviceMemoryError: the driver could not map the memory (names the
+                bytes still to map and the bytes free); what could not be
+                mapped stays asleep and a later call can retry.
+        """
+        tags = ["weights", "kv_cache"] if tags is None else list(tags)
+        unknown = set(tags) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"unknown wake_up tags {sorted(unknown)}; use 'weights', 'kv_cache'")
+        asleep = [t for t in tags if t in self.sleeping_tags()]
+        needed = self._bytes_to_wake(asleep)
+        start = time.monotonic()
+        try:
+            needs_reload = self.weight_arena.wake_up() if "weights" in tags else False
+            if "kv_cache" in asleep:
+                self.kv_cache.recommit()
+        except VmmError as e:
+            raise DeviceMemoryError(
+                f"wake_up could not map the {', '.join(asleep)} memory: it needs "
+                f"{needed / GiB:.3f} GiB of device memory and {self.memory.free_bytes() / GiB:.3f}"
+                f" GiB is free ({e}); the engine stays asleep, retry when memory is free",
+                needed_bytes=needed, free_bytes=self.memory.free_bytes(),
+            ) from e
+        if asleep:
+            logger.info("Woke %s: mapped %.3f GiB in %.2f s%s", " and ".join(asleep),
+                        needed / GiB, time.monotonic() - start,
+                        "; the weights must be reloaded" if needs_reload else "")
+        return needs_reload
+
+    def _bytes_to_wake(self, tags: list[str]) -> int:
+        """Bytes a wake of these (sleeping) parts maps: what they held when they slept."""
+        parts = {"weights": self.weight_arena, "kv_cache": self.kv_cache}
+        return sum(parts[t].released_bytes for t in tags)
+
+    def sleeping_tags(self) -> list[str]:
+        """Which of "weights" / "kv_cache" are asleep now."""
+        tags = []
+        if self.weight_arena is not None and self.weight_arena.is_sleeping:
+            tags.append("weights")
+        if self.kv_cache is not None and self.kv_cache.is_released:
+            tags.append("kv_cache")
+        return tags
+
+    def reload_weights(self) -> None:
+        """Load the checkpoint again into the (awake) parameters, in place."""
+        from vllm.model_executor.model_loader import get_model_loader
+
+        mc = self.config.model_config
+        loader = get_model_loader(mc.load_format, mc.model_path)
+        with torch.inference_mode(False), torch.no_grad():
+            loader.load_weights(self.model_runner.model, mc.model_path)
+        if self.weight_arena is not None:
+            self.weight_arena.mark_loaded()
+
