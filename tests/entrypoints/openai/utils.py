@@ -55,8 +55,8 @@ class RemoteServer:
                  launcher: str | None = None) -> None:
         self.log_file = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the server
             prefix="vllm-serve-", suffix=".log", delete=False)
-        full_env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1",
-                    **(env or {})}
+        path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+        full_env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **(env or {})}
         entry = [launcher] if launcher else ["-m", "vllm.entrypoints.cli.main"]
         self.proc = subprocess.Popen(
             [sys.executable, *entry, "serve", *args, "--host", "127.0.0.1", "--port", "0"],

@@ -146,3 +146,23 @@ def test_wake_under_pressure_commits_the_floor_and_grows_later(elastic_llm, monk
                                                              use_tqdm=False)] == texts
     elastic_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert core.elastic.policy.num_grows > grows
+
+
+def test_async_scheduling_grows_while_a_step_is_in_flight(offline_llm, monkeypatch):
+    # Async scheduling (the CUDA default) keeps a step in flight the whole time it
+    # serves: the cache must grow then too (found on the H200: it never grew); a
+    # shrink waits until no step is in flight, and happens once the engine idles.
+    monkeypatch.setenv("VLLM_ELASTIC_KV_SHRINK_DELAY_S", "0")
+    llm = LLM(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=512,
+              kv_cache_memory_bytes=256 * MiB, enable_elastic_kv_cache=True,
+              async_scheduling=True)
+    try:
+        core = llm.llm_engine.engine_core
+        assert core.async_scheduling
+        floor = core.elastic.policy.floor
+        assert _texts(llm) == _texts(offline_llm)
+        assert core.elastic.policy.num_grows >= 1
+        _idle_until_floor(llm, core)
+        assert core.num_blocks == core.worker.kv_cache.committed_blocks == floor
+    finally:
+        llm.llm_engine.shutdown()

@@ -40,8 +40,11 @@ LIMITED_MEMORY_WORKER = "tests.v1.e2e.tp_workers.LimitedMemoryWorker"
 
 
 def test_mp_tp2_matches_tp1_and_ranks_take_the_minimum(tp_reference, limited_memory):
-    llm = LLM(**ENGINE, tensor_parallel_size=2, distributed_executor_backend="mp",
-              enable_extensible_kv_cache=True, worker_cls=LIMITED_MEMORY_WORKER)
+    # 64 sequences: the cap of what max_num_seqs x max_model_len can use (2049
+    # blocks) is above what rank 1's 200 MiB holds, so its memory bounds the count.
+    llm = LLM(**{**ENGINE, "max_num_seqs": 64}, tensor_parallel_size=2,
+              distributed_executor_backend="mp", enable_extensible_kv_cache=True,
+              worker_cls=LIMITED_MEMORY_WORKER)
     try:
         assert greedy_ids(llm) == reference_ids(tp_reference)
         proposals = check_agreement(llm)

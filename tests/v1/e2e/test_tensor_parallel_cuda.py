@@ -116,10 +116,12 @@ def hold_foreign_memory(worker, rank: int, nbytes: int) -> None:
 
 @needs_two_gpus
 def test_unequal_memory_both_ranks_take_the_minimum(model_dir):
-    """Worker 1 loses 20 GiB to a foreign allocation before sizing: both ranks end
-    with its smaller block count, and the log names it."""
+    """Worker 1 keeps only 1.5 GiB free beside a foreign allocation made before sizing:
+    both ranks end with its smaller block count. 2048 sequences: what max_num_seqs x
+    max_model_len can use (2 GiB a rank) bounds rank 0, not rank 1."""
     llm = LLM(model_dir, tensor_parallel_size=2, worker_cls="tests.v1.e2e.tp_workers."
-              "ForeignMemoryWorker", **{**COMMON, "gpu_memory_utilization": 0.9})
+              "ForeignMemoryWorker",
+              **{**COMMON, "gpu_memory_utilization": 0.9, "max_num_seqs": 2048})
     try:
         executor = llm.llm_engine.engine_core.model_executor
         proposals = executor.collective_rpc("kv_cache_agreement")[0]

@@ -27,15 +27,17 @@ class LimitedMemoryWorker(Worker):
 
 
 class ForeignMemoryWorker(Worker):
-    """On CUDA: rank 1's GPU loses `VLLM_TEST_FOREIGN_GIB` (default 20) GiB to an
-    allocation the engine does not account for, made before it measures anything;
-    as another process's memory would, it shrinks what that rank can give the KV cache."""
+    """On CUDA: rank 1's GPU loses all but `VLLM_TEST_FOREIGN_LEAVE_GIB` (default 1.5)
+    GiB of its free memory to an allocation the engine does not account for, made
+    before it measures anything; as another process's memory would, it shrinks what
+    that rank can give the KV cache."""
 
     def init_device(self) -> None:
         if self.rank == 1:
             torch.cuda.set_device(self.local_rank)
-            gib = float(os.environ.get("VLLM_TEST_FOREIGN_GIB", "20"))
-            self.foreign = torch.cuda.caching_allocator_alloc(int(gib * (1 << 30)))
+            leave = float(os.environ.get("VLLM_TEST_FOREIGN_LEAVE_GIB", "1.5"))
+            free, _ = torch.cuda.mem_get_info()
+            self.foreign = torch.cuda.caching_allocator_alloc(free - int(leave * (1 << 30)))
         super().init_device()
 
 

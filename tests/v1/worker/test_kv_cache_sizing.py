@@ -350,3 +350,16 @@ def test_capacity_never_exceeds_what_max_num_seqs_x_max_model_len_can_use():
                             granularity=GRANULE, capacity=256, max_blocks=17)
     assert size.num_blocks == 85
     assert committed_bytes_for_blocks(85, LAYER_STRIDE, LAYERS, GRANULE) == 60 * MiB
+
+
+def test_explicit_bytes_under_one_granule_per_segment_still_give_blocks():
+    # 4 MiB over 30 layers of 24 KiB blocks: 4194304 // 737280 = 5 blocks, although no
+    # whole granule per segment fits in 4 MiB + 2 MiB; the smallest commit is one
+    # granule per segment (60 MiB). Before: 0 blocks and "too small" at start-up.
+    snapshot = MemorySnapshot(total=TOTAL, free=100 * GiB, kv_committed=0,
+                              used_since_start=30 * GiB)
+    size = final_num_blocks(snapshot, activation_peak=GiB, gpu_memory_utilization=1.0,
+                            block_stride=LAYER_STRIDE, num_segments=LAYERS,
+                            granularity=GRANULE, capacity=204032, explicit_bytes=4 * MiB)
+    assert size.num_blocks == 5
+    assert committed_bytes_for_blocks(5, LAYER_STRIDE, LAYERS, GRANULE) == 60 * MiB

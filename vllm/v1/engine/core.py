@@ -233,6 +233,7 @@ class EngineCore:
         """
         queue = self._batch_queue
         self._scheduled_req_ids = []
+        self.adjust_kv_cache()
         try:
             launched = False
             if self.scheduler.has_unfinished_requests():
@@ -266,11 +267,14 @@ class EngineCore:
         """The elastic cache grows or shrinks here, between steps (a no-op otherwise).
 
         Called before every step and at every idle poll of the engine loops.
+        With async scheduling a shrink waits until no step is in flight (a
+        block freed after a step was launched can be one that step writes).
 
         Returns:
             True when the committed block count changed.
         """
-        if self.elastic is not None and not self.is_sleeping() and self.elastic.adjust():
+        if (self.elastic is not None and not self.is_sleeping()
+                and self.elastic.adjust(allow_shrink=not self._batch_queue)):
             self._kv_memory = None
             return True
         return False

@@ -68,14 +68,21 @@ class ElasticKVController:
     def pool(self):
         return self.scheduler.kv_cache_manager.block_pool
 
-    def adjust(self) -> bool:
-        """Apply the policy once; True when the committed block count changed."""
+    def adjust(self, allow_shrink: bool = True) -> bool:
+        """Apply the policy once; True when the committed block count changed.
+
+        Args:
+            allow_shrink: False while a launched step may still write KV (async
+                scheduling): a block freed after that step was scheduled can be
+                one it writes, so its pages stay until no step is in flight.
+                Growing is always safe (no step references new blocks).
+        """
         pool = self.pool
         decision = self.policy.decide(
             pool.get_num_free_blocks(), pool.num_free_tail_blocks(),
             self.scheduler.kv_blocks_wanted(),
         )
-        if decision is None:
+        if decision is None or (decision.action == "shrink" and not allow_shrink):
             pool.prefer_below = self.policy.shrink_target()
             return False
         if decision.action == "grow":

@@ -473,8 +473,12 @@ class GPUModelRunner:
         With `with_kv` the requests read and write KV block 1 (only the null
         block and block 1 need to be committed); without, attention is
         skipped (the memory-profiling run before the cache exists).
-        Returns hidden states [num_tokens, hidden_size].
+        Returns hidden states [num_tokens, hidden_size]. Raises ValueError past
+        max_model_len tokens a request (keys beyond its block-table row).
         """
+        if -(-num_tokens // num_reqs) > self.max_model_len:
+            raise ValueError(f"{num_tokens} dummy tokens over {num_reqs} requests exceed "
+                             f"max_model_len={self.max_model_len} per request")
         num_sched = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int64)
         num_sched[: num_tokens % num_reqs] += 1
         metadata = None

@@ -198,12 +198,25 @@ class Worker(SleepModeWorkerMixin, SpecDecodeWorkerMixin, ElasticWorkerMixin):
         return self.model_runner.get_kv_cache_specs(self.config.model_config.dtype)
 
     # --------------------------------------------------------------- profile
+    def _worst_case_batch(self) -> tuple[int, int]:
+        """(tokens, requests) of the largest step the scheduler can make.
+
+        At most `max_num_batched_tokens` tokens, and at most `max_model_len`
+        per request over `max_num_seqs` requests: a dummy request longer than
+        `max_model_len` would read past its block-table row (on CUDA, an
+        illegal address when `max_num_seqs x max_model_len` is below
+        `max_num_batched_tokens`).
+        """
+        sc = self.config.scheduler_config
+        num_tokens = min(self.model_runner.max_num_tokens,
+                         sc.max_num_seqs * self.config.model_config.max_model_len)
+        return num_tokens, min(sc.max_num_seqs, num_tokens)
+
     def _profile(self) -> sizing.MemoryProfile:
         """Step 1: one worst-case forward and the sampler; the transient peak above steady state."""
         sc = self.config.scheduler_config
         runner = self.model_runner
-        num_tokens = runner.max_num_tokens
-        num_reqs = min(sc.max_num_seqs, num_tokens)
+        num_tokens, num_reqs = self._worst_case_batch()
         logger.info("Profiling memory: a worst-case forward of %d tokens and the sampler over "
                     "%d sequences ...", num_tokens, sc.max_num_seqs)
         with self.memory.measure_peak() as peak:
@@ -342,9 +355,7 @@ class Worker(SleepModeWorkerMixin, SpecDecodeWorkerMixin, ElasticWorkerMixin):
         """
         t0 = time.perf_counter()
         runner = self.model_runner
-        sc = self.config.scheduler_config
-        num_tokens = runner.max_num_tokens
-        num_reqs = min(sc.max_num_seqs, num_tokens)
+        num_tokens, num_reqs = self._worst_case_batch()
         logger.info("Warming up: a worst-case prefill of %d tokens with the KV cache, the "
                     "sampler%s ...", num_tokens,
                     f", then CUDA graph capture of {len(runner.cuda_graphs.capture_sizes)} decode "

@@ -443,7 +443,9 @@ def final_num_blocks(
     never exceed `explicit_bytes + granularity`, so with many segments the
     count is rounded *down* to whole granules per segment (fewer blocks, never
     one extra granule per segment: 64 MiB asked on 30 segments of 2 MiB
-    granules commits 60 MiB, not 120 MiB). Either way at most `capacity`
+    granules commits 60 MiB, not 120 MiB); below one granule per segment (the
+    smallest commit) it is `explicit_bytes // bytes_per_block` blocks in that
+    one granule each. Either way at most `capacity`
     blocks, and at most the blocks that fill the granules `max_blocks` commit
     (`blocks_filling_granules`: what the engine can use costs no more memory).
 
@@ -475,6 +477,8 @@ def final_num_blocks(
         num_blocks = num_blocks_for_bytes(
             explicit_bytes + granularity, block_stride, num_segments, granularity
         )
+        if num_blocks == 0:  # under one granule per segment: the smallest commit
+            num_blocks = explicit_bytes // bytes_per_block
         num_blocks = min(num_blocks, explicit_bytes // bytes_per_block)
     else:
         result = extensible_kv_cache_bytes(

@@ -1,0 +1,34 @@
+"""The profile and warmup batches stay within what the scheduler can make.
+
+Found on the H200: with max_num_seqs x max_model_len below max_num_batched_tokens
+(8 x 512 < 8192), the worst-case dummy batch gave each request 1024 tokens, whose
+keys indexed past a 32-entry block-table row: an illegal address at start-up.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from tests.model_dirs import llama_config, make_model_dir
+from vllm import LLM, SamplingParams
+
+
+def test_dummy_batches_fit_max_model_len(tmp_path, caplog):
+    model_dir = make_model_dir(tmp_path / "tiny", llama_config(), weights=True)
+    with caplog.at_level(logging.INFO):
+        llm = LLM(str(model_dir), dtype="float32", max_model_len=32, max_num_seqs=2,
+                  max_num_batched_tokens=512, kv_cache_memory_bytes=8 << 20)
+    try:
+        # 2 requests x 32 tokens, not 512 tokens.
+        assert "a worst-case forward of 64 tokens" in caplog.text
+        assert "a worst-case prefill of 64 tokens" in caplog.text
+        runner = llm.llm_engine.engine_core.worker.model_runner
+        with pytest.raises(ValueError, match="exceed max_model_len=32 per request"):
+            runner.dummy_run(512, 2, with_kv=True)
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": [0, 5, 6, 7]}] * 2, params, use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in outputs] == [4, 4]
+    finally:
+        llm.llm_engine.shutdown()
