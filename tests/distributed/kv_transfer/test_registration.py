@@ -49,7 +49,8 @@ def test_registers_exactly_the_committed_spans(grown_cache, name, role, extra):
     # One span per layer segment, each exactly FINAL blocks; the reservation is far larger.
     expected = [(base + i * CAPACITY * PAGE, FINAL * PAGE) for i in range(len(LAYERS))]
     assert kv.committed_spans() == expected
-    assert kv.views[LAYERS[0]].untyped_storage().nbytes() >= CAPACITY * PAGE * len(LAYERS)
+    # A view's storage is its own segment's committed prefix (#16 item 1), never the reservation.
+    assert kv.views[LAYERS[0]].untyped_storage().nbytes() == FINAL * PAGE
     before = kv.num_allocations
     assert before > len(LAYERS)  # the warmup commit and the extension are separate pages
     worker = WorkerKVConnector.create(_vllm_config(name, role, extra), kv)
