@@ -24,6 +24,10 @@ from vllm.v1.worker.kv_cache_sizing import (
     classic_num_blocks,
     committed_bytes_for_blocks,
     describe_parts,
+    elastic_chunk_blocks,
+    elastic_floor_blocks,
+    elastic_growth_blocks,
+    elastic_headroom_bytes,
     extensible_kv_cache_bytes,
     final_num_blocks,
     max_useful_blocks,
@@ -363,3 +367,38 @@ def test_explicit_bytes_under_one_granule_per_segment_still_give_blocks():
                             granularity=GRANULE, capacity=204032, explicit_bytes=4 * MiB)
     assert size.num_blocks == 5
     assert committed_bytes_for_blocks(5, LAYER_STRIDE, LAYERS, GRANULE) == 60 * MiB
+
+
+# The elastic cache (issue #18): the bundled model's geometry, 30 layer segments of
+# 24 KiB blocks, 2 MiB granules (85 blocks each).
+ELASTIC = dict(block_stride=24 * 1024, num_segments=30, granularity=2 * MiB)
+
+
+def test_elastic_headroom_is_two_percent_of_the_device_or_256_mib():
+    assert elastic_headroom_bytes(140 * GiB) == 3006477107  # int(0.02 x 150323855360)
+    assert elastic_headroom_bytes(4 * GiB) == 256 * MiB  # 2 % would be 82 MiB
+
+
+def test_elastic_growth_goes_only_into_free_memory_less_the_headroom():
+    # (60 MiB + 10 GiB - 3006477107) / 30 = 259795189 bytes a segment -> 123 granules
+    # (257949696 bytes) -> 10496 blocks.
+    assert elastic_growth_blocks(free=10 * GiB, total=140 * GiB, committed_bytes=60 * MiB,
+                                 **ELASTIC) == 10496
+    # (60 + 300 - 256) MiB / 30 = 3.47 MiB a segment -> one granule: 85 blocks, as now.
+    assert elastic_growth_blocks(free=300 * MiB, total=4 * GiB, committed_bytes=60 * MiB,
+                                 **ELASTIC) == 85
+    # Less free than the headroom: below what is committed, so no growth.
+    assert elastic_growth_blocks(free=100 * MiB, total=4 * GiB, committed_bytes=60 * MiB,
+                                 **ELASTIC) == 0
+
+
+def test_elastic_floor_is_one_max_model_len_request_up_to_its_granules():
+    # 16 blocks of a 256-token request + the null block fill one granule a segment: 85.
+    assert elastic_floor_blocks(10000, 16, **ELASTIC) == 85
+    assert elastic_floor_blocks(40, 16, **ELASTIC) == 40  # never above the limit
+    assert elastic_floor_blocks(1, 16, **ELASTIC) == 2  # never below the warmup blocks
+
+
+def test_elastic_growth_comes_in_eighths_of_the_range():
+    assert elastic_chunk_blocks(85, 10496) == 1302  # ceil(10411 / 8)
+    assert elastic_chunk_blocks(85, 85) == 1

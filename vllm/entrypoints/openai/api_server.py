@@ -212,7 +212,9 @@ def _add_elastic_routes(app: FastAPI, engine_client: AsyncLLM) -> None:
         """`?limit_bytes=8GiB` caps the elastic KV cache; no value restores the start-up limit."""
         try:
             value = None if limit_bytes is None else human_readable_bytes(limit_bytes)
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, argparse.ArgumentTypeError) as e:
+            # human_readable_bytes is the --kv-cache-memory-bytes parser: its
+            # errors are argparse's, which are not ValueErrors.
             raise APIError(400, f"limit_bytes: {e}", param="limit_bytes") from e
         try:
             return JSONResponse(await engine_client.set_kv_cache_limit(value))

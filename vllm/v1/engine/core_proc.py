@@ -72,6 +72,7 @@ UTILITY_METHODS = frozenset(
         "reset_prefix_cache",
         "get_stats",
         "kv_cache_memory",
+        "set_kv_cache_limit",
     }
 )
 

@@ -1,0 +1,116 @@
+"""`vllm serve --enable-elastic-kv-cache` (issue #18): the runtime limit endpoint, the
+elastic counters and committed bytes on /metrics, one log line per change.
+
+The bundled model: 30 layer segments of 24 KiB blocks, 85 blocks (60 MiB) per 2 MiB
+granule a segment. The server's floor is one max_model_len (512-token) request: 85
+blocks; 256 MiB of KV allow 4 granules (8 MiB) a segment: 341 blocks. Shrinks follow at once
+when blocks are free (`VLLM_ELASTIC_KV_SHRINK_DELAY_S=0`).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.entrypoints.openai.utils import (
+    DEFAULT_SERVER_ARGS,
+    MODEL_NAME,
+    RemoteServer,
+    error_of,
+    scrape_metrics,
+)
+
+pytestmark = pytest.mark.slow
+
+MiB = 1 << 20
+FLOOR_BYTES = 60 * MiB
+# 16 requests of ~200 prompt tokens: ~14 blocks each, far more than the floor's 84.
+BURST = [f"Tell me story number {i} about a lighthouse keeper and the sea. " * 14
+         for i in range(16)]
+
+
+@pytest.fixture(scope="module")
+def elastic_server():
+    with RemoteServer([*DEFAULT_SERVER_ARGS, "--enable-elastic-kv-cache"],
+                      env={"VLLM_ELASTIC_KV_SHRINK_DELAY_S": "0"}) as remote:
+        yield remote
+
+
+def _burst(server: RemoteServer) -> list[str]:
+    def complete(prompt: str) -> str:
+        response = httpx.post(server.url_for("v1/completions"), timeout=300, json={
+            "model": MODEL_NAME, "prompt": prompt, "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True})
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["text"]
+
+    with ThreadPoolExecutor(len(BURST)) as pool:
+        return list(pool.map(complete, BURST))
+
+
+def _committed(server: RemoteServer) -> float:
+    return scrape_metrics(server)["vllm:kv_cache_committed_bytes"]
+
+
+def _wait_for_committed(server: RemoteServer, nbytes: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while _committed(server) != nbytes:
+        assert time.monotonic() < deadline, f"committed {_committed(server)}, not {nbytes}"
+        time.sleep(0.2)
+
+
+def _set_limit(server: RemoteServer, value: str | None) -> httpx.Response:
+    params = {} if value is None else {"limit_bytes": value}
+    return httpx.post(server.url_for("kv_cache/limit"), params=params, timeout=60)
+
+
+def test_the_limit_endpoint_exists_only_with_the_elastic_flag(server):
+    response = _set_limit(server, "1GiB")
+    assert response.status_code == 404
+    error_of(response)
+
+
+@pytest.mark.parametrize("value", ["lots", "-1", "1.5"])
+def test_a_bad_limit_is_a_400_naming_limit_bytes(elastic_server, value):
+    response = _set_limit(elastic_server, value)
+    assert response.status_code == 400, response.text
+    assert error_of(response)["param"] == "limit_bytes"
+
+
+def test_committed_bytes_follow_a_burst_up_and_back_down(elastic_server):
+    _wait_for_committed(elastic_server, FLOOR_BYTES)
+    before = scrape_metrics(elastic_server)
+    texts = _burst(elastic_server)
+    assert all(texts)
+    grown = scrape_metrics(elastic_server)
+    assert grown["vllm:kv_cache_elastic_grows_total"] > before["vllm:kv_cache_elastic_grows_total"]
+    # Idle again: the free tail goes back, down to the floor.
+    _wait_for_committed(elastic_server, FLOOR_BYTES)
+    after = scrape_metrics(elastic_server)
+    assert after["vllm:kv_cache_elastic_shrinks_total"] > before[
+        "vllm:kv_cache_elastic_shrinks_total"]
+    assert after["vllm:kv_cache_reserved_bytes"] > 4 * FLOOR_BYTES
+    log = elastic_server.log()
+    assert "Elastic KV cache: grew 0.06 -> " in log
+    assert " -> 0.06 GiB (" in log and "Elastic KV cache: released " in log
+
+
+def test_a_runtime_limit_holds_the_cache_and_a_bare_post_restores_it(elastic_server):
+    _wait_for_committed(elastic_server, FLOOR_BYTES)
+    # 90 MiB: 3 MiB a segment, rounded down to one granule = 85 blocks, the floor.
+    response = _set_limit(elastic_server, "90MiB")
+    assert response.status_code == 200, response.text
+    assert response.json() == {"limit_blocks": 85, "committed_bytes": FLOOR_BYTES,
+                               "num_blocks": 85}
+    grows = scrape_metrics(elastic_server)["vllm:kv_cache_elastic_grows_total"]
+    assert all(_burst(elastic_server))  # served within the floor (queued, not refused)
+    metrics = scrape_metrics(elastic_server)
+    assert metrics["vllm:kv_cache_elastic_grows_total"] == grows
+    assert metrics["vllm:kv_cache_committed_bytes"] == FLOOR_BYTES
+    response = _set_limit(elastic_server, None)
+    assert response.status_code == 200, response.text
+    assert response.json()["limit_blocks"] == 341  # 8 MiB / 24 KiB
+    assert "Elastic KV cache: limit set to 0.06 GiB (85 blocks)" in elastic_server.log()
