@@ -72,7 +72,7 @@ class ElasticKVCache:
         config = kv_cache.config
         floor = sizing.elastic_floor_blocks(
             max_limit, max_blocks_per_request, config.block_stride, config.num_segments,
-            kv_cache.driver.granularity,
+            kv_cache.granularity,
         )
         self.bounds = ElasticBounds(
             floor=floor, limit=max_limit, max_limit=max_limit,
@@ -98,7 +98,7 @@ class ElasticKVCache:
             config = self.kv_cache.config
             limit = sizing.num_blocks_for_bytes(
                 limit_bytes, config.block_stride, config.num_segments,
-                self.kv_cache.driver.granularity,
+                self.kv_cache.granularity,
             )
             limit = min(max(limit, b.floor), b.max_limit)
         self.bounds = ElasticBounds(b.floor, limit, b.max_limit, b.chunk)
@@ -113,7 +113,7 @@ class ElasticKVCache:
         fits = sizing.elastic_growth_blocks(
             free=self.memory.free_bytes(), total=self.memory.total,
             committed_bytes=kv.committed_bytes, block_stride=kv.config.block_stride,
-            num_segments=kv.config.num_segments, granularity=kv.driver.granularity,
+            num_segments=kv.config.num_segments, granularity=kv.granularity,
         )
         target = min(num_blocks, self.bounds.limit, kv.capacity_blocks, fits)
         if target <= before:
@@ -147,7 +147,7 @@ class ElasticKVCache:
     def _bytes_for(self, num_blocks: int) -> int:
         config = self.kv_cache.config
         return sizing.committed_bytes_for_blocks(
-            num_blocks, config.block_stride, config.num_segments, self.kv_cache.driver.granularity
+            num_blocks, config.block_stride, config.num_segments, self.kv_cache.granularity
         )
 
 

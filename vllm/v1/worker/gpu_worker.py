@@ -421,7 +421,7 @@ class Worker(SleepModeWorkerMixin, SpecDecodeWorkerMixin, ElasticWorkerMixin):
             gpu_memory_utilization=cache.gpu_memory_utilization,
             block_stride=kv_cache.config.block_stride,
             num_segments=kv_cache.config.num_segments,
-            granularity=kv_cache.driver.granularity,
+            granularity=kv_cache.granularity,
             capacity=kv_cache.capacity_blocks,
             explicit_bytes=cache.kv_cache_memory_bytes,
             budget_cap=self._budget_cap(),

@@ -164,6 +164,11 @@ class KVCacheBuffers(ABC):
         """Bytes `recommit()` maps (0 unless released; a classic cache never is)."""
         return 0
 
+    @property
+    def granularity(self) -> int:
+        """Bytes each segment's commit rounds up to (1: a fully backed cache commits exactly)."""
+        return 1
+
     @abstractmethod
     def allocate(self, num_blocks: int) -> dict[str, torch.Tensor]:
         """Back the cache and commit its first `num_blocks` blocks; returns the views."""
@@ -298,6 +303,11 @@ class ExtensibleKVCacheBuffers(KVCacheBuffers):
         super().__init__(kv_cache_config, device)
         self.driver = driver
         self.tensor: ExtensibleTensor | None = None
+
+    @property
+    def granularity(self) -> int:
+        """The VMM driver's allocation granularity, bytes (2 MiB on the H200 and the host)."""
+        return self.driver.granularity
 
     @property
     def block_stride(self) -> int:
