@@ -3,7 +3,9 @@
 - tensor_parallel_size=2 (mp and ray) answers greedy requests with the one-rank engine's text;
 - a 10 MB prompt posted by another client does not stall a running stream;
 - a killed worker is reported within seconds (/health 503 with the reason), the server
-  exits 1, and no process of the tree is left (no zombie); likewise after Ctrl-C.
+  exits 1, and no process of the tree is left (no zombie); likewise after Ctrl-C;
+- a killed engine core process fails the requests in flight with a clear error (the
+  OpenAI error body, or an SSE error event and [DONE]) instead of leaving them hanging.
 """
 
 from __future__ import annotations
@@ -191,3 +193,57 @@ def test_big_prompt_does_not_stall_a_running_stream(server):
         f"a gap of {max(during) * 1e3:.0f} ms while the 10 MB prompt was handled; "
         f"median {median * 1e3:.0f} ms"
     )
+
+
+# ------------------------------------------------------------------ the engine core dies
+def test_killed_engine_core_fails_requests_in_flight_and_exits():
+    """SIGKILL of the engine core process (it cannot report anything): the frontend's
+    monitor sees the process end; a waiting non-streaming request gets 500 with the
+    OpenAI body (vLLM's status for a dead engine), a running stream an SSE error event
+    and then [DONE]; the server exits 1 and no process of its tree is left."""
+    with RemoteServer(DEFAULT_SERVER_ARGS) as server:
+        (core,) = [p for p in psutil.Process(server.proc.pid).children()
+                   if "resource_tracker" not in " ".join(p.cmdline())]
+        everything = tree(server)
+        url = server.url_for("v1/completions")
+        body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 400,
+                "ignore_eos": True}
+        results: dict = {}
+        streaming = threading.Event()
+
+        def plain() -> None:
+            results["plain"] = httpx.post(url, json=body, timeout=120)
+
+        def stream() -> None:
+            events = []
+            with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line:
+                        events.append(line)
+                        if len(events) == 3:
+                            streaming.set()
+            results["stream"] = events
+
+        threads = [threading.Thread(target=stream), threading.Thread(target=plain)]
+        for thread in threads:
+            thread.start()
+        assert streaming.wait(120)
+        core.send_signal(signal.SIGKILL)
+        for thread in threads:
+            thread.join(60)
+            assert not thread.is_alive(), "a request hangs after the engine core died"
+        plain_response = results["plain"]
+        assert plain_response.status_code == 500, plain_response.text
+        assert "engine core process died (killed by SIGKILL)" in error_of(
+            plain_response)["message"]
+        events = results["stream"]
+        assert events[-1] == "data: [DONE]", events[-3:]
+        error_event = json.loads(events[-2].removeprefix("data: "))
+        assert error_event["error"]["code"] == 500, events[-2]
+        assert "engine core process died" in error_event["error"]["message"]
+        with contextlib.suppress(httpx.ConnectError):  # it lingers a moment for probes
+            health = httpx.get(server.url_for("health"), timeout=5)
+            assert health.status_code == 503
+            assert "engine core process died" in error_of(health)["message"]
+        assert server.proc.wait(30) == 1
+    wait_gone(everything)
