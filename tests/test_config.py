@@ -386,15 +386,16 @@ def test_kv_transfer_config():
     assert KVTransferConfig.from_cli('{"kv_role": "kv_both"}').kv_connector is None
 
 
-def test_kv_connector_refused_with_tp_or_sleep(tiny_model, probe):
+def test_kv_connector_refused_with_tp_and_allowed_with_sleep(tiny_model, probe):
     probe(None)
     kv = KVTransferConfig("NixlConnector", "kv_producer")
     with pytest.raises(ValueError, match=r"one rank only for now; tensor_parallel_size=2"):
         VllmConfig(model_config=ModelConfig(tiny_model), kv_transfer_config=kv,
                    parallel_config=ParallelConfig(2, "mp"))
-    with pytest.raises(ValueError, match="cannot be combined with enable_sleep_mode"):
-        VllmConfig(model_config=ModelConfig(tiny_model), kv_transfer_config=kv,
-                   cache_config=CacheConfig(enable_sleep_mode=True))
+    # Sleep deregisters the KV memory and wake registers it again (issue #13 item 4).
+    config = VllmConfig(model_config=ModelConfig(tiny_model), kv_transfer_config=kv,
+                        cache_config=CacheConfig(enable_sleep_mode=True))
+    assert config.cache_config.enable_sleep_mode and config.kv_transfer_config is kv
     with pytest.raises(ValueError, match="cannot be combined with enable_elastic_kv_cache"):
         VllmConfig(model_config=ModelConfig(tiny_model), kv_transfer_config=kv,
                    cache_config=CacheConfig(enable_elastic_kv_cache=True))

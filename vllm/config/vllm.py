@@ -89,13 +89,6 @@ class VllmConfig:
                 f"tensor_parallel_size={self.parallel_config.tensor_parallel_size} would need "
                 "every rank's worker side to transfer its shard"
             )
-        if self.cache_config.enable_sleep_mode:
-            raise ValueError(
-                f"kv_transfer_config ({kv.kv_connector}) cannot be combined with "
-                "enable_sleep_mode: sleep releases the KV pages the connector has "
-                "registered (or copies from), and deregistering and re-registering "
-                "around sleep is not implemented"
-            )
         if self.cache_config.enable_elastic_kv_cache:
             raise ValueError(
                 f"kv_transfer_config ({kv.kv_connector}) cannot be combined with "

@@ -40,7 +40,8 @@ MAX_TOKENS = 6
 
 def _kv_args(role: str) -> list[str]:
     config = {"kv_connector": "NixlConnector", "kv_role": role}
-    return [*DEFAULT_SERVER_ARGS, "--kv-transfer-config", json.dumps(config)]
+    return [*DEFAULT_SERVER_ARGS, "--kv-transfer-config", json.dumps(config),
+            "--enable-sleep-mode"]
 
 
 def _free_port() -> int:
@@ -190,6 +191,45 @@ def _wait_for(condition, timeout: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.2)
+
+
+def _sleep_and_wake(server: RemoteServer) -> None:
+    assert httpx.post(server.url_for("sleep"), params={"level": 1}, timeout=60).status_code == 200
+    assert httpx.post(server.url_for("wake_up"), timeout=60).status_code == 200
+
+
+def test_1p1d_after_both_instances_slept_equals_one_instance(disagg, reference):
+    """Both instances register their KV memory again after waking; the decode instance
+    sees the prefill instance's new registration epoch and handshakes again."""
+    prefill, decode, proxy = disagg
+    for server in (prefill, decode):
+        _sleep_and_wake(server)
+    texts = []
+    for prompt in PROMPTS[:4]:
+        r = _complete(proxy, prompt)
+        assert r.status_code == 200, r.text
+        texts.append(r.json()["choices"][0]["text"])
+    assert texts == reference[:4]
+    assert "region(s) registered again after wake (epoch 1)" in prefill.log()
+    assert "registered its KV memory again (epoch 0 -> 1); handshaking again" in decode.log()
+
+
+def test_blocks_held_across_a_sleep_are_freed_and_their_read_fails_clearly(disagg):
+    """Sleep discards the KV contents: a prefill instance frees the blocks it held for a
+    reader, and the decode request for them fails with the reason (as for a dead
+    instance) and frees what it allocated."""
+    prefill, decode, _ = disagg
+    prompt = PROMPTS[2] + " or so"
+    r = _complete(prefill.url, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    params = r.json()["kv_transfer_params"]
+    assert scrape_metrics(prefill)["vllm:kv_cache_usage_perc"] > 0.0  # held for the reader
+    _sleep_and_wake(prefill)
+    assert scrape_metrics(prefill)["vllm:kv_cache_usage_perc"] == 0.0
+    assert "Sleep: freed the blocks of 1 finished request(s)" in prefill.log()
+    r = _complete(decode.url, prompt, kv_transfer_params=params)
+    assert r.status_code == 502, r.text
+    assert "no longer holds the blocks" in error_of(r)["message"]
+    _wait_for(lambda: scrape_metrics(decode)["vllm:kv_cache_usage_perc"] == 0.0)
 
 
 def test_dead_prefill_instance(disagg):

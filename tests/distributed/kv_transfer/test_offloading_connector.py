@@ -24,7 +24,7 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0)
 
 @pytest.fixture(scope="module")
 def offload_llm():
-    llm = LLM(**SMALL_CACHE, kv_transfer_config={
+    llm = LLM(**SMALL_CACHE, enable_sleep_mode=True, kv_transfer_config={
         "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
         "kv_connector_extra_config": {"num_cpu_blocks": 64},
     })
@@ -67,3 +67,28 @@ def test_registered_after_the_extend(offload_llm):
     assert kv.committed_blocks == 5  # warmup committed 2; the extend made it 5
     assert regions == kv.committed_spans()
     assert len(regions) == 30 and all(n == 5 * BLOCK_BYTES // 30 for _, n in regions)
+
+
+def test_sleep_forgets_the_host_copies_and_the_woken_engine_offloads_again(offload_llm,
+                                                                           bundled_llm):
+    """Sleep with a connector (#13 item 4): the host index is emptied with the prefix
+    cache (the weights may change while asleep), the woken cache is registered again,
+    and offload works as before: outputs equal recomputation."""
+    llm = offload_llm
+    reference = [o.outputs[0].text for o in bundled_llm.generate([LONG_A, LONG_B], GREEDY)]
+    llm.generate([LONG_A], GREEDY)
+    connector = llm.llm_engine.engine_core.scheduler.connector
+    assert connector.host_index
+    llm.sleep(level=1)
+    assert not connector.host_index
+    assert sorted(connector.free_slots) == list(range(connector.num_cpu_blocks))
+    llm.wake_up()
+    worker = llm.llm_engine.engine_core.worker
+    assert worker.kv_connector.connector.registered_regions == worker.kv_cache.committed_spans()
+    before = _stats(llm)
+    texts = [llm.generate([p], GREEDY)[0].outputs[0].text for p in (LONG_A, LONG_B)]
+    after_b = _stats(llm)
+    assert after_b.external_prefix_cache_hits == before.external_prefix_cache_hits  # forgotten
+    again = llm.generate([LONG_A], GREEDY)[0].outputs[0].text  # stored again after the wake
+    assert _stats(llm).external_prefix_cache_hits > after_b.external_prefix_cache_hits
+    assert [*texts, again] == [reference[0], reference[1], reference[0]]

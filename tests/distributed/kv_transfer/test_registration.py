@@ -88,6 +88,44 @@ def test_nixl_registration_is_real(grown_cache):
         worker.shutdown()
 
 
+def _loopback_read(c, src: torch.Tensor, dst: torch.Tensor) -> str:
+    agent = c.agent
+    local = agent.get_xfer_descs([(dst.data_ptr(), PAGE, 0)], "DRAM")
+    remote = agent.get_xfer_descs([(src.data_ptr(), PAGE, 0)], "DRAM")
+    handle = agent.initialize_xfer("READ", local, remote, c.engine_id)
+    state = agent.transfer(handle)
+    while state == "PROC":
+        state = agent.check_xfer_state(handle)
+    agent.release_xfer_handle(handle)
+    return state
+
+
+def test_nixl_sleep_deregisters_and_wake_registers_the_same_spans(grown_cache):
+    """Sleep (#13 item 4): deregistered before the pages go, the same spans registered
+    again on the fresh pages (one allocation per segment, as after the defragment), the
+    epoch counted in the handshake, and real transfers work again."""
+    pytest.importorskip("nixl_cu13")
+    kv = grown_cache
+    worker = WorkerKVConnector.create(_vllm_config("NixlConnector", "kv_producer", {}), kv)
+    c = worker.connector
+    try:
+        spans = kv.committed_spans()
+        assert worker.handshake()["epoch"] == 0
+        worker.sleep()
+        assert c.reg_descs is None
+        kv.release()
+        kv.recommit()
+        worker.wake_up(kv)
+        assert c.registered_regions == spans == kv.committed_spans()
+        assert kv.num_allocations == len(LAYERS)
+        assert worker.handshake()["epoch"] == 1
+        src, dst = kv.views[LAYERS[1]][3], kv.views[LAYERS[0]][FINAL - 1]
+        src.copy_(torch.arange(src.numel(), dtype=src.dtype).view_as(src))
+        assert _loopback_read(c, src, dst) == "DONE" and torch.equal(dst, src)
+    finally:
+        worker.shutdown()
+
+
 def test_offload_host_blocks_from_bytes(grown_cache):
     """cpu_bytes_to_use -> whole blocks of all layers on the host."""
     config = _vllm_config("OffloadingConnector", "kv_both",

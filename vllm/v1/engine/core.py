@@ -307,6 +307,8 @@ class EngineCore:
         """
         self._drain_batch_queue()  # no step may still write into the cache
         self.abort_requests(list(self.scheduler.requests))
+        if self.scheduler.connector is not None:
+            self.scheduler.kv_connector_sleep()  # before the workers deregister and release
         self._kv_memory = self._sleeping = None
         if self.elastic is not None:  # wake commits the floor, then grows what fits
             self._blocks_before_sleep = self.scheduler.num_blocks
@@ -323,11 +325,22 @@ class EngineCore:
             sleep) on any rank; see `Worker.wake_up`.
         """
         self._kv_memory = self._sleeping = None
+        connector = self.scheduler.connector
+        kv_was_asleep = connector is not None and self._kv_cache_asleep()
         reload = any(self.model_executor.collective_rpc("wake_up", args=(tags,)))
+        if kv_was_asleep and not self._kv_cache_asleep():
+            # The workers registered the woken KV memory again: new transfer metadata.
+            (handshake,) = self.model_executor.collective_rpc(
+                "kv_connector_handshake", unique_reply_rank=0)
+            connector.set_xfer_handshake_metadata(handshake)
         if self.elastic is not None and not self.is_sleeping():
             self.elastic.regrow(getattr(self, "_blocks_before_sleep", 0))
             self._kv_memory = None
         return reload
+
+    def _kv_cache_asleep(self) -> bool:
+        return any("kv_cache" in tags for tags in self.model_executor.collective_rpc(
+            "sleeping_tags"))
 
     def is_sleeping(self) -> bool:
         """Whether any rank has weights or KV cache asleep (cached between sleep and wake)."""

@@ -271,6 +271,9 @@ class MPEngineCoreClient:
         kind, value = message
         if kind == "outputs":
             self._pending.append(value)
+            if value.scheduler_stats is not None:  # the newest figures, e.g. after a call
+                self._scheduler_stats = value.scheduler_stats
+                self._kv_memory = value.kv_memory
         else:
             logger.warning("engine core: unexpected message %r", kind)
 

@@ -76,6 +76,8 @@ UTILITY_METHODS = frozenset(
     }
 )
 
+_READ_ONLY_METHODS = frozenset({"is_sleeping", "get_stats", "kv_cache_memory"})
+
 
 def is_device_error(error: BaseException) -> bool:
     """True for errors after which the device context cannot be trusted (CUDA / HIP faults)."""
@@ -244,6 +246,12 @@ class EngineCoreProc:
             reply = (call_id, True, getattr(self.core, method)(*args))
         except Exception as e:
             reply = (call_id, False, RemoteFailure.capture(e))
+        if method not in _READ_ONLY_METHODS:
+            # Sleep frees blocks, a wake or a limit changes the cache: the frontend's
+            # figures (/metrics) follow now, not at the next step.
+            self._outputs.put(("outputs", EngineCoreOutputs(
+                outputs=[], scheduler_stats=self.core.get_stats(),
+                kv_memory=self.core.kv_cache_memory())))
         self._outputs.put(("result", reply))
 
     def _step(self) -> None:

@@ -8,7 +8,8 @@
          -> get_finished / get_failed_recving -> ModelRunnerOutput.kv_connector_output
 
 Nothing here creates a connector before the cache has its final size, so a
-connector never sees an uncommitted address.
+connector never sees an uncommitted address. Sleep mode: `sleep()` before the
+pages are released (deregister), `wake_up(kv_cache)` once they are back.
 """
 
 from __future__ import annotations
@@ -75,6 +76,21 @@ class WorkerKVConnector:
             return output
         # The empty output is a shared constant: never mutate it.
         return dataclasses.replace(output, kv_connector_output=kv_output)
+
+    def sleep(self) -> None:
+        """Before the KV pages are released: the connector stops using them."""
+        self.connector.sleep()
+
+    def wake_up(self, kv_cache: KVCacheBuffers) -> None:
+        """After the KV pages are mapped again (same addresses): register them again.
+
+        A recommit maps each segment as one allocation, so a transport that
+        needs that (NIXL) gets it as it did after the start-up defragment.
+        """
+        spans = kv_cache.committed_spans()
+        self.connector.wake_up(dict(kv_cache.views), spans)
+        logger.info("KV connector %s (worker side) registered %d region(s) again after wake",
+                    type(self.connector).__name__, len(spans))
 
     def handshake(self) -> dict | None:
         return self.connector.get_handshake_metadata()

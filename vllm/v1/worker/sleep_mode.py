@@ -31,7 +31,8 @@ class SleepModeWorkerMixin:
     """The Worker's sleep / wake calls (reached through `collective_rpc`).
 
     Expects the Worker's `config`, `platform`, `device`, `kv_cache`, `memory`,
-    `model_runner` and `weight_arena`.
+    `model_runner`, `weight_arena` and `kv_connector` (deregistered before the KV
+    pages go, registered again once they are back).
     """
 
     def _create_weight_arena(self, model: torch.nn.Module) -> None:
@@ -60,6 +61,8 @@ class SleepModeWorkerMixin:
         start = time.monotonic()
         weights, kv = self.weight_arena.physical_bytes, self.kv_cache.committed_bytes
         self.memory.synchronize()
+        if self.kv_connector is not None and not self.kv_cache.is_released:
+            self.kv_connector.sleep()  # deregister before the pages go
         self.kv_cache.release()
         self.weight_arena.sleep(keep_on_host=level == 1)
         gc.collect()
@@ -100,6 +103,8 @@ class SleepModeWorkerMixin:
             needs_reload = self.weight_arena.wake_up() if "weights" in tags else False
             if "kv_cache" in asleep:
                 self.kv_cache.recommit()
+                if self.kv_connector is not None:
+                    self.kv_connector.wake_up(self.kv_cache)
         except VmmError as e:
             raise DeviceMemoryError(
                 f"wake_up could not map the {', '.join(asleep)} memory: it needs "

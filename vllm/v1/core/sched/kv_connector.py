@@ -7,6 +7,7 @@
     update_from_output()  kv_connector_output: blocks the connector finished
                           sending are freed; requests whose load failed finish
                           with an error (their blocks never entered the prefix cache)
+    kv_connector_sleep()  sleep: blocks held for remote readers are freed
 
 The connector itself (`KVConnectorBase_V1`) lives in
 `vllm/distributed/kv_transfer`; this module only calls it.
@@ -42,6 +43,18 @@ class KVConnectorSchedulerMixin:
             self.external_hits += num_external
         blocks = self.kv_cache_manager.get_blocks(request.request_id)
         self.connector.update_state_after_alloc(request, blocks, num_external)
+
+    def kv_connector_sleep(self) -> None:
+        """Before the engine sleeps (every request already aborted): free the blocks held
+        for remote readers, whose contents are about to go, and let the connector
+        forget what referred to KV contents."""
+        for request in self.sending.values():
+            self.kv_cache_manager.free(request)
+        if self.sending:
+            logger.info("Sleep: freed the blocks of %d finished request(s) no remote reader "
+                        "took yet", len(self.sending))
+        self.sending.clear()
+        self.connector.sleep()
 
     def _update_from_kv_connector(self, kv_output: KVConnectorOutput) -> list[EngineCoreOutput]:
         """Free blocks the connector finished sending; fail requests whose load failed.

@@ -158,6 +158,28 @@ class KVConnectorBase_V1(ABC):
         """Deregister memory and close side channels (worker and scheduler side)."""
         return None
 
+    # ------------------------------------------------- sleep mode (both sides)
+    def sleep(self) -> None:
+        """The engine goes to sleep; its KV contents are about to be discarded.
+
+        Called on the scheduler side after every request was aborted and the
+        blocks held for remote readers were freed (forget what refers to KV
+        contents: host copies, held requests), and on the worker side just
+        before the KV pages are released (stop using them: a connector that
+        registered them with a transport deregisters them here). The default
+        does nothing.
+        """
+        return None
+
+    def wake_up(self, kv_caches: dict[str, torch.Tensor], regions: list[tuple[int, int]]) -> None:
+        """Worker side: the KV cache is mapped again (fresh zeroed pages, the same
+        addresses and views, `regions` equal to those first registered); register
+        them again. Afterwards the scheduler side gets the new
+        `get_handshake_metadata()` through `set_xfer_handshake_metadata`. The
+        default does nothing (a connector that keeps only the views).
+        """
+        return None
+
     # --------------------------------------------------------- scheduler side
     @abstractmethod
     def get_num_new_matched_tokens(
@@ -181,7 +203,8 @@ class KVConnectorBase_V1(ABC):
         """This step's loads and saves for the worker side; resets the step's plan."""
 
     def set_xfer_handshake_metadata(self, metadata: dict[str, Any] | None) -> None:
-        """The worker side's `get_handshake_metadata()` (rank 0), before the first step."""
+        """The worker side's `get_handshake_metadata()` (rank 0): before the first step,
+        and again after each wake from sleep (then it updates what it serves)."""
         return None
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:

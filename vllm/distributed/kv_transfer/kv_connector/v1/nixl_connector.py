@@ -30,6 +30,14 @@ Failures: a dead or unreachable producer makes the handshake, the "held"
 check or the READ fail; the request is reported in `failed_recving`, the scheduler frees its
 blocks (never cached) and the client gets a 502 that says so. A producer
 whose blocks are never read frees them after `abort_timeout_s` (default 120 s).
+
+Sleep mode: either instance deregisters its KV memory before sleep releases the
+pages (a producer frees the blocks it held for readers: their contents go, so
+a decode request for them fails as a dead producer's would) and registers the
+same regions again after waking. A new registration changes the agent's
+metadata (UCX's remote keys), so the producer counts its registrations
+(`epoch`): the "held" answer carries it, and a consumer whose cached handshake
+has another epoch handshakes again before its READ.
 """
 
 from __future__ import annotations
@@ -102,6 +110,7 @@ class _RemoteEngine:
     agent_name: str
     layers: dict[str, tuple[int, int, int]]  # layer -> (base, block stride, page bytes)
     device_id: int
+    epoch: int  # its registration count when this handshake was made
 
 
 class NixlConnector(KVConnectorBase_V1):
@@ -133,10 +142,12 @@ class NixlConnector(KVConnectorBase_V1):
         self.device_id = 0
         self.mem_type = "DRAM"
         self._remotes: dict[str, _RemoteEngine] = {}
+        self.epoch = 0  # registrations of this engine's memory since the first (sleep/wake)
         self._send_deadlines: dict[str, float] = {}
         self._recving: set[str] = set()
         self._failed: dict[str, str] = {}
         self._side_channel: _SideChannel | None = None
+        self._handshake = b""  # scheduler side: what the side channel serves
 
     # ------------------------------------------------------------ worker side
     def register_kv_caches(
@@ -154,18 +165,57 @@ class NixlConnector(KVConnectorBase_V1):
             self.layers[name] = (view.data_ptr(), view.stride(0) * view.element_size(),
                                  view[0].nbytes)
         self.agent = nixl_agent(self.engine_id, nixl_agent_config(backends=self.backends))
+        self._register(regions)
+        logger.info("NIXL agent %s: %d %s region(s) registered",
+                    self.engine_id, len(regions), self.mem_type)
+
+    def _register(self, regions: list[tuple[int, int]]) -> None:
         self.reg_descs = self.agent.register_memory(
             [(base, length, self.device_id, "") for base, length in regions], self.mem_type)
         self.registered_regions = list(regions)
-        logger.info("NIXL agent %s: %d %s region(s) registered",
-                    self.engine_id, len(regions), self.mem_type)
+
+    def _deregister(self) -> None:
+        if self.agent is not None and self.reg_descs is not None:
+            self.agent.deregister_memory(self.reg_descs)
+            self.reg_descs = None
+
+    def sleep(self) -> None:
+        """Scheduler side: forget held requests (their blocks were freed). Worker side:
+        deregister the KV memory before its pages go; sends still waiting are over."""
+        if self.role == KVConnectorRole.SCHEDULER:
+            self._held.clear()
+            self._sends, self._loads = [], {}
+            self._consumed.clear()
+            return
+        self._deregister()
+        self._send_deadlines.clear()
+        self._recving.clear()
+        self._failed.clear()
+        logger.info("NIXL agent %s: KV memory deregistered for sleep", self.engine_id)
+
+    def wake_up(self, kv_caches: dict[str, torch.Tensor], regions: list[tuple[int, int]]) -> None:
+        """Register the woken KV memory again (same regions); the epoch counts it.
+
+        Raises:
+            RuntimeError: the views or regions moved (they never do: sleep keeps
+                every address), which would invalidate what remote engines know.
+        """
+        layers = {name: (v.data_ptr(), v.stride(0) * v.element_size(), v[0].nbytes)
+                  for name, v in kv_caches.items()}
+        if layers != self.layers or list(regions) != self.registered_regions:
+            raise RuntimeError("the KV cache moved across sleep; NIXL cannot register it again")
+        self._deregister()  # a wake without a sleep before it: nothing to undo
+        self._register(regions)
+        self.epoch += 1
+        logger.info("NIXL agent %s: %d %s region(s) registered again after wake (epoch %d)",
+                    self.engine_id, len(regions), self.mem_type, self.epoch)
 
     def get_handshake_metadata(self) -> dict[str, Any]:
         """What a remote decode instance needs to read from here (served by the side channel)."""
         return {
             "engine_id": self.engine_id,
             "agent_metadata": base64.b64encode(self.agent.get_agent_metadata()).decode(),
-            "layers": self.layers, "device_id": self.device_id,
+            "layers": self.layers, "device_id": self.device_id, "epoch": self.epoch,
         }
 
     def start_load_kv(self, **kwargs: Any) -> None:
@@ -188,8 +238,8 @@ class NixlConnector(KVConnectorBase_V1):
     def _read(self, load: ReqLoad) -> None:
         import numpy as np
 
-        remote = self._remote_engine(load.remote)
-        self._check_held(load.remote)
+        epoch = self._check_held(load.remote)
+        remote = self._remote_engine(load.remote, epoch)
         notif = load.remote.request_id.encode()
         if not load.local_block_ids:
             self.agent.send_notif(remote.agent_name, notif)
@@ -215,10 +265,15 @@ class NixlConnector(KVConnectorBase_V1):
         finally:
             self.agent.release_xfer_handle(handle)
 
-    def _remote_engine(self, remote: RemotePrefill) -> _RemoteEngine:
+    def _remote_engine(self, remote: RemotePrefill, epoch: int) -> _RemoteEngine:
+        """The remote engine's agent and layers, handshaking when not known at `epoch`."""
         cached = self._remotes.get(remote.engine_id)
-        if cached is not None:
+        if cached is not None and cached.epoch == epoch:
             return cached
+        if cached is not None:  # it slept and registered its memory again: new keys
+            logger.info("NIXL: engine %s registered its KV memory again (epoch %d -> %d); "
+                        "handshaking again", remote.engine_id, cached.epoch, epoch)
+            self._forget_remote(remote.engine_id)
         reply = json.loads(
             _SideChannel.request(remote.host, remote.port, b"handshake", HANDSHAKE_TIMEOUT_S))
         if reply["engine_id"] != remote.engine_id:
@@ -230,24 +285,29 @@ class NixlConnector(KVConnectorBase_V1):
         name = self.agent.add_remote_agent(base64.b64decode(reply["agent_metadata"]))
         name = name.decode() if isinstance(name, bytes) else name
         engine = _RemoteEngine(name, {k: tuple(v) for k, v in reply["layers"].items()},
-                               reply["device_id"])
+                               reply["device_id"], int(reply.get("epoch", 0)))
         self._remotes[remote.engine_id] = engine
         return engine
 
     @staticmethod
-    def _check_held(remote: RemotePrefill) -> None:
+    def _check_held(remote: RemotePrefill) -> int:
         """Ask the prefill instance whether it still holds the request's blocks.
 
-        Why: a prefill instance that died, restarted or timed the request out
-        may have reused the blocks, and on some transports (shared memory on
-        one host) a READ of a dead process's pages still "succeeds".
+        Why: a prefill instance that died, restarted, slept or timed the
+        request out may have reused the blocks, and on some transports (shared
+        memory on one host) a READ of a dead process's pages still "succeeds".
+
+        Returns:
+            the prefill instance's registration epoch (answer "1 <epoch>").
         """
         query = f"held {remote.engine_id} {remote.request_id}".encode()
         answer = _SideChannel.request(remote.host, remote.port, query, HANDSHAKE_TIMEOUT_S)
-        if answer != b"1":
+        held, _, epoch = answer.decode(errors="replace").partition(" ")
+        if held != "1":
             raise RuntimeError(
                 f"it no longer holds the blocks of request {remote.request_id!r} "
-                "(timed out, or another engine now answers there)")
+                "(timed out, went to sleep, or another engine now answers there)")
+        return int(epoch or 0)
 
     def _forget_remote(self, engine_id: str) -> None:
         engine = self._remotes.pop(engine_id, None)
@@ -294,9 +354,7 @@ class NixlConnector(KVConnectorBase_V1):
             return
         for engine_id in list(self._remotes):
             self._forget_remote(engine_id)
-        if self.agent is not None and self.reg_descs is not None:
-            self.agent.deregister_memory(self.reg_descs)
-            self.reg_descs = None
+        self._deregister()
 
     # --------------------------------------------------------- scheduler side
     def set_xfer_handshake_metadata(self, metadata: dict[str, Any] | None) -> None:
@@ -305,18 +363,24 @@ class NixlConnector(KVConnectorBase_V1):
         The side channel lives beside the scheduler because it answers "does
         this engine still hold request X's blocks?" from `self._held`, which
         the scheduler updates the moment a request finishes (before its
-        response leaves), so a decode instance never asks too early.
+        response leaves), so a decode instance never asks too early. After a
+        wake the worker's new metadata (its next epoch) replaces what it serves.
         """
         self.engine_id = metadata["engine_id"]
+        self.epoch = int(metadata.get("epoch", 0))
         if self.kv_role == "kv_consumer":
             return
-        handshake = json.dumps(metadata).encode()
+        self._handshake = json.dumps(metadata).encode()
+        if self._side_channel is not None:
+            return
 
         def answer(query: bytes) -> bytes:
             if query == b"handshake":
-                return handshake
+                return self._handshake
             _, engine_id, req_id = query.decode().split(" ", 2)
-            return b"1" if engine_id == self.engine_id and req_id in self._held else b"0"
+            if engine_id == self.engine_id and req_id in self._held:
+                return f"1 {self.epoch}".encode()
+            return b"0"
 
         self._side_channel = _SideChannel(self.host, self.port, answer)
         self.port = self._side_channel.port

@@ -16,6 +16,9 @@ Host capacity: `kv_connector_extra_config.num_cpu_blocks`, or
 and reports it through `get_handshake_metadata`, since only it knows the
 block's bytes.
 
+Sleep mode: the host index is emptied at sleep, like the prefix cache, so a
+woken engine never loads KV computed before it slept.
+
 Order inside one step: loads (`start_load_kv`) run before the forward and
 stores (`wait_for_save`) after it, so a host slot evicted and reused by a
 store in the same step is read by its load first.
@@ -107,6 +110,21 @@ class OffloadingConnector(KVConnectorBase_V1):
     def get_handshake_metadata(self) -> dict[str, Any]:
         return {"num_cpu_blocks": self.num_cpu_blocks}
 
+    def sleep(self) -> None:
+        """Scheduler side: the host copies are forgotten, as the prefix cache is (the
+        weights may change before the engine serves again: RL loops update them
+        while it sleeps). The worker side keeps its host buffers for the wake."""
+        if self.role == KVConnectorRole.SCHEDULER:
+            self.host_index.clear()
+            self.free_slots = list(range(self.num_cpu_blocks - 1, -1, -1))
+            self.tracked.clear()
+            self.meta = OffloadingConnectorMetadata()
+
+    def wake_up(self, kv_caches: dict[str, torch.Tensor], regions: list[tuple[int, int]]) -> None:
+        """The same views over fresh pages: copy between them and the host from now on."""
+        self.kv_caches = dict(kv_caches)
+        self.registered_regions = list(regions)
+
     def start_load_kv(self, **kwargs: Any) -> None:
         """Copy the planned host slots into their device blocks (synchronous)."""
         loads = self._get_connector_metadata().loads
@@ -135,7 +153,9 @@ class OffloadingConnector(KVConnectorBase_V1):
 
     # --------------------------------------------------------- scheduler side
     def set_xfer_handshake_metadata(self, metadata: dict[str, Any]) -> None:
-        """The worker side's host capacity (blocks)."""
+        """The worker side's host capacity (blocks); again after a wake, with the same."""
+        if metadata["num_cpu_blocks"] == self.num_cpu_blocks:
+            return  # after a wake: the slots in use stay in use
         self.num_cpu_blocks = metadata["num_cpu_blocks"]
         self.free_slots = list(range(self.num_cpu_blocks - 1, -1, -1))
 
