@@ -1,12 +1,14 @@
 """The offline engine at tensor_parallel_size=2 on the bundled model (fp32, CPU, gloo):
-greedy token ids equal one rank's, every rank uses the same block count, and that
-count is the minimum the ranks could hold when their free memory differs."""
+greedy token ids equal one rank's, every rank uses the same block count, that
+count is the minimum the ranks could hold when their free memory differs, and
+sleep / wake happen on every rank at the same addresses."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.conftest import TP_PROMPTS
+from tests.v1.e2e.tp_workers import kv_cache_state
 from vllm import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -39,15 +41,26 @@ def check_agreement(llm: LLM) -> list[int]:
 LIMITED_MEMORY_WORKER = "tests.v1.e2e.tp_workers.LimitedMemoryWorker"
 
 
-def test_mp_tp2_matches_tp1_and_ranks_take_the_minimum(tp_reference, limited_memory):
+def test_mp_tp2_matches_tp1_ranks_take_the_minimum_and_sleep_together(tp_reference,
+                                                                      limited_memory):
     # 64 sequences: the cap of what max_num_seqs x max_model_len can use (2049
     # blocks) is above what rank 1's 200 MiB holds, so its memory bounds the count.
     llm = LLM(**{**ENGINE, "max_num_seqs": 64}, tensor_parallel_size=2,
               distributed_executor_backend="mp", enable_extensible_kv_cache=True,
-              worker_cls=LIMITED_MEMORY_WORKER)
+              worker_cls=LIMITED_MEMORY_WORKER, enable_sleep_mode=True)
     try:
         assert greedy_ids(llm) == reference_ids(tp_reference)
         proposals = check_agreement(llm)
         assert proposals[1] < proposals[0], proposals  # rank 1's free memory bounds it
+        # Sleep and wake are collective: every rank releases its pages and maps them
+        # again at the same addresses, and the ranks still compute together.
+        run = llm.llm_engine.engine_core.model_executor.collective_rpc
+        awake = run(kv_cache_state)
+        assert all(committed > 0 and tags == [] for _, committed, tags in awake)
+        llm.sleep(level=1)
+        assert [(base, 0, ["weights", "kv_cache"]) for base, _, _ in awake] == run(kv_cache_state)
+        llm.wake_up()
+        assert run(kv_cache_state) == awake
+        assert greedy_ids(llm) == reference_ids(tp_reference)
     finally:
         llm.llm_engine.shutdown()

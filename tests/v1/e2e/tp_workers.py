@@ -49,3 +49,9 @@ class NoVmmOnRank1Worker(LimitedMemoryWorker):
         if self.rank == 1:
             return "VMM unsupported on this device (test)"
         return super().probe_kv_cache_path()
+
+
+def kv_cache_state(worker: Worker) -> tuple[int, int, list[str]]:
+    """For `collective_rpc`: (KV base address, committed KV bytes, sleeping tags) of a rank."""
+    base = next(iter(worker.kv_cache.views.values())).data_ptr()
+    return base, worker.kv_cache.committed_bytes, worker.sleeping_tags()
