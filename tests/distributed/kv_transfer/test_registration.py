@@ -62,32 +62,6 @@ def test_registers_exactly_the_committed_spans(grown_cache, name, role, extra):
         worker.shutdown()
 
 
-def test_nixl_registration_is_real(grown_cache):
-    pytest.importorskip("nixl_cu13")
-    kv = grown_cache
-    worker = WorkerKVConnector.create(_vllm_config("NixlConnector", "kv_producer", {}), kv)
-    c = worker.connector
-    agent = c.agent
-    try:
-        src, dst = kv.views[LAYERS[0]][5], kv.views[LAYERS[2]][FINAL - 1]
-        src.copy_(torch.arange(src.numel(), dtype=src.dtype).view_as(src))
-        local = agent.get_xfer_descs([(dst.data_ptr(), PAGE, 0)], "DRAM")
-        remote = agent.get_xfer_descs([(src.data_ptr(), PAGE, 0)], "DRAM")
-        handle = agent.initialize_xfer("READ", local, remote, c.engine_id)
-        state = agent.transfer(handle)
-        while state == "PROC":
-            state = agent.check_xfer_state(handle)
-        agent.release_xfer_handle(handle)
-        assert state == "DONE" and torch.equal(dst, src)
-        # The first reserved-but-uncommitted block of layer 0 was never registered.
-        past_end = kv.views[LAYERS[0]].data_ptr() + FINAL * PAGE
-        beyond = agent.get_xfer_descs([(past_end, PAGE, 0)], "DRAM")
-        with pytest.raises(Exception, match="NIXL_ERR"):
-            agent.initialize_xfer("READ", local, beyond, c.engine_id)
-    finally:
-        worker.shutdown()
-
-
 def _loopback_read(c, src: torch.Tensor, dst: torch.Tensor) -> str:
     agent = c.agent
     local = agent.get_xfer_descs([(dst.data_ptr(), PAGE, 0)], "DRAM")
@@ -98,6 +72,26 @@ def _loopback_read(c, src: torch.Tensor, dst: torch.Tensor) -> str:
         state = agent.check_xfer_state(handle)
     agent.release_xfer_handle(handle)
     return state
+
+
+def test_nixl_registration_is_real(grown_cache):
+    pytest.importorskip("nixl_cu13")
+    kv = grown_cache
+    worker = WorkerKVConnector.create(_vllm_config("NixlConnector", "kv_producer", {}), kv)
+    c = worker.connector
+    agent = c.agent
+    try:
+        src, dst = kv.views[LAYERS[0]][5], kv.views[LAYERS[2]][FINAL - 1]
+        src.copy_(torch.arange(src.numel(), dtype=src.dtype).view_as(src))
+        assert _loopback_read(c, src, dst) == "DONE" and torch.equal(dst, src)
+        # The first reserved-but-uncommitted block of layer 0 was never registered.
+        local = agent.get_xfer_descs([(dst.data_ptr(), PAGE, 0)], "DRAM")
+        past_end = kv.views[LAYERS[0]].data_ptr() + FINAL * PAGE
+        beyond = agent.get_xfer_descs([(past_end, PAGE, 0)], "DRAM")
+        with pytest.raises(Exception, match="NIXL_ERR"):
+            agent.initialize_xfer("READ", local, beyond, c.engine_id)
+    finally:
+        worker.shutdown()
 
 
 def test_nixl_sleep_deregisters_and_wake_registers_the_same_spans(grown_cache):
