@@ -59,3 +59,15 @@ class DeviceBusyError(RuntimeError):
     `str(error)` is one line naming the other processes, their memory and the
     flag to set; `vllm serve` prints it as is (no traceback).
     """
+
+
+class EngineStartupError(RuntimeError):
+    """The engine could not start, for a reason its configuration or the device states
+    in one line; `vllm serve` prints `str(error)` and exits with `exit_code` (2: a
+    configuration the engine cannot honour, e.g. a KV connector's option; 1: a
+    device that cannot hold what was asked), with no traceback.
+    """
+
+    def __init__(self, message: str, *, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import math
+import os
 import re
 import socket
 import subprocess
@@ -17,6 +19,7 @@ import time
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from tests.conftest import _cuda_available
@@ -184,6 +187,40 @@ def test_config_errors_are_one_line_and_exit_2():
         assert stderr.rstrip("\n").endswith(errors[0]), stderr
 
 
+# Refused by the engine while it starts (in its own process, after the model loaded).
+ENGINE_REFUSALS = [
+    (["--kv-cache-memory-bytes", "64MiB", "--kv-transfer-config", json.dumps({
+        "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": 1}})],
+     2, "cpu_bytes_to_use=1 holds no KV block"),
+]
+
+
+def test_engine_start_up_refusals_are_one_line_and_leave_no_process():
+    """What the engine core refuses while it starts (a connector's option) ends `vllm
+    serve` with one line, exit 2, no traceback, and no engine process left behind (it
+    hung before, blocked on a message to the exiting engine process)."""
+    marker = f"vllm-refusal-{os.getpid()}"
+    env = {**os.environ, "VLLM_TEST_MARKER": marker}
+    procs = [subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve",
+                               *DEFAULT_SERVER_ARGS[:6], *args, "--port", "0"], cwd=REPO_ROOT,
+                              env=env, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
+             for args, _, _ in ENGINE_REFUSALS]
+    for proc, (args, code, message) in zip(procs, ENGINE_REFUSALS, strict=True):
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == code, (args, stderr)
+        assert "Traceback" not in stdout + stderr, stdout + stderr
+        last = stderr.rstrip("\n").splitlines()[-1]
+        assert last.startswith(f"vllm serve: error: {message}"), stderr
+    left = []
+    for process in psutil.process_iter(["pid"]):
+        with contextlib.suppress(psutil.Error):
+            if process.environ().get("VLLM_TEST_MARKER") == marker:
+                left.append(process.pid)
+    assert not left, f"processes left behind: {left}"
+
+
 _MAIN_THEN_REPORT_TORCH = (
     "import sys\nfrom vllm.entrypoints.cli.main import main\n"
     "rc = main(sys.argv[1:])\n"
@@ -215,6 +252,20 @@ def test_flag_errors_and_a_taken_port_fail_before_torch_is_imported():
             assert stderr == f"vllm serve: error: {message}" + stderr.split(message, 1)[1], stderr
             assert len(stderr.splitlines()) == 1, stderr
             assert "TORCH False TRANSFORMERS False" in stdout, (args, stdout)
+
+
+def test_a_kv_cache_the_device_cannot_hold_is_one_line_and_exit_1(monkeypatch, capsys):
+    from vllm.entrypoints.cli.main import main
+    from vllm.entrypoints.openai import api_server
+    from vllm.v1.worker.kv_cache_sizing import KVCacheSizingError
+
+    def too_small(*args, **kwargs):
+        raise KVCacheSizingError("the device is too small for even one KV cache block")
+
+    monkeypatch.setattr(api_server.AsyncLLM, "from_vllm_config", too_small)
+    assert main(["serve", "--port", "0", *DEFAULT_SERVER_ARGS[:6]]) == 1
+    assert capsys.readouterr().err == (
+        "vllm serve: error: the device is too small for even one KV cache block\n")
 
 
 def test_other_start_up_errors_are_not_swallowed(monkeypatch):

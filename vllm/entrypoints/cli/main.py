@@ -112,12 +112,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     usage error: one line on stderr, exit 2, no traceback. The flags and the
     port are checked before torch is imported (a fraction of a second); what
     needs the platform or the model's config (dtype, max_model_len) is checked
-    when the config is built. Anything raised later (loading, KV sizing)
-    propagates.
+    when the config is built; what the engine refuses while it starts (a
+    ValueError from loading or a connector's option, a KV cache the device
+    cannot hold) is one line too (exit 2, or 1 for the device). Anything else
+    raised later propagates.
     """
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.entrypoints.openai.cli_args import bind_socket, validate_parsed_serve_args
-    from vllm.exceptions import DeviceBusyError
+    from vllm.exceptions import DeviceBusyError, EngineStartupError
 
     try:
         validate_parsed_serve_args(args)
@@ -140,6 +142,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         except DeviceBusyError as e:  # another process holds the device: one line, exit 1
             print(f"vllm serve: error: {' '.join(str(e).split())}", file=sys.stderr)
             return 1
+        except EngineStartupError as e:  # the engine refused the configuration: one line
+            print(f"vllm serve: error: {' '.join(str(e).split())}", file=sys.stderr)
+            return e.exit_code
     finally:
         sock.close()
 

@@ -62,10 +62,12 @@ from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.entrypoints.openai.serving_engine import cancel_on_disconnect
 from vllm.entrypoints.openai.serving_models import ServedModels
 from vllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from vllm.exceptions import EngineStartupError
 from vllm.logger import init_logger
 from vllm.transformers_utils.config import BUNDLED_MODEL_NAME
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
+from vllm.v1.worker.kv_cache_sizing import KVCacheSizingError
 from vllm.version import __version__
 
 if TYPE_CHECKING:
@@ -386,6 +388,27 @@ def build_engine_config(args: argparse.Namespace) -> VllmConfig:
     return AsyncEngineArgs.from_cli_args(args).create_engine_config()
 
 
+def _start_engine(vllm_config: VllmConfig, args: argparse.Namespace) -> AsyncLLM:
+    """The engine (its core in a process of its own).
+
+    Raises:
+        EngineStartupError: the engine refused the configuration (a ValueError
+            or a missing file while it loaded, sized or warmed up: exit code 2)
+            or the device cannot hold its KV cache (exit code 1); one line.
+    """
+    try:
+        return AsyncLLM.from_vllm_config(
+            vllm_config,
+            log_stats=not getattr(args, "disable_log_stats", False),
+            log_requests=bool(getattr(args, "enable_log_requests", False)),
+            multiprocess_mode=True,  # the engine core steps in a process of its own
+        )
+    except (ValueError, FileNotFoundError) as e:
+        raise EngineStartupError(str(e), exit_code=2) from e
+    except KVCacheSizingError as e:
+        raise EngineStartupError(str(e), exit_code=1) from e
+
+
 def run_server(
     args: argparse.Namespace,
     vllm_config: VllmConfig | None = None,
@@ -408,12 +431,7 @@ def run_server(
         url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
         logger.info("vLLM API server version %s, non-default args: %s", __version__,
                     non_default_args(args))
-        engine = AsyncLLM.from_vllm_config(
-            vllm_config,
-            log_stats=not getattr(args, "disable_log_stats", False),
-            log_requests=bool(getattr(args, "enable_log_requests", False)),
-            multiprocess_mode=True,  # the engine core steps in a process of its own
-        )
+        engine = _start_engine(vllm_config, args)
         try:
             app = build_app(engine, args)
             shutdown_timeout = getattr(args, "shutdown_timeout", DEFAULT_SHUTDOWN_TIMEOUT_S)

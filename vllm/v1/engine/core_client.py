@@ -137,6 +137,7 @@ class MPEngineCoreClient:
                 if kind == "ready":
                     return value
                 if kind == "startup_failed":
+                    self._stop_state["asked"] = True  # it exits by itself: no SIGTERM
                     if value.exception is not None:
                         raise value.exception
                     raise RuntimeError(f"the engine core failed to start: {value.reason}")
@@ -277,6 +278,17 @@ class MPEngineCoreClient:
         else:
             logger.warning("engine core: unexpected message %r", kind)
 
+    def poll_idle(self) -> bool:
+        """While no request runs: take the figures the engine process sent meanwhile
+        (its elastic cache shrinks while idle); True when new ones came."""
+        if self._dead_reason is not None or not self.process.is_alive():
+            return False  # the monitor reports the death
+        received = False
+        while (message := self._receive(0)) is not None:
+            self._keep(message)
+            received = True
+        return received
+
     # ---------------------------------------------------------------- utility
     def call(self, method: str, *args: Any) -> Any:
         """Run an engine method in the engine process and return its result.
@@ -335,11 +347,16 @@ class MPEngineCoreClient:
     # ---------------------------------------------------------------- shutdown
     def shutdown(self) -> None:
         """Stop the engine process (and so its workers), reap it, close the sockets."""
+        import zmq
+
         with self._lock:
             self._closing = True
         if self.process.is_alive():
+            # Never blocking: a PUSH socket waits for a peer, and a process that is
+            # ending (a failed start-up) has disconnected; the finalizer then
+            # SIGTERMs it instead.
             with contextlib.suppress(Exception):
-                self._input.send(pickle.dumps(("shutdown", None)))
+                self._input.send(pickle.dumps(("shutdown", None)), flags=zmq.NOBLOCK)
                 self._stop_state["asked"] = True
         self._finalizer()
         for socket in (self._input, self._output):

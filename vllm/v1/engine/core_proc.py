@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 from vllm.v1.executor.worker_wrapper import RemoteFailure
+from vllm.v1.worker.kv_cache_sizing import KVCacheSizingError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -318,8 +319,13 @@ def run_engine_core(
     try:
         proc = EngineCoreProc(vllm_config, input_address, output_address)
     except BaseException as e:
-        logger.exception("engine core start-up failed")
+        if isinstance(e, ValueError | FileNotFoundError | KVCacheSizingError):
+            # The configuration or the device says why: the frontend prints it as one line.
+            logger.error("engine core start-up failed: %s", e)
+        else:
+            logger.exception("engine core start-up failed")
         _send(status, ("startup_failed", RemoteFailure.capture(e)))
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # no SystemExit inside atexit hooks
         raise SystemExit(1) from None
     _send(status, ("ready", proc.ready_info()))
     reason = None

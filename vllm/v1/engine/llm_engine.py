@@ -69,12 +69,17 @@ class LLMEngine:
     def adjust_kv_cache(self) -> bool:
         """Let the elastic KV cache grow or shrink now (idle loops call this).
 
-        An engine core in its own process does this in its own loop.
+        An engine core in its own process does this in its own loop; here its
+        figures since the last step are taken in (so /metrics follow a shrink
+        while idle).
 
         Returns:
-            True when the committed block count changed here.
+            True when the committed block count (or, with the core in its own
+            process, the figures) changed.
         """
-        return isinstance(self.engine_core, EngineCore) and self.engine_core.adjust_kv_cache()
+        if isinstance(self.engine_core, EngineCore):
+            return self.engine_core.adjust_kv_cache()
+        return self.engine_core.poll_idle()
 
     def set_kv_cache_limit(self, limit_bytes: int | None) -> int:
         """A runtime ceiling for the elastic KV cache, bytes (None: the start-up limit).
