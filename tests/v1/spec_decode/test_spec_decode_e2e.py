@@ -113,3 +113,22 @@ def test_requests_speculation_does_not_serve_get_no_drafts(spec_llm, bundled_llm
     ref = bundled_llm.generate(QUOTING[:1], params, use_tqdm=False)[0].outputs[0]
     assert _spec_stats(spec_llm).minus(before).num_drafts == 0
     assert out.token_ids == ref.token_ids and len(out.logprobs) == 12
+
+
+@pytest.mark.parametrize("include_stop", [False, True])
+def test_stop_string_inside_accepted_drafts_ends_token_ids(spec_llm, bundled_llm, include_stop):
+    """Several accepted tokens arrive in one step and a stop string ends among them: the
+    output ends at the token that completes the stop string (token_ids, hence usage), as
+    without speculation."""
+    prompt = "one two three four " * 4 + "one two"
+    params = SamplingParams(temperature=0.0, max_tokens=16, stop=["four one"],
+                            include_stop_str_in_output=include_stop)
+    before = _spec_stats(spec_llm)
+    ref = bundled_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    out = spec_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert _spec_stats(spec_llm).minus(before).num_accepted_tokens > 0
+    assert ref.finish_reason == "stop" and ref.stop_reason == "four one"
+    assert (out.text, out.finish_reason, out.stop_reason) == (
+        ref.text, ref.finish_reason, ref.stop_reason
+    )
+    assert out.token_ids == ref.token_ids

@@ -8,7 +8,9 @@ decoding the whole output each step.
 Stop strings are matched here, not in the scheduler (which never sees text):
 when one appears the text is cut before it (or after it with
 `include_stop_str_in_output`), and the engine aborts the request in the core
-with FINISHED_STOPPED.
+with FINISHED_STOPPED. They are checked token by token, so when a step brings
+several tokens (accepted drafts) the output ends at the token that completes
+the stop string: the tokens after it are not output, nor counted.
 """
 
 from __future__ import annotations
@@ -64,34 +66,44 @@ class IncrementalDetokenizer:
                 skip_special_tokens=params.skip_special_tokens,
             )
 
-    def update(self, new_token_ids: list[int], stop_terminated: bool) -> str | None:
-        """Append tokens; returns the stop string that matched, if any.
+    def update(self, new_token_ids: list[int], stop_terminated: bool) -> tuple[str | None, int]:
+        """Append tokens; returns (the stop string that matched or None, tokens kept).
 
         `stop_terminated` is True when the core already finished the request on
         a stop token or EOS, whose text is not part of the output.
+
+        Stop strings are checked after each token: with speculative decoding one
+        step brings several tokens, and the output ends at the token that
+        completes a stop string, as if they had come one a step. The tokens after
+        it are dropped (from `token_ids` too); the count kept tells the caller how
+        many of `new_token_ids` (and of their logprobs) belong to the output.
         """
         if not self.enabled or not new_token_ids:
             self.token_ids.extend(new_token_ids)
-            return None
-        self.token_ids.extend(new_token_ids)
-        start = len(self.output_text)
+            return None, len(new_token_ids)
         # The text of the stop token / EOS that ended the request is left out
         # unless asked for (its id stays in token_ids, as in vLLM).
         skip_last = stop_terminated and not self.params.include_stop_str_in_output
-        ids = new_token_ids[:-1] if skip_last else new_token_ids
-        if self._stream is not None:
-            for token_id in ids:
+        num_texted = len(new_token_ids) - 1 if skip_last else len(new_token_ids)
+        for i, token_id in enumerate(new_token_ids[:num_texted]):
+            start = len(self.output_text)
+            self.token_ids.append(token_id)
+            if self._stream is not None:
                 piece = self._stream.step(self._backend, token_id)
                 if piece:
                     self.output_text += piece
-        else:
-            kept = self.token_ids[:-1] if skip_last else self.token_ids
-            self.output_text = self.tokenizer.decode(
-                kept,
-                skip_special_tokens=self.params.skip_special_tokens,
-                spaces_between_special_tokens=self.params.spaces_between_special_tokens,
-            )
-        return self._check_stop_strings(start)
+            else:
+                self.output_text = self.tokenizer.decode(
+                    self.token_ids,
+                    skip_special_tokens=self.params.skip_special_tokens,
+                    spaces_between_special_tokens=self.params.spaces_between_special_tokens,
+                )
+            stop = self._check_stop_strings(start)
+            if stop is not None:
+                # Ends here: the later tokens (a stop token / EOS included) are not output.
+                return stop, i + 1
+        self.token_ids.extend(new_token_ids[num_texted:])
+        return None, len(new_token_ids)
 
     def _check_stop_strings(self, new_start: int) -> str | None:
         if not self.stop:

@@ -158,23 +158,36 @@ class OutputProcessor:
             state = self.states.get(out.request_id)
             if state is None:  # aborted meanwhile
                 continue
-            self._update_timing(state, out, now, stats)
             state.num_cached_tokens = out.num_cached_tokens
             if out.error is not None:
+                self._update_timing(state, out, len(out.new_token_ids), now, stats)
                 self._fail(state, out.error)
                 continue
             if out.kv_transfer_params is not None:
                 state.kv_transfer_params = out.kv_transfer_params
-            state.token_ids.extend(out.new_token_ids)
             finish_reason = out.finish_reason
             stop_reason = out.stop_reason
-            stop_string = state.detokenizer.update(
+            stop_string, num_kept = state.detokenizer.update(
                 out.new_token_ids, stop_terminated=finish_reason == FinishReason.STOP
             )
-            if stop_string is not None and finish_reason is None:
+            new_token_ids = out.new_token_ids
+            new_logprobs = out.new_logprobs
+            if num_kept < len(new_token_ids):
+                # A stop string ended among this step's tokens (accepted drafts): the
+                # output ends at the token that completed it, whatever the core saw after
+                # (a stop token, EOS or max_tokens included). Nothing after it is output.
+                new_token_ids = new_token_ids[:num_kept]
+                if new_logprobs is not None:
+                    new_logprobs = new_logprobs.slice(0, num_kept)
+                if finish_reason is None:
+                    reqs_to_abort.append(out.request_id)
+                finish_reason, stop_reason = FinishReason.STOP, stop_string
+            elif stop_string is not None and finish_reason is None:
                 finish_reason, stop_reason = FinishReason.STOP, stop_string
                 reqs_to_abort.append(out.request_id)
-            self._update_logprobs(state, out)
+            self._update_timing(state, out, len(new_token_ids), now, stats)
+            state.token_ids.extend(new_token_ids)
+            self._update_logprobs(state, new_logprobs, out.new_prompt_logprobs)
             finished = finish_reason is not None
             if finished:
                 del self.states[out.request_id]
@@ -203,12 +216,12 @@ class OutputProcessor:
 
     @staticmethod
     def _update_timing(
-        state: RequestState, out: EngineCoreOutput, now: float, stats: IterationStats
+        state: RequestState, out: EngineCoreOutput, n: int, now: float, stats: IterationStats
     ) -> None:
+        """`n`: the step's new tokens that are output (not those after a stop string)."""
         times = state.times
         if times.first_scheduled is None and out.first_scheduled_time is not None:
             times.first_scheduled = out.first_scheduled_time
-        n = len(out.new_token_ids)
         if n == 0:
             return
         if times.first_token is None:
@@ -236,13 +249,18 @@ class OutputProcessor:
             inference_time=max(last - scheduled, 0.0),
         )
 
-    def _update_logprobs(self, state: RequestState, out: EngineCoreOutput) -> None:
-        if state.logprobs is not None and out.new_logprobs is not None:
-            self._append_logprobs(state.logprobs, out.new_logprobs, state.params.logprobs, state,
+    def _update_logprobs(
+        self,
+        state: RequestState,
+        new_logprobs: LogprobsLists | None,
+        new_prompt_logprobs: LogprobsLists | None,
+    ) -> None:
+        if state.logprobs is not None and new_logprobs is not None:
+            self._append_logprobs(state.logprobs, new_logprobs, state.params.logprobs, state,
                                   detokenize=state.params.detokenize)
-        if state.prompt_logprobs is not None and out.new_prompt_logprobs is not None:
+        if state.prompt_logprobs is not None and new_prompt_logprobs is not None:
             self._append_logprobs(
-                state.prompt_logprobs, out.new_prompt_logprobs, state.params.prompt_logprobs,
+                state.prompt_logprobs, new_prompt_logprobs, state.params.prompt_logprobs,
                 detokenize=state.params.detokenize,
             )
 
