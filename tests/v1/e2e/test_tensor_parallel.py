@@ -64,3 +64,62 @@ def test_mp_tp2_matches_tp1_ranks_take_the_minimum_and_sleep_together(tp_referen
         assert greedy_ids(llm) == reference_ids(tp_reference)
     finally:
         llm.llm_engine.shutdown()
+
+
+MiB = 1 << 20
+# 8 distinct prompts of ~280 tokens: ~150 blocks in flight, above the floor (128).
+BURST = [f"Write a short story number {i} about a lighthouse keeper and the sea." * 20
+         for i in range(8)]
+
+
+def test_mp_tp2_elastic_ranks_agree_at_start_after_growth_and_after_shrink(tp_reference,
+                                                                          monkeypatch):
+    # SmolLM2's 3 KV heads split 2 + 1, so rank 0's blocks are twice rank 1's: one
+    # 2 MiB host granule per segment holds 128 of rank 0's blocks and 256 of rank
+    # 1's. Each rank's own floor (and the limit in blocks of a byte limit) thus
+    # differs; the ranks must agree on one count (the smallest) or the engine
+    # never starts ("the ranks ended with different block counts: [128, 256]").
+    monkeypatch.setenv("VLLM_ELASTIC_KV_SHRINK_DELAY_S", "0")
+    llm = LLM(**ENGINE, kv_cache_memory_bytes=256 * MiB, tensor_parallel_size=2,
+              distributed_executor_backend="mp", enable_elastic_kv_cache=True)
+    try:
+        core = llm.llm_engine.engine_core
+        run = core.model_executor.collective_rpc
+        policy = core.elastic.policy
+
+        def committed() -> int:
+            """The count every rank holds (asserting they hold the engine's)."""
+            counts = [m.num_blocks for m in run("kv_cache_memory")]
+            assert counts == [core.num_blocks] * 2, counts
+            bounds = run("elastic_kv_cache_bounds")
+            assert bounds[0] == bounds[1], bounds  # floor, limit, max_limit, chunk
+            return counts[0]
+
+        floor = policy.floor
+        assert committed() == floor == 128  # rank 0's, the smaller
+        assert greedy_ids(llm) == reference_ids(tp_reference)
+
+        policy.shrink_delay_s = 1e9  # hold the growth until the burst is done
+        llm.generate(BURST, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                     use_tqdm=False)
+        assert policy.num_grows >= 1
+        assert committed() > floor
+
+        policy.shrink_delay_s = 0.0
+        for _ in range(20):
+            llm.llm_engine.adjust_kv_cache()
+            if core.num_blocks == floor:
+                break
+        assert policy.num_shrinks >= 1
+        assert committed() == floor
+
+        # 90 MiB: one granule per segment on either rank, 128 blocks on rank 0
+        # and 256 on rank 1; the ranks agree on 128.
+        assert llm.llm_engine.set_kv_cache_limit(90 * MiB) == 128
+        assert [b.limit for b in run("elastic_kv_cache_bounds")] == [128, 128]
+        limit = llm.llm_engine.set_kv_cache_limit(None)
+        assert [b.limit for b in run("elastic_kv_cache_bounds")] == [limit, limit]
+        assert committed() == floor
+        assert greedy_ids(llm) == reference_ids(tp_reference)
+    finally:
+        llm.llm_engine.shutdown()

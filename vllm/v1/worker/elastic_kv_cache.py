@@ -23,6 +23,7 @@ happen between steps, outside any graph).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from vllm.device_allocator.vmm import VmmError
@@ -53,6 +54,11 @@ class ElasticBounds:
     chunk: int
 
 
+def _alone(num_blocks: int) -> int:
+    """The agreement of one rank: its own count."""
+    return num_blocks
+
+
 class ElasticKVCache:
     """Grows and shrinks one `ExtensibleKVCacheBuffers` within the device's free memory.
 
@@ -61,19 +67,29 @@ class ElasticKVCache:
         memory: the worker's device-memory reader (free memory now).
         max_limit: blocks the sizing after warmup allows at most.
         max_blocks_per_request: blocks one max_model_len sequence needs.
+        agree: takes this rank's block count, returns the one every rank uses
+            (the Worker's `agree_num_blocks`, a collective with several ranks;
+            default: this rank's own). The floor and every runtime limit pass
+            through it, so every rank holds the same bounds.
     """
 
     def __init__(
         self, kv_cache: ExtensibleKVCacheBuffers, memory: DeviceMemory, max_limit: int,
-        max_blocks_per_request: int,
+        max_blocks_per_request: int, agree: Callable[[int], int] | None = None,
     ) -> None:
         self.kv_cache = kv_cache
         self.memory = memory
+        self.agree = agree or _alone
         config = kv_cache.config
         floor = sizing.elastic_floor_blocks(
             max_limit, max_blocks_per_request, config.block_stride, config.num_segments,
             kv_cache.granularity,
         )
+        # This rank's floor fills its granules, and a granule holds a different
+        # number of each rank's blocks (tensor parallelism splits the KV heads,
+        # unevenly when they do not divide): the ranks agree on the smallest, as
+        # on every block count. `max_limit` is agreed already, so the chunk is too.
+        floor = self.agree(max(floor, kv_cache.committed_blocks))
         self.bounds = ElasticBounds(
             floor=floor, limit=max_limit, max_limit=max_limit,
             chunk=sizing.elastic_chunk_blocks(floor, max_limit),
@@ -83,8 +99,9 @@ class ElasticKVCache:
         """Set the runtime limit in bytes (None: back to the start-up limit).
 
         Rounded down to whole blocks after granule rounding, clamped to
-        [floor, max_limit]. Does not shrink by itself: the policy releases free
-        tail blocks above the limit when they are free.
+        [floor, max_limit], and agreed across ranks (the smallest: a rank's
+        granule holds its own number of blocks). Does not shrink by itself: the
+        policy releases free tail blocks above the limit when they are free.
 
         Raises:
             ValueError: a negative limit.
@@ -101,6 +118,7 @@ class ElasticKVCache:
                 self.kv_cache.granularity,
             )
             limit = min(max(limit, b.floor), b.max_limit)
+        limit = self.agree(limit)  # every rank takes the same branch: a collective
         self.bounds = ElasticBounds(b.floor, limit, b.max_limit, b.chunk)
         logger.info("Elastic KV cache: limit set to %.2f GiB (%d blocks)",
                     self._bytes_for(limit) / GiB, limit)
@@ -155,15 +173,18 @@ class ElasticWorkerMixin:
     """The Worker's elastic-cache calls (reached through `collective_rpc`).
 
     Expects the Worker's `config`, `kv_cache`, `memory`, `model_runner`,
-    `elastic` and `extend_kv_cache`.
+    `elastic`, `extend_kv_cache` and `agree_num_blocks` (every rank's bounds
+    are agreed through it: the engine core's policy reads rank 0's).
     """
 
     def _start_elastic(self, limit: int) -> int:
         """Commit the elastic floor; `limit` (sized after warmup) bounds later growth."""
         cache = self.config.cache_config
         per_request = -(-self.config.model_config.max_model_len // cache.block_size)
-        self.elastic = ElasticKVCache(self.kv_cache, self.memory, limit, per_request)
-        floor = max(self.elastic.bounds.floor, self.kv_cache.committed_blocks)
+        self.elastic = ElasticKVCache(
+            self.kv_cache, self.memory, limit, per_request, agree=self.agree_num_blocks
+        )
+        floor = self.elastic.bounds.floor  # agreed across ranks
         self.extend_kv_cache(floor)
         logger.info(
             "Elastic KV cache: committed %.2f GiB (%d blocks) at start-up; grows while serving "

@@ -531,6 +531,11 @@ def elastic_floor_blocks(
     `limit`:
 
         floor = min(limit, blocks_filling_granules(max_blocks_per_request + 1))
+
+    This is one rank's floor: a granule holds a different number of each
+    rank's blocks when tensor parallelism gives the ranks different shares of
+    the KV heads, so the worker passes it through the agreement across ranks
+    (the smallest, `min_across_ranks`) before committing it.
     """
     wanted = blocks_filling_granules(
         max_blocks_per_request + 1, block_stride, num_segments, granularity

@@ -1,0 +1,106 @@
+"""The worker's elastic cache with several ranks: every rank holds the same bounds.
+
+Two ranks of one tensor-parallel engine on real host pages, as SmolLM2's 3 KV
+heads split at TP=2: rank 0 holds 2 heads, rank 1 one, so rank 0's blocks are
+twice rank 1's and a 2 MiB granule holds 128 of its blocks against 256 of rank
+1's. The agreement is a fake all-gather over threads (the Worker's is
+`ranks.agree_on_num_blocks` over the world group).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from vllm.device_allocator.host_vmm import HostVmmDriver
+from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_cache_config
+from vllm.v1.worker import kv_cache_sizing as sizing
+from vllm.v1.worker.elastic_kv_cache import ElasticBounds, ElasticKVCache
+from vllm.v1.worker.kv_cache import ExtensibleKVCacheBuffers
+
+MiB = 1 << 20
+LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
+CAPACITY = 512
+LIMIT = 384  # agreed after warmup (rank 0's capacity bounds it in the engine)
+PER_REQUEST = 32  # max_model_len 512 / block_size 16
+
+
+class FakeWorld:
+    """min over every rank's count, once all of them have proposed one."""
+
+    def __init__(self, size: int) -> None:
+        self.barrier = threading.Barrier(size, timeout=10)
+        self.proposals: dict[int, int] = {}
+        self.rounds: list[list[int]] = []
+
+    def agree(self, rank: int):
+        def call(num_blocks: int) -> int:
+            self.proposals[rank] = num_blocks
+            if self.barrier.wait() == 0:
+                self.rounds.append([self.proposals[r] for r in sorted(self.proposals)])
+            agreed = min(self.proposals.values())
+            self.barrier.wait()
+            return agreed
+        return call
+
+
+class Memory:
+    total = 64 << 30
+
+    def free_bytes(self) -> int:
+        return 32 << 30
+
+
+def _cache(num_kv_heads: int) -> ExtensibleKVCacheBuffers:
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=num_kv_heads, head_size=64,
+                             dtype=torch.float32)
+    config = get_kv_cache_config({name: spec for name in LAYERS}, CAPACITY)
+    kv = ExtensibleKVCacheBuffers(config, HostVmmDriver(), torch.device("cpu"))
+    kv.allocate(sizing.WARMUP_NUM_BLOCKS)
+    return kv
+
+
+def _on_both_ranks(fn):
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(fn, [0, 1]))
+
+
+def test_ranks_with_different_block_sizes_agree_on_floor_chunk_and_limit():
+    caches = [_cache(2), _cache(1)]
+    try:
+        own = [sizing.elastic_floor_blocks(LIMIT, PER_REQUEST, kv.config.block_stride,
+                                           kv.config.num_segments, kv.granularity)
+               for kv in caches]
+        assert own == [128, 256]  # each rank's floor fills its own granules
+        world = FakeWorld(2)
+        elastic = _on_both_ranks(lambda r: ElasticKVCache(
+            caches[r], Memory(), LIMIT, PER_REQUEST, agree=world.agree(r)))
+        assert world.rounds == [[128, 256]]
+        assert [e.bounds for e in elastic] == [ElasticBounds(128, LIMIT, LIMIT, 32)] * 2
+
+        # 4 MiB per layer: 256 of rank 0's blocks, 512 of rank 1's (384 at most).
+        bounds = _on_both_ranks(lambda r: elastic[r].set_limit(12 * MiB))
+        assert world.rounds[-1] == [256, LIMIT]
+        assert bounds == [ElasticBounds(128, 256, LIMIT, 32)] * 2
+        bounds = _on_both_ranks(lambda r: elastic[r].set_limit(None))
+        assert bounds == [ElasticBounds(128, LIMIT, LIMIT, 32)] * 2
+
+        # Grow and shrink then move both ranks alike (the engine core asks both
+        # for one count): to 160, back to the floor, never below it.
+        assert [e.grow(160) for e in elastic] == [160, 160]
+        assert [kv.committed_blocks for kv in caches] == [160, 160]
+        assert [e.shrink(64) for e in elastic] == [128, 128]
+        assert [kv.committed_blocks for kv in caches] == [128, 128]
+    finally:
+        for kv in caches:
+            kv.free()
+
+
+def test_one_rank_keeps_its_own_floor():
+    kv = _cache(1)
+    try:
+        assert ElasticKVCache(kv, Memory(), LIMIT, PER_REQUEST).bounds.floor == 256
+    finally:
+        kv.free()
