@@ -77,10 +77,33 @@ def test_tp2_mp_server_matches_one_rank(tp2_server, tp_reference):
     assert "(worker rank 1 pid" in log  # each worker's lines say whose they are
 
 
+def _stream_in_background(server: RemoteServer, events: list[str]) -> threading.Event:
+    """A long greedy stream on a thread; the event is set once 3 SSE lines arrived."""
+    streaming = threading.Event()
+    body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 400,
+            "ignore_eos": True, "stream": True}
+
+    def stream() -> None:
+        with httpx.stream("POST", server.url_for("v1/completions"), json=body,
+                          timeout=120) as r:
+            for line in r.iter_lines():
+                if line:
+                    events.append(line)
+                    if len(events) == 3:
+                        streaming.set()
+
+    threading.Thread(target=stream, daemon=True).start()
+    return streaming
+
+
 def test_killed_worker_is_reported_within_seconds(tp2_server):
-    """Idle server: only the executor's monitor can see it; then the whole tree goes."""
+    """A worker dies mid-stream: the stream ends with an SSE error event and [DONE],
+    /health says which rank died and how, the whole tree goes, and the log has one
+    line for it, no traceback."""
     engine, workers = engine_and_workers(tp2_server)
     everything = tree(tp2_server)
+    events: list[str] = []
+    assert _stream_in_background(tp2_server, events).wait(120)
     killed_at = time.monotonic()
     workers[1].send_signal(signal.SIGKILL)
     health = None
@@ -97,6 +120,11 @@ def test_killed_worker_is_reported_within_seconds(tp2_server):
     assert "worker rank 1 died (killed by SIGKILL)" in message, message
     assert tp2_server.proc.wait(30) == 1
     wait_gone(everything)
+    assert events[-1] == "data: [DONE]", events[-3:]
+    assert "worker rank 1 died" in json.loads(events[-2].removeprefix("data: "))["error"][
+        "message"]
+    log = tp2_server.log()
+    assert "Traceback" not in log, log[log.find("Traceback") - 300:]
 
 
 # ------------------------------------------------------------------ TP=2, ray

@@ -359,6 +359,9 @@ class MPEngineCoreClient:
                 self._input.send(pickle.dumps(("shutdown", None)), flags=zmq.NOBLOCK)
                 self._stop_state["asked"] = True
         self._finalizer()
+        monitor = getattr(self, "_monitor_thread", None)  # absent after a failed start-up
+        if monitor is not None and monitor is not threading.current_thread():
+            monitor.join(5)  # it waits on the status pipe: close that only after it ends
         for socket in (self._input, self._output):
             socket.close(linger=0)
         self._zmq.term()

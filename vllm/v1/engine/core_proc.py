@@ -278,7 +278,10 @@ class EngineCoreProc:
             or (executor is not None and executor.is_failed)
             or self._consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES
         ):
-            logger.exception("engine step failed unrecoverably; the engine is dead")
+            if isinstance(error, WorkerDiedError):  # its message says which rank and how
+                logger.error("engine step failed: %s; the engine is dead", error)
+            else:
+                logger.exception("engine step failed unrecoverably; the engine is dead")
             self.dead_reason = f"the engine step failed unrecoverably: {error!r}"
             return
         failed = self.core.scheduled_request_ids()

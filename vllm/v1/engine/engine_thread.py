@@ -415,6 +415,8 @@ class EngineThread:
         if request_ids and self.engine is not None:
             try:
                 self.engine.abort_request(request_ids)
+            except EngineDeadError:
+                pass  # a dead engine holds nothing any more: nothing to abort
             except Exception:
                 logger.exception("aborting failed requests %s raised", request_ids)
 
