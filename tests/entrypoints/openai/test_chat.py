@@ -56,6 +56,44 @@ def test_chat_streaming(client):
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
 
 
+def test_chat_continuous_usage_stats(client):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(_chat(client, stream=True, stream_options=options))
+    content = [c for c in chunks[1:] if c.choices]
+    counts = [c.usage.completion_tokens for c in content]
+    assert counts == sorted(counts) and counts[-1] == chunks[-1].usage.completion_tokens
+
+
+CONTINUED = [{"role": "user", "content": "What is the capital of France?"},
+             {"role": "assistant", "content": "The capital of France"}]
+
+
+def test_chat_echo_prepends_the_final_assistant_message(client):
+    """vLLM's chat `echo`: the reply starts with the last message when it is the
+    assistant's (here continued with continue_final_message)."""
+    extra = {"continue_final_message": True, "add_generation_prompt": False}
+    plain = _chat(client, CONTINUED, extra_body=extra).choices[0].message.content
+    echoed = _chat(client, CONTINUED, extra_body={**extra, "echo": True})
+    assert echoed.choices[0].message.content == "The capital of France" + plain
+    chunks = list(_chat(client, CONTINUED, stream=True, extra_body={**extra, "echo": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == "The capital of France" + plain
+    # A last message from the user is not echoed (vLLM: only the reply's own role).
+    asked = _chat(client, extra_body={"echo": True}).choices[0].message.content
+    assert asked == _chat(client).choices[0].message.content
+
+
+@pytest.mark.parametrize("field, value", [
+    ("functions", [{"name": "f", "parameters": {"type": "object"}}]),
+    ("function_call", "auto"),
+])
+def test_functions_are_refused_not_ignored(server, field, value):
+    body = {"model": MODEL_NAME, "messages": MESSAGES, field: value}
+    response = httpx.post(server.url_for("v1/chat/completions"), json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == field
+
+
 def test_chat_logprobs(client):
     completion = _chat(client, logprobs=True, top_logprobs=2)
     content = completion.choices[0].logprobs.content

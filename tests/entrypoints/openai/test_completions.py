@@ -118,6 +118,22 @@ def test_streaming_matches_non_streaming(client):
     assert usage_chunk.usage.prompt_tokens == full.usage.prompt_tokens
 
 
+def test_continuous_usage_stats_in_every_chunk(client):
+    """vLLM's stream_options.continuous_usage_stats: each chunk carries the usage so far."""
+    full = _greedy(client, PROMPT)
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(_greedy(client, PROMPT, stream=True, stream_options=options))
+    text_chunks = [c for c in chunks if c.choices]
+    counts = [c.usage.completion_tokens for c in text_chunks]
+    assert counts == sorted(counts) and counts[-1] == full.usage.completion_tokens
+    assert {c.usage.prompt_tokens for c in text_chunks} == {full.usage.prompt_tokens}
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+               for c in text_chunks)
+    assert chunks[-1].usage == full.usage
+    plain = list(_greedy(client, PROMPT, stream=True, stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in plain if c.choices)
+
+
 def test_sse_wire_format(server):
     body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 3, "temperature": 0,
             "stream": True}

@@ -210,6 +210,11 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # meaningful with tools only (refused above)
+    functions: list[dict[str, Any]] | None = None  # OpenAI's deprecated form of tools
+    function_call: str | dict[str, Any] | None = None
+    # vLLM: the reply starts with the last message when it has the reply's role
+    echo: bool | None = False
     # vLLM's chat template controls
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False

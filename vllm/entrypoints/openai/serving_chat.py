@@ -100,7 +100,7 @@ class OpenAIServingChat(OpenAIServing):
         """
         model_name = self.models.resolve(request.model)
         self._check_unsupported(request)
-        stream, include_usage = stream_settings(request)
+        stream, include_usage, continuous_usage = stream_settings(request)
         top_logprobs = request.top_logprobs or 0
         use_completion_tokens = request.max_completion_tokens is not None
         params = build_sampling_params(
@@ -121,7 +121,9 @@ class OpenAIServingChat(OpenAIServing):
                                                 length_param, {"logprobs": "top_logprobs"})
         if stream:
             return sse_response(self._stream(request_id, model_name, engine_stream, params.n,
-                                             top_logprobs, include_usage))
+                                             top_logprobs, include_usage, continuous_usage,
+                                             _echoed_text(request)))
+        echo = _echoed_text(request)
         (output,) = await final_outputs([engine_stream])
         choices = []
         for completion in sorted(output.outputs, key=lambda c: c.index):
@@ -131,7 +133,7 @@ class OpenAIServingChat(OpenAIServing):
                                          top_logprobs)
             choices.append(ChatCompletionResponseChoice(
                 index=completion.index,
-                message=ChatMessageOut(content=completion.text),
+                message=ChatMessageOut(content=echo + completion.text),
                 logprobs=logprobs,
                 finish_reason=completion.finish_reason,
                 stop_reason=completion.stop_reason,
@@ -152,6 +154,11 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(400, "tools are not supported by this server", "tools")
         if request.tool_choice not in (None, "none"):
             raise APIError(400, "tool_choice is not supported by this server", "tool_choice")
+        if request.functions:
+            raise APIError(400, "functions are not supported by this server", "functions")
+        if request.function_call not in (None, "none"):
+            raise APIError(400, "function_call is not supported by this server",
+                           "function_call")
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
 
@@ -168,7 +175,8 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _stream(
         self, request_id: str, model_name: str, engine_stream: RequestOutputStream, n: int,
-        top_logprobs: int, include_usage: bool,
+        top_logprobs: int, include_usage: bool, continuous_usage: bool = False,
+        echo: str = "",
     ) -> AsyncGenerator[str, None]:
         def chunk(choices: list[ChatCompletionResponseStreamChoice],
                   usage: UsageInfo | None = None) -> str:
@@ -181,6 +189,9 @@ class OpenAIServingChat(OpenAIServing):
             for index in range(n):
                 role = DeltaMessage(role="assistant", content="")
                 yield chunk([ChatCompletionResponseStreamChoice(index=index, delta=role)])
+                if echo:
+                    yield chunk([ChatCompletionResponseStreamChoice(
+                        index=index, delta=DeltaMessage(content=echo))])
             async for output in engine_stream:
                 prompt_tokens = len(output.prompt_token_ids or [])
                 for completion in output.outputs:
@@ -197,9 +208,20 @@ class OpenAIServingChat(OpenAIServing):
                         index=completion.index, delta=delta, logprobs=logprobs,
                         finish_reason=completion.finish_reason,
                         stop_reason=completion.stop_reason,
-                    )])
+                    )], usage_info(prompt_tokens, completion_tokens) if continuous_usage else None)
             if include_usage:
                 yield chunk([], usage_info(prompt_tokens, completion_tokens))
         except Exception as e:  # headers are sent: report in-band, as vLLM does
             yield stream_error_event(e)
         yield SSE_DONE
+
+
+def _echoed_text(request: ChatCompletionRequest) -> str:
+    """vLLM's chat `echo`: the last message's text when it has the reply's role
+    ("assistant", e.g. with continue_final_message), else nothing."""
+    if not request.echo or not request.messages or request.messages[-1].role != "assistant":
+        return ""
+    content = request.messages[-1].content
+    if isinstance(content, list):  # text parts (render_chat already checked their shape)
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return content or ""

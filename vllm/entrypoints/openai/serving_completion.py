@@ -104,7 +104,7 @@ class OpenAIServingCompletion(OpenAIServing):
         """
         model_name = self.models.resolve(request.model)
         self._check_unsupported(request)
-        stream, include_usage = stream_settings(request)
+        stream, include_usage, continuous_usage = stream_settings(request)
         prompts = _normalise_prompts(request.prompt)
         # vLLM: echo with logprobs returns the prompt's logprobs too (as many top entries).
         prompt_logprobs = request.prompt_logprobs
@@ -119,7 +119,8 @@ class OpenAIServingCompletion(OpenAIServing):
         streams = await self.admit_all(request_id, prompts, params)
         if stream:
             return sse_response(self._stream(request_id, model_name, streams, params,
-                                             bool(request.echo), include_usage))
+                                             bool(request.echo), include_usage,
+                                             continuous_usage))
         outputs = await final_outputs(streams)
         response = await self._response(request_id, model_name, outputs, params,
                                          bool(request.echo))
@@ -203,6 +204,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _stream(
         self, request_id: str, model_name: str, streams: list[RequestOutputStream],
         params: SamplingParams, echo: bool, include_usage: bool,
+        continuous_usage: bool = False,
     ) -> AsyncGenerator[str, None]:
         n = params.n
         offsets: dict[int, int] = {}  # choice index -> characters sent (for text_offset)
@@ -226,8 +228,10 @@ class OpenAIServingCompletion(OpenAIServing):
                     choice = self._choice(index, prefix, completion, offsets[index] + len(prefix),
                                           echoed)
                     offsets[index] += len(choice.text)
+                    usage = (usage_info(sum(prompt_tokens.values()), completion_tokens)
+                             if continuous_usage else None)
                     chunk = CompletionStreamResponse(id=request_id, model=model_name,
-                                                     choices=[choice])
+                                                     choices=[choice], usage=usage)
                     yield sse(chunk.model_dump_json())
             if include_usage:
                 usage = usage_info(sum(prompt_tokens.values()), completion_tokens)

@@ -46,16 +46,21 @@ def clamp_logprob(value: float) -> float:
     return max(value, MIN_LOGPROB)
 
 
-def stream_settings(request: SamplingFields) -> tuple[bool, bool]:
-    """(stream, include_usage) of a completions or chat request.
+def stream_settings(request: SamplingFields) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous_usage) of a completions or chat request.
+
+    As in vLLM: `stream_options.include_usage` adds a final chunk with the usage;
+    with `continuous_usage_stats` too, every chunk carries the usage so far.
 
     Raises:
         APIError(400, param "stream_options"): stream_options without stream=true.
     """
     if request.stream_options is not None and not request.stream:
         raise APIError(400, "stream_options is only allowed with stream=true", "stream_options")
-    include_usage = bool(request.stream_options and request.stream_options.include_usage)
-    return bool(request.stream), include_usage
+    options = request.stream_options
+    include_usage = bool(options and options.include_usage)
+    continuous = include_usage and bool(options.continuous_usage_stats)
+    return bool(request.stream), include_usage, continuous
 
 
 # vLLM's structured-output request fields. None are implemented yet, so a request that
