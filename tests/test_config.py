@@ -388,6 +388,10 @@ def test_kv_transfer_config():
 
 def test_kv_connector_refused_with_tp_and_allowed_with_sleep(tiny_model, probe):
     probe(None)
+    # A role without a connector would transfer nothing: refused, not ignored.
+    with pytest.raises(ValueError, match="sets kv_role 'kv_both' but names no kv_connector"):
+        VllmConfig(model_config=ModelConfig(tiny_model),
+                   kv_transfer_config=KVTransferConfig.from_cli('{"kv_role": "kv_both"}'))
     kv = KVTransferConfig("NixlConnector", "kv_producer")
     with pytest.raises(ValueError, match=r"one rank only for now; tensor_parallel_size=2"):
         VllmConfig(model_config=ModelConfig(tiny_model), kv_transfer_config=kv,

@@ -124,7 +124,7 @@ def test_create_engine_config_carries_every_value(tiny_model):
         "--gpu-memory-utilization", "0.5", "--kv-cache-memory-bytes", "64MiB",
         "--no-enable-extensible-kv-cache", "--no-enable-prefix-caching", "--max-num-seqs", "4",
         "--max-num-batched-tokens", "256", "--enforce-eager", "--load-format", "dummy",
-        "--kv-transfer-config", '{"kv_role": "kv_both"}',
+        "--kv-transfer-config", '{}',
     ]).create_engine_config()
     m, c, s = cfg.model_config, cfg.cache_config, cfg.scheduler_config
     assert (m.model, m.tokenizer, m.max_model_len, m.seed, m.load_format) == (
@@ -134,7 +134,7 @@ def test_create_engine_config_carries_every_value(tiny_model):
     assert (s.max_num_seqs, s.max_num_batched_tokens) == (4, 256)
     assert cfg.compilation_config.use_cudagraph is False
     assert cfg.compilation_config.cudagraph_capture_sizes == [1, 2, 4]
-    assert cfg.kv_transfer_config is None  # no connector named: nothing to set up
+    assert cfg.kv_transfer_config is None  # an empty config: no connector, as in vLLM
 
 
 def test_create_engine_config_rejects_unsupported(tiny_model):

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from vllm.config.cache import CacheConfig
 from vllm.config.compilation import CompilationConfig
 from vllm.config.device import DeviceConfig
-from vllm.config.kv_transfer import KVTransferConfig
+from vllm.config.kv_transfer import KNOWN_KV_CONNECTORS, KVTransferConfig
 from vllm.config.model import ModelConfig
 from vllm.config.parallel import ParallelConfig
 from vllm.config.scheduler import SchedulerConfig
@@ -63,8 +63,7 @@ class VllmConfig:
         self.compilation_config.resolve(
             self.scheduler_config.max_num_seqs, graphs_supported=platform.is_cuda_alike()
         )
-        if self.kv_transfer_config is not None and not self.kv_transfer_config.kv_connector:
-            self.kv_transfer_config = None  # an empty config means no connector
+        self._check_kv_connector_named()
         self.cache_config.resolve_kv_cache_path(lambda: platform.get_vmm_driver().probe())
         self._resolve_parallel(platform)
         spec = self.speculative_config
@@ -77,6 +76,20 @@ class VllmConfig:
             )
         self._check_kv_transfer()
         self._resolve_async_scheduling(platform)
+
+    def _check_kv_connector_named(self) -> None:
+        """An empty kv_transfer_config means no connector (as in vLLM); one that sets
+        a role or options without naming a connector is refused, never ignored."""
+        kv = self.kv_transfer_config
+        if kv is None or kv.kv_connector:
+            return
+        if kv.kv_role is not None or kv.kv_connector_extra_config:
+            raise ValueError(
+                f"kv_transfer_config sets kv_role {kv.kv_role!r} but names no kv_connector "
+                f"(one of {', '.join(sorted(KNOWN_KV_CONNECTORS))}): nothing would be "
+                "transferred"
+            )
+        self.kv_transfer_config = None
 
     def _check_kv_transfer(self) -> None:
         """Refuse the combinations a KV connector cannot serve correctly yet (one clear line)."""
