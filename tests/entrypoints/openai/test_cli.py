@@ -380,6 +380,18 @@ def test_sleep_endpoints(key_server):
         with pytest.raises(openai.APIStatusError) as info:
             client.completions.create(model=NAMES[0], prompt="Hello", max_tokens=2)
         assert info.value.status_code == 503
+        # Asleep already: another sleep releases nothing and says so; a repeated tag
+        # wakes its part once.
+        log_before = len(key_server.log())
+        assert httpx.post(key_server.url_for("sleep"), params={"level": 2}).status_code == 200
+        woke = httpx.post(key_server.url_for("wake_up"),
+                          params=[("tags", "weights"), ("tags", "weights")])
+        assert woke.status_code == 200, woke.text
+        log = key_server.log()[log_before:]
+        assert "the engine is already asleep; nothing to release" in log
+        assert "Sleep level 2:" not in log
+        assert re.search(r"Woke weights: mapped \d+\.\d+ GiB in", log), log
+        assert httpx.get(key_server.url_for("is_sleeping")).json() == {"is_sleeping": True}
         assert httpx.post(key_server.url_for("wake_up")).status_code == 200
         assert httpx.get(key_server.url_for("is_sleeping")).json() == {"is_sleeping": False}
     completion = client.completions.create(model=NAMES[0], prompt="Hello", max_tokens=2)

@@ -424,6 +424,10 @@ class EngineThread:
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
         self._check_sleep_mode()
+        if self.is_sleeping():
+            logger.info("sleep level %d: the engine is already asleep; nothing to release "
+                        "(wake_up first to sleep at another level)", level)
+            return
         if self._streams:
             logger.info("sleep: aborting %d in-flight request(s)", len(self._streams))
             self._fail(

@@ -92,7 +92,7 @@ class SleepModeWorkerMixin:
                 bytes still to map and the bytes free); what could not be
                 mapped stays asleep and a later call can retry.
         """
-        tags = ["weights", "kv_cache"] if tags is None else list(tags)
+        tags = ["weights", "kv_cache"] if tags is None else list(dict.fromkeys(tags))
         unknown = set(tags) - {"weights", "kv_cache"}
         if unknown:
             raise ValueError(f"unknown wake_up tags {sorted(unknown)}; use 'weights', 'kv_cache'")
