@@ -21,7 +21,15 @@ woken engine never loads KV computed before it slept.
 
 Order inside one step: loads (`start_load_kv`) run before the forward and
 stores (`wait_for_save`) after it, so a host slot evicted and reused by a
-store in the same step is read by its load first.
+store in the same step is read by its load first. A slot receives at most
+one store per step: when the host holds fewer blocks than one step stores,
+the rest waits for a later step.
+
+Which blocks load: a request's blocks are its prefix-cache hit, then new
+blocks. The host serves whole blocks right after the hit (the hit that
+`get_num_new_matched_tokens` was given: the request's num_computed_tokens is
+still 0 at `update_state_after_alloc`), short of the block holding the last
+token, which is computed; so every token counted as loaded is written by a load.
 """
 
 from __future__ import annotations
@@ -73,6 +81,10 @@ class OffloadingConnector(KVConnectorBase_V1):
         self.host_index: OrderedDict[bytes, int] = OrderedDict()  # hash -> slot, LRU first
         self.free_slots: list[int] = []
         self.tracked: dict[str, _TrackedRequest] = {}
+        # req id -> its local prefix-cache hit (tokens), from the last
+        # get_num_new_matched_tokens, until update_state_after_alloc
+        self.local_hits: dict[str, int] = {}
+        self.stored_slots: set[int] = set()  # slots that this step's stores write
         self.meta = OffloadingConnectorMetadata()
         # worker side
         self.kv_caches: dict[str, torch.Tensor] = {}
@@ -118,6 +130,8 @@ class OffloadingConnector(KVConnectorBase_V1):
             self.host_index.clear()
             self.free_slots = list(range(self.num_cpu_blocks - 1, -1, -1))
             self.tracked.clear()
+            self.local_hits.clear()
+            self.stored_slots = set()
             self.meta = OffloadingConnectorMetadata()
 
     def wake_up(self, kv_caches: dict[str, torch.Tensor], regions: list[tuple[int, int]]) -> None:
@@ -162,19 +176,38 @@ class OffloadingConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
-        """Full blocks after the local hit whose hashes are on the host, in tokens."""
+        """Full blocks after the local hit whose hashes are on the host, in tokens.
+
+        Whole blocks only, and never the block holding the last token (it is
+        computed, for the next logits): the scheduler caps the answer at
+        `num_tokens - 1`, and a cap inside a block would count tokens as
+        loaded that no load writes. The hit is remembered for
+        `update_state_after_alloc`, which places the loads after it.
+        """
         hashes = update_request_block_hashes(request, self.block_size)
+        first = num_computed_tokens // self.block_size
+        last = (request.num_tokens - 1) // self.block_size  # blocks wholly before the last token
         count = 0
-        for block_hash in hashes[num_computed_tokens // self.block_size:]:
+        for block_hash in hashes[first:last]:
             if block_hash not in self.host_index:
                 break
             count += 1
+        self.local_hits[request.request_id] = num_computed_tokens
         return count * self.block_size, False
 
     def update_state_after_alloc(
         self, request: Request, blocks: list[KVCacheBlock], num_external_tokens: int
     ) -> None:
-        first = request.num_computed_tokens // self.block_size  # the local hit (not yet advanced)
+        """Plan loads into the blocks after the local hit (`blocks` starts with the hit's
+        blocks; `request.num_computed_tokens` is not yet set to the hit, so the hit
+        comes from `get_num_new_matched_tokens`)."""
+        num_hit_tokens = self.local_hits.pop(request.request_id, 0)
+        if num_external_tokens % self.block_size:
+            raise ValueError(
+                f"request {request.request_id!r}: {num_external_tokens} external tokens are "
+                f"not whole blocks of {self.block_size}"
+            )
+        first = num_hit_tokens // self.block_size
         hashes = request.block_hashes
         for i in range(first, first + num_external_tokens // self.block_size):
             slot = self.host_index[hashes[i]]
@@ -191,6 +224,7 @@ class OffloadingConnector(KVConnectorBase_V1):
             if tracked is not None:
                 self._plan_stores(tracked)
         meta, self.meta = self.meta, OffloadingConnectorMetadata()
+        self.stored_slots = set()
         return meta
 
     def _plan_stores(self, tracked: _TrackedRequest) -> None:
@@ -203,21 +237,30 @@ class OffloadingConnector(KVConnectorBase_V1):
                 continue
             slot = self._take_slot()
             if slot is None:
+                num_full = i  # the rest is tried again next step (the blocks stay the request's)
                 break
             self.host_index[hashes[i]] = slot
             self.meta.stores.append((tracked.blocks[i].block_id, slot))
+            self.stored_slots.add(slot)
         tracked.num_stored_blocks = max(tracked.num_stored_blocks, num_full)
 
     def _take_slot(self) -> int | None:
+        """A free host slot, else the least recently used one; None when that one already
+        receives a store this step (the host copy is smaller than one step's stores:
+        two copies into one slot in one step would leave either block there)."""
         if self.free_slots:
             return self.free_slots.pop()
         if not self.host_index:
             return None
-        _, slot = self.host_index.popitem(last=False)  # least recently used
+        block_hash, slot = next(iter(self.host_index.items()))  # least recently used
+        if slot in self.stored_slots:
+            return None
+        del self.host_index[block_hash]
         return slot
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         self.tracked.pop(request.request_id, None)
+        self.local_hits.pop(request.request_id, None)
         return False, None
