@@ -240,6 +240,8 @@ def test_flag_errors_and_a_taken_port_fail_before_torch_is_imported():
             (["--host", "127.0.0.1", "--port", str(port)],
              f"cannot listen on 127.0.0.1:{port}: Address already in use"),
             (["--chat-template", "no-such-file"], "--chat-template 'no-such-file' is neither"),
+            (["--chat-template", "{% for %}"],
+             "--chat-template is not a valid Jinja template: Expected an expression"),
             *EARLY_CONFIG_ERRORS,
         ]
         procs = [subprocess.Popen([sys.executable, "-c", _MAIN_THEN_REPORT_TORCH, "serve",

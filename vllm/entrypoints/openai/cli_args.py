@@ -82,16 +82,41 @@ def load_chat_template(value: str | None) -> str | None:
     """`--chat-template`: a file's contents, or the value itself when it is a template.
 
     Raises:
-        ValueError: neither an existing file nor a Jinja template.
+        ValueError: neither an existing file nor a Jinja template, or a template
+            Jinja cannot parse (at start-up, not at every chat request).
     """
     if value is None:
         return None
     path = Path(value)
     if path.is_file():
-        return path.read_text()
+        return _check_template_syntax(path.read_text(), repr(value))
     if "{" in value:
-        return value
+        return _check_template_syntax(value, "")
     raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+
+
+def _check_template_syntax(template: str, source: str) -> str:
+    """Parse as transformers' `apply_chat_template` will (loop controls, and its
+    `{% generation %}` block), without importing transformers (start-up checks run
+    before the heavy imports)."""
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationBlock(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    try:
+        ImmutableSandboxedEnvironment(extensions=[loopcontrols, GenerationBlock]).parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        where = f" {source}" if source else ""
+        raise ValueError(f"--chat-template{where} is not a valid Jinja template: {e.message} "
+                         f"(line {e.lineno})") from e
+    return template
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
