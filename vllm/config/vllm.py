@@ -67,6 +67,12 @@ class VllmConfig:
         self.cache_config.resolve_kv_cache_path(lambda: platform.get_vmm_driver().probe())
         self._resolve_parallel(platform)
         spec = self.speculative_config
+        if spec is not None and spec.num_speculative_tokens >= self.model_config.max_model_len:
+            raise ValueError(
+                f"speculative_config: num_speculative_tokens ({spec.num_speculative_tokens}) "
+                f"must be below max_model_len ({self.model_config.max_model_len}): a "
+                "request's drafts and the token they follow must fit its context"
+            )
         if spec is not None and spec.method == "draft_model" and (
             self.parallel_config.world_size > 1
         ):

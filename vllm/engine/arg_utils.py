@@ -285,7 +285,10 @@ class EngineArgs:
         check_generation_config_path(self.generation_config)
         spec = configs["speculative_config"]
         if spec is not None and spec.model is not None:
-            check_model_path(spec.model)
+            try:
+                check_model_path(spec.model)
+            except FileNotFoundError as e:  # say which model: the draft, not the target
+                raise FileNotFoundError(f"speculative_config: draft {e}") from None
 
     def create_engine_config(self) -> VllmConfig:
         """Build and validate the engine's `VllmConfig` (the one place args are checked).

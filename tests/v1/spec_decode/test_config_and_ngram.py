@@ -58,7 +58,7 @@ def test_draft_model_config_and_missing_path():
     assert SpeculativeConfig(method="ngram", num_speculative_tokens=3).num_lookahead_slots == 0
     args = EngineArgs(speculative_config={"method": "draft_model", "model": "/no/such/draft",
                                           "num_speculative_tokens": 2})
-    with pytest.raises(FileNotFoundError, match="/no/such/draft"):
+    with pytest.raises(FileNotFoundError, match="speculative_config: draft model '/no/such/draft"):
         args.validate()
 
 
@@ -67,6 +67,10 @@ def test_offline_bad_config_is_value_error_before_any_model_loads():
 
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         LLM(speculative_config={"method": "ngram", "num_speculative_tokens": -1})
+    with pytest.raises(ValueError, match=r"num_speculative_tokens \(512\) must be below "
+                                         r"max_model_len \(512\)"):
+        LLM(max_model_len=512, speculative_config={"method": "ngram",
+                                                   "num_speculative_tokens": 512})
 
 
 def test_cli_flag_parses_and_rejects():
