@@ -122,10 +122,10 @@ class PrometheusStatLogger:
             "vllm:kv_cache_num_blocks", "KV cache blocks in the pool (including the null block).")
         self.kv_cache_elastic_grows = counter(
             "vllm:kv_cache_elastic_grows",
-            "Times the elastic KV cache committed more memory while serving.")
+            "Times the elastic KV cache grew (more blocks) while serving.")
         self.kv_cache_elastic_shrinks = counter(
             "vllm:kv_cache_elastic_shrinks",
-            "Times the elastic KV cache released free tail blocks' memory.")
+            "Times the elastic KV cache released free tail blocks.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
         self.num_preemptions = counter("vllm:num_preemptions", "Preemptions (by recompute).")

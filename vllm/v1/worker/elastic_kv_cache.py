@@ -142,10 +142,8 @@ class ElasticKVCache:
         except VmmError as e:  # another process took the memory first: stay as we are
             logger.warning("Elastic KV cache: could not grow to %d blocks (%s)", target, e)
             return kv.committed_blocks
-        logger.info(
-            "Elastic KV cache: grew %.2f -> %.2f GiB (%d -> %d blocks)",
-            bytes_before / GiB, kv.committed_bytes / GiB, before, target,
-        )
+        logger.info("Elastic KV cache: grew %s (%d -> %d blocks)",
+                    _change(bytes_before, kv.committed_bytes), before, target)
         return target
 
     def shrink(self, num_blocks: int) -> int:
@@ -156,10 +154,8 @@ class ElasticKVCache:
         if num_blocks >= before:
             return before
         kv.release_tail_blocks(num_blocks)
-        logger.info(
-            "Elastic KV cache: released %.2f -> %.2f GiB (%d -> %d blocks)",
-            bytes_before / GiB, kv.committed_bytes / GiB, before, num_blocks,
-        )
+        logger.info("Elastic KV cache: released %s (%d -> %d blocks)",
+                    _change(bytes_before, kv.committed_bytes), before, num_blocks)
         return num_blocks
 
     def _bytes_for(self, num_blocks: int) -> int:
@@ -167,6 +163,13 @@ class ElasticKVCache:
         return sizing.committed_bytes_for_blocks(
             num_blocks, config.block_stride, config.num_segments, self.kv_cache.granularity
         )
+
+
+def _change(before: int, after: int) -> str:
+    """"0.06 -> 0.18 GiB", or what a change of blocks inside committed granules is."""
+    if before == after:
+        return f"{after / GiB:.2f} GiB unchanged: the blocks lie in granules already committed"
+    return f"{before / GiB:.2f} -> {after / GiB:.2f} GiB"
 
 
 class ElasticWorkerMixin:
