@@ -81,6 +81,13 @@ def test_a_bad_limit_is_a_400_naming_limit_bytes(elastic_server, value):
     assert error_of(response)["param"] == "limit_bytes"
 
 
+def test_a_limit_in_the_body_is_refused_not_ignored(elastic_server):
+    response = httpx.post(elastic_server.url_for("kv_cache/limit"), timeout=60,
+                          json={"limit_bytes": 100_000_000})
+    assert response.status_code == 400, response.text
+    assert "in the query string" in error_of(response)["message"]
+
+
 def test_committed_bytes_follow_a_burst_up_and_back_down(elastic_server):
     _wait_for_committed(elastic_server, FLOOR_BYTES)
     before = scrape_metrics(elastic_server)

@@ -210,8 +210,11 @@ def _add_elastic_routes(app: FastAPI, engine_client: AsyncLLM) -> None:
     # endpoint that exists only when its feature flag is on: an operator
     # lowers an engine's share of the device at runtime without a restart.
     @app.post("/kv_cache/limit")
-    async def kv_cache_limit(limit_bytes: str | None = None) -> JSONResponse:
+    async def kv_cache_limit(request: Request, limit_bytes: str | None = None) -> JSONResponse:
         """`?limit_bytes=8GiB` caps the elastic KV cache; no value restores the start-up limit."""
+        if (await request.body()).strip():  # a query parameter, as /sleep?level= takes
+            raise APIError(400, "POST /kv_cache/limit takes limit_bytes in the query string "
+                           "(?limit_bytes=8GiB), not in a body", param="limit_bytes")
         try:
             value = None if limit_bytes is None else human_readable_bytes(limit_bytes)
         except (ValueError, TypeError, argparse.ArgumentTypeError) as e:
