@@ -223,12 +223,20 @@ def test_prompt_longer_than_context(server, reference_text):
     _assert_still_serving(server, reference_text)
 
 
-@pytest.mark.parametrize("body", [b'{"prompt": "x", ', b"not json", b"[1, 2]", b""])
-def test_malformed_json(server, reference_text, body):
+@pytest.mark.parametrize("body, content_type, says", [
+    (b'{"prompt": "x", ', "application/json", "not valid JSON"),
+    (b"not json", "application/json", "not valid JSON"),
+    (b"[1, 2]", "application/json", "must be a JSON object"),
+    (b"", "application/json", "the request body is missing"),
+    (b'{"model": "m", "prompt": "x"}', "text/plain", "Content-Type application/json"),
+])
+def test_malformed_json(server, reference_text, body, content_type, says):
     response = httpx.post(server.url_for("v1/completions"), content=body,
-                          headers={"content-type": "application/json"})
+                          headers={"content-type": content_type})
     assert response.status_code == 400, response.text
-    assert error_of(response)["type"] == "BadRequestError"
+    error = error_of(response)
+    assert error["type"] == "BadRequestError"
+    assert says in error["message"], error
     _assert_still_serving(server, reference_text)
 
 

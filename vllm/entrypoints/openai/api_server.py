@@ -252,6 +252,11 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         return APIError(400, str(ctx.get("message", first.get("msg"))), ctx.get("field"))
     if first.get("type") == "json_invalid":
         return APIError(400, f"the request body is not valid JSON: {first.get('msg')}")
+    if tuple(first.get("loc", ())) == ("body",):  # the body as a whole
+        if first.get("type") == "missing":
+            return APIError(400, "the request body is missing: send a JSON object")
+        return APIError(400, "the request body must be a JSON object with Content-Type "
+                        f"application/json ({first.get('msg')})")
     loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query")]
     # A union type reports the member it tried ("str", "list[str]"): keep the field path.
     fields = [p for p in loc if not any(c in p for c in "[]") and p not in ("str", "int")]
