@@ -77,7 +77,8 @@ def test_tp2_mp_server_matches_one_rank(tp2_server, tp_reference):
     assert "(worker rank 1 pid" in log  # each worker's lines say whose they are
 
 
-def _stream_in_background(server: RemoteServer, events: list[str]) -> threading.Event:
+def _stream_in_background(server: RemoteServer, events: list[str]
+                          ) -> tuple[threading.Thread, threading.Event]:
     """A long greedy stream on a thread; the event is set once 3 SSE lines arrived."""
     streaming = threading.Event()
     body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 400,
@@ -92,8 +93,9 @@ def _stream_in_background(server: RemoteServer, events: list[str]) -> threading.
                     if len(events) == 3:
                         streaming.set()
 
-    threading.Thread(target=stream, daemon=True).start()
-    return streaming
+    thread = threading.Thread(target=stream, daemon=True)
+    thread.start()
+    return thread, streaming
 
 
 def test_killed_worker_is_reported_within_seconds(tp2_server):
@@ -103,7 +105,7 @@ def test_killed_worker_is_reported_within_seconds(tp2_server):
     engine, workers = engine_and_workers(tp2_server)
     everything = tree(tp2_server)
     events: list[str] = []
-    assert _stream_in_background(tp2_server, events).wait(120)
+    assert _stream_in_background(tp2_server, events)[1].wait(120)
     killed_at = time.monotonic()
     workers[1].send_signal(signal.SIGKILL)
     health = None
@@ -237,24 +239,14 @@ def test_killed_engine_core_fails_requests_in_flight_and_exits():
         body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 400,
                 "ignore_eos": True}
         results: dict = {}
-        streaming = threading.Event()
 
         def plain() -> None:
             results["plain"] = httpx.post(url, json=body, timeout=120)
 
-        def stream() -> None:
-            events = []
-            with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as r:
-                for line in r.iter_lines():
-                    if line:
-                        events.append(line)
-                        if len(events) == 3:
-                            streaming.set()
-            results["stream"] = events
-
-        threads = [threading.Thread(target=stream), threading.Thread(target=plain)]
-        for thread in threads:
-            thread.start()
+        events: list[str] = []
+        streamer, streaming = _stream_in_background(server, events)
+        threads = [streamer, threading.Thread(target=plain)]
+        threads[1].start()
         assert streaming.wait(120)
         core.send_signal(signal.SIGKILL)
         for thread in threads:
@@ -264,7 +256,6 @@ def test_killed_engine_core_fails_requests_in_flight_and_exits():
         assert plain_response.status_code == 500, plain_response.text
         assert "engine core process died (killed by SIGKILL)" in error_of(
             plain_response)["message"]
-        events = results["stream"]
         assert events[-1] == "data: [DONE]", events[-3:]
         error_event = json.loads(events[-2].removeprefix("data: "))
         assert error_event["error"]["code"] == 500, events[-2]
