@@ -13,9 +13,11 @@ save against the separate kernels?
 For each shape (random weights, bf16) and batch: the model (`LlamaForCausalLM`)
 with one paged KV cache per layer, a decode batch whose requests each hold
 `--context` cached tokens, `max_seq_len` = `--max-model-len` as in the
-engine's captured graphs. Per variant ("fused": the code as it runs;
-"rope_cache_only": without the projection fusion (FUSED_LINEAR_MAX_TOKENS = 0);
-"unfused": also with `AttentionImpl.forward_with_rope`'s two-launch default):
+engine's captured graphs. Per variant ("fused": both fusions, the projection
+fusion switched on (FUSED_LINEAR_MAX_TOKENS = 16; it is off by default, see
+`layers/fused_linear.py`); "rope_cache_only": the code as it runs, without the
+projection fusion; "unfused": also with `AttentionImpl.forward_with_rope`'s
+two-launch default):
   kernels_per_step   CUDA kernels of one eager forward + compute_logits
                      (torch.profiler, CUPTI), and by name (`kernels`)
   graph_replay_ms    that forward + compute_logits captured as one CUDA graph,
@@ -125,16 +127,17 @@ VARIANTS = ("fused", "rope_cache_only", "unfused")
 
 @contextlib.contextmanager
 def _variant(name: str):
-    """The code as it runs ("fused"), without the norm/act + projection fusion
-    ("rope_cache_only"), or without either fusion ("unfused")."""
+    """Both fusions ("fused"), the rope + KV-write fusion alone as the engine runs
+    by default ("rope_cache_only"), or neither ("unfused")."""
     from vllm.model_executor.layers import fused_linear
     from vllm.v1.attention.backends.abstract import AttentionImpl
     from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
 
     rope_fused = TritonAttentionImpl.forward_with_rope
     max_tokens = fused_linear.FUSED_LINEAR_MAX_TOKENS
-    if name != "fused":
-        fused_linear.FUSED_LINEAR_MAX_TOKENS = 0
+    from vllm.model_executor.layers.ops.norm_linear import MAX_ROWS
+
+    fused_linear.FUSED_LINEAR_MAX_TOKENS = MAX_ROWS if name == "fused" else 0
     if name == "unfused":
         TritonAttentionImpl.forward_with_rope = AttentionImpl.forward_with_rope
     try:

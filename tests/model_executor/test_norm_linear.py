@@ -188,13 +188,15 @@ def test_silu_linear_cuda(case: Case) -> None:
 
 @pytest.mark.cuda
 @needs_triton
-def test_dispatch_fuses_only_small_batches_and_weights_cuda() -> None:
-    """Small batch + small weight: one launch; 17 rows or a big weight: norm + cuBLAS."""
+def test_dispatch_fuses_only_small_batches_and_weights_cuda(monkeypatch) -> None:
+    """Switched on: small batch + small weight: one launch; 17 rows or a big weight: norm +
+    cuBLAS. Off (the default): never fused."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from vllm.model_executor.layers import fused_linear
     from vllm.model_executor.layers.linear import ColumnParallelLinear
+    from vllm.model_executor.layers.ops.norm_linear import MAX_ROWS
 
     def kernels(fn) -> list[str]:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -210,6 +212,9 @@ def test_dispatch_fuses_only_small_batches_and_weights_cuda() -> None:
         big.weight.data.normal_()
         x1, r1 = torch.randn(1, 576, dtype=torch.bfloat16), torch.randn(1, 576).bfloat16()
         x17, r17 = torch.randn(17, 576).bfloat16(), torch.randn(17, 576).bfloat16()
+    off = kernels(lambda: fused_linear.norm_and_project(norm, small, x1, r1))
+    assert not any("norm_linear" in k for k in off), off
+    monkeypatch.setattr(fused_linear, "FUSED_LINEAR_MAX_TOKENS", MAX_ROWS)
     for args in ((small, x1, r1), (small, x17, r17), (big, x1, r1)):
         fused_linear.norm_and_project(norm, *args)  # compile
     torch.cuda.synchronize()
@@ -224,10 +229,14 @@ def test_dispatch_fuses_only_small_batches_and_weights_cuda() -> None:
 
 @pytest.mark.cuda
 @needs_triton
-def test_fused_layer_replays_under_cuda_graph() -> None:
-    """Captured at 4 rows, replayed on new inputs: equals the unfused modules."""
+def test_fused_layer_replays_under_cuda_graph(monkeypatch) -> None:
+    """Switched on, captured at 4 rows, replayed on new inputs: equals the unfused modules."""
+    from vllm.model_executor.layers import fused_linear
     from vllm.model_executor.layers.fused_linear import act_and_project, norm_and_project
     from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from vllm.model_executor.layers.ops.norm_linear import MAX_ROWS
+
+    monkeypatch.setattr(fused_linear, "FUSED_LINEAR_MAX_TOKENS", MAX_ROWS)
 
     torch.manual_seed(0)
     with torch.device("cuda"):

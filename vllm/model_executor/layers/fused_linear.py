@@ -18,9 +18,20 @@ Both take the fused kernel only when it pays and is exact in structure:
   * no tensor-parallel collective in between: a column-parallel layer that
     does not gather, a row-parallel layer with tp_size 1;
   * the norm weight in the activations' dtype (no promotion).
-Otherwise the two modules run one after the other, as before. Setting
-`FUSED_LINEAR_MAX_TOKENS = 0` turns the fusion off (benchmark_decode_kernels
-does, for its "unfused" variant).
+Otherwise the two modules run one after the other, as before.
+
+**Off by default** (`FUSED_LINEAR_MAX_TOKENS = 0`): on the H200 (2026-12-02,
+`benchmarks/benchmark_throughput.py --shapes llama3_8b smollm2 --batch-sizes 1 32`)
+the SmolLM2-135M shape's batch-1 decode step took 5.65 ms with it (5.06 ms
+with async scheduling) against 1.33 ms measured before the fusion landed,
+while the same engine's batch-32 step, which is above the row limit and so
+unfused, took 2.61 ms; the Llama-3-8B shape, whose weights are all above the
+size limit, was unchanged (5.38 ms against 5.19 ms). The slow case is exactly
+the one this fusion covers (small weights, <= 16 rows); it stays off until
+`benchmarks/benchmark_decode_kernels.py` (not yet run on the GPU) shows its
+graph replay beating the unfused one. Setting
+`FUSED_LINEAR_MAX_TOKENS = MAX_ROWS` (16) turns it on;
+that benchmark does for its "fused" variant.
 """
 
 from __future__ import annotations
@@ -31,7 +42,7 @@ from torch import nn
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.ops import use_fused_ops
 
-FUSED_LINEAR_MAX_TOKENS = 16  # = ops/norm_linear.MAX_ROWS (tl.dot's smallest M)
+FUSED_LINEAR_MAX_TOKENS = 0  # off (see above); at most ops/norm_linear.MAX_ROWS = 16
 FUSED_LINEAR_MAX_WEIGHT_BYTES = 8 << 20
 
 
