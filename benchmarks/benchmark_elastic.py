@@ -115,6 +115,22 @@ def _sampler(servers: list[Server], series: list[dict], stop: threading.Event,
         stop.wait(every)
 
 
+def check_prompt_fits(url: str, model: str, prompt: str, max_tokens: int) -> None:
+    """Exit with the numbers when a burst's prompt + max_tokens exceeds the context.
+
+    `--input-words` counts words; the tokenizer makes ~4.4 tokens of each of the
+    random words (1500 words were 6600 tokens on the H200, 2026-12-02: every
+    request a 400 and a run that measured nothing).
+    """
+    tokens = httpx.post(f"{url}/tokenize", json={"model": model, "prompt": prompt},
+                        timeout=60).json()["count"]
+    info = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]
+    limit = info.get("max_model_len")
+    if limit is not None and tokens + max_tokens > limit:
+        raise SystemExit(f"a prompt is {tokens} tokens; with --max-tokens {max_tokens} that "
+                         f"exceeds max_model_len {limit}: lower --input-words")
+
+
 def run_mode(mode: str, args: argparse.Namespace, log_dir: str) -> dict:
     extra = shlex.split(args.elastic_args if mode == "elastic" else args.static_args)
     common = [*([args.model] if args.model else []), *shlex.split(args.server_args)]
@@ -137,8 +153,13 @@ def run_mode(mode: str, args: argparse.Namespace, log_dir: str) -> dict:
             server = servers[i % 2]
             prompts = make_prompts(args.burst_requests, args.input_words, seed=i)
             model = resolve_model(server.url, {})
+            if i == 0:
+                check_prompt_fits(server.url, model, prompts[0], args.max_tokens)
             level = asyncio.run(run_level(server.url, model, args.burst_requests, prompts,
                                           args.max_tokens, True, {}))
+            if level["failed"] == args.burst_requests:
+                raise SystemExit(f"every request of burst {i} ({server.name}) failed, e.g. "
+                                 f"{level['errors'][:1]}; server log: {server.log_path}")
             level["server"] = server.name
             results.append(level)
             time.sleep(args.gap_s)
@@ -225,7 +246,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", default="elastic,static")
     p.add_argument("--bursts", type=int, default=4)
     p.add_argument("--burst-requests", type=int, default=256)
-    p.add_argument("--input-words", type=int, default=1500)
+    p.add_argument("--input-words", type=int, default=650,
+                   help="words per prompt (~4.4 tokens each: 650 -> ~2900 tokens)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--gap-s", type=float, default=8.0, help="idle time after each burst")
     p.add_argument("--shrink-delay-s", type=float, default=2.0,

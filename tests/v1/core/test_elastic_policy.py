@@ -35,6 +35,23 @@ def test_grows_by_a_chunk_or_the_demand_when_free_blocks_run_low():
     assert p.num_grows == 1
 
 
+def test_an_idle_engine_stays_at_a_floor_smaller_than_a_quarter_chunk():
+    """The 8B shape on the H200: floor 288 blocks, chunk 7,820 (2026-12-02)."""
+    clock = Clock()
+    p = _policy(clock, committed=288, floor=288, limit=62848, chunk=7820)
+    assert p.low_water == 144
+    # At start-up: every block but the null one free, nothing waiting: no growth.
+    assert p.decide(num_free=287, num_free_tail=287, blocks_wanted=0) is None
+    # A burst: grow; afterwards the whole growth is free again: back to the floor.
+    assert p.decide(num_free=100, num_free_tail=0, blocks_wanted=0) == ElasticDecision(
+        "grow", 288 + 7820)
+    p.adopt(288 + 7820)
+    assert p.decide(num_free=8107, num_free_tail=7820, blocks_wanted=0) is None
+    clock.now += 5
+    assert p.decide(num_free=8107, num_free_tail=7820, blocks_wanted=0) == ElasticDecision(
+        "shrink", 288)
+
+
 def test_shrinks_to_the_last_growth_after_the_tail_stayed_free_for_the_delay():
     clock = Clock()
     p = _policy(clock)

@@ -5,11 +5,12 @@ carries out its answer on the workers (`ElasticKVCache.grow` / `.shrink`) and
 on the block pool (`Scheduler.resize_kv_cache`). Numbers are block counts
 counting the null block.
 
-    grow    when the free blocks run below a low-water mark (a quarter chunk,
-            or what waiting requests need): to committed + max(chunk, need),
-            at most the limit. The worker may reach less (memory is free only
-            now, less a headroom); the scheduler then queues or preempts as it
-            does whenever the cache is full.
+    grow    when the free blocks run below a low-water mark (a quarter chunk
+            but at most half the floor, or what waiting requests need): to
+            committed + max(chunk, need), at most the limit. The worker may
+            reach less (memory is free only now, less a headroom); the
+            scheduler then queues or preempts as it does whenever the cache
+            is full.
     shrink  when every block of the last growth (the tail, [b, committed)) has
             been free, or held only evictable prefix-cache entries, for
             `shrink_delay_s`, and the blocks below b still leave the low-water
@@ -70,7 +71,14 @@ class ElasticKVPolicy:
 
     @property
     def low_water(self) -> int:
-        return max(self.chunk // 4, 1)
+        """Free blocks below which the cache grows: a quarter chunk, at most half the floor.
+
+        Capped by the floor so an idle engine stays at its floor: on the H200 the
+        8B shape's floor was 288 blocks and its chunk 7,820, so a quarter chunk
+        made every engine grow 15.3 GiB at start-up with nothing to serve and
+        never shrink back (2026-12-02).
+        """
+        return max(min(self.chunk // 4, self.floor // 2), 1)
 
     @property
     def committed(self) -> int:
