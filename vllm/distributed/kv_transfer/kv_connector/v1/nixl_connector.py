@@ -18,8 +18,10 @@
 Memory: each side registers exactly `register_kv_caches`' regions (the
 committed spans; DRAM on the CPU platform, VRAM on CUDA). Transfers address
 block b of a layer as `view.data_ptr() + b * view.stride(0) * itemsize`, one
-descriptor per (layer, block), so the layout of either side may differ in
-strides as long as the block shape is the same.
+descriptor per (layer, run of consecutive block ids on both sides) where both
+sides pack a layer's blocks back to back (stride == block bytes), else one per
+(layer, block): the layout of either side may differ in strides as long as the
+block shape is the same (`transfer_rows`).
 
 The side channel (ZMQ REQ/REP, `side_channel_host`:`side_channel_port`, or
 VLLM_NIXL_SIDE_CHANNEL_HOST / _PORT, default 127.0.0.1 and a free port) runs in
@@ -97,6 +99,57 @@ class ReqLoad:
     local_block_ids: list[int]
     remote: RemotePrefill
     remote_block_ids: list[int]
+
+
+def block_runs(local_ids: list[int], remote_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(local start, remote start, count) of the runs where both block ids go up by one."""
+    runs: list[list[int]] = []
+    for lb, rb in zip(local_ids, remote_ids, strict=True):
+        if runs and lb == runs[-1][0] + runs[-1][2] and rb == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([lb, rb, 1])
+    return [(a, b, n) for a, b, n in runs]
+
+
+def transfer_rows(
+    local_layers: dict[str, tuple[int, int, int]],
+    remote_layers: dict[str, tuple[int, int, int]],
+    local_ids: list[int], remote_ids: list[int], local_device: int, remote_device: int,
+) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+    """NIXL descriptor rows (address, bytes, device id) reading remote blocks into local ones.
+
+    Args:
+        local_layers / remote_layers: layer -> (base address, block stride, block
+            bytes), the same layer names on both sides.
+        local_ids / remote_ids: block ids, pairwise (local_ids[i] <- remote_ids[i]).
+
+    Returns:
+        (local rows, remote rows) of equal length: per layer, one row per run
+        of consecutive ids (`block_runs`) when both sides' stride equals the
+        block bytes, else one row per block. A fresh engine allocates runs, so
+        a 2,300-token prompt of the Llama-3-8B shape needs ~32 rows instead of
+        ~4,600 (one per block per layer), each UCX request then moving
+        megabytes rather than 64 KiB.
+
+    Raises:
+        ValueError: a layer's block bytes differ between the sides.
+    """
+    runs = block_runs(local_ids, remote_ids)
+    local_rows, remote_rows = [], []
+    for name, (base, stride, page) in local_layers.items():
+        rbase, rstride, rpage = remote_layers[name]
+        if rpage != page:
+            raise ValueError(f"layer {name}: remote blocks are {rpage} bytes, local {page}")
+        if stride == page and rstride == page:
+            for lb, rb, n in runs:
+                local_rows.append((base + lb * stride, n * page, local_device))
+                remote_rows.append((rbase + rb * rstride, n * page, remote_device))
+            continue
+        for lb, rb in zip(local_ids, remote_ids, strict=True):
+            local_rows.append((base + lb * stride, page, local_device))
+            remote_rows.append((rbase + rb * rstride, page, remote_device))
+    return local_rows, remote_rows
 
 
 @dataclass
@@ -244,14 +297,9 @@ class NixlConnector(KVConnectorBase_V1):
         if not load.local_block_ids:
             self.agent.send_notif(remote.agent_name, notif)
             return
-        local_rows, remote_rows = [], []
-        for name, (base, stride, page) in self.layers.items():
-            rbase, rstride, rpage = remote.layers[name]
-            if rpage != page:
-                raise ValueError(f"layer {name}: remote blocks are {rpage} bytes, local {page}")
-            for lb, rb in zip(load.local_block_ids, load.remote_block_ids, strict=True):
-                local_rows.append((base + lb * stride, page, self.device_id))
-                remote_rows.append((rbase + rb * rstride, page, remote.device_id))
+        local_rows, remote_rows = transfer_rows(
+            self.layers, remote.layers, load.local_block_ids, load.remote_block_ids,
+            self.device_id, remote.device_id)
         local = self.agent.get_xfer_descs(np.array(local_rows, dtype=np.uint64), self.mem_type)
         rdescs = self.agent.get_xfer_descs(np.array(remote_rows, dtype=np.uint64), self.mem_type)
         handle = self.agent.initialize_xfer("READ", local, rdescs, remote.agent_name, notif)
