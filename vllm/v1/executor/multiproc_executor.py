@@ -58,6 +58,10 @@ _PARENT_POLL_S = 1.0
 ERROR_GRACE_S = 5.0
 # How long the workers may take to build their worker objects (imports, no model yet).
 _STARTUP_TIMEOUT_S = float(os.environ.get("VLLM_WORKER_STARTUP_TIMEOUT", "300"))
+# How long to wait for a worker whose pipe closed to be reaped, so its exit code (or
+# signal) can be named: the pipe closes first, and a SIGKILLed process's exit took over
+# 1 s on the loaded 2-core CI machine ("worker rank 1 died (still running)").
+_EXIT_WAIT_S = 5.0
 
 
 @dataclass
@@ -150,7 +154,7 @@ class MultiprocExecutor(Executor):
                     f"worker rank {handle.rank} did not start within {_STARTUP_TIMEOUT_S:.0f} s"
                 )
                 continue
-            handle.process.join(1)
+            handle.process.join(_EXIT_WAIT_S)
             detail = describe_exit(handle.process.exitcode)
             errors[handle.rank] = WorkerDiedError(handle.rank, f"{detail} during start-up")
         if errors:
@@ -233,7 +237,7 @@ class MultiprocExecutor(Executor):
                 pass
         elif handle.process.sentinel not in ready:
             return None
-        handle.process.join(1)
+        handle.process.join(_EXIT_WAIT_S)
         return WorkerDiedError(handle.rank, describe_exit(handle.process.exitcode))
 
     # --------------------------------------------------------------- failures
@@ -243,7 +247,7 @@ class MultiprocExecutor(Executor):
         if self._shutting_down or not ready:
             return
         handle = sentinels[ready[0]]
-        handle.process.join(1)
+        handle.process.join(_EXIT_WAIT_S)
         self._report_failure(WorkerDiedError(handle.rank, describe_exit(handle.process.exitcode)))
 
     def shutdown(self) -> None:
