@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -36,12 +37,16 @@ def tree(server: RemoteServer) -> list[psutil.Process]:
 
 
 def engine_and_workers(server: RemoteServer) -> tuple[psutil.Process, list[psutil.Process]]:
-    """The engine core process (the child that has children) and its worker processes."""
+    """The engine core process (the child that has children) and its worker processes,
+    in rank order (the executor logs their pids by rank; psutil lists them by pid)."""
+    started = re.search(r"Started \d+ worker processes \(pids ([\d, ]+)\)", server.log())
+    assert started, "the executor did not log its workers' pids"
+    by_rank = [int(pid) for pid in started.group(1).split(",")]
     for child in psutil.Process(server.proc.pid).children():
-        workers = [p for p in child.children() if "resource_tracker" not in " ".join(p.cmdline())]
-        if workers:
-            return child, workers
-    raise AssertionError(f"no engine core process with workers among {tree(server)}")
+        workers = {p.pid: p for p in child.children()}
+        if set(by_rank) <= set(workers):
+            return child, [workers[pid] for pid in by_rank]
+    raise AssertionError(f"no engine core process with workers {by_rank} among {tree(server)}")
 
 
 def wait_gone(processes: list[psutil.Process], timeout: float = 30) -> None:

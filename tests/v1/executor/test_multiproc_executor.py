@@ -128,3 +128,34 @@ def test_workers_exit_when_the_engine_process_is_killed():
         proc.kill()
         proc.wait()
     assert gone(pids, timeout=10), "worker processes outlived the engine process"
+
+
+def test_two_threads_reaping_a_killed_process_both_read_its_signal():
+    """The monitor thread and a call's thread both wake on a dead worker's sentinel and
+    both name its exit: unlocked, the slower `waitpid` got ECHILD and read None
+    ("died (still running)"), which failed a CI run."""
+    import multiprocessing
+    import signal
+    import time
+
+    from vllm.v1.executor.multiproc_executor import describe_exit, reap
+
+    context = multiprocessing.get_context("fork")  # a bare child: no model, no imports
+    for _ in range(20):
+        process = context.Process(target=time.sleep, args=(60,), daemon=True)
+        process.start()
+        lock = threading.Lock()
+        barrier = threading.Barrier(2)
+        seen: list[str] = []
+
+        def reaper(process=process, lock=lock, barrier=barrier, seen=seen) -> None:
+            barrier.wait()
+            seen.append(describe_exit(reap(process, lock, 5)))
+
+        threads = [threading.Thread(target=reaper) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        os.kill(process.pid, signal.SIGKILL)
+        for thread in threads:
+            thread.join(10)
+        assert seen == ["killed by SIGKILL"] * 2

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.logger import init_logger
 from vllm.v1.engine.core_proc import EngineCoreOutputs, run_engine_core
 from vllm.v1.engine.exceptions import EngineDeadError
-from vllm.v1.executor.multiproc_executor import describe_exit
+from vllm.v1.executor.multiproc_executor import describe_exit, reap
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -87,6 +87,7 @@ class MPEngineCoreClient:
         self._dead_reason: str | None = None
         self._dead_callbacks: list[Callable[[EngineDeadError], None]] = []
         self._lock = threading.Lock()
+        self._reap_lock = threading.Lock()  # see multiproc_executor.reap
         self._closing = False
         base = os.path.join(tempfile.gettempdir(), f"vllm-core-{uuid.uuid4().hex[:12]}")
         self._paths = [f"{base}-in", f"{base}-out"]
@@ -109,7 +110,7 @@ class MPEngineCoreClient:
         child_status.close()
         self._stop_state = {"asked": False}
         self._finalizer = weakref.finalize(
-            self, _stop_process, self.process, self._paths, self._stop_state
+            self, _stop_process, self.process, self._reap_lock, self._paths, self._stop_state
         )
         try:
             info = self._wait_ready()
@@ -142,13 +143,15 @@ class MPEngineCoreClient:
                         raise value.exception
                     raise RuntimeError(f"the engine core failed to start: {value.reason}")
             if self.process.sentinel in ready and not self._status.poll():
-                self.process.join(1)
                 raise EngineDeadError(
-                    "the engine core process died during start-up "
-                    f"({describe_exit(self.process.exitcode)})"
+                    f"the engine core process died during start-up ({self._exit_detail()})"
                 )
 
     # ---------------------------------------------------------------- liveness
+    def _exit_detail(self) -> str:
+        """How the engine process ended ('killed by SIGKILL', ...): it is reaped first."""
+        return describe_exit(reap(self.process, self._reap_lock, 1))
+
     def _monitor(self) -> None:
         """Wait for a "dead" report or the process's exit; then run the dead callbacks."""
         reason = None
@@ -163,8 +166,7 @@ class MPEngineCoreClient:
                     reason = str(value)
                     continue
             if self.process.sentinel in ready:
-                self.process.join(1)
-                reason = f"the engine core process died ({describe_exit(self.process.exitcode)})"
+                reason = f"the engine core process died ({self._exit_detail()})"
         reason = f"the engine is dead: {reason}"
         with self._lock:
             if self._closing:
@@ -194,14 +196,12 @@ class MPEngineCoreClient:
     def _check_alive(self) -> None:
         if self._dead_reason is not None:
             raise EngineDeadError(self._dead_reason)
-        if not self.process.is_alive():
-            self.process.join(1)
+        if reap(self.process, self._reap_lock, 0) is not None:
             self._monitor_thread.join(1)  # it may hold the reason the process sent first
             if self._dead_reason is not None:
                 raise EngineDeadError(self._dead_reason)
             raise EngineDeadError(
-                "the engine is dead: the engine core process died "
-                f"({describe_exit(self.process.exitcode)})"
+                f"the engine is dead: the engine core process died ({self._exit_detail()})"
             )
 
     # ---------------------------------------------------------------- requests
@@ -281,7 +281,7 @@ class MPEngineCoreClient:
     def poll_idle(self) -> bool:
         """While no request runs: take the figures the engine process sent meanwhile
         (its elastic cache shrinks while idle); True when new ones came."""
-        if self._dead_reason is not None or not self.process.is_alive():
+        if self._dead_reason is not None or reap(self.process, self._reap_lock, 0) is not None:
             return False  # the monitor reports the death
         received = False
         while (message := self._receive(0)) is not None:
@@ -351,7 +351,7 @@ class MPEngineCoreClient:
 
         with self._lock:
             self._closing = True
-        if self.process.is_alive():
+        if reap(self.process, self._reap_lock, 0) is None:
             # Never blocking: a PUSH socket waits for a peer, and a process that is
             # ending (a failed start-up) has disconnected; the finalizer then
             # SIGTERMs it instead.
@@ -369,21 +369,23 @@ class MPEngineCoreClient:
 
 
 def _stop_process(
-    process: multiprocessing.process.BaseProcess, paths: list[str], state: dict[str, bool]
+    process: multiprocessing.process.BaseProcess,
+    lock: threading.Lock,
+    paths: list[str],
+    state: dict[str, bool],
 ) -> None:
     """Let the engine process stop (it was asked, or SIGTERM asks it), then SIGKILL; reap it.
 
     SIGTERM is a graceful stop for the engine process (it shuts its executor
     down), so it is the first step when nobody sent "shutdown" (interpreter exit).
     """
-    if process.is_alive() and not state["asked"]:
+    if reap(process, lock, 0) is None and not state["asked"]:
         process.terminate()
-    process.join(_SHUTDOWN_GRACE_S)
-    if process.is_alive():
+    if reap(process, lock, _SHUTDOWN_GRACE_S) is None:
         logger.warning("the engine core process did not stop in %.0f s; killing it",
                        _SHUTDOWN_GRACE_S)
         process.kill()
-        process.join()
+        reap(process, lock, None)
     for path in paths:
         with contextlib.suppress(OSError):
             os.unlink(path)

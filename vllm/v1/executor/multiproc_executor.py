@@ -31,7 +31,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -59,8 +59,7 @@ ERROR_GRACE_S = 5.0
 # How long the workers may take to build their worker objects (imports, no model yet).
 _STARTUP_TIMEOUT_S = float(os.environ.get("VLLM_WORKER_STARTUP_TIMEOUT", "300"))
 # How long to wait for a worker whose pipe closed to be reaped, so its exit code (or
-# signal) can be named: the pipe closes first, and a SIGKILLed process's exit took over
-# 1 s on the loaded 2-core CI machine ("worker rank 1 died (still running)").
+# signal) can be named: the pipe closes before the process is gone.
 _EXIT_WAIT_S = 5.0
 
 
@@ -70,6 +69,30 @@ class _WorkerHandle:
     process: multiprocessing.process.BaseProcess
     conn: Connection
     pid: int | None = None
+    reap_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def join(self, timeout: float | None) -> int | None:
+        """Wait up to `timeout` s for the process to exit; its exit code, or None."""
+        return reap(self.process, self.reap_lock, timeout)
+
+    def exit_detail(self) -> str:
+        """How the process ended ('killed by SIGKILL', ...), once it is reaped."""
+        return describe_exit(self.join(_EXIT_WAIT_S))
+
+
+def reap(process: multiprocessing.process.BaseProcess, lock: threading.Lock,
+         timeout: float | None) -> int | None:
+    """`process.join(timeout)` then its exit code (None while it runs), under `lock`.
+
+    multiprocessing's `Popen.poll` is not thread-safe: when two threads reap the same
+    child, the loser's `waitpid` fails with ECHILD and `exitcode` reads None, so a
+    SIGKILLed worker was reported as "died (still running)" (a monitor thread and the
+    thread of a call both wake on its sentinel). Every thread that joins, polls or
+    reads `exitcode` of a process must go through here with the same lock.
+    """
+    with lock:
+        process.join(timeout)
+        return process.exitcode
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -154,9 +177,9 @@ class MultiprocExecutor(Executor):
                     f"worker rank {handle.rank} did not start within {_STARTUP_TIMEOUT_S:.0f} s"
                 )
                 continue
-            handle.process.join(_EXIT_WAIT_S)
-            detail = describe_exit(handle.process.exitcode)
-            errors[handle.rank] = WorkerDiedError(handle.rank, f"{detail} during start-up")
+            errors[handle.rank] = WorkerDiedError(
+                handle.rank, f"{handle.exit_detail()} during start-up"
+            )
         if errors:
             raise first_error(errors)
 
@@ -237,8 +260,7 @@ class MultiprocExecutor(Executor):
                 pass
         elif handle.process.sentinel not in ready:
             return None
-        handle.process.join(_EXIT_WAIT_S)
-        return WorkerDiedError(handle.rank, describe_exit(handle.process.exitcode))
+        return WorkerDiedError(handle.rank, handle.exit_detail())
 
     # --------------------------------------------------------------- failures
     def _monitor_workers(self) -> None:
@@ -247,8 +269,7 @@ class MultiprocExecutor(Executor):
         if self._shutting_down or not ready:
             return
         handle = sentinels[ready[0]]
-        handle.process.join(_EXIT_WAIT_S)
-        self._report_failure(WorkerDiedError(handle.rank, describe_exit(handle.process.exitcode)))
+        self._report_failure(WorkerDiedError(handle.rank, handle.exit_detail()))
 
     def shutdown(self) -> None:
         self._shutting_down = True
@@ -269,16 +290,16 @@ def _stop_workers(workers: list[_WorkerHandle], grace: list[float]) -> None:
             handle.conn.send_bytes(pickle.dumps(_SHUTDOWN))
     deadline = time.monotonic() + grace[0]
     for handle in workers:
-        handle.process.join(max(deadline - time.monotonic(), 0))
+        handle.join(max(deadline - time.monotonic(), 0))
     for step, grace in (("terminate", _TERMINATE_GRACE_S), ("kill", None)):
-        alive = [h for h in workers if h.process.is_alive()]
+        alive = [h for h in workers if h.join(0) is None]
         if not alive:
             break
         logger.warning("%s worker rank(s) %s", step, [h.rank for h in alive])
         for handle in alive:
             getattr(handle.process, step)()
         for handle in alive:
-            handle.process.join(grace)
+            handle.join(grace)
     for handle in workers:
         with contextlib.suppress(Exception):
             handle.conn.close()
