@@ -132,3 +132,48 @@ def test_stop_string_inside_accepted_drafts_ends_token_ids(spec_llm, bundled_llm
         ref.text, ref.finish_reason, ref.stop_reason
     )
     assert out.token_ids == ref.token_ids
+
+
+class _EagerGraphs:
+    """What the runner's CUDAGraphManager does, run eagerly: replay(B) is the capture
+    target's forward of B rows from the persistent buffers (no graphs on the CPU)."""
+
+    def __init__(self, sizes, forward):
+        self.capture_sizes, self._forward = sizes, forward
+        self.num_replays = 0
+
+    def padded_size(self, num_reqs):
+        return next((size for size in self.capture_sizes if size >= num_reqs), None)
+
+    def replay(self, size):
+        self.num_replays += 1
+        return self._forward(size)
+
+
+def test_short_drafts_run_as_verify_rows_with_identical_output(spec_llm, bundled_llm,
+                                                               monkeypatch):
+    """Batches whose requests carry 0..k drafts (ngram drafts are short or absent) take
+    the verify graph's layout, rows of k + 1 tokens with padding, instead of running
+    eagerly; the greedy output is the same as without speculation."""
+    runner = spec_llm.llm_engine.engine_core.worker.model_runner
+    q = runner.verify_query_len
+    # Every batch size "captured": padded requests (seq_len 0 with q query tokens) are
+    # for the Triton kernel only; the CPU reference attention rejects them.
+    graphs = _EagerGraphs(list(range(1, 9)), lambda size: runner._graph_forward(size, q))
+    laid_out = []
+    lay_out = runner._lay_out_verify_rows
+
+    def counting_lay_out(num_sched):
+        laid_out.append(num_sched.tolist())
+        return lay_out(num_sched)
+
+    monkeypatch.setattr(runner, "use_cuda_graph", True)
+    monkeypatch.setattr(runner, "cuda_graphs", _EagerGraphs([], None))  # decode: eager
+    monkeypatch.setattr(runner, "verify_graphs", graphs)
+    monkeypatch.setattr(runner, "_lay_out_verify_rows", counting_lay_out)
+    ref = bundled_llm.generate(QUOTING, GREEDY, use_tqdm=False)
+    out = spec_llm.generate(QUOTING, GREEDY, use_tqdm=False)
+    assert _ids(out) == _ids(ref)
+    # Rows with fewer than k + 1 tokens were padded, and every such batch replayed.
+    assert laid_out and all(max(n) <= q and sum(n) < len(n) * q for n in laid_out)
+    assert graphs.num_replays >= len(laid_out)

@@ -1,4 +1,4 @@
-"""Full CUDA graphs for decode-only batches (and uniform spec-decode verify batches).
+"""Full CUDA graphs for decode-only batches (and spec-decode verify batches).
 
 One graph per capture size B (a decode batch of B requests, one token each;
 the runner's second manager: B requests of k + 1 tokens each).

@@ -121,7 +121,7 @@ class GPUModelRunner:
 
         self.spec_decoder = spec_decoder
         self.cuda_graphs = CUDAGraphManager(capture_sizes, self._graph_forward)
-        # Verify batches: B requests x q = k + 1 tokens each (uniform), own graphs.
+        # Verify batches: B requests x q = k + 1 tokens each (short drafts padded), own graphs.
         self.verify_query_len = spec_decoder.k + 1 if spec_decoder else 0
         verify_sizes = [
             b for b in capture_sizes if spec_decoder and b * self.verify_query_len <= n
@@ -129,6 +129,11 @@ class GPUModelRunner:
         self.verify_graphs = CUDAGraphManager(
             verify_sizes, lambda b: self._graph_forward(b, self.verify_query_len)
         )
+        # Flat token -> its place in a batch laid out as rows of k + 1 (short drafts).
+        self.verify_index = torch.zeros(n if spec_decoder else 0, dtype=torch.int64,
+                                        device=device)
+        self.verify_index_cpu = torch.zeros(n if spec_decoder else 0, dtype=torch.int64,
+                                            pin_memory=pin)
         # layer name -> view [num_blocks, 2, block_size, num_kv_heads, head_size]
         self.kv_caches: dict[str, torch.Tensor] = {}
 
@@ -283,7 +288,7 @@ class GPUModelRunner:
     def _graph_forward(self, size: int, query_len: int = 1) -> torch.Tensor:
         """Forward of `size` requests x `query_len` tokens from the buffers (capture target).
 
-        query_len 1 is a decode batch; k + 1 a uniform verify batch.
+        query_len 1 is a decode batch; k + 1 a verify batch (rows of k + 1 tokens).
         """
         tokens = size * query_len
         metadata = AttentionMetadata(
@@ -314,23 +319,78 @@ class GPUModelRunner:
         )
 
     def _forward(self, metadata: AttentionMetadata, num_sched: np.ndarray) -> torch.Tensor:
+        """Hidden states [total, hidden] of the step's flat tokens: a graph replay when
+        the batch is all decodes, or fits rows of k + 1 tokens (spec decode); else eager."""
         num_reqs = len(num_sched)
         total = metadata.num_actual_tokens
         q = self.verify_query_len
-        graphs = None
+        graphs, index = None, None
         if self.use_cuda_graph and total == num_reqs:
             graphs, q = self.cuda_graphs, 1
-        elif self.use_cuda_graph and q and total == num_reqs * q and (num_sched == q).all():
+        elif self.use_cuda_graph and self._fits_verify_rows(num_sched):
             graphs = self.verify_graphs
         size = graphs.padded_size(num_reqs) if graphs is not None else None
         if size is not None:
+            if q > 1 and total != num_reqs * q:
+                index = self._lay_out_verify_rows(num_sched)
             self._pad_batch(num_reqs, size, q)
         if self.async_state is not None:
             self.async_state.record_inputs_copied()
         if size is not None:
-            return graphs.replay(size)[: num_reqs * q]
+            hidden = graphs.replay(size)
+            return hidden[:total] if index is None else hidden.index_select(0, index)
         with set_forward_context(metadata):
             return self.model(self.input_ids[:total], self.positions[:total])
+
+    def _fits_verify_rows(self, num_sched: np.ndarray) -> bool:
+        """Whether the batch can run as the verify graph's rows of q = k + 1 tokens.
+
+        Every request brings at most q tokens (a decode with 0..k drafts: ngram
+        drafts are short near the end of their match, or absent), and padding each
+        to q keeps it within max_model_len (the padded queries' context must stay
+        inside the block table). A draft model reads the flat buffers after the
+        forward, and its drafts are always k long: its batches use the uniform case.
+        """
+        q = self.verify_query_len
+        if not q or self.spec_decoder.draft is not None or num_sched.max() > q:
+            return False
+        num_reqs = len(num_sched)
+        if int(num_sched.sum()) == num_reqs * q:
+            return True
+        padded = self.seq_lens_cpu.numpy()[:num_reqs] + (q - num_sched)
+        return int(padded.max()) <= self.max_model_len
+
+    def _lay_out_verify_rows(self, num_sched: np.ndarray) -> torch.Tensor:
+        """Move the flat tokens of requests with n_i <= q tokens into rows of q.
+
+        Request i's tokens go to [i*q, i*q + n_i); its padding (ids 0, slot -1:
+        no KV written) follows them. Its sequence length grows by q - n_i, so
+        that a real query j still sees exactly its computed + j + 1 keys (the
+        kernels take query j's context as seq_len - query_len + j + 1); padded
+        queries see unwritten slots and their outputs are dropped. Exact: no real
+        token's inputs or context change. Returns the flat -> row index [total]
+        (int64, on the device) that gathers the real hidden states back.
+        """
+        q = self.verify_query_len
+        num_reqs = len(num_sched)
+        total = int(num_sched.sum())
+        cu = np.cumsum(num_sched)
+        rows = np.repeat(self._arange[:num_reqs], num_sched)
+        offsets = self._arange[:total] - np.repeat(cu - num_sched, num_sched)
+        self.verify_index_cpu.numpy()[:total] = rows * q + offsets
+        index = self.verify_index[:total]
+        index.copy_(self.verify_index_cpu[:total], non_blocking=True)
+        for buf, pad in ((self.input_ids, 0), (self.positions, 0), (self.slot_mapping, -1)):
+            flat = buf[:total].clone()
+            buf[: num_reqs * q].fill_(pad)
+            buf.index_copy_(0, index, flat)
+        self.query_start_loc_cpu.numpy()[: num_reqs + 1] = self._arange[: num_reqs + 1] * q
+        self.seq_lens_cpu.numpy()[:num_reqs] += (q - num_sched).astype(np.int32)
+        self.query_start_loc[: num_reqs + 1].copy_(
+            self.query_start_loc_cpu[: num_reqs + 1], non_blocking=True
+        )
+        self.seq_lens[:num_reqs].copy_(self.seq_lens_cpu[:num_reqs], non_blocking=True)
+        return index
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()

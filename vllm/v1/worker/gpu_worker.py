@@ -10,7 +10,7 @@
                       extensible  reserve the capacity, commit the warmup blocks
     compile_or_warm_up_model
         warmup      worst-case prefill with the KV cache, sampler, verify batch,
-                    CUDA graphs (decode and uniform verify batches)
+                    CUDA graphs (decode and verify batches)
         size        what is free now -> final block count (kv_cache_sizing.py),
                     agreed across ranks; a fully committed cache keeps its size
         extend      extend_kv_cache(final) under the same base, rebind the views
