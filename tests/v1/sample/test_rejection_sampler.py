@@ -73,3 +73,25 @@ def test_seeded_rows_reproducible_and_mixed_with_greedy():
     first, second = run(), run()
     assert first == second
     assert first[1][0] == int(logits[3].argmax()) or first[1] == [1, int(logits[4].argmax())]
+
+
+def test_all_greedy_host_path_equals_the_tensor_path():
+    """An all-greedy batch is verified on the host after one argmax; a batch with one
+    random row takes the tensor path: the greedy rows' outputs must be the same."""
+    gen = torch.Generator().manual_seed(0)
+    num_draft = [4, 0, 3, 4, 1, 2]
+    logits = torch.randn(sum(num_draft) + len(num_draft), V, generator=gen)
+    argmax = logits.argmax(dim=-1).tolist()
+    drafts, start = [], 0
+    for i, n in enumerate(num_draft):  # request i copies the target for its first i drafts
+        drafts.append([argmax[start + j] if j < i else (argmax[start + j] + 1) % V
+                       for j in range(n)])
+        start += n + 1
+    greedy = SamplingParams(temperature=0.0)
+    host = RejectionSampler()(drafts, logits.clone(), _md([greedy] * len(drafts), num_draft), {})
+    mixed_params = [greedy] * len(drafts) + [SamplingParams(temperature=1.0)]
+    extra = torch.randn(2, V, generator=gen)
+    tensor = RejectionSampler()(drafts + [[0]], torch.cat([logits, extra]),
+                                _md(mixed_params, num_draft + [1]), {})
+    assert host == tensor[:-1]
+    assert [len(t) for t in host] == [1, 1, 3, 4, 2, 3]

@@ -70,6 +70,8 @@ class RejectionSampler:
                 f"target_logits has {target_logits.shape[0]} rows and metadata "
                 f"{metadata.num_rows}; the drafts need {total}"
             )
+        if metadata.all_greedy:
+            return _verify_greedy(draft_token_ids, target_logits)
         device = target_logits.device
         r, k = len(num_draft), max(num_draft, default=0)
         starts = _starts(num_draft)
@@ -95,6 +97,27 @@ class RejectionSampler:
             out_random = _verify_random(probs, flat, drafts, valid, nd, generators, draft_probs)
         is_greedy = _row_is_greedy(metadata, starts, r)
         return _to_lists(out_greedy, out_random, drafts, is_greedy)
+
+
+def _verify_greedy(draft_token_ids: list[list[int]], target_logits: torch.Tensor
+                   ) -> list[list[int]]:
+    """All rows greedy: one argmax kernel and one device-to-host copy, the rest on the host.
+
+    The same rule as the tensor path below (accept d_j while it equals argmax p_j,
+    then emit argmax p_a), without its host-to-device copies of the drafts and its
+    three synchronising reads: at batch 1 the verify step is launch- and
+    sync-bound (measured on the H200, SmolLM2 shape: 3.4 ms per spec step against
+    1.1 ms per plain decode step).
+    """
+    target = target_logits.to(torch.float32).argmax(dim=-1).tolist()
+    out, start = [], 0
+    for drafts in draft_token_ids:
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == target[start + accepted]:
+            accepted += 1
+        out.append(target[start : start + accepted + 1])
+        start += len(drafts) + 1
+    return out
 
 
 def _starts(num_draft: list[int]) -> torch.Tensor:

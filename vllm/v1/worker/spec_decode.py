@@ -72,7 +72,11 @@ class SpecDecoder:
         idx = np.concatenate(
             [np.arange(ends[r] - len(d) - 1, ends[r]) for r, d in zip(rows, drafts, strict=True)]
         )
-        logits = model.compute_logits(hidden[torch.from_numpy(idx).to(self.device)])
+        if len(idx) and idx[-1] - idx[0] + 1 == len(idx):  # one run: every row verifies
+            rows_hidden = hidden[int(idx[0]) : int(idx[-1]) + 1]
+        else:  # no stream sync: the copy queues behind the forward
+            rows_hidden = hidden[torch.from_numpy(idx).to(self.device, non_blocking=True)]
+        logits = model.compute_logits(rows_hidden)
         states = [batch.states[r] for r in rows]
         params = [s.sampling_params for s, d in zip(states, drafts, strict=True)
                   for _ in range(len(d) + 1)]
