@@ -103,6 +103,9 @@ def run_mode(model: str | None, k: int, max_tokens: int, spec: bool) -> dict:
         result["mean_acceptance_length"] = stats.mean_acceptance_length
         result["num_accepted_tokens_per_pos"] = stats.num_accepted_tokens_per_pos
     result["decode_tokens_per_step"] = decode_tokens / max(decode_steps, 1)
+    runner = engine.engine_core.worker.model_runner  # in-process (uni): graph replay counts
+    result["decode_graph_replays"] = runner.cuda_graphs.num_replays
+    result["verify_graph_replays"] = runner.verify_graphs.num_replays
     engine.shutdown()
     return result
 

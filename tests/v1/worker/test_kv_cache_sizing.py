@@ -69,6 +69,19 @@ def test_extensible_budget_is_free_plus_committed_less_buffer():
     assert r.kv_bytes == budget - 537944653 == 107909979571
 
 
+def test_extensible_activation_headroom_is_capped():
+    """A spec-decode verify peak of 39 GiB gets 1 GiB of headroom, not 3.9 GiB."""
+    r = extensible_kv_cache_bytes(
+        total=TOTAL,
+        free=100 * GiB,
+        kv_committed=0,
+        held_non_kv=70 * GiB,
+        activation_peak=39 * GiB,
+        gpu_memory_utilization=1.0,
+    )
+    assert r.buffer_bytes == GiB + int(0.001 * r.budget_bytes)
+
+
 def test_extensible_buffer_has_absolute_floor():
     r = extensible_kv_cache_bytes(
         total=TOTAL,

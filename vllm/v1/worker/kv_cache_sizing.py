@@ -17,7 +17,8 @@ Extensible: decided after warmup and graph capture, from what is really free.
     physical = free now + KV bytes already committed
     cap      = utilization x total - what this process holds besides the KV cache
     budget   = min(physical, cap)
-    buffer   = max(ACTIVATION_HEADROOM_FRACTION x activation peak, BUFFER_FLOOR_BYTES)
+    buffer   = clamp(ACTIVATION_HEADROOM_FRACTION x activation peak,
+                     BUFFER_FLOOR_BYTES, ACTIVATION_HEADROOM_CAP_BYTES)
                + POST_WARMUP_FRACTION x budget
     kv       = budget - buffer
 
@@ -53,6 +54,16 @@ GiB = 1 << 30
 # profiled peak covers that with room to spare on the shapes measured by
 # benchmarks/benchmark_kv_sizing.py (no OOM under the stress run).
 ACTIVATION_HEADROOM_FRACTION = 0.10
+
+# ... at most this much: a large peak is a large worst case (the verify batch
+# of speculative decoding: logits over max_num_seqs x (k + 1) positions), whose
+# smaller variants fit the blocks it left in the pool. Measured on the H200
+# (2026-12-02, benchmark_kv_sizing.py --load spec-decode --spec-method
+# draft_model, 8B shape, k = 64): activation peak 39.17 GiB, 10 % = 3.92 GiB of
+# headroom, and a load whose every decode verified 64 drafts left 4.03 GiB of
+# HBM never in use, i.e. serving used none of it. Forward-only peaks (a few
+# GiB at most) stay below the cap, so their headroom is unchanged.
+ACTIVATION_HEADROOM_CAP_BYTES = 1 * GiB
 
 # Absolute floor of that headroom: lazily created library state that no
 # warmup shape triggers (cuBLAS/cuBLASLt workspaces of new GEMM shapes, a
@@ -256,7 +267,8 @@ def extensible_kv_cache_bytes(
     if budget_cap is not None:
         limits.append((budget_cap_name, budget_cap))
     limited_by, budget = _smallest(limits)
-    buffer = max(int(ACTIVATION_HEADROOM_FRACTION * activation_peak), BUFFER_FLOOR_BYTES)
+    buffer = min(max(int(ACTIVATION_HEADROOM_FRACTION * activation_peak), BUFFER_FLOOR_BYTES),
+                 ACTIVATION_HEADROOM_CAP_BYTES)
     buffer += int(POST_WARMUP_FRACTION * max(budget, 0))
     kv = budget - buffer
     if kv <= 0:

@@ -50,7 +50,11 @@ class SpecDecodeWorkerMixin:
                 f"speculative_config: the draft model {spec.model!r} has a vocabulary of "
                 f"{hf_config.vocab_size} tokens, the target {mc.get_vocab_size()}; they must match"
             )
-        model = get_model(spec.model, hf_config, dtype=mc.dtype, device=self.device)
+        # --load-format dummy applies to the draft as to the target (as in vLLM, whose
+        # draft shares the load config); otherwise the draft's own path picks its format.
+        load_format = "dummy" if mc.load_format == "dummy" else "auto"
+        model = get_model(spec.model, hf_config, dtype=mc.dtype, device=self.device,
+                          load_format=load_format)
         rename_draft_layers(model)
         return model
 
