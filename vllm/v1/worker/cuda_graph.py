@@ -35,14 +35,18 @@ class CUDAGraphManager:
         capture_sizes: batch sizes (requests = tokens) to capture.
         forward: runs the model on the first B rows of the persistent buffers
             under a forward context whose metadata also covers B rows, and
-            returns hidden states [B, hidden_size].
+            returns hidden states [B x tokens per row, hidden_size].
+        kind: what a row is, for the progress bar and the log ("decode",
+            "verify, k + 1 = 5 tokens per request").
     """
 
     # Total graphs captured in this process; tests read it.
     num_captures: int = 0
 
-    def __init__(self, capture_sizes: list[int], forward: Callable[[int], torch.Tensor]) -> None:
+    def __init__(self, capture_sizes: list[int], forward: Callable[[int], torch.Tensor],
+                 kind: str = "decode") -> None:
         self.capture_sizes = sorted(set(capture_sizes))
+        self.kind = kind
         self._forward = forward
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
@@ -73,8 +77,8 @@ class CUDAGraphManager:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         # A bar, as vLLM shows one: capture takes seconds to minutes on big models.
-        sizes = tqdm(list(reversed(self.capture_sizes)), desc="Capturing CUDA graphs (decode)",
-                     unit="size")
+        sizes = tqdm(list(reversed(self.capture_sizes)), unit="size",
+                     desc=f"Capturing CUDA graphs ({self.kind})")
         for size in sizes:
             # Warm up once outside the graph so lazy initialisation (Triton
             # compilation, cuBLAS workspaces) is not captured.
@@ -89,8 +93,9 @@ class CUDAGraphManager:
         torch.cuda.synchronize()
         self.pool_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
         logger.info(
-            "Captured %d CUDA graphs for decode batch sizes %s (%.2f GiB)",
+            "Captured %d CUDA graphs (%s) for batch sizes %s (%.2f GiB)",
             len(self._graphs),
+            self.kind,
             self.capture_sizes,
             self.pool_bytes / 2**30,
         )

@@ -127,7 +127,8 @@ class GPUModelRunner:
             b for b in capture_sizes if spec_decoder and b * self.verify_query_len <= n
         ]
         self.verify_graphs = CUDAGraphManager(
-            verify_sizes, lambda b: self._graph_forward(b, self.verify_query_len)
+            verify_sizes, lambda b: self._graph_forward(b, self.verify_query_len),
+            kind=f"verify, {self.verify_query_len} tokens per request",
         )
         # Flat token -> its place in a batch laid out as rows of k + 1 (short drafts).
         self.verify_index = torch.zeros(n if spec_decoder else 0, dtype=torch.int64,
