@@ -235,9 +235,7 @@ class GPUModelRunner:
         num_sched = np.array([so.num_scheduled_tokens[r] for r in batch.req_ids], dtype=np.int64)
         total = int(num_sched.sum())
         cu = np.cumsum(num_sched)
-        # Row of each flat token, and its offset inside its row's chunk.
-        req_indices = np.repeat(self._arange[:num_reqs], num_sched)
-        offsets = self._arange[:total] - np.repeat(cu - num_sched, num_sched)
+        req_indices, offsets = self._token_rows(num_sched, cu, total)
         computed = batch.num_computed_tokens[:num_reqs].astype(np.int64)
         positions = computed[req_indices] + offsets
 
@@ -343,6 +341,14 @@ class GPUModelRunner:
         with set_forward_context(metadata):
             return self.model(self.input_ids[:total], self.positions[:total])
 
+    def _token_rows(self, num_sched: np.ndarray, cu: np.ndarray, total: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
+        """[total] row of each flat token and [total] its offset inside its row's chunk
+        (`cu` = cumsum(num_sched), `total` = its sum)."""
+        rows = np.repeat(self._arange[: len(num_sched)], num_sched)
+        offsets = self._arange[:total] - np.repeat(cu - num_sched, num_sched)
+        return rows, offsets
+
     def _fits_verify_rows(self, num_sched: np.ndarray) -> bool:
         """Whether the batch can run as the verify graph's rows of q = k + 1 tokens.
 
@@ -375,9 +381,7 @@ class GPUModelRunner:
         q = self.verify_query_len
         num_reqs = len(num_sched)
         total = int(num_sched.sum())
-        cu = np.cumsum(num_sched)
-        rows = np.repeat(self._arange[:num_reqs], num_sched)
-        offsets = self._arange[:total] - np.repeat(cu - num_sched, num_sched)
+        rows, offsets = self._token_rows(num_sched, np.cumsum(num_sched), total)
         self.verify_index_cpu.numpy()[:total] = rows * q + offsets
         index = self.verify_index[:total]
         index.copy_(self.verify_index_cpu[:total], non_blocking=True)
