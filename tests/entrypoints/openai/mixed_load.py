@@ -14,8 +14,9 @@ For `duration` seconds, over loopback, at the same time:
     long prompts   completions near max_model_len
     sleeper        level-1 (and every third cycle level-2) sleep / wake_up cycles;
                    requests meeting a sleeping engine must get 503 with the body
-    sampler        the server's RSS and the resident bytes of its VMM reservations
-                   (KV cache, weight arena), every few seconds while awake
+    sampler        the RSS of the server's process tree (the API server, the engine
+                   core and any workers) and the resident bytes of their VMM
+                   reservations (KV cache, weight arena), every few seconds while awake
 
 and at the end a SIGTERM with requests in flight: they must get 503 (streams: an
 error event, then [DONE]) and the server must exit 0. Every answer is checked:
@@ -42,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import psutil
 
 # Mappings at least this large that hold a PROT_NONE part are VMM reservations (the
 # KV cache, the weight arena); glibc's per-thread heaps reserve 64 MiB each.
@@ -63,7 +65,8 @@ class LoadReport:
 
     statuses: dict[str, int] = field(default_factory=dict)  # "kind status" -> count
     violations: list[str] = field(default_factory=list)
-    samples: list[dict] = field(default_factory=list)  # {"t", "rss_mib", "vmm_resident_mib"}
+    # {"t", "rss_mib", "vmm_resident_mib", "processes"}, summed over the server's tree
+    samples: list[dict] = field(default_factory=list)
     sleep_cycles: int = 0
     shutdown: dict = field(default_factory=dict)
     tracebacks: list[str] = field(default_factory=list)
@@ -118,6 +121,26 @@ def memory_sample(pid: int) -> tuple[float, float]:
         if mapping[3]:
             run.append(mapping)
     return sum(m[4] for m in mappings) / 2**20, vmm / 2**20
+
+
+def tree_memory_sample(pid: int) -> tuple[float, float, int]:
+    """(RSS MiB, VMM-resident MiB, number of processes) summed over process `pid` and all
+    its descendants: since the engine core runs in its own process, the API server's own
+    smaps hold neither the model nor the KV cache. A process that exits between the listing
+    and the read is left out of that sample."""
+    try:
+        processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0, 0.0, 0
+    rss = vmm = 0.0
+    counted = 0
+    for process in processes:
+        try:
+            one_rss, one_vmm = memory_sample(process.pid)
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        rss, vmm, counted = rss + one_rss, vmm + one_vmm, counted + 1
+    return rss, vmm, counted
 
 
 def _is_error_body(body: object, status: int) -> bool:
@@ -332,10 +355,11 @@ class MixedLoad:
     async def _sampler(self) -> None:
         while not self._stop.is_set():
             if not self._asleep.is_set():
-                rss, vmm = memory_sample(self.server.proc.pid)
+                rss, vmm, processes = tree_memory_sample(self.server.proc.pid)
                 self.report.samples.append({"t": round(time.monotonic() - self._t0, 1),
                                             "rss_mib": round(rss, 1),
-                                            "vmm_resident_mib": round(vmm, 1)})
+                                            "vmm_resident_mib": round(vmm, 1),
+                                            "processes": processes})
             if await self._wait_stop(self.sample_period_s):
                 return
 
