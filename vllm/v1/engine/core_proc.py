@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
+from vllm.exceptions import DeviceBusyError
 from vllm.logger import init_logger
 from vllm.v1.executor.worker_wrapper import RemoteFailure
 from vllm.v1.worker.kv_cache_sizing import KVCacheSizingError
@@ -314,15 +315,19 @@ def run_engine_core(
 ) -> None:
     """The engine core process: build the core, report ready (or why not), serve."""
     from vllm.logger import set_process_label
+    from vllm.platforms import current_platform
 
     set_process_label(f"engine core pid {os.getpid()}")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _raise_system_exit)
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    # The frontend is this engine, not another process sharing the device: a
+    # CUDA context it holds must not make the worker refuse to start.
+    current_platform.register_engine_pid(parent_pid)
     try:
         proc = EngineCoreProc(vllm_config, input_address, output_address)
     except BaseException as e:
-        if isinstance(e, ValueError | FileNotFoundError | KVCacheSizingError):
+        if isinstance(e, ValueError | FileNotFoundError | KVCacheSizingError | DeviceBusyError):
             # The configuration or the device says why: the frontend prints it as one line.
             logger.error("engine core start-up failed: %s", e)
         else:

@@ -1,0 +1,44 @@
+"""The engine core process's start-up: the frontend counts as this engine, and a busy
+device is one log line (the frontend prints it; no traceback in the log)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from multiprocessing import Pipe
+
+import pytest
+
+from vllm.exceptions import DeviceBusyError
+from vllm.platforms import current_platform
+from vllm.v1.engine import core_proc
+
+MESSAGE = ("another process holds memory on cuda:0 (pid 4242 trainer (3.0 GiB)) and "
+           "--gpu-memory-utilization was left to its default 1.0")
+
+
+def test_a_busy_device_fails_start_up_in_one_line_with_the_frontend_as_this_engine(
+        monkeypatch, caplog):
+    frontend_pid = os.getpid() + 100000  # any pid: only its registration is checked
+    seen: list[frozenset[int]] = []
+
+    def busy_core(*args, **kwargs):
+        seen.append(current_platform.engine_pids())  # what the worker's check excludes
+        raise DeviceBusyError(MESSAGE)
+
+    monkeypatch.setattr(core_proc, "EngineCoreProc", busy_core)
+    monkeypatch.setattr(current_platform, "_engine_pids", set())  # restored afterwards
+    # The process-wide side effects of the entry point, kept out of the test process.
+    monkeypatch.setattr(core_proc.signal, "signal", lambda *args: None)
+    monkeypatch.setattr(core_proc, "_exit_with_parent", lambda pid: None)
+    monkeypatch.setattr("vllm.logger.set_process_label", lambda label: None)
+    parent, child = Pipe()
+    with caplog.at_level(logging.ERROR, logger="vllm"), pytest.raises(SystemExit) as info:
+        core_proc.run_engine_core(None, "", "", child, frontend_pid)
+    assert info.value.code == 1
+    assert seen and frontend_pid in seen[0]
+    kind, failure = parent.recv()
+    assert kind == "startup_failed"
+    records = [r for r in caplog.records if "start-up failed" in r.getMessage()]
+    assert len(records) == 1 and records[0].exc_info is None, records
+    assert records[0].getMessage() == f"engine core start-up failed: {MESSAGE}"
