@@ -269,11 +269,21 @@ def _with(result_fn, name, value):
 
 
 @needs_no_libcuda
-def test_cuda_probe_passes_with_a_driver(fake_cuda, monkeypatch):
+def test_cuda_probe_passes_with_a_driver_and_leaves_no_context(fake_cuda, monkeypatch):
+    # The probe runs where the config is built (`vllm serve`'s API server): the
+    # primary context it retains for the granularity query is released again and
+    # the thread's current context restored, so that process holds no device memory.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert CudaVmmDriver(0).probe() is None
-    assert "cuDevicePrimaryCtxRetain" in fake_cuda.names()
-    assert fake_cuda.current_ctx is not None and int(fake_cuda.current_ctx) == 0x5000
+    driver = CudaVmmDriver(0)
+    assert driver.probe() is None
+    names = fake_cuda.names()
+    assert names.count("cuDevicePrimaryCtxRetain") == names.count("cuDevicePrimaryCtxRelease") == 1
+    assert names.index("cuDevicePrimaryCtxRetain") < names.index("cuDevicePrimaryCtxRelease")
+    assert int(fake_cuda.current_ctx) == 0
+    # The driver still works afterwards: its next use retains the context again.
+    driver.reserve(2 * MiB)
+    assert fake_cuda.names().count("cuDevicePrimaryCtxRetain") == 2
+    assert int(fake_cuda.current_ctx) == 0x5000
 
 
 @needs_no_libcuda

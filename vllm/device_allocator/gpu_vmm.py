@@ -156,7 +156,18 @@ class CudaVmmDriver(_BindingDriver):
                 f"CUDA device {index} does not support virtual memory management "
                 "(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0)"
             )
-        _ = self.granularity  # creates the context and checks the granularity query
+        err, previous = drv.cuCtxGetCurrent()
+        if not _is_success(err):
+            return f"cuCtxGetCurrent failed with {_error_name(err)}"
+        _ = self.granularity  # retains the primary context and checks the granularity query
+        # Leave no context behind. The probe runs where the config is built, in
+        # `vllm serve` the API server, which uses no device: the context it
+        # retained held 0.5 GiB there, and the engine core took the API server
+        # for another process on the device (H200, issue 10). Where torch's
+        # runtime holds the primary context too, this only drops our reference.
+        drv.cuCtxSetCurrent(previous)
+        drv.cuDevicePrimaryCtxRelease(dev)
+        self._prop = self._access = self._ctx = None  # the next use retains it again
         return None
 
     def _init(self) -> None:
