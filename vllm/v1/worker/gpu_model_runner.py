@@ -605,6 +605,22 @@ class GPUModelRunner:
             ),
         )
 
+    @torch.inference_mode()
+    def warm_up_logits(self, hidden: torch.Tensor, max_rows: int) -> None:
+        """The lm_head GEMM and greedy argmax at every row count 1..`max_rows` (CUDA only).
+
+        cuBLAS picks its kernel by the row count, and CUDA loads a kernel's
+        module when it is first launched: a step that samples a row count not
+        seen before paid that load (3 ms for the first one-row GEMM of the
+        SmolLM2 shape on the H200, issue 10). `hidden` [>= 1, hidden_size].
+        """
+        if self.device.type != "cuda":
+            return
+        idx = torch.arange(max_rows, device=self.device) % hidden.shape[0]
+        rows = hidden[idx]
+        for n in range(1, max_rows + 1):
+            self.model.compute_logits(rows[:n]).argmax(dim=-1)
+
     def warm_up_kernels(self) -> int:
         """Compile the attention kernels for every batch a step can hold; returns the launches.
 
