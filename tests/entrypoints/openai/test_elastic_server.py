@@ -36,7 +36,7 @@ BURST = [f"Tell me story number {i} about a lighthouse keeper and the sea. " * 1
 @pytest.fixture(scope="module")
 def elastic_server():
     with RemoteServer([*DEFAULT_SERVER_ARGS, "--enable-elastic-kv-cache"],
-                      env={"VLLM_ELASTIC_KV_SHRINK_DELAY_S": "10"}) as remote:
+                      env={"VLLM_ELASTIC_KV_SHRINK_DELAY_S": "2"}) as remote:
         yield remote
 
 
