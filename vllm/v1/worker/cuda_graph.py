@@ -90,11 +90,10 @@ class CUDAGraphManager:
             self._graphs[size] = graph
             self._outputs[size] = out
             CUDAGraphManager.num_captures += 1
-        # The first launch of an instantiated graph uploads it to the device and
-        # loads the modules of its kernels: on the H200 the engine's first decode
-        # step took 16 ms more than the next (SmolLM2 shape, issue 10). Launch
-        # each graph once here, on the capture's inputs (rows address block 1,
-        # slot -1: nothing is written to the cache), so no request pays it.
+        # A graph not uploaded explicitly is uploaded to the device at its first
+        # launch: launch each once here, on the capture's inputs (rows address
+        # block 1, slot -1: nothing is written to the cache), so that no request
+        # pays it (issue 10: no one-time cost on the request path).
         for graph in self._graphs.values():
             graph.replay()
         torch.cuda.synchronize()
