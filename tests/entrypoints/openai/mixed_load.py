@@ -129,7 +129,8 @@ def tree_memory_sample(pid: int) -> tuple[float, float, int]:
     smaps hold neither the model nor the KV cache. A process that exits between the listing
     and the read is left out of that sample."""
     try:
-        processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
         return 0.0, 0.0, 0
     rss = vmm = 0.0
