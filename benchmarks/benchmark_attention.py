@@ -240,7 +240,7 @@ def prefill_configs():
     from vllm.v1.attention.ops.attention_config import AttentionKernelConfig
 
     for block_m, block_n, (warps, stages) in itertools.product(
-        (64, 128), (32, 64, 128), ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3), (8, 4))
+        (64, 128, 256), (32, 64, 128), ((4, 2), (4, 3), (4, 4), (8, 2), (8, 3), (8, 4))
     ):
         yield AttentionKernelConfig(block_m, block_n, 1, warps, stages)
 

@@ -28,7 +28,11 @@ SHAPES = [  # (num_kv_heads, queries_per_kv, head_size, dtype): 8B, SmolLM2, MHA
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("bounds", [(8192, 4096, 132), (512, 512, 8), (16, 64, 132)])
 def test_reachable_configs_cover_every_selected_config(shape, bounds):
-    from vllm.v1.attention.ops.attention_config import reachable_configs, select_config
+    from vllm.v1.attention.ops.attention_config import (
+        LARGE_MIN_SEQ_LEN,
+        reachable_configs,
+        select_config,
+    )
 
     num_kv_heads, queries_per_kv, head_size, dtype = shape
     max_num_tokens, max_model_len, sm_count = bounds
@@ -42,7 +46,8 @@ def test_reachable_configs_cover_every_selected_config(shape, bounds):
                       max_num_tokens})
     seen = set()
     for query_len, num_reqs, extra, seq_len in itertools.product(
-        lengths, (1, 2, 3, 8, 32, 256), (0, 1, 7, 300), (1, 100, 255, 256, 1000, 4096, 8192)
+        lengths, (1, 2, 3, 8, 32, 256), (0, 1, 7, 300),
+        (1, 100, 255, 256, 1000, 1023, 1024, 4096, 8192),
     ):
         num_tokens = query_len + (num_reqs - 1) * min(query_len, 1 + extra)
         if num_tokens > max_num_tokens or not query_len <= seq_len <= max_model_len:
@@ -52,12 +57,14 @@ def test_reachable_configs_cover_every_selected_config(shape, bounds):
         seen.add(cfg)
         assert cfg in configs, (num_tokens, num_reqs, query_len, seq_len, cfg)
     assert seen  # the grid exercised the selector
-    # Each listed config is selected for its query length (tiles), with splits at most its own.
+    # Each listed config is selected for its query length (tiles) at max_model_len or just
+    # below the large tile's key count, with splits at most that launch's own.
     for query_len, cfg in listed:
-        auto = select_config(num_tokens=query_len, num_reqs=1, max_query_len=query_len,
-                             max_seq_len=max_model_len, **common)
-        assert (auto.block_m, auto.block_n) == (cfg.block_m, cfg.block_n)
-        assert cfg.num_splits <= auto.num_splits
+        autos = [select_config(num_tokens=query_len, num_reqs=1, max_query_len=query_len,
+                               max_seq_len=seq, **common)
+                 for seq in {max_model_len, min(max_model_len, LARGE_MIN_SEQ_LEN - 1)}]
+        assert any((a.block_m, a.block_n) == (cfg.block_m, cfg.block_n)
+                   and cfg.num_splits <= a.num_splits for a in autos), (query_len, cfg, autos)
 
 
 def test_attention_kernels_do_not_specialise_on_per_step_integers():

@@ -178,6 +178,15 @@ def test_select_config_decode_splits_and_prefill_tiles():
     assert short.num_splits == 2  # >= MIN_TOKENS_PER_SPLIT keys per split
     prefill = _select(num_tokens=16384, num_reqs=8, max_query_len=2048)
     assert prefill.block_m == ua.PREFILL_CONFIG.block_m and prefill.num_splits == 1
+    # Short prompts and short chunks take the small prefill tile; long ones with many keys
+    # the large one.
+    for q_len, seq_len in ((96, 96), (512, 512), (32, 4096)):
+        short = _select(num_tokens=16 * q_len, num_reqs=16, max_query_len=q_len,
+                        max_seq_len=seq_len)
+        assert (short.block_m, short.block_n) == (ua.SMALL_PREFILL_CONFIG.block_m,
+                                                  ua.SMALL_PREFILL_CONFIG.block_n), (q_len, seq_len)
+    long = _select(num_tokens=1024, num_reqs=8, max_query_len=128, max_seq_len=2176)
+    assert (long.block_m, long.block_n) == (ua.PREFILL_CONFIG.block_m, ua.PREFILL_CONFIG.block_n)
     mqa = _select(num_kv_heads=1, queries_per_kv=32, max_query_len=1)
     assert mqa.block_m == 32  # the whole GQA group in one program
     fp32 = _select(dtype=torch.float32, num_tokens=4096, num_reqs=2, max_query_len=4000)

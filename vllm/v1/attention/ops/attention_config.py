@@ -10,6 +10,7 @@ of alternatives ("tune" in its JSON) to choose the constants below.
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass, replace
 
 import torch
@@ -38,14 +39,24 @@ class AttentionKernelConfig:
 # Decode-like batches (max_query_len x padded group <= DECODE_MAX_ROWS): few rows
 # per program, memory bound. 16 rows use mma.sync; 64-key tiles (4 blocks of 16)
 # put 32 KiB of K+V in flight per program; 122 registers (sm_90, Triton 3.6) let
-# 4 programs share an SM. Prefill-like: 128-row tiles (wgmma on Hopper) against
-# 32-key tiles, 4 warps, 3 stages: the fastest of the prefill 8 x 2048 "tune" grid
-# on the H200 (2026-12-01: 1.06 ms, 0.38 of a bf16 matmul, against 1.22 ms / 0.33
-# for the 128 x 64, 8-warp tile used before). Numbers from compiling for sm_90;
-# the "tune" grids of benchmarks/benchmark_attention.py time the alternatives.
+# 4 programs share an SM. Prefill-like batches use wgmma tiles: the large tile
+# (256 rows x 64 keys, 8 warps) where programs have many keys to amortise each
+# K/V tile over (max_seq_len >= LARGE_MIN_SEQ_LEN and more than LARGE_MIN_ROWS
+# rows), else the small one (64 x 32, 4 warps), which keeps short prompts spread
+# over more programs. Measured on the H200 (2026-12-02, GPU time of CUDA-graph
+# replays, Llama-3-8B heads, bf16; .gpu sweeps quoted in docs/benchmarks.md):
+#   prefill 8 x 2048       large 0.789 ms (349 TFLOP/s)  small 0.860  (128 x 32: 0.838)
+#   4 x 512, context 3584  large 0.362 ms                small 0.436
+#   8 x 128, context 2048  large 107 us                  small 167
+#   16 x 96 / 16 x 512     large 25.7 / 172 us           small 16.3 / 154
+#   8 x 32, context 2048   large 102 us                  small 84
+# The "tune" grids of benchmarks/benchmark_attention.py time the alternatives.
 DECODE_MAX_ROWS = 64
+LARGE_MIN_ROWS = 128
+LARGE_MIN_SEQ_LEN = 1024
 DECODE_CONFIG = AttentionKernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
-PREFILL_CONFIG = AttentionKernelConfig(block_m=128, block_n=32, num_warps=4, num_stages=3)
+SMALL_PREFILL_CONFIG = AttentionKernelConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+PREFILL_CONFIG = AttentionKernelConfig(block_m=256, block_n=64, num_warps=8, num_stages=3)
 # fp32 (ieee dot, no tensor cores): smaller tiles and 8 warps keep it free of spills.
 DECODE_CONFIG_FP32 = AttentionKernelConfig(block_m=16, block_n=32, num_warps=8, num_stages=2)
 PREFILL_CONFIG_FP32 = AttentionKernelConfig(block_m=32, block_n=32, num_warps=8, num_stages=2)
@@ -108,7 +119,12 @@ def select_config(
         base = DECODE_CONFIG_FP32 if fp32 else DECODE_CONFIG
         block_m = max(base.block_m, triton.next_power_of_2(rows))
     else:
-        base = PREFILL_CONFIG_FP32 if fp32 else PREFILL_CONFIG
+        if fp32:
+            base = PREFILL_CONFIG_FP32
+        elif rows > LARGE_MIN_ROWS and max_seq_len >= LARGE_MIN_SEQ_LEN:
+            base = PREFILL_CONFIG
+        else:
+            base = SMALL_PREFILL_CONFIG
         block_m = max(base.block_m, group_pad)
     if head_pad(head_size) > 128:  # large heads: halve the tiles to stay in shared memory
         base = replace(base, block_n=max(16, base.block_n // 2))
@@ -165,26 +181,32 @@ def reachable_configs(
     has not been compiled for (issue 10: 0.5-1.2 s of TTFT per new class).
 
     Why enumerating this is exact: the tiles depend only on max_query_len x the
-    padded GQA group (each power of two up to DECODE_MAX_ROWS, then the prefill
-    tiles), so every max_query_len up to the first prefill one is tried. The
-    split count only falls as the grid (requests, tokens) grows and only rises
-    with max_seq_len, whose MIN_TOKENS_PER_SPLIT rule can stop the doubling at
-    any power of two; so for each tile the reachable splits are the powers of
-    two up to the count chosen for one request of that query length at
-    max_seq_len = max_model_len.
+    padded GQA group (each power of two up to DECODE_MAX_ROWS, then the small
+    prefill tile up to LARGE_MIN_ROWS, then the small or the large one by
+    whether max_seq_len reaches LARGE_MIN_SEQ_LEN), so every max_query_len up
+    to the first large-tile one is tried, at max_seq_len = max_model_len and
+    just below LARGE_MIN_SEQ_LEN. The split count only falls as the grid
+    (requests, tokens) grows and only rises with max_seq_len, whose
+    MIN_TOKENS_PER_SPLIT rule can stop the doubling at any power of two; so for
+    each tile the reachable splits are the powers of two up to the count chosen
+    for one request of that query length at the largest max_seq_len that
+    selects the tile.
 
     Args:
         max_num_tokens: the most tokens one step can schedule.
         max_model_len: the longest sequence (keys) a request can reach.
     """
     group_pad = triton.next_power_of_2(queries_per_kv)
-    top = min(DECODE_MAX_ROWS // group_pad + 1, max_num_tokens, max_model_len)
+    top = min(LARGE_MIN_ROWS // group_pad + 1, max_num_tokens, max_model_len)
+    seq_bounds = sorted({max_model_len, min(max_model_len, LARGE_MIN_SEQ_LEN - 1)})
     found: dict[AttentionKernelConfig, int] = {}
-    for query_len in range(1, top + 1):
+    for query_len, max_seq_len in itertools.product(range(1, top + 1), seq_bounds):
+        if query_len > max_seq_len:
+            continue
         cfg = select_config(
             num_tokens=query_len, num_reqs=1, num_kv_heads=num_kv_heads,
             queries_per_kv=queries_per_kv, head_size=head_size, max_query_len=query_len,
-            max_seq_len=max_model_len, dtype=dtype, sm_count=sm_count,
+            max_seq_len=max_seq_len, dtype=dtype, sm_count=sm_count,
         )
         splits = 1
         while splits <= cfg.num_splits:

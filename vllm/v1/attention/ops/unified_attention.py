@@ -130,27 +130,34 @@ def _attend_tiles(
         else:
             block_id = tl.load(block_row_ptr + logical_block).to(tl.int64)
         kv_off = block_id * stride_cb + (offs_n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-        k_ptrs = kv_cache_ptr + kv_off[None, :] + offs_d[:, None]  # [HEAD_PAD, BLOCK_N]
-        v_ptrs = kv_cache_ptr + stride_ckv + kv_off[:, None] + offs_d[None, :] # [BLOCK_N, HEAD_PAD]
+        # K and V share one [BLOCK_N, HEAD_PAD] address tensor (each row HEAD_SIZE
+        # contiguous elements); the QK^T dot takes K transposed.
+        kv_ptrs = kv_cache_ptr + kv_off[:, None] + offs_d[None, :]
         if MASKED:
-            k = tl.load(k_ptrs, mask=n_valid[None, :] & d_valid[:, None], other=0.0)
-            v = tl.load(v_ptrs, mask=n_valid[:, None] & d_valid[None, :], other=0.0)
+            kv_mask = n_valid[:, None] & d_valid[None, :]
+            k = tl.load(kv_ptrs, mask=kv_mask, other=0.0)
+            v = tl.load(kv_ptrs + stride_ckv, mask=kv_mask, other=0.0)
         elif HEAD_PAD == HEAD_SIZE:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
+            k = tl.load(kv_ptrs)
+            v = tl.load(kv_ptrs + stride_ckv)
         else:
-            k = tl.load(k_ptrs, mask=d_valid[:, None], other=0.0)
-            v = tl.load(v_ptrs, mask=d_valid[None, :], other=0.0)
+            k = tl.load(kv_ptrs, mask=d_valid[None, :], other=0.0)
+            v = tl.load(kv_ptrs + stride_ckv, mask=d_valid[None, :], other=0.0)
         if FP32_IEEE:  # fp32 inputs: exact products, not TF32
-            s = tl.dot(q, k, input_precision="ieee") * scale_log2
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
-            s = tl.dot(q, k) * scale_log2
+            s = tl.dot(q, tl.trans(k))
         if MASKED:
             causal = (offs_n[None, :] < key_limit[:, None]) & n_valid[None, :]
             s = tl.where(causal, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
-        p = tl.exp2(s - m_use[:, None])
+        # The softmax scale is folded into the max and the exponent (scale > 0), so
+        # the scores are scaled inside one multiply-add rather than a pass of their own.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2)
+        if MASKED:
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
+        else:
+            m_use = m_new  # an unmasked tile gives every row a finite score
+        p = tl.exp2(s * scale_log2 - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if FP32_IEEE:
