@@ -280,9 +280,20 @@ def test_cuda_probe_passes_with_a_driver_and_leaves_no_context(fake_cuda, monkey
     assert names.count("cuDevicePrimaryCtxRetain") == names.count("cuDevicePrimaryCtxRelease") == 1
     assert names.index("cuDevicePrimaryCtxRetain") < names.index("cuDevicePrimaryCtxRelease")
     assert int(fake_cuda.current_ctx) == 0
+    # A second probe (the offline LLM probes in its config and again in its worker)
+    # retains and releases once more: never a release without its retain.
+    assert driver.probe() is None
+    names = fake_cuda.names()
+    assert names.count("cuDevicePrimaryCtxRetain") == names.count("cuDevicePrimaryCtxRelease") == 2
     # The driver still works afterwards: its next use retains the context again.
     driver.reserve(2 * MiB)
-    assert fake_cuda.names().count("cuDevicePrimaryCtxRetain") == 2
+    assert fake_cuda.names().count("cuDevicePrimaryCtxRetain") == 3
+    assert int(fake_cuda.current_ctx) == 0x5000
+    # A probe of a driver in use (another engine of this process) releases nothing.
+    assert driver.probe() is None
+    names = fake_cuda.names()
+    counts = names.count("cuDevicePrimaryCtxRetain"), names.count("cuDevicePrimaryCtxRelease")
+    assert counts == (3, 2)
     assert int(fake_cuda.current_ctx) == 0x5000
 
 

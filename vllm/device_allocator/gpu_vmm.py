@@ -156,15 +156,23 @@ class CudaVmmDriver(_BindingDriver):
                 f"CUDA device {index} does not support virtual memory management "
                 "(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0)"
             )
+        if self._prop is not None:  # in use: it holds its context; query without touching it
+            _ = self.granularity
+            return None
         err, previous = drv.cuCtxGetCurrent()
         if not _is_success(err):
             return f"cuCtxGetCurrent failed with {_error_name(err)}"
+        self._granularity = None  # query afresh: the retain below is what gets released
         _ = self.granularity  # retains the primary context and checks the granularity query
         # Leave no context behind. The probe runs where the config is built, in
         # `vllm serve` the API server, which uses no device: the context it
         # retained held 0.5 GiB there, and the engine core took the API server
         # for another process on the device (H200, issue 10). Where torch's
         # runtime holds the primary context too, this only drops our reference.
+        # Only the reference retained here is released: releasing one more (a
+        # second probe of a driver whose granularity was cached, the H200 run of
+        # 2026-12-02) destroyed torch's context in the offline LLM's process, and
+        # its pinned host buffers with it (a segfault at the next step).
         drv.cuCtxSetCurrent(previous)
         drv.cuDevicePrimaryCtxRelease(dev)
         self._prop = self._access = self._ctx = None  # the next use retains it again
