@@ -44,7 +44,7 @@ class AttentionKernelConfig:
 # K/V tile over (max_seq_len >= LARGE_MIN_SEQ_LEN and more than LARGE_MIN_ROWS
 # rows), else the small one (64 x 32, 4 warps), which keeps short prompts spread
 # over more programs. Measured on the H200 (2026-12-02, GPU time of CUDA-graph
-# replays, Llama-3-8B heads, bf16; .gpu sweeps quoted in docs/benchmarks.md):
+# replays, Llama-3-8B heads, bf16; the sweep is quoted in docs/benchmarks.md):
 #   prefill 8 x 2048       large 0.789 ms (349 TFLOP/s)  small 0.860  (128 x 32: 0.838)
 #   4 x 512, context 3584  large 0.362 ms                small 0.436
 #   8 x 128, context 2048  large 107 us                  small 167
