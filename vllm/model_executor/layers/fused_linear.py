@@ -20,18 +20,23 @@ Both take the fused kernel only when it pays and is exact in structure:
   * the norm weight in the activations' dtype (no promotion).
 Otherwise the two modules run one after the other, as before.
 
-**Off by default** (`FUSED_LINEAR_MAX_TOKENS = 0`): on the H200 (2026-12-02,
-`benchmarks/benchmark_throughput.py --shapes llama3_8b smollm2 --batch-sizes 1 32`)
-the SmolLM2-135M shape's batch-1 decode step took 5.65 ms with it (5.06 ms
-with async scheduling) against 1.33 ms measured before the fusion landed,
-while the same engine's batch-32 step, which is above the row limit and so
-unfused, took 2.61 ms; the Llama-3-8B shape, whose weights are all above the
-size limit, was unchanged (5.38 ms against 5.19 ms). The slow case is exactly
-the one this fusion covers (small weights, <= 16 rows); it stays off until
-`benchmarks/benchmark_decode_kernels.py` (not yet run on the GPU) shows its
-graph replay beating the unfused one. Setting
+**Off by default** (`FUSED_LINEAR_MAX_TOKENS = 0`): it does not pay on the
+H200. Engine step (2026-12-02, `benchmarks/benchmark_throughput.py`): the
+SmolLM2-135M shape's batch-1 decode step took 5.65 ms with it against 1.33 ms
+without. Graph replay of the forward (2026-12-03,
+`benchmarks/benchmark_decode_kernels.py --shapes smollm2 llama3_8b
+--batch-sizes 1 32`): SmolLM2 batch 1 4.99 ms fused (214 kernels) against
+0.97 ms (304 kernels); batch 32 and the Llama-3-8B shape (above the row or
+weight limit, so unfused either way) equal. Per launch inside a CUDA graph,
+weights read from HBM (2026-12-03; SmolLM2 shapes, one row): qkv cuBLAS
+3.70 us + norm 1.35 us against 5.02 us fused; gate_up 4.10 + 1.54 against
+6.94; down 5.11 + SiLU 2.11 against 140.7. A rewrite (the K loop unrolled,
+weight tiles read along K, one row unpadded), tried over 18 tile / warp
+configurations, was no better except for down (best 6.26, 6.69, 8.86 us), so
+it did not land. A Triton GEMV here is 1-3 us slower than cuBLAS's, more than
+the launch it saves. Setting
 `FUSED_LINEAR_MAX_TOKENS = MAX_ROWS` (16) turns it on;
-that benchmark does for its "fused" variant.
+`benchmark_decode_kernels.py` does for its "fused" variant.
 """
 
 from __future__ import annotations

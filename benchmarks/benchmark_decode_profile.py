@@ -1,0 +1,159 @@
+"""Where a steady decode step's time goes: GPU kernels, GPU idle, host calls (CUDA).
+
+Measure phases before optimizing (issue 10). An offline `LLM` (random
+weights, bf16) holds `batch` requests in steady decode; after 10 steps it
+times 60 engine steps without a profiler (`step_ms_median`, `step_ms_min`),
+then runs `--steps` steps under torch.profiler (CUPTI records the kernels
+inside the CUDA-graph replay as well) and reports, per step:
+
+  kernels_per_step       CUDA kernels and memcpys (in and out of the graph)
+  gpu_busy_ms_per_step   the union of their intervals: the device's own time
+  gpu_busy_over_step     gpu_busy / step_ms_median: 1.0 = device-bound; below
+                         it, the rest of the step is host work the device waits for
+  kernels                by name: us per step, calls per step, mean us
+  host_calls             the host functions with the most self time per step
+                         (cudaGraphLaunch, cudaMemcpyAsync, aten ops; inflated
+                         by the profiler itself, so read them as ranks)
+
+    python benchmarks/benchmark_decode_profile.py --shape smollm2 --batch-sizes 1 32 \
+        --out results/decode_profile.json
+
+`--scheduling sync` profiles the synchronous loop, `--fused-linear` switches on
+the norm / SiLU projection fusion (`layers/fused_linear.py`, off by default);
+`--trace-dir D` also writes a Chrome trace per configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import statistics
+import time
+from pathlib import Path
+
+from common import emit, model_dir_for
+
+SCHEDULING = {"default": None, "sync": False, "async": True}
+
+
+def _busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals (microseconds)."""
+    busy, cur_start, cur_end = 0.0, None, None
+    for start, end in sorted(intervals):
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        busy += cur_end - cur_start
+    return busy
+
+
+def profile_config(shape: str, batch: int, scheduling: str, fused_linear: bool, steps: int,
+                   max_model_len: int, trace_dir: str | None) -> dict:
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from vllm import LLM, SamplingParams
+    from vllm.benchmarks.timing import random_token_prompts
+    from vllm.model_executor.layers import fused_linear as fl
+    from vllm.model_executor.layers.ops.norm_linear import MAX_ROWS
+
+    saved = fl.FUSED_LINEAR_MAX_TOKENS
+    fl.FUSED_LINEAR_MAX_TOKENS = MAX_ROWS if fused_linear else saved
+    try:
+        llm = LLM(model_dir_for(shape), load_format="dummy", dtype="bfloat16",
+                  max_model_len=max_model_len, max_num_seqs=max(batch, 1),
+                  async_scheduling=SCHEDULING[scheduling])
+        engine = llm.llm_engine
+        vocab = engine.vllm_config.model_config.get_vocab_size()
+        prompt_len = 64
+        llm.generate(random_token_prompts(batch, prompt_len, vocab, 1),
+                     SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
+                     use_tqdm=False)
+        # Long enough that no request finishes while measured.
+        params = SamplingParams(max_tokens=max_model_len - prompt_len, temperature=0,
+                                ignore_eos=True)
+        for i, prompt in enumerate(random_token_prompts(batch, prompt_len, vocab, 2)):
+            engine.add_request(f"profiled-{i}", prompt, params)
+        for _ in range(10):
+            engine.step()
+        times = []
+        for _ in range(60):
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+            torch.cuda.synchronize()
+        async_on = engine.vllm_config.scheduler_config.async_scheduling
+        engine.shutdown()
+        del llm, engine
+    finally:
+        fl.FUSED_LINEAR_MAX_TOKENS = saved
+    gc.collect()
+    torch.cuda.empty_cache()
+
+    events = prof.events()
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    by_name = collections.defaultdict(list)
+    for e in kernels:
+        by_name[e.name[:100]].append(e.time_range.end - e.time_range.start)
+    rows = sorted(by_name.items(), key=lambda item: -sum(item[1]))
+    host = sorted((r for r in prof.key_averages() if r.device_type == DeviceType.CPU),
+                  key=lambda r: -r.self_cpu_time_total)[:20]
+    step_ms = 1e3 * statistics.median(times)
+    busy_ms = _busy_us([(e.time_range.start, e.time_range.end) for e in kernels]) / steps / 1e3
+    if trace_dir:
+        Path(trace_dir).mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(Path(trace_dir) / f"decode_{shape}_b{batch}_{scheduling}"
+                                     f"{'_fused' if fused_linear else ''}.json"))
+    return {
+        "shape": shape, "batch": batch, "async_scheduling": async_on,
+        "fused_linear": fused_linear,
+        "step_ms_median": step_ms, "step_ms_min": 1e3 * min(times),
+        "kernels_per_step": len(kernels) / steps,
+        "gpu_busy_ms_per_step": busy_ms,
+        "gpu_busy_over_step": busy_ms / step_ms,
+        "kernels": [{"name": name, "us_per_step": round(sum(d) / steps, 2),
+                     "calls_per_step": round(len(d) / steps, 2),
+                     "mean_us": round(statistics.mean(d), 2)} for name, d in rows[:30]],
+        "host_calls": [{"name": r.key[:80],
+                        "self_us_per_step": round(r.self_cpu_time_total / steps, 1),
+                        "calls_per_step": round(r.count / steps, 2)} for r in host],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="smollm2", choices=["smollm2", "llama3_8b"])
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 32])
+    parser.add_argument("--scheduling", nargs="+", choices=list(SCHEDULING), default=["default"])
+    parser.add_argument("--fused-linear", action="store_true",
+                        help="switch on the norm / SiLU projection fusion (off by default)")
+    parser.add_argument("--steps", type=int, default=30, help="profiled steps per configuration")
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--trace-dir", default=None)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmark_decode_profile needs a CUDA GPU; nothing measured")
+    emit({
+        "device": torch.cuda.get_device_name(),
+        "results": [profile_config(args.shape, b, s, args.fused_linear, args.steps,
+                                   args.max_model_len, args.trace_dir)
+                    for s in args.scheduling for b in args.batch_sizes],
+    }, args.out)
+
+
+if __name__ == "__main__":
+    main()
