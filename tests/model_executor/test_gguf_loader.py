@@ -86,3 +86,23 @@ def test_unknown_tensor_is_named(tmp_path):
 def test_missing_gguf_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.gguf"):
         get_model(str(tmp_path / "nope.gguf"), make_hf_model("llama").config, torch.float32, "cpu")
+
+
+def test_reader_is_a_plain_view_of_the_same_fields_and_tensors(tmp_path):
+    """The loader's reader (a plain ndarray over the map, for start-up speed) reads exactly
+    what `gguf.GGUFReader` reads: every field's parts and every tensor's bytes."""
+    from vllm.model_executor.model_loader.gguf_loader import _GGUFReader
+
+    path = tmp_path / "model.gguf"
+    write_gguf(path, make_hf_model("qwen2"), "qwen2")
+    ours, theirs = _GGUFReader(path), gguf.GGUFReader(path)
+    assert type(ours.data) is np.ndarray and isinstance(theirs.data, np.memmap)
+    assert list(ours.fields) == list(theirs.fields)
+    for name, field in theirs.fields.items():
+        got = ours.fields[name]
+        assert got.types == field.types and len(got.parts) == len(field.parts), name
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(got.parts, field.parts, strict=True))
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+        assert a.tensor_type == b.tensor_type and a.data.tobytes() == b.data.tobytes(), a.name
+        assert type(a.data) is np.ndarray
