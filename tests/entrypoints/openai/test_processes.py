@@ -174,8 +174,20 @@ print(response.status_code, json.dumps(response.json()["error"]["message"][:200]
 """
 
 
+# What the CPU schedule and the body's own parse may add to one gap (see below).
+BIG_PROMPT_SLACK_S = 0.25
+
+
 def test_big_prompt_does_not_stall_a_running_stream(server):
-    """Inter-token gaps while another client posts a 10 MB prompt stay within 2x the median.
+    """Inter-token gaps while another client posts a 10 MB prompt stay within 2x the median
+    plus `BIG_PROMPT_SLACK_S`.
+
+    Receiving and parsing the body holds the event loop ~35 ms on this 2-core host
+    (Starlette joins the chunks, json.loads decodes 10 MB), and four busy processes
+    share the two cores (engine core, server, this test, the poster), so a gap of
+    2x the median alone failed on HEAD in 4 of 4 runs (107-162 ms against a 45 ms
+    median, 2026-12-03). A stall this test exists to catch is tokenizing or
+    validating the 10 MB on the loop: seconds.
 
     On the session's one-rank server (conftest.py): its engine core runs in a
     process of its own like every server's. The other client is a process of its
@@ -224,7 +236,7 @@ def test_big_prompt_does_not_stall_a_running_stream(server):
     during = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)
               if b >= posted["start"] and a <= posted["end"]]
     assert during, "no token arrived while the 10 MB request was in flight"
-    assert max(during) <= 2 * median, (
+    assert max(during) <= 2 * median + BIG_PROMPT_SLACK_S, (
         f"a gap of {max(during) * 1e3:.0f} ms while the 10 MB prompt was handled; "
         f"median {median * 1e3:.0f} ms"
     )
