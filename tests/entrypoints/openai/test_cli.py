@@ -172,10 +172,23 @@ CONFIG_ERRORS = [
 ]
 
 
+def _processes_marked(marker: str) -> list[int]:
+    """Pids of the live processes whose environment carries VLLM_TEST_MARKER=marker."""
+    left = []
+    for process in psutil.process_iter(["pid"]):
+        with contextlib.suppress(psutil.Error):
+            if process.environ().get("VLLM_TEST_MARKER") == marker:
+                left.append(process.pid)
+    return left
+
+
 def test_config_errors_are_one_line_and_exit_2():
-    """No traceback: `vllm serve: error: <message>` on stderr, exit 2 (run in parallel)."""
+    """No traceback: `vllm serve: error: <message>` on stderr, exit 2 (run in parallel),
+    and the engine core process started before the config was built is gone too."""
+    marker = f"vllm-config-error-{os.getpid()}"
+    env = {**os.environ, "VLLM_TEST_MARKER": marker}
     procs = [subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve",
-                               *args, "--port", "0"], cwd=REPO_ROOT, text=True,
+                               *args, "--port", "0"], cwd=REPO_ROOT, text=True, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
              for args, _ in CONFIG_ERRORS]
     for proc, (args, message) in zip(procs, CONFIG_ERRORS, strict=True):
@@ -185,6 +198,7 @@ def test_config_errors_are_one_line_and_exit_2():
         errors = [line for line in stderr.splitlines() if line.startswith("vllm serve: error:")]
         assert len(errors) == 1 and errors[0].startswith(f"vllm serve: error: {message}"), stderr
         assert stderr.rstrip("\n").endswith(errors[0]), stderr
+    assert not _processes_marked(marker), "processes left behind"
 
 
 # Refused by the engine while it starts (in its own process, after the model loaded).
@@ -213,11 +227,7 @@ def test_engine_start_up_refusals_are_one_line_and_leave_no_process():
         assert "Traceback" not in stdout + stderr, stdout + stderr
         last = stderr.rstrip("\n").splitlines()[-1]
         assert last.startswith(f"vllm serve: error: {message}"), stderr
-    left = []
-    for process in psutil.process_iter(["pid"]):
-        with contextlib.suppress(psutil.Error):
-            if process.environ().get("VLLM_TEST_MARKER") == marker:
-                left.append(process.pid)
+    left = _processes_marked(marker)
     assert not left, f"processes left behind: {left}"
 
 

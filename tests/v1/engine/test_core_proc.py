@@ -1,11 +1,13 @@
-"""The engine core process's start-up: the frontend counts as this engine, and a busy
-device is one log line (the frontend prints it; no traceback in the log)."""
+"""The engine core process's start-up: the frontend counts as this engine, a busy
+device is one log line (the frontend prints it; no traceback in the log), and a
+process started before its configuration (`core_launcher`) waits for it."""
 
 from __future__ import annotations
 
 import logging
 import os
 from multiprocessing import Pipe
+from types import SimpleNamespace
 
 import pytest
 
@@ -17,8 +19,16 @@ MESSAGE = ("another process holds memory on cuda:0 (pid 4242 trainer (3.0 GiB)) 
            "--gpu-memory-utilization was left to its default 1.0")
 
 
+@pytest.fixture
+def quiet_entry(monkeypatch):
+    """The entry point's process-wide side effects, kept out of the test process."""
+    monkeypatch.setattr(core_proc.signal, "signal", lambda *args: None)
+    monkeypatch.setattr(core_proc, "_exit_with_parent", lambda pid: None)
+    monkeypatch.setattr("vllm.logger.set_process_label", lambda label: None)
+
+
 def test_a_busy_device_fails_start_up_in_one_line_with_the_frontend_as_this_engine(
-        monkeypatch, caplog):
+        monkeypatch, caplog, quiet_entry):
     frontend_pid = os.getpid() + 100000  # any pid: only its registration is checked
     seen: list[frozenset[int]] = []
 
@@ -28,13 +38,9 @@ def test_a_busy_device_fails_start_up_in_one_line_with_the_frontend_as_this_engi
 
     monkeypatch.setattr(core_proc, "EngineCoreProc", busy_core)
     monkeypatch.setattr(current_platform, "_engine_pids", set())  # restored afterwards
-    # The process-wide side effects of the entry point, kept out of the test process.
-    monkeypatch.setattr(core_proc.signal, "signal", lambda *args: None)
-    monkeypatch.setattr(core_proc, "_exit_with_parent", lambda pid: None)
-    monkeypatch.setattr("vllm.logger.set_process_label", lambda label: None)
     parent, child = Pipe()
     with caplog.at_level(logging.ERROR, logger="vllm"), pytest.raises(SystemExit) as info:
-        core_proc.run_engine_core(None, "", "", child, frontend_pid)
+        core_proc.run_engine_core(SimpleNamespace(), "", "", child, frontend_pid)
     assert info.value.code == 1
     assert seen and frontend_pid in seen[0]
     kind, failure = parent.recv()
@@ -42,3 +48,30 @@ def test_a_busy_device_fails_start_up_in_one_line_with_the_frontend_as_this_engi
     records = [r for r in caplog.records if "start-up failed" in r.getMessage()]
     assert len(records) == 1 and records[0].exc_info is None, records
     assert records[0].getMessage() == f"engine core start-up failed: {MESSAGE}"
+
+
+def test_a_prestarted_process_builds_from_the_config_it_is_sent(monkeypatch, quiet_entry):
+    built = []
+
+    def core(config, *addresses):
+        built.append((config, addresses))
+        raise DeviceBusyError(MESSAGE)  # stop right after the build starts
+
+    monkeypatch.setattr(core_proc, "EngineCoreProc", core)
+    monkeypatch.setattr(current_platform, "_engine_pids", set())
+    config_recv, config_send = Pipe(duplex=False)
+    _, status = Pipe()
+    config = SimpleNamespace(name="the config")
+    config_send.send(config)
+    with pytest.raises(SystemExit):
+        core_proc.run_engine_core(None, "in", "out", status, os.getpid(), config_recv)
+    assert built == [(config, ("in", "out"))]
+    assert config_recv.closed
+
+
+def test_a_prestarted_process_whose_frontend_gives_up_exits_quietly(monkeypatch, quiet_entry):
+    monkeypatch.setattr(core_proc, "EngineCoreProc", lambda *a: pytest.fail("built"))
+    config_recv, config_send = Pipe(duplex=False)
+    _, status = Pipe()
+    config_send.close()  # the frontend failed before it had a configuration
+    assert core_proc.run_engine_core(None, "in", "out", status, os.getpid(), config_recv) is None

@@ -130,6 +130,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except OSError as e:  # the port (its message names it), or an unreadable template file
         where = f" ({e.filename})" if e.filename else ""
         return _usage_error("serve", f"{e.strerror or e}{where}")
+    # The engine core process imports torch and the engine (seconds) while this
+    # one imports the server and builds the configuration; it gets that config
+    # when the engine client starts, or is stopped if building it fails.
+    from vllm.v1.engine.core_launcher import (
+        cancel_prestarted_engine_core,
+        prestart_engine_core,
+    )
+
+    prestart_engine_core()
     try:
         from vllm.entrypoints.openai.api_server import build_engine_config, run_server
 
@@ -146,6 +155,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             print(f"vllm serve: error: {' '.join(str(e).split())}", file=sys.stderr)
             return e.exit_code
     finally:
+        cancel_prestarted_engine_core()
         sock.close()
 
 

@@ -27,16 +27,15 @@ import itertools
 import multiprocessing
 import os
 import pickle
-import tempfile
 import threading
-import uuid
 import weakref
 from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
-from vllm.v1.engine.core_proc import EngineCoreOutputs, run_engine_core
+from vllm.v1.engine.core_launcher import take_launcher
+from vllm.v1.engine.core_proc import EngineCoreOutputs
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.executor.multiproc_executor import describe_exit, reap
 
@@ -89,30 +88,22 @@ class MPEngineCoreClient:
         self._lock = threading.Lock()
         self._reap_lock = threading.Lock()  # see multiproc_executor.reap
         self._closing = False
-        base = os.path.join(tempfile.gettempdir(), f"vllm-core-{uuid.uuid4().hex[:12]}")
-        self._paths = [f"{base}-in", f"{base}-out"]
-        self._input = self._zmq.socket(zmq.PUSH)
-        self._input.bind(f"ipc://{self._paths[0]}")
-        self._output = self._zmq.socket(zmq.PULL)
-        self._output.bind(f"ipc://{self._paths[1]}")
-        context = multiprocessing.get_context("spawn")
-        self._status, child_status = context.Pipe(duplex=False)
-        self.process = context.Process(
-            target=run_engine_core,
-            name="EngineCore",
-            args=(vllm_config, f"ipc://{self._paths[0]}", f"ipc://{self._paths[1]}",
-                  child_status, os.getpid()),
-            daemon=False,  # it starts the worker processes itself
-        )
-        self.process.start()
-        logger.info("Started the engine core process (pid %d); it loads the model, profiles "
-                    "and warms up before serving ...", self.process.pid)
-        child_status.close()
+        launcher = take_launcher()
+        self.process, self._status, self._paths = launcher.process, launcher.status, launcher.paths
         self._stop_state = {"asked": False}
         self._finalizer = weakref.finalize(
             self, _stop_process, self.process, self._reap_lock, self._paths, self._stop_state
         )
+        self._input = self._zmq.socket(zmq.PUSH)
+        self._output = self._zmq.socket(zmq.PULL)
         try:
+            self._input.bind(launcher.addresses[0])
+            self._output.bind(launcher.addresses[1])
+            # A process that died meanwhile makes this fail: _wait_ready says how it ended.
+            with contextlib.suppress(OSError):
+                launcher.send_config(vllm_config)
+            logger.info("Started the engine core process (pid %d); it loads the model, "
+                        "profiles and warms up before serving ...", self.process.pid)
             info = self._wait_ready()
         except BaseException:
             self.shutdown()

@@ -306,21 +306,48 @@ class EngineCoreProc:
 
 
 # --------------------------------------------------------------- process entry
+# What an engine core imports before it can build anything (~3 s on a 2-core
+# host); a process started ahead of its configuration imports them while the
+# frontend is still building that configuration.
+_PRELOAD_MODULES = ("torch", "vllm.config", "vllm.v1.engine.core", "vllm.v1.worker.gpu_worker",
+                    "vllm.model_executor.model_loader")
+
+
 def run_engine_core(
-    vllm_config: VllmConfig,
+    vllm_config: VllmConfig | None,
     input_address: str,
     output_address: str,
     status: Connection,
     parent_pid: int,
+    config_pipe: Connection | None = None,
 ) -> None:
-    """The engine core process: build the core, report ready (or why not), serve."""
+    """The engine core process: build the core, report ready (or why not), serve.
+
+    With `vllm_config` None the process was started before the frontend had
+    a configuration (`core_client.EngineCoreLauncher`): it imports the
+    engine's modules, then waits for the configuration on `config_pipe`, and
+    exits quietly (status 0) if the frontend closes the pipe instead.
+    """
     from vllm.logger import set_process_label
-    from vllm.platforms import current_platform
 
     set_process_label(f"engine core pid {os.getpid()}")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _raise_system_exit)
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    if vllm_config is None:
+        import importlib
+
+        for name in _PRELOAD_MODULES:
+            importlib.import_module(name)
+        try:
+            vllm_config = config_pipe.recv()
+        except (EOFError, OSError):
+            return  # the frontend stopped before it had a configuration to send
+        finally:
+            config_pipe.close()
+
+    from vllm.platforms import current_platform
+
     # The frontend is this engine, not another process sharing the device: a
     # CUDA context it holds must not make the worker refuse to start.
     current_platform.register_engine_pid(parent_pid)
