@@ -18,7 +18,9 @@ measured device copy bandwidth.
 `--scheduling sync async` runs every shape twice, without and with async
 scheduling (the engine's default is async on CUDA), and reports the decode
 step of each and `async_step_speedup` (sync step / async step). `ours` is the
-first mode's result.
+first mode's result. `--gemv on off` likewise runs each mode with the one-row
+Triton GEMV (`layers/linear.py`, the default) and with cuBLAS for every
+projection, reported under `by_gemv`.
 
 Targets on the H200 (issues 4 and 10): >= 10x the peer at batch 32 for both
 shapes; 8B decode >= 0.85 of the limit at batch 1, >= 0.80 at batch 32.
@@ -172,10 +174,15 @@ def main() -> None:
     parser.add_argument("--scheduling", nargs="+", choices=list(SCHEDULING), default=["default"],
                         help="engine runs per shape: the default, sync (--no-async-scheduling) "
                              "and/or async (--async-scheduling)")
+    parser.add_argument("--gemv", nargs="+", choices=["on", "off"], default=["on"],
+                        help="one-row projections through the Triton GEMV (on, the engine's "
+                             "default) and/or cuBLAS (off); one engine run each")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
     import torch
+
+    from vllm.model_executor.layers import linear
 
     if not torch.cuda.is_available():
         raise SystemExit("benchmark_throughput needs a CUDA GPU")
@@ -189,13 +196,24 @@ def main() -> None:
     }
     for shape in args.shapes:
         model_dir = model_dir_for(shape)
-        runs = {
-            mode: bench_ours(model_dir, args.batch_sizes, args.input_len, args.output_len,
-                             SCHEDULING[mode])
-            for mode in args.scheduling
-        }
+        default_rows = linear.GEMV_MAX_ROWS
+        by_gemv = {}
+        for gemv in args.gemv:
+            linear.GEMV_MAX_ROWS = default_rows if gemv == "on" else 0
+            by_gemv[gemv] = {
+                mode: bench_ours(model_dir, args.batch_sizes, args.input_len, args.output_len,
+                                 SCHEDULING[mode])
+                for mode in args.scheduling
+            }
+        linear.GEMV_MAX_ROWS = default_rows
+        runs = by_gemv[args.gemv[0]]
         ours = runs[args.scheduling[0]]
         entry = {"ours": ours}
+        if len(by_gemv) > 1:
+            entry["by_gemv"] = {
+                g: {m: _summary(r, bandwidth, args) for m, r in mode_runs.items()}
+                for g, mode_runs in by_gemv.items()
+            }
         if len(runs) > 1:
             entry["by_scheduling"] = {m: _summary(r, bandwidth, args) for m, r in runs.items()}
         if "sync" in runs and "async" in runs:

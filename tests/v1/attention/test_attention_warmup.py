@@ -118,10 +118,10 @@ def _our_kernels() -> list:
     """Every Triton kernel the engine launches (the modules' @triton.jit functions)."""
     from triton.runtime.jit import JITFunction
 
-    from vllm.model_executor.layers.ops import activation, rms_norm, rotary
+    from vllm.model_executor.layers.ops import activation, gemv, rms_norm, rotary
     from vllm.v1.attention.ops import reshape_and_cache, unified_attention
 
-    modules = (activation, rms_norm, rotary, reshape_and_cache, unified_attention)
+    modules = (activation, gemv, rms_norm, rotary, reshape_and_cache, unified_attention)
     return [v for m in modules for v in vars(m).values() if isinstance(v, JITFunction)]
 
 

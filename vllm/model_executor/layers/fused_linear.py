@@ -33,8 +33,11 @@ weights read from HBM (2026-12-03; SmolLM2 shapes, one row): qkv cuBLAS
 6.94; down 5.11 + SiLU 2.11 against 140.7. A rewrite (the K loop unrolled,
 weight tiles read along K, one row unpadded), tried over 18 tile / warp
 configurations, was no better except for down (best 6.26, 6.69, 8.86 us), so
-it did not land. A Triton GEMV here is 1-3 us slower than cuBLAS's, more than
-the launch it saves. Setting
+it did not land: these fused kernels (16-column tl.dot tiles) are 1-3 us
+slower than cuBLAS, more than the launch they save. A plain one-row GEMV with
+8-column tiles and 8 warps is faster than cuBLAS (2.3-3.4 against 3.6-5.1 us,
+`ops/gemv.py`); the engine uses that one for batch-1 projections
+(`linear.py`), with the norm and SiLU still launched apart. Setting
 `FUSED_LINEAR_MAX_TOKENS = MAX_ROWS` (16) turns it on;
 `benchmark_decode_kernels.py` does for its "fused" variant.
 """

@@ -14,6 +14,16 @@ parallelism needs no change to checkpoints or to the models' `load_weights`.
 `forward` returns the output tensor only (vLLM's layers return an
 `(output, bias)` pair; nothing here defers the bias, so the pair would only
 add noise).
+
+Every projection goes through `linear_forward`: cuBLAS (`F.linear`), except a
+single row on CUDA (a batch-1 decode step), which takes the Triton GEMV of
+`ops/gemv.py`. cuBLAS tiles one row 64-128 output columns per CTA and leaves
+SMs idle where N is small: on the H200 (2026-12-03, `benchmarks/benchmark_gemv.py`,
+one launch in a CUDA graph, weight from HBM) Llama-3-8B's qkv took 17.1 us with
+cuBLAS and 15.4 with the GEMV, o_proj 12.8 / 10.9, down 32.5 / 30.8, and
+SmolLM2-135M's four projections 3.6-5.1 us / 2.3-3.4. From two rows on the
+GEMV's tl.dot tiles lose to cuBLAS (8 rows: qkv 16.6 vs 23.6 us), so
+`GEMV_MAX_ROWS` is 1 (0 turns it off).
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm.model_executor.layers.ops import use_fused_ops
 from vllm.model_executor.layers.tensor_parallel import (
     all_gather,
     all_reduce,
@@ -35,6 +46,30 @@ from vllm.model_executor.layers.weight_utils import (
     default_weight_loader,
     narrow_to_rank,
 )
+
+GEMV_MAX_ROWS = 1  # rows up to which CUDA projections take ops/gemv.py (0: always cuBLAS)
+
+
+def linear_forward(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ weight^T (+ bias): x [T, in] (or [..., in]), weight [out, in] -> [T, out].
+
+    The Triton GEMV for 2-D CUDA inputs of at most `GEMV_MAX_ROWS` rows in the
+    weight's dtype with a contiguous last dim; `F.linear` otherwise.
+    """
+    if (
+        x.dim() == 2
+        and 0 < x.shape[0] <= GEMV_MAX_ROWS
+        and x.stride(-1) == 1
+        and x.dtype == weight.dtype
+        and (bias is None or bias.dtype == x.dtype)
+        and use_fused_ops(x)
+    ):
+        from vllm.model_executor.layers.ops.gemv import gemv
+
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 class LinearBase(nn.Module):
@@ -123,7 +158,7 @@ class ColumnParallelLinear(LinearBase):
             param.copy_(shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = linear_forward(x, self.weight, self.bias)
         return all_gather(y, self.tp_size, dim=-1) if self.gather_output else y
 
 
@@ -318,8 +353,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = F.linear(x, self.weight)
+            return linear_forward(x, self.weight, self.bias)
+        y = linear_forward(x, self.weight)
         if self.reduce_results:
             y = all_reduce(y, self.tp_size)
         return y if self.bias is None else y + self.bias

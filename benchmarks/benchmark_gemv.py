@@ -1,0 +1,92 @@
+"""Skinny projections: the Triton GEMV (`layers/ops/gemv.py`) against cuBLAS, per launch (CUDA).
+
+For each projection shape of the Llama-3-8B and SmolLM2-135M models and each
+row count (1, 8, 16), times one launch inside a CUDA graph with the weight read
+from HBM (the graph cycles through enough copies of it, >= 160 MiB, that L2
+holds none), for `F.linear` (cuBLAS) and for the GEMV at its default tile and
+at every tile of a sweep. Prints the best tile per case and, for each time,
+the weight bytes over it as a fraction of the device's copy bandwidth measured
+in the same run (`frac_of_copy_bw`: 1.0 is the physical limit).
+
+    python benchmarks/benchmark_gemv.py --out results/gemv.json
+    python benchmarks/benchmark_gemv.py --no-sweep          # default tile vs cuBLAS only
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+from benchmark_decode_primitives import PROJECTIONS, _weights, graph_us
+from common import copy_bandwidth_bytes_per_s, emit
+
+SWEEP = {
+    "block_n": (8, 16, 32, 64),
+    "block_k": (256, 512, 1024, 2048),
+    "num_warps": (4, 8),
+    "num_stages": (1, 3),
+}
+
+
+def _case(name: str, k: int, n: int, rows: tuple[int, ...], sweep: bool, bw: float) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from vllm.model_executor.layers.ops.gemv import GemvConfig, default_config, gemv
+
+    ws = _weights(n, k)
+    frac = lambda us: round(n * k * 2 / (us * 1e-6) / bw, 3)
+    out = {"copies": len(ws)}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for m in rows:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        ref = F.linear(x, ws[0]).float()
+        cublas = graph_us([lambda w=w, x=x: F.linear(x, w) for w in ws])
+        cfg = default_config(m, n, k, sms)
+        err = (gemv(x, ws[0], config=cfg).float() - ref).abs().max().item()
+        dflt = graph_us([lambda w=w, x=x, c=cfg: gemv(x, w, config=c) for w in ws])
+        row = {"cublas_us": cublas, "cublas_frac": frac(cublas),
+               "default": {**cfg.__dict__, "us": dflt, "frac": frac(dflt)},
+               "max_abs_diff_vs_cublas": err}
+        if sweep:
+            best = None
+            for bn, bk, nw, ns in itertools.product(*SWEEP.values()):
+                if bk > 16384 // bn * 4 or (m > 1 and bn < 16):
+                    continue  # register-spilling tiles; tl.dot needs N >= 16
+                c = GemvConfig(bn, bk, nw, ns)
+                try:
+                    us = graph_us([lambda w=w, x=x, c=c: gemv(x, w, config=c) for w in ws])
+                except Exception as e:  # a tile Triton cannot compile
+                    print(f"{name} m{m} {c}: {type(e).__name__}", flush=True)
+                    continue
+                if best is None or us < best["us"]:
+                    best = {**c.__dict__, "us": us, "frac": frac(us)}
+            row["best"] = best
+        out[f"m{m}"] = row
+        print(name, m, row, flush=True)
+    del ws
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", nargs="+", choices=list(PROJECTIONS), default=list(PROJECTIONS))
+    parser.add_argument("--rows", nargs="+", type=int, default=[1, 8, 16])
+    parser.add_argument("--no-sweep", action="store_true", help="default tile and cuBLAS only")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmark_gemv needs a CUDA GPU; nothing measured")
+    bw = copy_bandwidth_bytes_per_s()
+    cases = {name: _case(name, *PROJECTIONS[name], tuple(args.rows), not args.no_sweep, bw)
+             for name in args.shapes}
+    emit({"device": torch.cuda.get_device_name(), "copy_bw_tb_per_s": round(bw / 1e12, 3),
+          "cases": cases}, args.out)
+
+
+if __name__ == "__main__":
+    main()

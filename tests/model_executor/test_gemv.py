@@ -1,0 +1,182 @@
+"""The skinny-projection GEMV (`layers/ops/gemv.py`) and its dispatch in `layers/linear.py`.
+
+Reference: x @ W^T (+ b) in float64, so the only differences allowed are the
+float32 sum order (a tolerance scaled by |x| @ |W|) and one output rounding.
+
+CPU: cases run in one TRITON_INTERPRET=1 subprocess (fp32/fp16: the
+interpreter's bf16 dot is unreliable), and the dispatch keeps CPU tensors on
+`F.linear` bit for bit. CUDA (`-m cuda`): bf16 at the model shapes, the
+dispatch (which kernel a layer launches at 1 and 2 rows), a captured graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.model_executor.test_fused_ops import _generator, _randn
+from tests.model_executor.test_norm_linear import _close
+from tests.triton_interpreter import check_result, needs_triton, run_checks, run_interpreted
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    dtype: str
+    rows: int
+    k: int
+    n: int
+    bias: bool = False
+    strided: bool = False  # x rows of a wider buffer
+    block_n: int = 0  # 0: default_config
+    block_k: int = 0
+
+
+def check_gemv(case: Case, device: str) -> None:
+    from vllm.model_executor.layers.ops.gemv import GemvConfig, gemv
+
+    gen = _generator(case.name, device)
+    dtype = getattr(torch, case.dtype)
+    width = case.k + (8 if case.strided else 0)
+    x = _randn((case.rows, width), dtype, gen, device, 2.0)[:, : case.k]
+    w = _randn((case.n, case.k), dtype, gen, device, case.k**-0.5)
+    b = _randn((case.n,), dtype, gen, device) if case.bias else None
+    config = GemvConfig(case.block_n, case.block_k) if case.block_n else None
+    before = x.clone()
+    y = gemv(x, w, b, config=config)
+    assert torch.equal(x, before), "inputs were modified"
+    assert y.shape == (case.rows, case.n) and y.dtype == dtype and y.is_contiguous()
+    _close(y, x, w, b, device)
+
+
+INTERPRETED = [
+    Case("fp32_r1_k576_n40", "float32", 1, 576, 40),  # K not a multiple of BLOCK_K
+    Case("fp32_r1_k256_n37_bias_tile", "float32", 1, 256, 37, bias=True, block_n=16,
+         block_k=64),  # N not a multiple of BLOCK_N, even K
+    Case("fp16_r1_k100_n24_strided", "float16", 1, 100, 24, strided=True),
+    Case("fp32_r5_k96_n33_bias", "float32", 5, 96, 33, bias=True),
+    Case("fp16_r16_k64_n20_strided", "float16", 16, 64, 20, strided=True),
+]
+CUDA = [
+    *INTERPRETED,
+    Case("bf16_r1_smollm2_qkv", "bfloat16", 1, 576, 960),
+    Case("bf16_r1_smollm2_down", "bfloat16", 1, 1536, 576),
+    Case("bf16_r1_llama3_8b_o_bias", "bfloat16", 1, 4096, 4096, bias=True),
+    Case("bf16_r1_llama3_8b_down", "bfloat16", 1, 14336, 4096),
+    Case("bf16_r8_qwen_qkv_bias", "bfloat16", 8, 896, 1152, bias=True),
+]
+
+
+def _run_interpreted_cases() -> dict[str, str]:
+    return run_checks(((check_gemv, INTERPRETED),), probe=True)
+
+
+@pytest.fixture(scope="module")
+def interpreted_results() -> dict[str, str]:
+    return run_interpreted("tests.model_executor.test_gemv", timeout_s=300)
+
+
+@needs_triton
+@pytest.mark.parametrize("name", [c.name for c in INTERPRETED])
+def test_interpreted(name: str, interpreted_results: dict[str, str]) -> None:
+    check_result(interpreted_results, name)
+
+
+@needs_triton
+def test_gemv_rejects_bad_inputs() -> None:
+    from vllm.model_executor.layers.ops.gemv import gemv
+
+    x, w = torch.zeros(1, 64), torch.zeros(8, 64)
+    cases = [
+        (lambda: gemv(torch.zeros(17, 64), w), r"takes 1\.\.16 rows, got 17"),
+        (lambda: gemv(torch.zeros(0, 64), w), r"got 0"),
+        (lambda: gemv(x, torch.zeros(8, 32)), r"weight \[N, K\]"),
+        (lambda: gemv(x, w.half()), "weight must be torch.float32"),
+        (lambda: gemv(x, w, torch.zeros(7)), r"bias must be \[8\]"),
+        (lambda: gemv(x, torch.zeros(64, 8).t()), "contiguous last dim"),
+        (lambda: gemv(x.long(), w.long()), "x must be one of"),
+        (lambda: gemv(x, w), "needs CUDA tensors"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
+@needs_triton
+def test_gemv_does_not_specialise_on_the_batch() -> None:
+    """Row count and row strides change per step: no compile on the request path (issue 10)."""
+    from vllm.model_executor.layers.ops.gemv import _gemv_kernel
+
+    flags = {p.name: p.do_not_specialize for p in _gemv_kernel.params}
+    assert flags["num_rows"] and flags["stride_x"] and flags["stride_o"]
+    assert not flags["K"] and not flags["stride_w"]  # fixed per layer: alignment helps loads
+
+
+def test_cpu_layers_stay_on_f_linear() -> None:
+    """On CPU every row count is exactly F.linear (the GEMV is CUDA only)."""
+    from vllm.model_executor.layers.linear import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        linear_forward,
+    )
+
+    torch.manual_seed(0)
+    col, row = ColumnParallelLinear(32, 48, bias=True), RowParallelLinear(48, 32, bias=False)
+    for layer in (col, row):
+        for p in layer.parameters():
+            p.data.normal_()
+    for rows in (1, 2, 17):
+        x = torch.randn(rows, 32)
+        assert torch.equal(col(x), F.linear(x, col.weight, col.bias))
+        assert torch.equal(row(col(x)), F.linear(col(x), row.weight))
+        assert torch.equal(linear_forward(x, col.weight), F.linear(x, col.weight))
+
+
+# --- CUDA -------------------------------------------------------------------------------------
+@pytest.mark.cuda
+@needs_triton
+@pytest.mark.parametrize("case", CUDA, ids=lambda c: c.name)
+def test_gemv_cuda(case: Case) -> None:
+    check_gemv(case, "cuda")
+
+
+@pytest.mark.cuda
+@needs_triton
+def test_dispatch_one_row_takes_the_gemv_in_a_graph_cuda(monkeypatch) -> None:
+    """One row: the Triton kernel, also replayed from a CUDA graph with new inputs;
+    two rows, or GEMV_MAX_ROWS = 0: cuBLAS, bit-identical to F.linear."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from vllm.model_executor.layers import linear
+    from vllm.model_executor.layers.linear import ColumnParallelLinear
+
+    torch.manual_seed(0)
+    layer = ColumnParallelLinear(4096, 6144, bias=False).to("cuda", torch.bfloat16)
+    layer.weight.data.normal_(std=4096**-0.5)
+
+    def kernels(x: torch.Tensor) -> list[str]:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            layer(x)
+            torch.cuda.synchronize()
+        return [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
+
+    one, two = torch.randn(1, 4096, device="cuda").bfloat16(), torch.randn(2, 4096).bfloat16()
+    assert kernels(one) == ["_gemv_kernel"]
+    assert torch.equal(layer(two.cuda()), F.linear(two.cuda(), layer.weight))
+    monkeypatch.setattr(linear, "GEMV_MAX_ROWS", 0)
+    assert "_gemv_kernel" not in kernels(one)
+    assert torch.equal(layer(one), F.linear(one, layer.weight))
+    monkeypatch.setattr(linear, "GEMV_MAX_ROWS", 1)
+
+    static_x = one.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = layer(static_x)
+    for _ in range(2):
+        static_x.copy_(torch.randn(1, 4096, device="cuda").bfloat16())
+        graph.replay()
+        _close(static_y, static_x, layer.weight, None, "cuda")
