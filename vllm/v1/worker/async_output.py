@@ -48,6 +48,8 @@ class AsyncRunnerOutput(AsyncModelRunnerOutput):
             id) to put the id where the runner left a placeholder.
         copy_stream: the CUDA stream that copies to the host; None on the CPU,
             where the tensors are already on the host.
+        compute_stream: the stream the sampler ran on (the copy waits for it);
+            None on the CPU.
     """
 
     def __init__(
@@ -58,6 +60,7 @@ class AsyncRunnerOutput(AsyncModelRunnerOutput):
         logprobs: LogprobsTensors | None,
         fill: Callable[[int, int], None],
         copy_stream: torch.cuda.Stream | None,
+        compute_stream: torch.cuda.Stream | None = None,
     ) -> None:
         self._output = output
         self._rows = rows.tolist()
@@ -74,7 +77,7 @@ class AsyncRunnerOutput(AsyncModelRunnerOutput):
             return
         # The copy waits for the sampler (on the compute stream) and nothing
         # else; the host waits for the copy only in get_output().
-        copy_stream.wait_stream(torch.cuda.current_stream(sampled.device))
+        copy_stream.wait_stream(compute_stream or torch.cuda.current_stream(sampled.device))
         with torch.cuda.stream(copy_stream):
             self._host = [t.to("cpu", non_blocking=True) for t in tensors]  # pinned
             self._event = torch.cuda.Event()
@@ -128,10 +131,15 @@ class AsyncStepState:
         cuda = device.type == "cuda"
         self.max_model_len = max_model_len
         self.copy_stream = torch.cuda.Stream(device) if cuda else None
+        # Looked up once: torch.cuda.current_stream() costs a few microseconds a
+        # call, and the runner launches every step on this stream.
+        self.compute_stream = torch.cuda.current_stream(device) if cuda else None
         # The pinned staging buffers are rewritten each step while the device
         # may still be copying the last step's values out of them: this event,
-        # recorded after a step's last host-to-device copy, is waited on first.
-        self._inputs_copied: torch.cuda.Event | None = None
+        # recorded after a step's last host-to-device copy, is waited on first
+        # (one event, re-recorded each step once the last record was waited on).
+        self._inputs_copied = torch.cuda.Event() if cuda else None
+        self._inputs_recorded = False
         # (sampled ids [n] int64 on the device, req_id -> index) of the last step.
         self.prev_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         self.pending: AsyncRunnerOutput | None = None
@@ -140,13 +148,13 @@ class AsyncStepState:
         self.feed_indices_cpu = torch.zeros(2, max_num_reqs, dtype=torch.int64, pin_memory=cuda)
 
     def wait_inputs_copied(self) -> None:
-        if self._inputs_copied is not None:
+        if self._inputs_recorded:
             self._inputs_copied.synchronize()
 
     def record_inputs_copied(self) -> None:
-        if self.copy_stream is not None:
-            self._inputs_copied = torch.cuda.Event()
-            self._inputs_copied.record()
+        if self._inputs_copied is not None:
+            self._inputs_copied.record(self.compute_stream)
+            self._inputs_recorded = True
 
     def feed(
         self, input_ids: torch.Tensor, batch: InputBatch, num_sched: np.ndarray,
@@ -194,7 +202,8 @@ class AsyncStepState:
         sampled = sampler_output.sampled_token_ids
         self.prev_sampled = (sampled, {s.req_id: i for i, s in enumerate(states)})
         self.pending = AsyncRunnerOutput(
-            output, rows, sampled, sampler_output.logprobs_tensors, fill, self.copy_stream
+            output, rows, sampled, sampler_output.logprobs_tensors, fill, self.copy_stream,
+            self.compute_stream,
         )
         return self.pending
 

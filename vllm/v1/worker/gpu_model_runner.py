@@ -103,14 +103,21 @@ class GPUModelRunner:
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)  # [max_num_tokens]
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)  # [max_num_tokens]
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.query_start_loc = torch.zeros(r + 1, dtype=torch.int32, device=device)
-        self.seq_lens = torch.zeros(r, dtype=torch.int32, device=device)
+        # query_start_loc [r + 1] and seq_lens [r] are views of one int32 buffer
+        # (and so are their host twins): a step sends both in one copy. seq_lens
+        # starts 128-byte aligned: Triton specialises on a pointer's 16-byte
+        # alignment, and warmup compiled the kernels for aligned ones.
+        lens_at = -(-(r + 1) // 32) * 32
+        self._req_lens = torch.zeros(lens_at + r, dtype=torch.int32, device=device)
+        self.query_start_loc = self._req_lens[: r + 1]
+        self.seq_lens = self._req_lens[lens_at:]
         # Host staging twins (pinned on CUDA) for one asynchronous copy each.
         self.input_ids_cpu = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
         self.positions_cpu = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
         self.slot_mapping_cpu = torch.full((n,), -1, dtype=torch.int64, pin_memory=pin)
-        self.query_start_loc_cpu = torch.zeros(r + 1, dtype=torch.int32, pin_memory=pin)
-        self.seq_lens_cpu = torch.zeros(r, dtype=torch.int32, pin_memory=pin)
+        self._req_lens_cpu = torch.zeros(lens_at + r, dtype=torch.int32, pin_memory=pin)
+        self.query_start_loc_cpu = self._req_lens_cpu[: r + 1]
+        self.seq_lens_cpu = self._req_lens_cpu[lens_at:]
         self._arange = np.arange(max(n, r) + 1, dtype=np.int64)
         # Flat index of each sampling row's last token, for the logits.
         self.logits_indices = torch.zeros(r, dtype=torch.int64, device=device)  # [max_num_reqs]
@@ -240,24 +247,31 @@ class GPUModelRunner:
         positions = computed[req_indices] + offsets
 
         token_ids = batch.token_ids[req_indices, positions]
-        self.input_ids_cpu.numpy()[:total] = token_ids
-        self.positions_cpu.numpy()[:total] = positions
-        self.slot_mapping_cpu.numpy()[:total] = batch.block_table.slot_mapping(
-            req_indices, positions
-        )
-        qsl = self.query_start_loc_cpu.numpy()
+        # A decode batch that replays a graph of `size` > num_reqs requests gets its
+        # padding (harmless requests: id 0, no KV slot, no keys) here, in the same copies.
+        size = self._decode_graph_size(num_reqs, total)
+        end = total if size is None else size
+        ids, pos, slots = (t.numpy() for t in (self.input_ids_cpu, self.positions_cpu,
+                                                self.slot_mapping_cpu))
+        ids[:total] = token_ids
+        pos[:total] = positions
+        slots[:total] = batch.block_table.slot_mapping(req_indices, positions)
+        qsl, lens = self.query_start_loc_cpu.numpy(), self.seq_lens_cpu.numpy()
         qsl[0] = 0
         qsl[1 : num_reqs + 1] = cu
         seq_lens = computed + num_sched
-        self.seq_lens_cpu.numpy()[:num_reqs] = seq_lens
+        lens[:num_reqs] = seq_lens
+        if end > total:
+            ids[total:end] = pos[total:end] = 0
+            slots[total:end] = -1
+            qsl[num_reqs + 1 : end + 1] = self._arange[num_reqs + 1 : end + 1]
+            lens[num_reqs:end] = 0
 
-        self.input_ids[:total].copy_(self.input_ids_cpu[:total], non_blocking=True)
-        self.positions[:total].copy_(self.positions_cpu[:total], non_blocking=True)
-        self.slot_mapping[:total].copy_(self.slot_mapping_cpu[:total], non_blocking=True)
-        self.query_start_loc[: num_reqs + 1].copy_(
-            self.query_start_loc_cpu[: num_reqs + 1], non_blocking=True
-        )
-        self.seq_lens[:num_reqs].copy_(self.seq_lens_cpu[:num_reqs], non_blocking=True)
+        self.input_ids[:end].copy_(self.input_ids_cpu[:end], non_blocking=True)
+        self.positions[:end].copy_(self.positions_cpu[:end], non_blocking=True)
+        self.slot_mapping[:end].copy_(self.slot_mapping_cpu[:end], non_blocking=True)
+        # Entries past `end` requests are stale on both sides and read by no kernel.
+        self._req_lens.copy_(self._req_lens_cpu, non_blocking=True)
         block_table = batch.block_table.copy_to_device(num_reqs)
         if self.async_state is not None:
             self.async_state.feed(self.input_ids, batch, num_sched, computed, cu)
@@ -304,6 +318,12 @@ class GPUModelRunner:
         with set_forward_context(metadata):
             return self.model(self.input_ids[:tokens], self.positions[:tokens])
 
+    def _decode_graph_size(self, num_reqs: int, total: int) -> int | None:
+        """The captured decode graph an all-decode batch replays (its padded size), or None."""
+        if not self.use_cuda_graph or total != num_reqs:
+            return None
+        return self.cuda_graphs.padded_size(num_reqs)
+
     def _pad_batch(self, num_reqs: int, size: int, query_len: int = 1) -> None:
         """Make requests num_reqs..size of the buffers harmless padded requests."""
         lo, hi = num_reqs * query_len, size * query_len
@@ -325,12 +345,12 @@ class GPUModelRunner:
         q = self.verify_query_len
         graphs, index = None, None
         if self.use_cuda_graph and total == num_reqs:
-            graphs, q = self.cuda_graphs, 1
+            graphs, q = self.cuda_graphs, 1  # padded by _prepare_inputs
         elif self.use_cuda_graph and self._fits_verify_rows(num_sched):
             graphs = self.verify_graphs
         size = graphs.padded_size(num_reqs) if graphs is not None else None
-        if size is not None:
-            if q > 1 and total != num_reqs * q:
+        if size is not None and q > 1:
+            if total != num_reqs * q:
                 index = self._lay_out_verify_rows(num_sched)
             self._pad_batch(num_reqs, size, q)
         if self.async_state is not None:
