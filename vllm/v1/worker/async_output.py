@@ -60,7 +60,7 @@ class AsyncRunnerOutput(AsyncModelRunnerOutput):
         logprobs: LogprobsTensors | None,
         fill: Callable[[int, int], None],
         copy_stream: torch.cuda.Stream | None,
-        compute_stream: torch.cuda.Stream | None = None,
+        compute_stream: torch.cuda.Stream | None,
     ) -> None:
         self._output = output
         self._rows = rows.tolist()
@@ -77,7 +77,7 @@ class AsyncRunnerOutput(AsyncModelRunnerOutput):
             return
         # The copy waits for the sampler (on the compute stream) and nothing
         # else; the host waits for the copy only in get_output().
-        copy_stream.wait_stream(compute_stream or torch.cuda.current_stream(sampled.device))
+        copy_stream.wait_stream(compute_stream)
         with torch.cuda.stream(copy_stream):
             self._host = [t.to("cpu", non_blocking=True) for t in tensors]  # pinned
             self._event = torch.cuda.Event()

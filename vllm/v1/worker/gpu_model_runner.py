@@ -324,8 +324,9 @@ class GPUModelRunner:
             return None
         return self.cuda_graphs.padded_size(num_reqs)
 
-    def _pad_batch(self, num_reqs: int, size: int, query_len: int = 1) -> None:
-        """Make requests num_reqs..size of the buffers harmless padded requests."""
+    def _pad_batch(self, num_reqs: int, size: int, query_len: int) -> None:
+        """Make requests num_reqs..size of the buffers harmless padded requests (verify
+        batches; a decode batch is padded on the host by `_prepare_inputs`)."""
         lo, hi = num_reqs * query_len, size * query_len
         self.input_ids[lo:hi].zero_()
         self.positions[lo:hi].zero_()
@@ -343,16 +344,17 @@ class GPUModelRunner:
         num_reqs = len(num_sched)
         total = metadata.num_actual_tokens
         q = self.verify_query_len
-        graphs, index = None, None
+        graphs, index, size = None, None, None
         if self.use_cuda_graph and total == num_reqs:
-            graphs, q = self.cuda_graphs, 1  # padded by _prepare_inputs
+            graphs, q = self.cuda_graphs, 1
+            size = self._decode_graph_size(num_reqs, total)  # padded by _prepare_inputs
         elif self.use_cuda_graph and self._fits_verify_rows(num_sched):
             graphs = self.verify_graphs
-        size = graphs.padded_size(num_reqs) if graphs is not None else None
-        if size is not None and q > 1:
-            if total != num_reqs * q:
-                index = self._lay_out_verify_rows(num_sched)
-            self._pad_batch(num_reqs, size, q)
+            size = graphs.padded_size(num_reqs)
+            if size is not None:
+                if total != num_reqs * q:
+                    index = self._lay_out_verify_rows(num_sched)
+                self._pad_batch(num_reqs, size, q)
         if self.async_state is not None:
             self.async_state.record_inputs_copied()
         if size is not None:

@@ -35,6 +35,7 @@ from vllm.model_executor.layers.ops import (
     check_last_dim_contiguous,
     check_same_device,
 )
+from vllm.v1.attention.ops.attention_config import num_sms
 
 MAX_ROWS = 16  # tl.dot's smallest M: rows 2..16 share one padded tile
 
@@ -182,7 +183,7 @@ def gemv(
     check_last_dim_contiguous(op, **tensors)
     check_same_device(op, **tensors)
     if config is None:
-        config = default_config(num_rows, n, k, _sm_count(x.device))
+        config = default_config(num_rows, n, k, num_sms(x.device))
     out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x,
@@ -206,14 +207,3 @@ def gemv(
     )
     return out
 
-
-_SM_COUNTS: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # the interpreter (tests): any fixed count
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNTS:
-        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNTS[index]
