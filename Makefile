@@ -15,6 +15,19 @@ TORCH_SPEC ?= torch==2.13.0 triton
 endif
 SERVE_ARGS ?=
 PYTEST_ARGS ?=
+# Tests run in two pytest-xdist workers on a CPU machine with two or more CPUs (each
+# worker pinned to its own CPU, see tests/conftest.py), serially on a GPU machine (two
+# engines would each size their KV cache to the same free HBM). PYTEST_WORKERS=0: serial.
+ifeq ($(HAS_GPU),1)
+PYTEST_WORKERS ?= 0
+else
+PYTEST_WORKERS ?= $(shell [ "$$(nproc)" -ge 2 ] && echo 2 || echo 0)
+endif
+ifeq ($(PYTEST_WORKERS),0)
+PYTEST_PARALLEL :=
+else
+PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadfile
+endif
 
 .PHONY: serve test lint venv clean
 
@@ -35,7 +48,7 @@ lint: venv
 	$(BIN)/ruff check vllm tests benchmarks
 
 test: lint
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,9 +1,36 @@
 """Shared test setup: the `cuda` marker skips cleanly where no NVIDIA GPU is present; one
 offline engine on the bundled model for every module that only reads from it (the greedy
 reference of the server and tensor-parallel tests), and one transformers model of the same
-file as the reference."""
+file as the reference.
+
+Run in parallel (`make test` passes `-n 2 --dist loadfile` to pytest-xdist on a CPU
+machine with two or more CPUs): every module runs whole on one worker (its module-scoped
+engines start once); each worker is pinned to its own CPU, so its engines plan one compute
+thread there (the same rule as on a one-core machine) and the two workers do not contend
+for one core's OpenMP barriers; and each worker has its own Ray temp directory, since
+`ray.init()` without an address joins the local cluster recorded there. The slowest
+modules are collected first, so that no worker ends with a long one while the other waits.
+"""
+
+import os
 
 import pytest
+
+
+def _isolate_xdist_worker() -> None:
+    """Give this pytest-xdist worker (and every process it starts) its own Ray temp
+    directory and, when there are at least as many allowed CPUs as workers, its own CPU.
+
+    A serial run (no PYTEST_XDIST_WORKER) is left as it is.
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        return
+    os.environ.setdefault("RAY_TMPDIR", f"/tmp/ray-{os.getuid()}-{os.getppid()}-{worker}")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    allowed = sorted(os.sched_getaffinity(0))
+    if 2 <= count <= len(allowed):
+        os.sched_setaffinity(0, {allowed[int(worker[2:]) % count]})
 
 
 def _cuda_available() -> bool:
@@ -15,6 +42,7 @@ def _cuda_available() -> bool:
 
 
 def pytest_configure(config):
+    _isolate_xdist_worker()
     config.addinivalue_line("markers", "cuda: needs an NVIDIA GPU (CUDA); skipped without one")
     if not _cuda_available():
         # The test process computes (transformers references, model tests) with the
@@ -26,7 +54,29 @@ def pytest_configure(config):
         apply_cpu_thread_plan(plan_cpu_threads())
 
 
+# The slowest modules on a 2-core CPU machine (serial `--durations`, 2026-12-03), slowest
+# first: a parallel run starts them first, so no worker is left with a long one at the end.
+_SLOW_MODULES = [
+    "tests/distributed/kv_transfer/test_nixl_disagg.py",
+    "tests/entrypoints/openai/test_errors.py",
+    "tests/entrypoints/openai/test_processes.py",
+    "tests/entrypoints/openai/test_cli.py",
+    "tests/v1/e2e/test_elastic_kv_cache.py",
+    "tests/v1/e2e/test_sleep.py",
+    "tests/v1/e2e/test_tensor_parallel.py",
+    "tests/v1/e2e/test_offline_engine.py",
+    "tests/entrypoints/openai/test_elastic_server.py",
+    "tests/v1/spec_decode/test_spec_decode_e2e.py",
+    "tests/distributed/kv_transfer/test_offloading_connector.py",
+    "tests/v1/spec_decode/test_draft_model_e2e.py",
+    "tests/v1/e2e/test_kv_cache_fit.py",
+]
+
+
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker collects the same order
+        rank = {module: i for i, module in enumerate(_SLOW_MODULES)}
+        items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
     if _cuda_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from multiprocessing import Pipe
 from types import SimpleNamespace
 
@@ -21,10 +22,17 @@ MESSAGE = ("another process holds memory on cuda:0 (pid 4242 trainer (3.0 GiB)) 
 
 @pytest.fixture
 def quiet_entry(monkeypatch):
-    """The entry point's process-wide side effects, kept out of the test process."""
-    monkeypatch.setattr(core_proc.signal, "signal", lambda *args: None)
+    """The entry point's process-wide side effects, kept out of the test process; returns
+    the (signal, handler) settings it made, in order."""
+    settings: list[tuple] = []
+    monkeypatch.setattr(core_proc.signal, "signal", lambda *args: settings.append(args))
     monkeypatch.setattr(core_proc, "_exit_with_parent", lambda pid: None)
     monkeypatch.setattr("vllm.logger.set_process_label", lambda label: None)
+    return settings
+
+
+def _last_sigterm_handler(settings: list[tuple]):
+    return [handler for signum, handler in settings if signum == signal.SIGTERM][-1]
 
 
 def test_a_busy_device_fails_start_up_in_one_line_with_the_frontend_as_this_engine(
@@ -48,6 +56,7 @@ def test_a_busy_device_fails_start_up_in_one_line_with_the_frontend_as_this_engi
     records = [r for r in caplog.records if "start-up failed" in r.getMessage()]
     assert len(records) == 1 and records[0].exc_info is None, records
     assert records[0].getMessage() == f"engine core start-up failed: {MESSAGE}"
+    assert _last_sigterm_handler(quiet_entry) is signal.SIG_DFL  # none inside atexit hooks
 
 
 def test_a_prestarted_process_builds_from_the_config_it_is_sent(monkeypatch, quiet_entry):
@@ -75,3 +84,7 @@ def test_a_prestarted_process_whose_frontend_gives_up_exits_quietly(monkeypatch,
     _, status = Pipe()
     config_send.close()  # the frontend failed before it had a configuration
     assert core_proc.run_engine_core(None, "in", "out", status, os.getpid(), config_recv) is None
+    # The frontend terminates a process it gave up on just as the closed pipe lets it
+    # return: a SIGTERM during its atexit hooks must not raise SystemExit inside one (a
+    # traceback on the frontend's stderr, seen in test_cli's one-line start-up errors).
+    assert _last_sigterm_handler(quiet_entry) is signal.SIG_DFL

@@ -328,6 +328,25 @@ def run_engine_core(
     engine's modules, then waits for the configuration on `config_pipe`, and
     exits quietly (status 0) if the frontend closes the pipe instead.
     """
+    try:
+        _run_engine_core(vllm_config, input_address, output_address, status, parent_pid,
+                         config_pipe)
+    finally:
+        # Leaving (any way): a SIGTERM from here on, while the interpreter runs its atexit
+        # hooks, ends the process quietly instead of raising SystemExit inside one of them
+        # (a traceback on the frontend's stderr: the frontend cancels a prestarted process
+        # with SIGTERM just as it sees the closed pipe and returns).
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _run_engine_core(
+    vllm_config: VllmConfig | None,
+    input_address: str,
+    output_address: str,
+    status: Connection,
+    parent_pid: int,
+    config_pipe: Connection | None,
+) -> None:
     from vllm.logger import set_process_label
 
     set_process_label(f"engine core pid {os.getpid()}")
@@ -360,7 +379,6 @@ def run_engine_core(
         else:
             logger.exception("engine core start-up failed")
         _send(status, ("startup_failed", RemoteFailure.capture(e)))
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # no SystemExit inside atexit hooks
         raise SystemExit(1) from None
     _send(status, ("ready", proc.ready_info()))
     reason = None

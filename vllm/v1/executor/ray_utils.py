@@ -14,6 +14,7 @@ Ray is an optional dependency (`pip install vllm[ray]`); it is imported only her
 from __future__ import annotations
 
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +99,11 @@ def create_placement_group(world_size: int, resource: str) -> Any:
     from ray.util.placement_group import placement_group, remove_placement_group
 
     bundles = [{resource: 1.0} for _ in range(world_size)]
-    group = placement_group(bundles, strategy="PACK", name=f"vllm-{os.getpid()}")
+    # One name per executor, not per process: removal is asynchronous in the GCS, so an
+    # engine built right after another one's shutdown (two LLMs in one script) could
+    # still find the old name taken ("name 'vllm-<pid>' already exists").
+    name = f"vllm-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    group = placement_group(bundles, strategy="PACK", name=name)
     ready, _ = ray.wait([group.ready()], timeout=PLACEMENT_GROUP_TIMEOUT_S)
     if not ready:
         remove_placement_group(group)
