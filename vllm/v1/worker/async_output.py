@@ -48,8 +48,11 @@ class AsyncRunnerOutput(AsyncModelRunnerOutput):
             id) to put the id where the runner left a placeholder.
         copy_stream: the CUDA stream that copies to the host; None on the CPU,
             where the tensors are already on the host.
-        compute_stream: the stream the sampler ran on (the copy waits for it);
-            None on the CPU.
+        compute_stream: the stream the sampler ran on, the current stream (the
+            copy waits for it); None on the CPU.
+        sampled_ready: an event this call records on `compute_stream` for the copy
+            stream to wait on (re-recorded each step: a wait takes the record made
+            before it); None on the CPU.
     """
 
     def __init__(
@@ -61,6 +64,7 @@ class AsyncRunnerOutput(AsyncModelRunnerOutput):
         fill: Callable[[int, int], None],
         copy_stream: torch.cuda.Stream | None,
         compute_stream: torch.cuda.Stream | None,
+        sampled_ready: torch.cuda.Event | None = None,
     ) -> None:
         self._output = output
         self._rows = rows.tolist()
@@ -76,12 +80,19 @@ class AsyncRunnerOutput(AsyncModelRunnerOutput):
             self._host = tensors
             return
         # The copy waits for the sampler (on the compute stream) and nothing
-        # else; the host waits for the copy only in get_output().
-        copy_stream.wait_stream(compute_stream)
-        with torch.cuda.stream(copy_stream):
+        # else; the host waits for the copy only in get_output(). The streams are
+        # switched with set_stream, not `with torch.cuda.stream(...)` (its device and
+        # stream lookups cost ~30 us a step on the H200 host, issue 10), and the
+        # event the copy waits on is reused (wait_stream creates one per call).
+        sampled_ready.record(compute_stream)
+        copy_stream.wait_event(sampled_ready)
+        torch.cuda.set_stream(copy_stream)
+        try:
             self._host = [t.to("cpu", non_blocking=True) for t in tensors]  # pinned
             self._event = torch.cuda.Event()
             self._event.record(copy_stream)
+        finally:
+            torch.cuda.set_stream(compute_stream)
 
     def get_output(self) -> ModelRunnerOutput:
         if self._fill is None:
@@ -134,6 +145,7 @@ class AsyncStepState:
         # Looked up once: torch.cuda.current_stream() costs a few microseconds a
         # call, and the runner launches every step on this stream.
         self.compute_stream = torch.cuda.current_stream(device) if cuda else None
+        self.sampled_ready = torch.cuda.Event() if cuda else None
         # The pinned staging buffers are rewritten each step while the device
         # may still be copying the last step's values out of them: this event,
         # recorded after a step's last host-to-device copy, is waited on first
@@ -180,7 +192,13 @@ class AsyncStepState:
             if 0 <= offset < num_sched[row]:
                 idx[0, n], idx[1, n] = cu[row] - num_sched[row] + offset, i
                 n += 1
-        if n:
+        if n and idx[1, 0] == 0 and (n == 1 or (
+                (np.diff(idx[0, :n]) == 1).all() and (np.diff(idx[1, :n]) == 1).all())):
+            # The usual decode step: this step's rows take the last step's ids in
+            # order, at consecutive positions: one device copy, no index upload.
+            start = int(idx[0, 0])
+            input_ids[start : start + n].copy_(sampled[:n])
+        elif n:
             self.feed_indices[:, :n].copy_(self.feed_indices_cpu[:, :n], non_blocking=True)
             dst, src = self.feed_indices[0, :n], self.feed_indices[1, :n]
             input_ids.index_copy_(0, dst, sampled.index_select(0, src).to(input_ids.dtype))
@@ -203,7 +221,7 @@ class AsyncStepState:
         self.prev_sampled = (sampled, {s.req_id: i for i, s in enumerate(states)})
         self.pending = AsyncRunnerOutput(
             output, rows, sampled, sampler_output.logprobs_tensors, fill, self.copy_stream,
-            self.compute_stream,
+            self.compute_stream, self.sampled_ready,
         )
         return self.pending
 
