@@ -13,18 +13,20 @@ save against the separate kernels?
 For each shape (random weights, bf16) and batch: the model (`LlamaForCausalLM`)
 with one paged KV cache per layer, a decode batch whose requests each hold
 `--context` cached tokens, `max_seq_len` = `--max-model-len` as in the
-engine's captured graphs. Per variant ("fused": both fusions, the projection
-fusion switched on (FUSED_LINEAR_MAX_TOKENS = 16; it is off by default, see
-`layers/fused_linear.py`); "rope_cache_only": the code as it runs, without the
-projection fusion; "unfused": also with `AttentionImpl.forward_with_rope`'s
-two-launch default):
+engine's captured graphs. Per variant ("default": the code as it runs, i.e.
+rope + KV write fused and, at one row, the norm / SiLU as the GEMV's prologue;
+"fused": also the 2..16-row tl.dot projection fusion switched on
+(FUSED_LINEAR_MAX_TOKENS = 16; off by default, see `layers/fused_linear.py`);
+"rope_cache_only": no projection fusion at any row count; "unfused": also with
+`AttentionImpl.forward_with_rope`'s two-launch default):
   kernels_per_step   CUDA kernels of one eager forward + compute_logits
                      (torch.profiler, CUPTI), and by name (`kernels`)
   graph_replay_ms    that forward + compute_logits captured as one CUDA graph,
                      mean of 50 replays between CUDA events (sampling, input
                      preparation and host work of an engine step excluded)
   weight_limit_ms    weight bytes / measured copy bandwidth (the floor)
-Then fused_over_unfused = replay ratio, and kernels_saved per step.
+Then default_over_unfused and fused_over_unfused = replay ratios, and kernels_saved
+per step (default against unfused).
 """
 
 from __future__ import annotations
@@ -122,22 +124,25 @@ def _replay_ms(fn, reps: int = 50) -> float:
     return start.elapsed_time(end) / reps
 
 
-VARIANTS = ("fused", "rope_cache_only", "unfused")
+VARIANTS = ("default", "fused", "rope_cache_only", "unfused")
 
 
 @contextlib.contextmanager
 def _variant(name: str):
-    """Both fusions ("fused"), the rope + KV-write fusion alone as the engine runs
-    by default ("rope_cache_only"), or neither ("unfused")."""
+    """The engine's default ("default"), plus the tl.dot projection fusion ("fused"),
+    the rope + KV-write fusion alone ("rope_cache_only"), or neither ("unfused")."""
     from vllm.model_executor.layers import fused_linear
     from vllm.v1.attention.backends.abstract import AttentionImpl
     from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
 
     rope_fused = TritonAttentionImpl.forward_with_rope
     max_tokens = fused_linear.FUSED_LINEAR_MAX_TOKENS
+    gemv_bytes = fused_linear.FUSED_GEMV_MAX_WEIGHT_BYTES
     from vllm.model_executor.layers.ops.norm_linear import MAX_ROWS
 
     fused_linear.FUSED_LINEAR_MAX_TOKENS = MAX_ROWS if name == "fused" else 0
+    if name in ("rope_cache_only", "unfused"):
+        fused_linear.FUSED_GEMV_MAX_WEIGHT_BYTES = 0
     if name == "unfused":
         TritonAttentionImpl.forward_with_rope = AttentionImpl.forward_with_rope
     try:
@@ -145,6 +150,7 @@ def _variant(name: str):
     finally:
         TritonAttentionImpl.forward_with_rope = rope_fused
         fused_linear.FUSED_LINEAR_MAX_TOKENS = max_tokens
+        fused_linear.FUSED_GEMV_MAX_WEIGHT_BYTES = gemv_bytes
 
 
 def bench(shape: str, batch: int, context: int, max_model_len: int, copy_bps: float) -> dict:
@@ -165,8 +171,10 @@ def bench(shape: str, batch: int, context: int, max_model_len: int, copy_bps: fl
                     "kernels": dict(collections.Counter(n[:80] for n in names).most_common()),
                     "graph_replay_ms": _replay_ms(step),
                 }
-    row["kernels_saved"] = row["unfused"]["kernels_per_step"] - row["fused"]["kernels_per_step"]
-    row["fused_over_unfused"] = row["fused"]["graph_replay_ms"] / row["unfused"]["graph_replay_ms"]
+    row["kernels_saved"] = row["unfused"]["kernels_per_step"] - row["default"]["kernels_per_step"]
+    for name in ("default", "fused"):
+        row[f"{name}_over_unfused"] = (row[name]["graph_replay_ms"]
+                                       / row["unfused"]["graph_replay_ms"])
     del model, step
     gc.collect()
     torch.cuda.empty_cache()

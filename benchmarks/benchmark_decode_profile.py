@@ -19,7 +19,8 @@ inside the CUDA-graph replay as well) and reports, per step:
         --out results/decode_profile.json
 
 `--scheduling sync` profiles the synchronous loop, `--fused-linear` switches on
-the norm / SiLU projection fusion (`layers/fused_linear.py`, off by default);
+the 2..16-row norm / SiLU projection fusion (`layers/fused_linear.py`, off by
+default; the one-row GEMV prologue runs either way);
 `--trace-dir D` also writes a Chrome trace per configuration; `--host-profile`
 adds `host_functions`: the same number of steps under cProfile, the Python
 functions with the most cumulative time per step (cProfile slows the host
@@ -161,7 +162,8 @@ def main() -> None:
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 32])
     parser.add_argument("--scheduling", nargs="+", choices=list(SCHEDULING), default=["default"])
     parser.add_argument("--fused-linear", action="store_true",
-                        help="switch on the norm / SiLU projection fusion (off by default)")
+                        help="switch on the 2..16-row norm / SiLU projection fusion "
+                             "(off by default)")
     parser.add_argument("--steps", type=int, default=30, help="profiled steps per configuration")
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--trace-dir", default=None)

@@ -10,6 +10,12 @@ in the same run (`frac_of_copy_bw`: 1.0 is the physical limit).
 
     python benchmarks/benchmark_gemv.py --out results/gemv.json
     python benchmarks/benchmark_gemv.py --no-sweep          # default tile vs cuBLAS only
+    python benchmarks/benchmark_gemv.py --prologue          # fused norm / SiLU, one row
+
+`--prologue` times instead, at one row and the default tile, the GEMV with its
+norm or SiLU prologue (`gemv_rms_norm`, `gemv_silu_and_mul`) against the two
+launches it replaces (the Triton RMSNorm with the residual add, or SiLU-and-mul,
+then the GEMV): `fused_us`, `separate_us` and `saved_us` per projection.
 """
 
 from __future__ import annotations
@@ -69,11 +75,49 @@ def _case(name: str, k: int, n: int, rows: tuple[int, ...], sweep: bool, bw: flo
     return out
 
 
+# projection -> its prologue: the norm before qkv / gate_up, SiLU-and-mul before down.
+PROLOGUES = {"smollm2_qkv": "norm", "smollm2_gate_up": "norm", "smollm2_down": "silu",
+             "llama3_8b_qkv": "norm", "llama3_8b_gate_up": "norm", "llama3_8b_down": "silu"}
+
+
+def _prologue_case(name: str, k: int, n: int, bw: float) -> dict:
+    import torch
+
+    from vllm.model_executor.layers.ops.activation import silu_and_mul
+    from vllm.model_executor.layers.ops.gemv import gemv, gemv_rms_norm, gemv_silu_and_mul
+    from vllm.model_executor.layers.ops.rms_norm import fused_add_rms_norm
+
+    ws = _weights(n, k)
+    dev, dt = "cuda", torch.bfloat16
+    if PROLOGUES[name] == "norm":
+        x, res = torch.randn(1, k, device=dev, dtype=dt), torch.randn(1, k, device=dev, dtype=dt)
+        nw = torch.rand(k, device=dev, dtype=dt) + 0.5
+        fused = [lambda w=w: gemv_rms_norm(x, res, nw, 1e-5, w) for w in ws]
+        separate = [lambda w=w: gemv(fused_add_rms_norm(x, res, nw, 1e-5)[0], w) for w in ws]
+        err = (fused[0]()[0].float() - separate[0]().float()).abs().max().item()
+    else:
+        x = torch.randn(1, 2 * k, device=dev, dtype=dt)
+        fused = [lambda w=w: gemv_silu_and_mul(x, w) for w in ws]
+        separate = [lambda w=w: gemv(silu_and_mul(x), w) for w in ws]
+        err = (fused[0]().float() - separate[0]().float()).abs().max().item()
+    fused_us, separate_us = graph_us(fused), graph_us(separate)
+    row = {"prologue": PROLOGUES[name], "copies": len(ws), "fused_us": fused_us,
+           "separate_us": separate_us, "saved_us": round(separate_us - fused_us, 3),
+           "fused_frac_of_copy_bw": round(n * k * 2 / (fused_us * 1e-6) / bw, 3),
+           "max_abs_diff_vs_separate": err}
+    print(name, row, flush=True)
+    del ws
+    torch.cuda.empty_cache()
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="+", choices=list(PROJECTIONS), default=list(PROJECTIONS))
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 8, 16])
     parser.add_argument("--no-sweep", action="store_true", help="default tile and cuBLAS only")
+    parser.add_argument("--prologue", action="store_true",
+                        help="one row: the fused norm / SiLU prologue against two launches")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -82,8 +126,12 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("benchmark_gemv needs a CUDA GPU; nothing measured")
     bw = copy_bandwidth_bytes_per_s()
-    cases = {name: _case(name, *PROJECTIONS[name], tuple(args.rows), not args.no_sweep, bw)
-             for name in args.shapes}
+    if args.prologue:
+        cases = {name: _prologue_case(name, *PROJECTIONS[name], bw)
+                 for name in args.shapes if name in PROLOGUES}
+    else:
+        cases = {name: _case(name, *PROJECTIONS[name], tuple(args.rows), not args.no_sweep, bw)
+                 for name in args.shapes}
     emit({"device": torch.cuda.get_device_name(), "copy_bw_tb_per_s": round(bw / 1e12, 3),
           "cases": cases}, args.out)
 

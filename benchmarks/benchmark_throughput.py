@@ -18,9 +18,11 @@ measured device copy bandwidth.
 `--scheduling sync async` runs every shape twice, without and with async
 scheduling (the engine's default is async on CUDA), and reports the decode
 step of each and `async_step_speedup` (sync step / async step). `ours` is the
-first mode's result. `--gemv on off` likewise runs each mode with the one-row
-Triton GEMV (`layers/linear.py`, the default) and with cuBLAS for every
-projection, reported under `by_gemv`.
+first mode's result. `--gemv on plain off` likewise runs each mode with the
+one-row Triton GEMV as the engine runs it (`on`: `layers/linear.py`, with the
+norm / SiLU fused in as its prologue for small weights, `layers/fused_linear.py`),
+with the GEMV but the norm and SiLU launched apart (`plain`), and with cuBLAS
+for every projection (`off`), reported under `by_gemv`.
 
 Targets on the H200 (issues 4 and 10): >= 10x the peer at batch 32 for both
 shapes; 8B decode >= 0.85 of the limit at batch 1, >= 0.80 at batch 32.
@@ -174,15 +176,16 @@ def main() -> None:
     parser.add_argument("--scheduling", nargs="+", choices=list(SCHEDULING), default=["default"],
                         help="engine runs per shape: the default, sync (--no-async-scheduling) "
                              "and/or async (--async-scheduling)")
-    parser.add_argument("--gemv", nargs="+", choices=["on", "off"], default=["on"],
-                        help="one-row projections through the Triton GEMV (on, the engine's "
-                             "default) and/or cuBLAS (off); one engine run each")
+    parser.add_argument("--gemv", nargs="+", choices=["on", "plain", "off"], default=["on"],
+                        help="one-row projections through the Triton GEMV as the engine runs "
+                             "them (on), without the fused norm / SiLU prologue (plain), "
+                             "and/or cuBLAS (off); one engine run each")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
     import torch
 
-    from vllm.model_executor.layers import linear
+    from vllm.model_executor.layers import fused_linear, linear
 
     if not torch.cuda.is_available():
         raise SystemExit("benchmark_throughput needs a CUDA GPU")
@@ -197,15 +200,18 @@ def main() -> None:
     for shape in args.shapes:
         model_dir = model_dir_for(shape)
         default_rows = linear.GEMV_MAX_ROWS
+        default_fused = fused_linear.FUSED_GEMV_MAX_WEIGHT_BYTES
         by_gemv = {}
         for gemv in args.gemv:
-            linear.GEMV_MAX_ROWS = default_rows if gemv == "on" else 0
+            linear.GEMV_MAX_ROWS = default_rows if gemv != "off" else 0
+            fused_linear.FUSED_GEMV_MAX_WEIGHT_BYTES = default_fused if gemv == "on" else 0
             by_gemv[gemv] = {
                 mode: bench_ours(model_dir, args.batch_sizes, args.input_len, args.output_len,
                                  SCHEDULING[mode])
                 for mode in args.scheduling
             }
         linear.GEMV_MAX_ROWS = default_rows
+        fused_linear.FUSED_GEMV_MAX_WEIGHT_BYTES = default_fused
         runs = by_gemv[args.gemv[0]]
         ours = runs[args.scheduling[0]]
         entry = {"ours": ours}

@@ -58,18 +58,23 @@ def linear_forward(
     The Triton GEMV for 2-D CUDA inputs of at most `GEMV_MAX_ROWS` rows in the
     weight's dtype with a contiguous last dim; `F.linear` otherwise.
     """
-    if (
+    if takes_gemv(x, weight, bias):
+        from vllm.model_executor.layers.ops.gemv import gemv
+
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def takes_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether `linear_forward(x, weight, bias)` launches the Triton GEMV (else cuBLAS)."""
+    return (
         x.dim() == 2
         and 0 < x.shape[0] <= GEMV_MAX_ROWS
         and x.stride(-1) == 1
         and x.dtype == weight.dtype
         and (bias is None or bias.dtype == x.dtype)
         and use_fused_ops(x)
-    ):
-        from vllm.model_executor.layers.ops.gemv import gemv
-
-        return gemv(x, weight, bias)
-    return F.linear(x, weight, bias)
+    )
 
 
 class LinearBase(nn.Module):

@@ -20,6 +20,21 @@ Products are summed in float32 in a different order from cuBLAS', so outputs
 agree with `F.linear` to a bf16/fp16 ulp or two, not bitwise.
 `num_rows` and the row strides are not specialised on (every decode batch shares
 one compiled variant per layer shape), so warm-up compiles all of them.
+
+One row can also take its elementwise prologue inside the launch (a batch-1
+decode step of a small model is launch-bound, so the separate kernel before
+the projection costs more than the bytes it moves):
+
+    gemv_rms_norm:      a = RMSNorm(x + residual), y = a W^T (+ b); program 0 also
+                        stores x + residual (the new residual stream)
+    gemv_silu_and_mul:  a = silu(x[:K]) * x[K:],   y = a W^T (+ b)
+
+Each program recomputes `a` from the row (K elements from L2: every program
+reads the same bytes) before its weight tiles; the norm needs one more pass
+over K for the mean square. `a` is rounded where `RMSNorm.forward_native` /
+`SiluAndMul.forward_native` round (fp contraction off in these variants), so
+it equals the torch path's input bit for bit except for the float32 sum order
+of the mean square and Triton's `exp`; the new residual stream is exact.
 """
 
 from __future__ import annotations
@@ -50,25 +65,83 @@ class GemvConfig:
     num_stages: int = 1
 
 
+PROLOGUE_NONE, PROLOGUE_RMS_NORM, PROLOGUE_SILU_AND_MUL = 0, 1, 2
+
+
+@triton.jit
+def _residual_sum(x_ptr, res_ptr, offs_k, k_mask, HAS_RESIDUAL: tl.constexpr,
+                  EVEN_K: tl.constexpr):
+    """x[offs_k] (+ residual[offs_k], the sum rounded to x's dtype as torch's add does)."""
+    if EVEN_K:
+        s = tl.load(x_ptr + offs_k)
+    else:
+        s = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
+    if HAS_RESIDUAL:
+        if EVEN_K:
+            r = tl.load(res_ptr + offs_k)
+        else:
+            r = tl.load(res_ptr + offs_k, mask=k_mask, other=0.0)
+        s = (s.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    return s
+
+
+@triton.jit
+def _one_row_input(x_ptr, res_ptr, norm_w_ptr, offs_k, k_mask, K, rstd,
+                   PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr):
+    """The matmul input a[offs_k] of the one row, in float32 (values rounded as torch rounds)."""
+    dtype = x_ptr.dtype.element_ty
+    if PROLOGUE == 1:  # PROLOGUE_RMS_NORM
+        s = _residual_sum(x_ptr, res_ptr, offs_k, k_mask, HAS_RESIDUAL, EVEN_K)
+        if EVEN_K:
+            nw = tl.load(norm_w_ptr + offs_k)
+        else:
+            nw = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0)
+        normed = (s.to(tl.float32) * rstd).to(dtype)
+        a = (normed.to(tl.float32) * nw.to(tl.float32)).to(dtype)
+    elif PROLOGUE == 2:  # PROLOGUE_SILU_AND_MUL: x = [gate | up], K = len(gate)
+        if EVEN_K:
+            gate = tl.load(x_ptr + offs_k).to(tl.float32)
+            up = tl.load(x_ptr + K + offs_k).to(tl.float32)
+        else:
+            gate = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            up = tl.load(x_ptr + K + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        # As ops/activation.py: silu in float32 (IEEE division), rounded; product rounded.
+        silu = tl.math.div_rn(gate, 1.0 + tl.exp(-gate)).to(dtype).to(tl.float32)
+        a = (silu * up).to(dtype)
+    else:
+        if EVEN_K:
+            a = tl.load(x_ptr + offs_k)
+        else:
+            a = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
+    return a.to(tl.float32)
+
+
 @triton.jit(do_not_specialize=["num_rows", "stride_x", "stride_o"])
 def _gemv_kernel(
-    x_ptr,  # [num_rows, K], last dim contiguous
+    x_ptr,  # [num_rows, K] ([1, 2K] for PROLOGUE_SILU_AND_MUL), last dim contiguous
     w_ptr,  # [n_out, K], last dim contiguous
     bias_ptr,  # [n_out] (HAS_BIAS)
     out_ptr,  # [num_rows, n_out], last dim contiguous
+    res_ptr,  # [1, K] (PROLOGUE_RMS_NORM and HAS_RESIDUAL)
+    norm_w_ptr,  # [K] (PROLOGUE_RMS_NORM)
+    res_out_ptr,  # [1, K] (PROLOGUE_RMS_NORM and HAS_RESIDUAL): x + residual
     num_rows,
     n_out,
     K,
     stride_x,
     stride_w,
     stride_o,
+    eps,
     HAS_BIAS: tl.constexpr,
+    PROLOGUE: tl.constexpr,  # PROLOGUE_*: what `a` is made of (one row only)
+    HAS_RESIDUAL: tl.constexpr,
     M_PAD: tl.constexpr,  # 1 (one row, no dot) or 16 (tl.dot, rows masked)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K masks
     FP32_IEEE: tl.constexpr,
 ):
+    tl.static_assert(PROLOGUE == 0 or M_PAD == 1, "prologues are for one row")
     pid = tl.program_id(0)
     dtype = out_ptr.dtype.element_ty
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -78,17 +151,30 @@ def _gemv_kernel(
     w_rows = w_ptr + tl.minimum(offs_n, n_out - 1).to(tl.int64)[:, None] * stride_w
     offs_kb = tl.arange(0, BLOCK_K)
     if M_PAD == 1:
+        rstd = 0.0
+        if PROLOGUE == 1:  # the mean square of x + residual; program 0 stores the sum
+            sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                offs_k = k0 + offs_kb
+                k_mask = offs_k < K
+                s = _residual_sum(x_ptr, res_ptr, offs_k, k_mask, HAS_RESIDUAL, EVEN_K)
+                if HAS_RESIDUAL:  # noqa: SIM102 (constexpr branch, then a runtime one)
+                    if pid == 0:
+                        tl.store(res_out_ptr + offs_k, s, mask=k_mask)
+                s32 = s.to(tl.float32)
+                sum_sq += s32 * s32
+            rstd = tl.math.rsqrt(tl.sum(sum_sq, axis=0) / K + eps)
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + offs_kb
+            k_mask = offs_k < K
             if EVEN_K:
-                x = tl.load(x_ptr + offs_k)
                 w = tl.load(w_rows + offs_k[None, :])
             else:
-                k_mask = offs_k < K
-                x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
                 w = tl.load(w_rows + offs_k[None, :], mask=k_mask[None, :], other=0.0)
-            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+            a = _one_row_input(x_ptr, res_ptr, norm_w_ptr, offs_k, k_mask, K, rstd,
+                               PROLOGUE, HAS_RESIDUAL, EVEN_K)
+            acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + offs_n, acc.to(dtype), mask=n_mask)
@@ -162,19 +248,123 @@ def gemv(
         ValueError: dtypes, shapes, strides, devices, or M outside 1..MAX_ROWS.
     """
     op = "gemv"
+    k = _check_x_weight(op, x, weight, x.shape[1] if x.dim() == 2 else -1)
+    if not 1 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"{op}: takes 1..{MAX_ROWS} rows, got {x.shape[0]}")
+    return _launch(op, x, weight, bias, config, k, PROLOGUE_NONE)[0]
+
+
+def gemv_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(RMSNorm(x + residual) @ weight^T + bias, x + residual) for one row, one launch.
+
+    The norm is `RMSNorm.forward_native`'s (statistics in float32, rounded to
+    x's dtype before the weight multiply, Zhang & Sennrich 2019).
+
+    Args:
+        x: [1, K] float16/bfloat16/float32, last dim contiguous.
+        residual: None or like x (dtype and shape), last dim contiguous.
+        norm_weight: [K], x's dtype. eps: added to the mean square.
+        weight: [N, K], x's dtype, last dim contiguous. bias: None or [N], x's dtype.
+        config: tile override (benchmarks); None picks `default_config`.
+
+    Returns:
+        (y [1, N] contiguous, the new residual stream x + residual [1, K]
+        contiguous, or None without a residual). Inputs are not modified.
+
+    Raises:
+        ValueError: dtypes, shapes, strides, devices, or more than one row.
+    """
+    op = "gemv_rms_norm"
+    k = _check_x_weight(op, x, weight, x.shape[1] if x.dim() == 2 else -1)
+    _check_one_row(op, x)
+    extra = dict(norm_weight=norm_weight)
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError(f"{op}: residual must match x ({x.dtype} {tuple(x.shape)}), got "
+                             f"{residual.dtype} {tuple(residual.shape)}")
+        extra["residual"] = residual
+    if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype:
+        raise ValueError(f"{op}: norm_weight must be [{k}] {x.dtype}, got {norm_weight.dtype} "
+                         f"{tuple(norm_weight.shape)}")
+    return _launch(op, x, weight, bias, config, k, PROLOGUE_RMS_NORM, residual=residual,
+                   norm_weight=norm_weight, eps=eps, extra=extra)
+
+
+def gemv_silu_and_mul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """(silu(x[:, :K]) * x[:, K:]) @ weight^T + bias for one row, one launch.
+
+    The activation is `SiluAndMul.forward_native`'s (silu rounded to x's dtype,
+    then the product rounded), as `ops/activation.py` computes it.
+
+    Args:
+        x: [1, 2K] float16/bfloat16/float32 (gate | up), last dim contiguous.
+        weight: [N, K], x's dtype, last dim contiguous. bias: None or [N], x's dtype.
+        config: tile override (benchmarks); None picks `default_config`.
+
+    Returns:
+        y [1, N] contiguous, x's dtype.
+
+    Raises:
+        ValueError: dtypes, shapes, strides, devices, an odd last dim, or more
+            than one row.
+    """
+    op = "gemv_silu_and_mul"
+    two_k = x.shape[1] if x.dim() == 2 else -1
+    if two_k % 2:
+        raise ValueError(f"{op}: x's last dim must be even (gate | up), got {tuple(x.shape)}")
+    k = _check_x_weight(op, x, weight, two_k // 2)
+    _check_one_row(op, x)
+    return _launch(op, x, weight, bias, config, k, PROLOGUE_SILU_AND_MUL)[0]
+
+
+def _check_x_weight(op: str, x: torch.Tensor, weight: torch.Tensor, k: int) -> int:
+    """Validate x [M, *] and weight [N, k] (k > 0, x's dtype); returns k."""
     check_dtype(op, "x", x)
-    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != k or k <= 0:
         raise ValueError(
             f"{op}: x must be [M, K] and weight [N, K], got {tuple(x.shape)} and "
             f"{tuple(weight.shape)}"
         )
-    num_rows, k = x.shape
-    n = weight.shape[0]
-    if not 1 <= num_rows <= MAX_ROWS:
-        raise ValueError(f"{op}: takes 1..{MAX_ROWS} rows, got {num_rows}")
     if weight.dtype != x.dtype:
         raise ValueError(f"{op}: weight must be {x.dtype}, got {weight.dtype}")
-    tensors = dict(x=x, weight=weight)
+    return k
+
+
+def _check_one_row(op: str, x: torch.Tensor) -> None:
+    if x.shape[0] != 1:
+        raise ValueError(f"{op}: takes one row, got {x.shape[0]}")
+
+
+def _launch(
+    op: str,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: GemvConfig | None,
+    k: int,
+    prologue: int,
+    *,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    extra: dict[str, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Check bias, strides and devices, allocate the outputs and launch `_gemv_kernel`."""
+    num_rows, n = x.shape[0], weight.shape[0]
+    tensors = dict(x=x, weight=weight, **(extra or {}))
     if bias is not None:
         if bias.shape != (n,) or bias.dtype != x.dtype:
             raise ValueError(f"{op}: bias must be [{n}] {x.dtype}, got {bias.dtype} "
@@ -185,18 +375,25 @@ def gemv(
     if config is None:
         config = default_config(num_rows, n, k, num_sms(x.device))
     out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
+    res_out = None if residual is None else torch.empty(1, k, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x,
         weight,
         weight if bias is None else bias,
         out,
+        x if residual is None else residual,
+        x if norm_weight is None else norm_weight,
+        out if res_out is None else res_out,
         num_rows,
         n,
         k,
         x.stride(0),
         weight.stride(0),
         out.stride(0),
+        eps,
         HAS_BIAS=bias is not None,
+        PROLOGUE=prologue,
+        HAS_RESIDUAL=residual is not None,
         M_PAD=1 if num_rows == 1 else MAX_ROWS,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
@@ -204,6 +401,7 @@ def gemv(
         FP32_IEEE=x.dtype == torch.float32,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        # The prologues round each product where torch does: no fused multiply-adds.
+        enable_fp_fusion=prologue == PROLOGUE_NONE,
     )
-    return out
-
+    return out, res_out
