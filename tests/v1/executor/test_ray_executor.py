@@ -44,6 +44,23 @@ def executor(two_node_cluster):
     executor.shutdown()
 
 
+def test_placement_groups_are_named_per_executor(two_node_cluster):
+    """Two executors' groups alive in one process at once (before the executor fixture
+    takes both CPUs): a name per process ("vllm-<pid>") made the second one fail."""
+    from ray.util.placement_group import placement_group_table, remove_placement_group
+
+    from vllm.v1.executor.ray_utils import create_placement_group
+
+    groups = [create_placement_group(1, "CPU") for _ in range(2)]
+    try:
+        names = [placement_group_table(g)["name"] for g in groups]
+        assert len(set(names)) == 2, names
+        assert all(n.startswith(f"vllm-{os.getpid()}-") for n in names), names
+    finally:
+        for g in groups:
+            remove_placement_group(g)
+
+
 def test_one_rank_per_node(executor):
     assert Executor.get_class(make_config(2, "ray")) is type(executor)
     nodes = ray.get([w.get_node_and_device.remote() for w in executor.workers])
