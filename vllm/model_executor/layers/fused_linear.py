@@ -25,7 +25,7 @@ Two fused implementations, chosen by the batch's row count:
     kernels of `ops/norm_linear.py`. They lose on the H200 (2026-12-03, per
     launch in a CUDA graph, SmolLM2 shapes, 16 rows: qkv cuBLAS 3.72 us +
     norm 1.55 against 5.54 fused, down 5.11 + SiLU 2.18 against 42.99; one
-    row through them made the SmolLM2 step 4.99 ms against 0.97), so
+    row through them made the SmolLM2 forward graph 4.99 ms against 0.97), so
     they stay off; `benchmark_decode_kernels.py`'s "fused" variant turns
     them on (`FUSED_LINEAR_MAX_TOKENS = MAX_ROWS`).
 Both need: CUDA tensors the fused ops handle (`use_fused_ops`), 2-D, the
