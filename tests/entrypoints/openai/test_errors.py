@@ -87,6 +87,20 @@ BAD_REQUESTS = [
                           ("response_format", {"type": "json_schema", "json_schema": {}})]],
     ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
      "tools"),
+    # vLLM's other request extras that are not implemented: refused when they ask for
+    # something (a 200 would have ignored them).
+    *[(endpoint, {name: value}, 400, name)
+      for endpoint in ("completions", "chat/completions")
+      for name, value in [("allowed_token_ids", [28]), ("bad_words", [" Paris"]),
+                          ("use_beam_search", True), ("length_penalty", 0.5),
+                          ("truncate_prompt_tokens", 100), ("priority", 1),
+                          ("logits_processors", ["x"]), ("return_tokens_as_token_ids", True),
+                          ("vllm_xargs", {"a": 1})]],
+    ("chat/completions", {"chat_template_kwargs": {"enable_thinking": False}}, 400,
+     "chat_template_kwargs"),
+    ("chat/completions", {"chat_template_kwargs": 5}, 400, "chat_template_kwargs"),
+    ("chat/completions", {"mm_processor_kwargs": {"a": 1}}, 400, "mm_processor_kwargs"),
+    ("chat/completions", {"documents": [{"text": "d"}]}, 400, "documents"),
     ("completions", {"prompt_logprobs": 2, "stream": True}, 400, "prompt_logprobs"),
     ("completions", {"prompt_logprobs": -2}, 400, "prompt_logprobs"),
     ("completions", {"prompt_logprobs": MAX_LOGPROBS + 1}, 400, "prompt_logprobs"),
@@ -144,6 +158,18 @@ def test_bad_request(server, reference_text, endpoint, overrides, status, param)
     if "surrogate" in error["message"]:
         assert param in error["message"], error
     _assert_still_serving(server, reference_text)
+
+
+def test_unsupported_extras_at_their_neutral_values_are_accepted(server, reference_text):
+    """What vLLM sends by default (no beam search, no bad words, ...) asks for nothing."""
+    neutral = {"use_beam_search": False, "length_penalty": 1.0, "bad_words": [],
+               "allowed_token_ids": None, "priority": 0, "return_tokens_as_token_ids": False}
+    response = httpx.post(server.url_for("v1/completions"), json={**GOOD, **neutral}, timeout=120)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == reference_text
+    response = httpx.post(server.url_for("v1/chat/completions"),
+                          json={**CHAT, **neutral, "chat_template_kwargs": {}}, timeout=120)
+    assert response.status_code == 200, response.text
 
 
 def _post_raw_json(url: str, body: object, timeout: float = 60) -> httpx.Response:

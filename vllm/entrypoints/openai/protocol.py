@@ -124,6 +124,18 @@ class SamplingFields(OpenAIRequest):
     guided_whitespace_pattern: Any = None
     structured_outputs: Any = None
     response_format: Any = None
+    # vLLM's other request extras this server does not implement: declared so a set,
+    # non-neutral value is refused with HTTP 400 (serving_engine.UNSUPPORTED_FIELDS)
+    # instead of being ignored.
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    truncate_prompt_tokens: Any = None
+    logits_processors: Any = None
+    return_tokens_as_token_ids: Any = None
+    priority: Any = None
+    vllm_xargs: Any = None
     # KV transfer (disaggregated prefill): passed to the KV connector as
     # SamplingParams.extra_args["kv_transfer_params"]; answered in the response.
     kv_transfer_params: dict[str, Any] | None = None
@@ -219,6 +231,10 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     chat_template: str | None = None
+    # vLLM's chat extras not implemented here: refused when set (see SamplingFields).
+    chat_template_kwargs: Any = None
+    mm_processor_kwargs: Any = None
+    documents: Any = None
 
 
 class ChatMessageOut(OpenAIBaseModel):

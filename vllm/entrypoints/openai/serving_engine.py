@@ -70,18 +70,43 @@ STRUCTURED_OUTPUT_FIELDS = ("guided_json", "guided_regex", "guided_choice", "gui
                             "structured_outputs")
 
 
+# vLLM request extras this server does not implement -> the values that ask for nothing
+# (what vLLM does by default): any other value is refused, never silently ignored.
+UNSUPPORTED_FIELDS: dict[str, tuple] = {
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "truncate_prompt_tokens": (None,),
+    "logits_processors": (None, []),
+    "return_tokens_as_token_ids": (None, False),
+    "priority": (None, 0),
+    "vllm_xargs": (None, {}),
+    "chat_template_kwargs": (None, {}),
+    "mm_processor_kwargs": (None, {}),
+    "documents": (None, []),
+}
+
+
 def reject_unsupported_fields(request: SamplingFields) -> None:
     """Refuse what this server cannot honour, before any work is done.
 
     Raises:
         APIError(400, param = the field): a structured-output field, a
-            `response_format` other than {"type": "text"}, or `prompt_logprobs`
-            with stream=true (vLLM's rule: they come with the final response).
+            `response_format` other than {"type": "text"}, a vLLM extra of
+            `UNSUPPORTED_FIELDS` set to a value that asks for something, or
+            `prompt_logprobs` with stream=true (vLLM's rule: they come with the
+            final response).
     """
     for name in STRUCTURED_OUTPUT_FIELDS:
         if getattr(request, name) is not None:
             raise APIError(400, f"{name} is not supported: structured outputs are not "
                            "implemented by this server", name)
+    for name, neutral in UNSUPPORTED_FIELDS.items():
+        value = getattr(request, name, None)
+        if not any(value == v and type(value) is type(v) for v in neutral):
+            raise APIError(400, f"{name} is not supported by this server (got {value!r:.80}); "
+                           "leave it out", name)
     response_format = request.response_format
     if response_format is not None:
         kind = response_format.get("type") if isinstance(response_format, dict) else None
