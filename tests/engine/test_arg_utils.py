@@ -95,6 +95,11 @@ def test_human_readable_numbers():
     assert human_readable_bytes("4G") == 4 * 2**30 and human_readable_bytes("4g") == 4 * 10**9
     assert human_readable_bytes("4GiB") == 4 * 2**30 and human_readable_bytes("4GB") == 4 * 10**9
     assert human_readable_bytes("512 MiB") == 512 * 2**20
+    with pytest.raises(argparse.ArgumentTypeError, match=r"invalid integer '-5': must not be "
+                       "negative"):
+        human_readable_int("-5")
+    with pytest.raises(argparse.ArgumentTypeError, match="expected an integer, optionally"):
+        human_readable_int("five")
 
 
 def test_async_engine_args_flag():

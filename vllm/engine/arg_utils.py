@@ -47,6 +47,8 @@ _NUMBER_RE = re.compile(r"(\d+(?:\.\d+)?)\s*([A-Za-z]*)")
 def _parse_int(value: str, decimal: dict[str, int], binary: dict[str, int], what: str) -> int:
     match = _NUMBER_RE.fullmatch(value.strip())
     suffix = match.group(2) if match else None
+    if match is None and _NUMBER_RE.fullmatch(value.strip().lstrip("-")):
+        raise argparse.ArgumentTypeError(f"invalid {what} {value!r}: must not be negative")
     if suffix is None or (suffix and suffix not in decimal and suffix not in binary):
         raise argparse.ArgumentTypeError(
             f"invalid {what} {value!r}: expected an integer, optionally with a suffix "

@@ -60,8 +60,9 @@ def check_model_path(model: str | os.PathLike) -> None:
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} has no config.json (expected an HF model directory)")
         return
+    what = "is a file, not a model" if path.is_file() else "not found"
     raise FileNotFoundError(
-        f"model {os.fspath(model)!r} not found: expected an HF model directory (config.json + "
+        f"model {os.fspath(model)!r} {what}: expected an HF model directory (config.json + "
         "*.safetensors) or a .gguf file"
     )
 
