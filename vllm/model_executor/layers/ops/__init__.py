@@ -85,3 +85,28 @@ def check_last_dim_contiguous(op: str, **tensors: torch.Tensor) -> None:
             raise ValueError(
                 f"{op}: {name} must have a contiguous last dim, got strides {t.stride()}"
             )
+
+
+def check_norm_inputs(
+    op: str, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, k: int
+) -> None:
+    """Raise ValueError unless residual is None or matches x, and norm_weight is [k] in x's dtype
+    (the fused norm + projection launchers)."""
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(
+            f"{op}: residual must match x ({x.dtype} {tuple(x.shape)}), got "
+            f"{residual.dtype} {tuple(residual.shape)}"
+        )
+    if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype:
+        raise ValueError(
+            f"{op}: norm_weight must be [{k}] {x.dtype}, got {norm_weight.dtype} "
+            f"{tuple(norm_weight.shape)}"
+        )
+
+
+def gate_up_width(op: str, x: torch.Tensor) -> int:
+    """K of x = [gate | up] ([M, 2K], the fused SiLU-and-mul launchers); ValueError if odd."""
+    two_k = x.shape[-1] if x.dim() == 2 else -1
+    if two_k % 2:
+        raise ValueError(f"{op}: x's last dim must be even (gate | up), got {tuple(x.shape)}")
+    return two_k // 2

@@ -48,7 +48,9 @@ import triton.language as tl
 from vllm.model_executor.layers.ops import (
     check_dtype,
     check_last_dim_contiguous,
+    check_norm_inputs,
     check_same_device,
+    gate_up_width,
 )
 from vllm.v1.attention.ops.attention_config import num_sms
 
@@ -285,17 +287,9 @@ def gemv_rms_norm(
     op = "gemv_rms_norm"
     k = _check_x_weight(op, x, weight, x.shape[1] if x.dim() == 2 else -1)
     _check_one_row(op, x)
-    extra = dict(norm_weight=norm_weight)
-    if residual is not None:
-        if residual.shape != x.shape or residual.dtype != x.dtype:
-            raise ValueError(f"{op}: residual must match x ({x.dtype} {tuple(x.shape)}), got "
-                             f"{residual.dtype} {tuple(residual.shape)}")
-        extra["residual"] = residual
-    if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype:
-        raise ValueError(f"{op}: norm_weight must be [{k}] {x.dtype}, got {norm_weight.dtype} "
-                         f"{tuple(norm_weight.shape)}")
+    check_norm_inputs(op, x, residual, norm_weight, k)
     return _launch(op, x, weight, bias, config, k, PROLOGUE_RMS_NORM, residual=residual,
-                   norm_weight=norm_weight, eps=eps, extra=extra)
+                   norm_weight=norm_weight, eps=eps)
 
 
 def gemv_silu_and_mul(
@@ -322,10 +316,7 @@ def gemv_silu_and_mul(
             than one row.
     """
     op = "gemv_silu_and_mul"
-    two_k = x.shape[1] if x.dim() == 2 else -1
-    if two_k % 2:
-        raise ValueError(f"{op}: x's last dim must be even (gate | up), got {tuple(x.shape)}")
-    k = _check_x_weight(op, x, weight, two_k // 2)
+    k = _check_x_weight(op, x, weight, gate_up_width(op, x))
     _check_one_row(op, x)
     return _launch(op, x, weight, bias, config, k, PROLOGUE_SILU_AND_MUL)[0]
 
@@ -360,11 +351,14 @@ def _launch(
     residual: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
-    extra: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Check bias, strides and devices, allocate the outputs and launch `_gemv_kernel`."""
     num_rows, n = x.shape[0], weight.shape[0]
-    tensors = dict(x=x, weight=weight, **(extra or {}))
+    tensors = dict(x=x, weight=weight)
+    if residual is not None:
+        tensors["residual"] = residual
+    if norm_weight is not None:
+        tensors["norm_weight"] = norm_weight
     if bias is not None:
         if bias.shape != (n,) or bias.dtype != x.dtype:
             raise ValueError(f"{op}: bias must be [{n}] {x.dtype}, got {bias.dtype} "

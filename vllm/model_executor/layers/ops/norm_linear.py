@@ -41,7 +41,9 @@ import triton.language as tl
 from vllm.model_executor.layers.ops import (
     check_dtype,
     check_last_dim_contiguous,
+    check_norm_inputs,
     check_same_device,
+    gate_up_width,
 )
 
 MAX_ROWS = 16  # = M_PAD: tl.dot's smallest M; larger batches take the unfused path
@@ -202,19 +204,10 @@ def rms_norm_linear(
     """
     op = "rms_norm_linear"
     num_rows, k, n = _check(op, x, weight, x.shape[-1] if x.dim() == 2 else -1)
+    check_norm_inputs(op, x, residual, norm_weight, k)
     tensors = dict(x=x, norm_weight=norm_weight, weight=weight)
     if residual is not None:
-        if residual.shape != x.shape or residual.dtype != x.dtype:
-            raise ValueError(
-                f"{op}: residual must match x ({x.dtype} {tuple(x.shape)}), got "
-                f"{residual.dtype} {tuple(residual.shape)}"
-            )
         tensors["residual"] = residual
-    if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype:
-        raise ValueError(
-            f"{op}: norm_weight must be [{k}] {x.dtype}, got {norm_weight.dtype} "
-            f"{tuple(norm_weight.shape)}"
-        )
     if bias is not None:
         if bias.shape != (n,) or bias.dtype != x.dtype:
             raise ValueError(f"{op}: bias must be [{n}] {x.dtype}, got {tuple(bias.shape)}")
@@ -268,10 +261,7 @@ def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ValueError: dtypes, shapes, strides, devices, or M > MAX_ROWS.
     """
     op = "silu_and_mul_linear"
-    two_k = x.shape[-1] if x.dim() == 2 else -1
-    if two_k % 2:
-        raise ValueError(f"{op}: x's last dim must be even (gate | up), got {tuple(x.shape)}")
-    num_rows, k, n = _check(op, x, weight, two_k // 2)
+    num_rows, k, n = _check(op, x, weight, gate_up_width(op, x))
     check_last_dim_contiguous(op, x=x, weight=weight)
     check_same_device(op, x=x, weight=weight)
     out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
