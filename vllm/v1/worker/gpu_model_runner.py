@@ -119,9 +119,22 @@ class GPUModelRunner:
         self.query_start_loc_cpu = self._req_lens_cpu[: r + 1]
         self.seq_lens_cpu = self._req_lens_cpu[lens_at:]
         self._arange = np.arange(max(n, r) + 1, dtype=np.int64)
+        self._arange.flags.writeable = False  # shared by every step's views
+        self._ones = np.ones(r, dtype=np.int64)  # num_sched of an all-decode step (read-only)
+        self._ones.flags.writeable = False
+        # numpy views of the host twins, made once (each .numpy() costs microseconds).
+        self._input_ids_np = self.input_ids_cpu.numpy()
+        self._positions_np = self.positions_cpu.numpy()
+        self._slot_mapping_np = self.slot_mapping_cpu.numpy()
+        self._query_start_loc_np = self.query_start_loc_cpu.numpy()
+        self._seq_lens_np = self.seq_lens_cpu.numpy()
         # Flat index of each sampling row's last token, for the logits.
         self.logits_indices = torch.zeros(r, dtype=torch.int64, device=device)  # [max_num_reqs]
         self.logits_indices_cpu = torch.zeros(r, dtype=torch.int64, pin_memory=pin)
+        self._logits_indices_np = self.logits_indices_cpu.numpy()
+        # How many leading entries of the device logits_indices are 0, 1, 2, ...
+        # (an all-decode step's): such a step samples hidden[:n], no copy, no gather.
+        self._logits_arange_len = 0
         self.async_state = (
             AsyncStepState(r, device, max_model_len) if async_scheduling else None
         )
@@ -239,24 +252,31 @@ class GPUModelRunner:
         """
         batch = self.input_batch
         num_reqs = batch.num_reqs
-        num_sched = np.array([so.num_scheduled_tokens[r] for r in batch.req_ids], dtype=np.int64)
-        total = int(num_sched.sum())
-        cu = np.cumsum(num_sched)
-        req_indices, offsets = self._token_rows(num_sched, cu, total)
         computed = batch.num_computed_tokens[:num_reqs].astype(np.int64)
-        positions = computed[req_indices] + offsets
+        if self._all_single_token(so, num_reqs):
+            # Row i is flat token i at position computed[i].
+            num_sched = self._ones[:num_reqs]
+            total = num_reqs
+            cu = self._arange[1 : num_reqs + 1]
+            req_indices, positions = self._arange[:num_reqs], computed
+        else:
+            num_sched = np.array([so.num_scheduled_tokens[r] for r in batch.req_ids],
+                                 dtype=np.int64)
+            total = int(num_sched.sum())
+            cu = np.cumsum(num_sched)
+            req_indices, offsets = self._token_rows(num_sched, cu, total)
+            positions = computed[req_indices] + offsets
 
         token_ids = batch.token_ids[req_indices, positions]
         # A decode batch that replays a graph of `size` > num_reqs requests gets its
         # padding (harmless requests: id 0, no KV slot, no keys) here, in the same copies.
         size = self._decode_graph_size(num_reqs, total)
         end = total if size is None else size
-        ids, pos, slots = (t.numpy() for t in (self.input_ids_cpu, self.positions_cpu,
-                                                self.slot_mapping_cpu))
+        ids, pos, slots = self._input_ids_np, self._positions_np, self._slot_mapping_np
         ids[:total] = token_ids
         pos[:total] = positions
         slots[:total] = batch.block_table.slot_mapping(req_indices, positions)
-        qsl, lens = self.query_start_loc_cpu.numpy(), self.seq_lens_cpu.numpy()
+        qsl, lens = self._query_start_loc_np, self._seq_lens_np
         qsl[0] = 0
         qsl[1 : num_reqs + 1] = cu
         seq_lens = computed + num_sched
@@ -279,10 +299,21 @@ class GPUModelRunner:
         # partial prefill samples nothing (and must not advance its seeded
         # generator, or the output would depend on the chunk size).
         rows = np.nonzero(seq_lens >= batch.num_tokens[:num_reqs])[0]
-        self.logits_indices_cpu.numpy()[: len(rows)] = cu[rows] - 1
-        self.logits_indices[: len(rows)].copy_(
-            self.logits_indices_cpu[: len(rows)], non_blocking=True
-        )
+        n_rows = len(rows)
+        if total == num_reqs and n_rows == num_reqs:
+            # Every row samples its only token: indices 0 .. n-1 (cu[rows] - 1).
+            if self._logits_arange_len < n_rows:
+                self._logits_indices_np[:n_rows] = self._arange[:n_rows]
+                self.logits_indices[:n_rows].copy_(
+                    self.logits_indices_cpu[:n_rows], non_blocking=True
+                )
+                self._logits_arange_len = n_rows
+        elif n_rows:
+            self._logits_indices_np[:n_rows] = cu[rows] - 1
+            self.logits_indices[:n_rows].copy_(
+                self.logits_indices_cpu[:n_rows], non_blocking=True
+            )
+            self._logits_arange_len = 0
 
         metadata = AttentionMetadata(
             num_actual_tokens=total,
@@ -296,6 +327,13 @@ class GPUModelRunner:
             seq_lens_cpu=self.seq_lens_cpu[:num_reqs],
         )
         return metadata, num_sched, rows
+
+    @staticmethod
+    def _all_single_token(so: SchedulerOutput, num_reqs: int) -> bool:
+        """Whether every row runs exactly one token (a decode step: each scheduled row
+        has >= 1, so a total of num_reqs means one each); `_prepare_inputs` then
+        skips the general per-token bookkeeping."""
+        return so.total_num_scheduled_tokens == num_reqs
 
     # ---------------------------------------------------------------- forward
     def _graph_forward(self, size: int, query_len: int = 1) -> torch.Tensor:
@@ -458,10 +496,15 @@ class GPUModelRunner:
                     batch.append_token(row, tok)
         sampler_output = None
         if len(rows):
-            idx = self.logits_indices[: len(sampling_rows)]
-            if is_verify.any():
-                idx = idx[torch.from_numpy(np.nonzero(~is_verify)[0]).to(self.device)]
-            logits = self.model.compute_logits(hidden[idx])
+            n = len(sampling_rows)
+            if not is_verify.any() and n <= self._logits_arange_len:
+                sampled_hidden = hidden[:n]  # indices 0 .. n-1: a view, no gather
+            else:
+                idx = self.logits_indices[:n]
+                if is_verify.any():
+                    idx = idx[torch.from_numpy(np.nonzero(~is_verify)[0]).to(self.device)]
+                sampled_hidden = hidden[idx]
+            logits = self.model.compute_logits(sampled_hidden)
             states = [batch.states[r] for r in rows]
             sampler_output = self.sampler(logits, self._sampling_metadata(states))
         if sampler_output is not None and self.async_state is None:
