@@ -171,7 +171,13 @@ def test_select_config_decode_splits_and_prefill_tiles():
     ua = _cfg()
     decode = _select()
     assert (decode.block_m, decode.block_n) == (ua.DECODE_CONFIG.block_m, ua.DECODE_CONFIG.block_n)
-    assert decode.num_splits >= 2  # 512 (request, head) pairs do not fill 4 programs x 132 SMs
+    assert decode.decode and decode.num_stages == ua.DECODE_ONE_TOKEN_STAGES
+    assert decode.num_splits == 1  # 512 (request, head) pairs already fill 132 SMs
+    eight = _select(num_tokens=8, num_reqs=8)
+    assert eight.num_splits == 4  # 64 pairs: split until a program per SM (256 >= 132)
+    verify = _select(num_tokens=64, num_reqs=16, max_query_len=4)
+    assert not verify.decode and verify.num_stages == ua.DECODE_CONFIG.num_stages
+    assert verify.num_splits == 8  # 128 (q block, head) pairs: 4 programs per SM = 1024
     small = _select(num_tokens=1, num_reqs=1)
     assert small.num_splits == ua.MAX_SPLITS  # one request: split as far as allowed
     short = _select(num_tokens=1, num_reqs=1, max_seq_len=300)

@@ -41,6 +41,7 @@ class Case:
     block_m: int = 0  # 0 = the launcher's choice
     block_n: int = 0
     num_splits: int = 0
+    split_min_tiles: int = 0  # 0 = from MIN_TOKENS_PER_SPLIT (explicit configs only)
     # Host bounds passed to the launcher (0 = the batch's own maxima). Larger values
     # mimic a CUDA graph captured at upper bounds and replayed with this batch.
     bound_query_len: int = 0
@@ -110,11 +111,13 @@ def check_attention(case: Case, device: str) -> None:
     )
 
     config = None
-    if case.block_m or case.block_n or case.num_splits:
+    if case.block_m or case.block_n or case.num_splits or case.split_min_tiles:
         config = AttentionKernelConfig(
             block_m=case.block_m or DECODE_CONFIG.block_m,
             block_n=case.block_n or DECODE_CONFIG.block_n,
             num_splits=case.num_splits,
+            decode=b["max_query_len"] <= 1,  # as select_config decides
+            split_min_tiles=case.split_min_tiles,
         )
     output = torch.full_like(b["query"], float("nan"))
     args = (
@@ -225,6 +228,24 @@ INTERPRETED_ATTENTION = [
     Case(
         "prefill_unmasked_split2_d40", "float32", 8, 6, 2, 40, ((17, 37), (1, 52)),
         block_m=16, block_n=16, num_splits=2,
+    ),
+    # Decode (one request per program, no search) over 4 splits of >= 8 tiles of 16
+    # keys: the 201-key request uses two splits, the short ones one, the rest idle.
+    Case(
+        "decode_split4_idle_splits", "float32", 16, 8, 2, 64,
+        ((1, 5), (1, 200), (1, 63), (1, 64), (0, 0)), pad_tokens=3, block_n=16, num_splits=4,
+    ),
+    # Every split may hold a single tile: a one-key request, and padding rows past
+    # the requests' tokens whose programs serve no request.
+    Case(
+        "decode_split8_one_tile_splits", "float16", 16, 6, 3, 40, ((1, 100), (1, 0), (1, 17)),
+        pad_tokens=4, block_n=16, num_splits=8, split_min_tiles=1,
+    ),
+    # Prefill q blocks with a minimum split length: causal ranges of different q
+    # blocks of one request run on different numbers of splits.
+    Case(
+        "mixed_split4_min2_tiles", "float32", 16, 4, 2, 32, ((23, 60), (3, 0), (1, 90)),
+        block_m=16, block_n=16, num_splits=4, split_min_tiles=2,
     ),
     # As replayed under a graph captured at max_query_len 1 / max_seq_len 4096.
     Case(

@@ -27,6 +27,11 @@ class AttentionKernelConfig:
         block_n: key tokens per tile (power of two, >= 16); may span several cache blocks.
         num_splits: KV ranges per (q block, KV head); 0 = choose from shapes.
         num_warps, num_stages: Triton launch options.
+        decode: one request per program and no request search; only for
+            launches whose max_query_len is 1 (the decode CUDA graphs).
+        split_min_tiles: a split takes at least this many key tiles, so a range
+            shorter than num_splits x that runs on fewer splits (the others
+            idle); 0 = from MIN_TOKENS_PER_SPLIT.
     """
 
     block_m: int
@@ -34,6 +39,12 @@ class AttentionKernelConfig:
     num_splits: int = 0
     num_warps: int = 4
     num_stages: int = 2
+    decode: bool = False
+    split_min_tiles: int = 0
+
+    def min_tiles_per_split(self) -> int:
+        """split_min_tiles, resolved (>= 1)."""
+        return self.split_min_tiles or max(1, MIN_TOKENS_PER_SPLIT // self.block_n)
 
 
 # Decode-like batches (max_query_len x padded group <= DECODE_MAX_ROWS): few rows
@@ -55,15 +66,37 @@ DECODE_MAX_ROWS = 64
 LARGE_MIN_ROWS = 128
 LARGE_MIN_SEQ_LEN = 1024
 DECODE_CONFIG = AttentionKernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)
+# One query token per request (max_query_len 1: the decode CUDA graphs): one program
+# per request and KV head, no request search, one masked loop over the tiles, and
+# num_stages 5, which gives the 16-row tiles two K/V buffers (3 and 4 give one:
+# Triton 3.6 sm_90 TTGIR). In the sweep (H200, 2026-12-04, a graph of 32 layers'
+# decode attention captured at max_model_len, 128-256-token contexts;
+# benchmark_decode_attention.py --sweep), two loops with 5 stages lost to one
+# loop, and one loop with 3 stages and one split lost at 1024-2048 tokens (71.4
+# against 63.8 us a layer). With the split rule below, against the kernel before
+# (1308477), microseconds a layer: Llama-3-8B heads, batch 32: 12.5 vs 17.8 (bound
+# 272), 12.8 vs 17.3 (8192), 58.3 vs 73.9 at 1024-2048 tokens; SmolLM2 heads,
+# batch 1: 5.7 vs 6.5 (272), 6.2 vs 6.0 (8192, 32 splits). docs/benchmarks.md.
+DECODE_ONE_TOKEN_STAGES = 5
 SMALL_PREFILL_CONFIG = AttentionKernelConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
 PREFILL_CONFIG = AttentionKernelConfig(block_m=256, block_n=64, num_warps=8, num_stages=3)
 # fp32 (ieee dot, no tensor cores): smaller tiles and 8 warps keep it free of spills.
 DECODE_CONFIG_FP32 = AttentionKernelConfig(block_m=16, block_n=32, num_warps=8, num_stages=2)
 PREFILL_CONFIG_FP32 = AttentionKernelConfig(block_m=32, block_n=32, num_warps=8, num_stages=2)
 # Split-KV: add splits (powers of two) until the grid has SPLIT_TARGET_PROGRAMS_PER_SM
-# programs per SM, while each split keeps >= MIN_TOKENS_PER_SPLIT keys of max_seq_len
-# and the workspace stays within MAX_SPLIT_ROWS x num_heads rows.
+# programs per SM (DECODE_SPLIT_TARGET_PROGRAMS_PER_SM for one query token per
+# request), while each split keeps >= MIN_TOKENS_PER_SPLIT keys of max_seq_len and
+# the workspace stays within MAX_SPLIT_ROWS x num_heads rows. A decode grid that
+# already has a program per SM does not split: a graph's split count is fixed by
+# max_model_len, and for the short contexts most steps see, splitting costs the
+# reduce launch and idle programs (sweep above: Llama-3-8B heads at batch 32, one
+# split 13.4-13.8 us a layer against 16.0-18.9 with 2-4 splits; at 1024-2048
+# tokens 63.8 against 62.6-63.8). Small batches still split (SmolLM2 heads, batch
+# 1, 1024-2048 tokens: one split 21.5 us, 32 splits 6.4), though at 128-256
+# tokens one split would be faster (4.9 against 5.7 us): a graph's split count
+# is fixed by its bound.
 SPLIT_TARGET_PROGRAMS_PER_SM = 4
+DECODE_SPLIT_TARGET_PROGRAMS_PER_SM = 1
 MAX_SPLITS = 32
 MIN_TOKENS_PER_SPLIT = 128
 MAX_SPLIT_ROWS = 1024  # num_splits x num_tokens; sizes the preallocated workspace
@@ -130,21 +163,24 @@ def select_config(
         base = replace(base, block_n=max(16, base.block_n // 2))
         if rows > DECODE_MAX_ROWS:
             block_m = max(16, group_pad, block_m // 2)
-    block_q = block_m // group_pad
+    decode = max_query_len <= 1
+    block_q = 1 if decode else block_m // group_pad
     # Parallelism estimate: q blocks that really carry work (decode: one per request).
     q_blocks = min(
         num_tokens // block_q + num_reqs, num_reqs * triton.cdiv(max(max_query_len, 1), block_q)
     )
     programs = max(q_blocks, 1) * num_kv_heads
+    target = DECODE_SPLIT_TARGET_PROGRAMS_PER_SM if decode else SPLIT_TARGET_PROGRAMS_PER_SM
     splits = 1
     while (
         splits * 2 <= MAX_SPLITS
-        and programs * splits < sm_count * SPLIT_TARGET_PROGRAMS_PER_SM
+        and programs * splits < sm_count * target
         and splits * 2 * num_tokens <= MAX_SPLIT_ROWS
         and max_seq_len >= splits * 2 * MIN_TOKENS_PER_SPLIT
     ):
         splits *= 2
-    return replace(base, block_m=block_m, num_splits=splits)
+    stages = DECODE_ONE_TOKEN_STAGES if decode and not fp32 else base.num_stages
+    return replace(base, block_m=block_m, num_splits=splits, decode=decode, num_stages=stages)
 
 
 def check_config(cfg: AttentionKernelConfig, group_pad: int) -> None:
@@ -161,6 +197,8 @@ def check_config(cfg: AttentionKernelConfig, group_pad: int) -> None:
         raise ValueError(f"block_n must be a power of two >= 16, got {cfg.block_n}")
     if cfg.num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {cfg.num_splits}")
+    if cfg.split_min_tiles < 0:
+        raise ValueError(f"split_min_tiles must be >= 0, got {cfg.split_min_tiles}")
 
 
 def reachable_configs(

@@ -25,7 +25,14 @@ Work split (all from shapes, so one launch is CUDA-graph capturable):
 
     sum_i cdiv(q_i, BLOCK_Q) <= num_tokens // BLOCK_Q + num_reqs, so the first grid
     dimension covers every q block of any batch of that shape; spare programs
-    exit at once. The KV head varies fastest so that programs running side by
+    exit at once.
+
+    DECODE (max_query_len == 1, the decode CUDA graphs): BLOCK_Q = 1 and
+    grid = (max(num_tokens, num_reqs) * num_kv_heads, NUM_SPLITS); program p
+    serves request p (no search: its start, length and key count load in one
+    round trip) and zeroes flat token p if it is padding; the tiles run in one
+    masked loop, so the K/V pipeline has one prologue. A split takes at least
+    SPLIT_MIN_TILES tiles, so a short range leaves the higher splits idle. The KV head varies fastest so that programs running side by
     side read neighbouring heads of the same token rows (one 2 KiB row of a
     block for Llama-3-8B) rather than 256-byte pieces of unrelated blocks.
 
@@ -201,17 +208,22 @@ def _unified_attention_kernel(
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,  # next power of two >= HEAD_SIZE (and >= 16)
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
-    BLOCK_M: tl.constexpr,  # rows per program = BLOCK_Q * GROUP_PAD
-    BLOCK_Q: tl.constexpr,  # query tokens per program
+    BLOCK_M: tl.constexpr,  # rows per program >= BLOCK_Q * GROUP_PAD (the rest are dead)
+    BLOCK_Q: tl.constexpr,  # query tokens per program (1 when DECODE)
     BLOCK_N: tl.constexpr,  # keys per tile
     BLOCK_R: tl.constexpr,  # requests per step of the request search
     NUM_SPLITS: tl.constexpr,
+    SPLIT_MIN_TILES: tl.constexpr,  # a split takes at least this many tiles (fewer splits run)
+    DECODE: tl.constexpr,  # every q_i <= 1: program p serves request p, no search
     FP32_IEEE: tl.constexpr,  # fp32 inputs: full-precision dots
 ):
-    # q block, longest causal range first: program 0 takes the last q block of
-    # the last request, so the short blocks of prompt starts fill the tail of
-    # the launch instead of the longest ones running alone at its end.
-    pid = tl.num_programs(0) // num_kv_heads - 1 - tl.program_id(0) // num_kv_heads
+    if DECODE:
+        pid = tl.program_id(0) // num_kv_heads  # request pid, and flat token pid if padding
+    else:
+        # q block, longest causal range first: program 0 takes the last q block of
+        # the last request, so the short blocks of prompt starts fill the tail of
+        # the launch instead of the longest ones running alone at its end.
+        pid = tl.num_programs(0) // num_kv_heads - 1 - tl.program_id(0) // num_kv_heads
     kv_head = tl.program_id(0) % num_kv_heads
     split = tl.program_id(1)
 
@@ -220,8 +232,16 @@ def _unified_attention_kernel(
     tok_in_block = offs_m // GROUP_PAD  # row -> query token within the q block
     head_in_group = offs_m % GROUP_PAD  # row -> query head within the GQA group
     head = kv_head * QUERIES_PER_KV + head_in_group
-    head_valid = head_in_group < QUERIES_PER_KV
+    head_valid = (head_in_group < QUERIES_PER_KV) & (tok_in_block < BLOCK_Q)
     d_valid = offs_d < HEAD_SIZE
+    if DECODE:
+        # One request per program: its start, length and keys are loaded at once,
+        # with the token count, before any branch (each branch on a loaded value
+        # would put one more memory round trip in front of the first K/V tile).
+        req = tl.minimum(pid, num_reqs - 1)  # programs past the requests leave below
+        q_start = tl.load(query_start_loc_ptr + req)
+        q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+        seq_len = tl.load(seq_lens_ptr + req)
     num_real_tokens = tl.load(query_start_loc_ptr + num_reqs)
 
     # Padding rows (past the last request's tokens) get zeros: program p covers
@@ -238,60 +258,72 @@ def _unified_attention_kernel(
         zeros = tl.zeros([BLOCK_M, HEAD_PAD], dtype=output_ptr.dtype.element_ty)
         tl.store(pad_ptrs, zeros, mask=pad[:, None] & d_valid[None, :])
 
-    # Which request does q block `pid` belong to? Count requests whose first
-    # q-block id (query_start_loc[i] // BLOCK_Q + i, strictly increasing) is <= pid.
-    req = tl.full([], -1, tl.int32)
-    for r0 in range(0, num_reqs, BLOCK_R):
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        r_valid = offs_r < num_reqs
-        starts = tl.load(query_start_loc_ptr + offs_r, mask=r_valid, other=0)
-        first_qblock = starts // BLOCK_Q + offs_r
-        req += tl.sum((r_valid & (first_qblock <= pid)).to(tl.int32), axis=0)
-    q_start = tl.load(query_start_loc_ptr + req)
-    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
-    q_off = (pid - (q_start // BLOCK_Q + req)) * BLOCK_Q  # first token of this q block
+    if DECODE:
+        if pid >= num_reqs:
+            return
+        q_off = 0
+    else:
+        # Which request does q block `pid` belong to? Count requests whose first
+        # q-block id (query_start_loc[i] // BLOCK_Q + i, strictly increasing) is <= pid.
+        req = tl.full([], -1, tl.int32)
+        for r0 in range(0, num_reqs, BLOCK_R):
+            offs_r = r0 + tl.arange(0, BLOCK_R)
+            r_valid = offs_r < num_reqs
+            starts = tl.load(query_start_loc_ptr + offs_r, mask=r_valid, other=0)
+            first_qblock = starts // BLOCK_Q + offs_r
+            req += tl.sum((r_valid & (first_qblock <= pid)).to(tl.int32), axis=0)
+        q_start = tl.load(query_start_loc_ptr + req)
+        q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+        q_off = (pid - (q_start // BLOCK_Q + req)) * BLOCK_Q  # first token of this q block
+        seq_len = tl.load(seq_lens_ptr + req)
     if q_off >= q_len:
         return
 
-    seq_len = tl.load(seq_lens_ptr + req)
     context_len = seq_len - q_len
     q_pos = q_off + tok_in_block  # row -> index among the request's new tokens
     row_valid = (q_pos < q_len) & head_valid
     q_tok = (q_start + q_pos).to(tl.int64)
-    q = tl.load(
-        query_ptr + q_tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        mask=row_valid[:, None] & d_valid[None, :],
-        other=0.0,
-    )
     key_limit = context_len + q_pos + 1  # row attends to keys [0, key_limit)
 
     # Keys this q block needs, cut into tiles; split s takes a contiguous run of tiles.
     kv_end = tl.minimum(context_len + tl.minimum(q_off + BLOCK_Q, q_len), seq_len)
     kv_end = tl.maximum(kv_end, 0)
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    # NUM_SPLITS is chosen for the longest range a launch may hold (under a CUDA
+    # graph, max_model_len); a shorter range runs on fewer splits of at least
+    # SPLIT_MIN_TILES tiles each, and an idle split only stores (max -inf, sum 0,
+    # zeros), which the reduce weighs 0.
+    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, NUM_SPLITS), SPLIT_MIN_TILES)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
-    block_row_ptr = block_table_ptr + req.to(tl.int64) * stride_bt
-    # Tiles below every row's causal limit (the first row's is the lowest) need
-    # no causal or length mask: only the last few tiles of the range do.
-    full_end = tl.minimum((context_len + q_off + 1) // BLOCK_N, tile_hi)
-    m_i, l_i, acc = _attend_tiles(
-        q, m_i, l_i, acc, tile_lo, full_end, kv_end, key_limit, block_row_ptr,
-        kv_cache_ptr, kv_head, max_blocks_per_req, scale_log2,
-        stride_cb, stride_ckv, stride_cs, stride_ch, offs_d, d_valid,
-        HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, FP32_IEEE, False,
-    )
-    m_i, l_i, acc = _attend_tiles(
-        q, m_i, l_i, acc, tl.maximum(full_end, tile_lo), tile_hi, kv_end, key_limit,
-        block_row_ptr, kv_cache_ptr, kv_head, max_blocks_per_req, scale_log2,
-        stride_cb, stride_ckv, stride_cs, stride_ch, offs_d, d_valid,
-        HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, FP32_IEEE, True,
-    )
+    if tile_lo < tile_hi:
+        q = tl.load(
+            query_ptr + q_tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+            mask=row_valid[:, None] & d_valid[None, :],
+            other=0.0,
+        )
+        block_row_ptr = block_table_ptr + req.to(tl.int64) * stride_bt
+        # Tiles below every row's causal limit (the first row's is the lowest) need
+        # no causal or length mask: only the last few tiles of the range do.
+        full_end = tl.minimum((context_len + q_off + 1) // BLOCK_N, tile_hi)
+        if DECODE:  # one masked loop: a single pipeline over every tile (one prologue)
+            full_end = tile_lo
+        m_i, l_i, acc = _attend_tiles(
+            q, m_i, l_i, acc, tile_lo, full_end, kv_end, key_limit, block_row_ptr,
+            kv_cache_ptr, kv_head, max_blocks_per_req, scale_log2,
+            stride_cb, stride_ckv, stride_cs, stride_ch, offs_d, d_valid,
+            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, FP32_IEEE, False,
+        )
+        m_i, l_i, acc = _attend_tiles(
+            q, m_i, l_i, acc, tl.maximum(full_end, tile_lo), tile_hi, kv_end, key_limit,
+            block_row_ptr, kv_cache_ptr, kv_head, max_blocks_per_req, scale_log2,
+            stride_cb, stride_ckv, stride_cs, stride_ch, offs_d, d_valid,
+            HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, FP32_IEEE, True,
+        )
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -417,6 +449,10 @@ def unified_attention(
     if cfg.num_splits == 0:
         cfg = replace(cfg, num_splits=auto.num_splits)
     check_config(cfg, group_pad)
+    if cfg.decode and max_query_len > 1:
+        raise ValueError(
+            f"a decode config serves one query token per request; max_query_len is {max_query_len}"
+        )
     hp = head_pad(head_size)
     splits = cfg.num_splits
     ws_acc = ws_ml = output  # unused placeholders when splits == 1
@@ -427,8 +463,12 @@ def unified_attention(
         _check_workspace(workspace, need, query.device)
         n_acc = splits * num_tokens * num_heads * hp
         ws_acc, ws_ml = workspace[:n_acc], workspace[n_acc:need]
-    block_q = cfg.block_m // group_pad
-    grid = ((num_tokens // block_q + num_reqs) * num_kv_heads, splits)
+    if cfg.decode:  # program p: request p, and flat token p if it is padding
+        block_q, programs = 1, max(num_tokens, num_reqs)
+    else:
+        block_q = cfg.block_m // group_pad
+        programs = num_tokens // block_q + num_reqs
+    grid = (programs * num_kv_heads, splits)
     _unified_attention_kernel[grid](
         query,
         kv_cache,
@@ -463,6 +503,8 @@ def unified_attention(
         BLOCK_N=cfg.block_n,
         BLOCK_R=REQUEST_SCAN_BLOCK,
         NUM_SPLITS=splits,
+        SPLIT_MIN_TILES=cfg.min_tiles_per_split(),
+        DECODE=cfg.decode,
         FP32_IEEE=query.dtype == torch.float32,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
