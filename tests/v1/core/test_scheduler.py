@@ -394,3 +394,14 @@ def test_random_workload_matches_an_unconstrained_run(config):
     if config["enable_prefix_caching"]:
         assert small_stats.prefix_cache_hits > 0
     assert small_stats.kv_cache_usage == 0.0
+
+
+def test_a_step_never_schedules_zero_tokens_of_a_request():
+    """The runner's decode fast path counts on it (total == requests means one token each)."""
+    from vllm.v1.core.sched.step import StepPlan
+
+    plan = StepPlan(token_budget=8)
+    plan.add(make_request("a", _prompt(4, 10)), 1)
+    with pytest.raises(RuntimeError, match="request b scheduled 0 tokens"):
+        plan.add(make_request("b", _prompt(4, 20)), 0)
+    assert plan.num_scheduled_tokens == {"a": 1} and plan.token_budget == 7

@@ -331,8 +331,8 @@ class GPUModelRunner:
     @staticmethod
     def _all_single_token(so: SchedulerOutput, num_reqs: int) -> bool:
         """Whether every row runs exactly one token (a decode step: each scheduled row
-        has >= 1, so a total of num_reqs means one each); `_prepare_inputs` then
-        skips the general per-token bookkeeping."""
+        has >= 1, which `StepPlan.add` enforces, so a total of num_reqs means one
+        each); `_prepare_inputs` then skips the general per-token bookkeeping."""
         return so.total_num_scheduled_tokens == num_reqs
 
     # ---------------------------------------------------------------- forward

@@ -33,6 +33,15 @@ class StepPlan:
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # drafts to verify
 
     def add(self, request: Request, num_tokens: int) -> None:
+        """Schedule `num_tokens` (>= 1) of `request` this step.
+
+        Every scheduled request runs at least one token: the runner relies on it
+        (a step whose total equals its request count is then all decodes).
+        """
+        if num_tokens < 1:
+            raise RuntimeError(
+                f"scheduler bug: request {request.request_id} scheduled {num_tokens} tokens"
+            )
         self.num_scheduled_tokens[request.request_id] = num_tokens
         self.token_budget -= num_tokens
 
