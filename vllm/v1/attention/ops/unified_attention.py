@@ -25,16 +25,16 @@ Work split (all from shapes, so one launch is CUDA-graph capturable):
 
     sum_i cdiv(q_i, BLOCK_Q) <= num_tokens // BLOCK_Q + num_reqs, so the first grid
     dimension covers every q block of any batch of that shape; spare programs
-    exit at once.
+    exit at once. The KV head varies fastest so that programs running side by
+    side read neighbouring heads of the same token rows (one 2 KiB row of a
+    block for Llama-3-8B) rather than 256-byte pieces of unrelated blocks.
 
     DECODE (max_query_len == 1, the decode CUDA graphs): BLOCK_Q = 1 and
     grid = (max(num_tokens, num_reqs) * num_kv_heads, NUM_SPLITS); program p
     serves request p (no search: its start, length and key count load in one
     round trip) and zeroes flat token p if it is padding; the tiles run in one
     masked loop, so the K/V pipeline has one prologue. A split takes at least
-    SPLIT_MIN_TILES tiles, so a short range leaves the higher splits idle. The KV head varies fastest so that programs running side by
-    side read neighbouring heads of the same token rows (one 2 KiB row of a
-    block for Llama-3-8B) rather than 256-byte pieces of unrelated blocks.
+    SPLIT_MIN_TILES tiles, so a short range leaves the higher splits idle.
 
 NUM_SPLITS > 1 is flash-decoding: each split keeps its own running max m, sum l
 and unnormalised accumulator in an fp32 workspace, and `_reduce_splits_kernel`
