@@ -36,7 +36,8 @@ import sys
 from dataclasses import dataclass, replace
 
 import torch
-from common import add_smoke_flag, copy_bandwidth, no_gpu_message, smoke_env_problem
+from benchmark_decode_primitives import graph_us
+from common import add_smoke_flag, copy_bandwidth, emit, no_gpu_message, smoke_env_problem
 
 
 @dataclass(frozen=True)
@@ -142,17 +143,11 @@ def sweep(layers: int, device: str, dtype) -> list[dict]:
     import itertools
 
     from vllm.v1.attention.ops import unified_attention as ua
-    from vllm.v1.attention.ops.attention_config import max_split_workspace_numel
 
-    torch.manual_seed(0)
-    gen = torch.Generator().manual_seed(0)
     rows = []
-    for point in SWEEP_POINTS:
-        heads, _, head_size = point.heads
-        workspace = torch.empty(max_split_workspace_numel(heads, head_size),
-                                dtype=torch.float32, device=device)
-        batches, kv_bytes = _layer_batches(point, layers, dtype, device, gen)
-        auto, _ = _variants(point, None)
+    for point, (workspace, batches, kv_bytes, (auto, _)) in _setups(
+        SWEEP_POINTS, layers, None, device, dtype
+    ):
         row = {"point": point.name, "auto_splits": auto.num_splits, "kv_bytes_per_layer": kv_bytes,
                "results": []}
         for (bn, stages), policy in itertools.product(
@@ -179,32 +174,20 @@ def sweep(layers: int, device: str, dtype) -> list[dict]:
 
 
 def _time_graph(launch, batches, workspace, config, replays: int, device: str) -> float | None:
-    """Microseconds per layer of the graph of every layer's launch (None on the CPU)."""
+    """Microseconds per layer of one graph of every layer's launch (None on the CPU)."""
 
-    def step():
-        for b in batches:
-            kwargs = dict(b, workspace=workspace)
-            if config is not None:
-                kwargs["config"] = config
-            launch(**kwargs)
+    def layer(b):
+        kwargs = dict(b, workspace=workspace)
+        if config is not None:
+            kwargs["config"] = config
+        return lambda: launch(**kwargs)
 
+    fns = [layer(b) for b in batches]
     if device != "cuda":
-        step()
+        for f in fns:
+            f()
         return None
-    step()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / replays / len(batches)
+    return graph_us(fns, replays)
 
 
 def _max_error(launch, batch, workspace, config) -> float:
@@ -219,19 +202,26 @@ def _max_error(launch, batch, workspace, config) -> float:
     return float((batch["output"].float() - ref.float()).abs().max())
 
 
-def measure(points, layers: int, baseline, device: str, dtype) -> dict:
+def _setups(points, layers: int, baseline, device: str, dtype):
+    """Per point: (workspace, per-layer batches, KV bytes a layer, (auto config, variants))."""
     from vllm.v1.attention.ops.attention_config import max_split_workspace_numel
 
-    copy = copy_bandwidth(1 << 30, device=device) if device == "cuda" else None
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
-    rows = []
     for point in points:
         heads, _, head_size = point.heads
         workspace = torch.empty(max_split_workspace_numel(heads, head_size),
                                 dtype=torch.float32, device=device)
         batches, kv_bytes = _layer_batches(point, layers, dtype, device, gen)
-        auto, variants = _variants(point, baseline)
+        yield point, (workspace, batches, kv_bytes, _variants(point, baseline))
+
+
+def measure(points, layers: int, baseline, device: str, dtype) -> dict:
+    copy = copy_bandwidth(1 << 30, device=device) if device == "cuda" else None
+    rows = []
+    for point, (workspace, batches, kv_bytes, (auto, variants)) in _setups(
+        points, layers, baseline, device, dtype
+    ):
         row = {"point": point.name, "auto_config": auto.__dict__.copy(),
                "kv_bytes_per_layer": kv_bytes}
         if copy is not None:
@@ -280,11 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         result = measure(GPU_POINTS, args.layers, _load_baseline(args.baseline_module), "cuda",
                          torch.bfloat16)
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(result, args.out)
     return 0
 
 
