@@ -463,11 +463,11 @@ def unified_attention(
         _check_workspace(workspace, need, query.device)
         n_acc = splits * num_tokens * num_heads * hp
         ws_acc, ws_ml = workspace[:n_acc], workspace[n_acc:need]
+    constexprs = kernel_constexprs(cfg, queries_per_kv, head_size, block_size, query.dtype)
     if cfg.decode:  # program p: request p, and flat token p if it is padding
-        block_q, programs = 1, max(num_tokens, num_reqs)
+        programs = max(num_tokens, num_reqs)
     else:
-        block_q = cfg.block_m // group_pad
-        programs = num_tokens // block_q + num_reqs
+        programs = num_tokens // constexprs["BLOCK_Q"] + num_reqs
     grid = (programs * num_kv_heads, splits)
     _unified_attention_kernel[grid](
         query,
@@ -493,19 +493,7 @@ def unified_attention(
         kv_cache.stride(2),
         kv_cache.stride(3),
         block_table.stride(0),
-        QUERIES_PER_KV=queries_per_kv,
-        GROUP_PAD=group_pad,
-        HEAD_SIZE=head_size,
-        HEAD_PAD=hp,
-        BLOCK_SIZE=block_size,
-        BLOCK_M=cfg.block_m,
-        BLOCK_Q=block_q,
-        BLOCK_N=cfg.block_n,
-        BLOCK_R=REQUEST_SCAN_BLOCK,
-        NUM_SPLITS=splits,
-        SPLIT_MIN_TILES=cfg.min_tiles_per_split(),
-        DECODE=cfg.decode,
-        FP32_IEEE=query.dtype == torch.float32,
+        **constexprs,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -527,6 +515,30 @@ def unified_attention(
             num_warps=4 if splits * hp >= 2048 else 2,
         )
     return output
+
+
+def kernel_constexprs(
+    cfg: AttentionKernelConfig, queries_per_kv: int, head_size: int, block_size: int,
+    dtype: torch.dtype,
+) -> dict:
+    """The `_unified_attention_kernel` constexprs a launch with `cfg` passes (also what
+    benchmarks/kernel_resources.py compiles without a GPU)."""
+    group_pad = triton.next_power_of_2(queries_per_kv)
+    return dict(
+        QUERIES_PER_KV=queries_per_kv,
+        GROUP_PAD=group_pad,
+        HEAD_SIZE=head_size,
+        HEAD_PAD=head_pad(head_size),
+        BLOCK_SIZE=block_size,
+        BLOCK_M=cfg.block_m,
+        BLOCK_Q=1 if cfg.decode else cfg.block_m // group_pad,
+        BLOCK_N=cfg.block_n,
+        BLOCK_R=REQUEST_SCAN_BLOCK,
+        NUM_SPLITS=cfg.num_splits,
+        SPLIT_MIN_TILES=cfg.min_tiles_per_split(),
+        DECODE=cfg.decode,
+        FP32_IEEE=dtype == torch.float32,
+    )
 
 
 def _check_inputs(query, kv_cache, output, query_start_loc, seq_lens, block_table):
