@@ -16,8 +16,9 @@ Each reachable config (`attention_config.reachable_configs` at max_model_len
 (`unified_attention.kernel_constexprs`) and pointer / stride arguments marked
 16-divisible, as the launcher's real tensors are. Use the device's Triton for
 figures to trust (3.6 on the H200: `pip install --target DIR triton==3.6.0`,
-then `PYTHONPATH=DIR`): with it the decode tile read 122 registers here, as
-the H200 reports (2026-12-02); other versions allocate differently.
+then `PYTHONPATH=DIR`): with it 1308477's split decode tile read 124 registers
+here, where the H200 reported 122 for 2026-12-02's kernel; Triton 3.9 allocates
+far fewer.
 """
 
 from __future__ import annotations
