@@ -1,8 +1,8 @@
 """The runner's all-decode fast path in `_prepare_inputs` equals its general path.
 
 A decode step (one token per row) skips the per-token bookkeeping (the list of
-scheduled counts, cumsum, token rows) and, when every row samples, reuses the
-device logits indices 0 .. n-1 and samples `hidden[:n]` without a gather. On a
+scheduled counts, cumsum, token rows) and, when every row samples, leaves the
+logits indices unwritten (the sampler reads `hidden[:n]`, no gather). On a
 real CPU engine (tiny random-weight Llama) every step of a run that mixes a
 long decode with requests arriving, prefilling in chunks and finishing is
 prepared twice: by the general path (the fast-path test forced off) and by the

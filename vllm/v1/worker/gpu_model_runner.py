@@ -132,9 +132,6 @@ class GPUModelRunner:
         self.logits_indices = torch.zeros(r, dtype=torch.int64, device=device)  # [max_num_reqs]
         self.logits_indices_cpu = torch.zeros(r, dtype=torch.int64, pin_memory=pin)
         self._logits_indices_np = self.logits_indices_cpu.numpy()
-        # How many leading entries of the device logits_indices are 0, 1, 2, ...
-        # (an all-decode step's): such a step samples hidden[:n], no copy, no gather.
-        self._logits_arange_len = 0
         self.async_state = (
             AsyncStepState(r, device, max_model_len) if async_scheduling else None
         )
@@ -253,7 +250,8 @@ class GPUModelRunner:
         batch = self.input_batch
         num_reqs = batch.num_reqs
         computed = batch.num_computed_tokens[:num_reqs].astype(np.int64)
-        if self._all_single_token(so, num_reqs):
+        one_token_each = self._all_single_token(so, num_reqs)
+        if one_token_each:
             # Row i is flat token i at position computed[i].
             num_sched = self._ones[:num_reqs]
             total = num_reqs
@@ -300,20 +298,11 @@ class GPUModelRunner:
         # generator, or the output would depend on the chunk size).
         rows = np.nonzero(seq_lens >= batch.num_tokens[:num_reqs])[0]
         n_rows = len(rows)
-        if total == num_reqs and n_rows == num_reqs:
-            # Every row samples its only token: indices 0 .. n-1 (cu[rows] - 1).
-            if self._logits_arange_len < n_rows:
-                self._logits_indices_np[:n_rows] = self._arange[:n_rows]
-                self.logits_indices[:n_rows].copy_(
-                    self.logits_indices_cpu[:n_rows], non_blocking=True
-                )
-                self._logits_arange_len = n_rows
-        elif n_rows:
+        if n_rows and not (one_token_each and n_rows == num_reqs):  # else: hidden[:n]
             self._logits_indices_np[:n_rows] = cu[rows] - 1
             self.logits_indices[:n_rows].copy_(
                 self.logits_indices_cpu[:n_rows], non_blocking=True
             )
-            self._logits_arange_len = 0
 
         metadata = AttentionMetadata(
             num_actual_tokens=total,
@@ -497,8 +486,10 @@ class GPUModelRunner:
         sampler_output = None
         if len(rows):
             n = len(sampling_rows)
-            if not is_verify.any() and n <= self._logits_arange_len:
-                sampled_hidden = hidden[:n]  # indices 0 .. n-1: a view, no gather
+            if n == num_reqs and self._all_single_token(so, num_reqs):
+                # Row i samples flat token i (no verify row: those carry drafts), so
+                # the logits indices are 0 .. n-1: a view, no index copy, no gather.
+                sampled_hidden = hidden[:n]
             else:
                 idx = self.logits_indices[:n]
                 if is_verify.any():

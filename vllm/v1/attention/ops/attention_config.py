@@ -78,6 +78,7 @@ DECODE_CONFIG = AttentionKernelConfig(block_m=16, block_n=64, num_warps=4, num_s
 # 272), 12.8 vs 17.3 (8192), 58.3 vs 73.9 at 1024-2048 tokens; SmolLM2 heads,
 # batch 1: 5.7 vs 6.5 (272), 6.2 vs 6.0 (8192, 32 splits). docs/benchmarks.md.
 DECODE_ONE_TOKEN_STAGES = 5
+ONE_TOKEN_CONFIG = replace(DECODE_CONFIG, num_stages=DECODE_ONE_TOKEN_STAGES, decode=True)
 SMALL_PREFILL_CONFIG = AttentionKernelConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
 PREFILL_CONFIG = AttentionKernelConfig(block_m=256, block_n=64, num_warps=8, num_stages=3)
 # fp32 (ieee dot, no tensor cores): smaller tiles and 8 warps keep it free of spills.
@@ -148,8 +149,9 @@ def select_config(
     group_pad = triton.next_power_of_2(queries_per_kv)
     rows = max(max_query_len, 1) * group_pad
     fp32 = dtype == torch.float32
+    decode = max_query_len <= 1
     if rows <= DECODE_MAX_ROWS:
-        base = DECODE_CONFIG_FP32 if fp32 else DECODE_CONFIG
+        base = DECODE_CONFIG_FP32 if fp32 else ONE_TOKEN_CONFIG if decode else DECODE_CONFIG
         block_m = max(base.block_m, triton.next_power_of_2(rows))
     else:
         if fp32:
@@ -163,7 +165,6 @@ def select_config(
         base = replace(base, block_n=max(16, base.block_n // 2))
         if rows > DECODE_MAX_ROWS:
             block_m = max(16, group_pad, block_m // 2)
-    decode = max_query_len <= 1
     block_q = 1 if decode else block_m // group_pad
     # Parallelism estimate: q blocks that really carry work (decode: one per request).
     q_blocks = min(
@@ -179,8 +180,7 @@ def select_config(
         and max_seq_len >= splits * 2 * MIN_TOKENS_PER_SPLIT
     ):
         splits *= 2
-    stages = DECODE_ONE_TOKEN_STAGES if decode and not fp32 else base.num_stages
-    return replace(base, block_m=block_m, num_splits=splits, decode=decode, num_stages=stages)
+    return replace(base, block_m=block_m, num_splits=splits, decode=decode)
 
 
 def check_config(cfg: AttentionKernelConfig, group_pad: int) -> None:
