@@ -11,7 +11,17 @@ MiB, that L2 holds none of them):
   fused           RMSNorm + projection and SiLU-and-mul + projection
                   (`layers/ops/norm_linear.py`) against cuBLAS plus the
                   separate norm / SiLU launch, SmolLM2 shapes, 1 and 16 rows
-  argmax          greedy argmax over [B, vocab] float32 logits (torch), B 1 / 32
+  skinny          Llama-3-8B projections at 16 and 32 rows through cuBLAS in
+                  other forms: cuBLASLt preferred, the rows padded to 64, the
+                  swapped product W x^T, and split-K by hand (a bmm over K
+                  chunks, then a sum); `max_abs_diff` against F.linear
+  blas_rows       cuBLAS against cuBLASLt (`preferred_blas_library`) at 1-256
+                  rows for every projection and lm_head shape of both models,
+                  and the one-row Triton GEMV (`ops/gemv.py`) for the lm_heads
+  argmax          greedy argmax over [B, vocab] logits: torch on float32, on
+                  the bf16 logits converted first (the sampler's old path) and
+                  on bf16 as is; `triton_bf16` / `triton_float32`: the chunked
+                  argmax of `vllm/v1/sample/ops/argmax.py`
   graph_launch    host time of one `CUDAGraph.replay()` (median of 30, no
                   profiler) and device time, for graphs of 1-900 nodes of a
                   Triton kernel, a cuBLAS GEMM and a torch elementwise op
@@ -36,6 +46,8 @@ PROJECTIONS = {
     "smollm2_qkv": (576, 960), "smollm2_gate_up": (576, 3072),
     "smollm2_down": (1536, 576), "smollm2_o": (576, 576),
 }
+LM_HEADS = {"llama3_8b_lm_head": (4096, 128256), "smollm2_lm_head": (576, 49152)}
+BLAS_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256)
 L2_DEFEAT_BYTES = 160 << 20
 
 
@@ -137,14 +149,88 @@ def fused() -> dict:
     return out
 
 
+def skinny() -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    out = {}
+    for name in ("llama3_8b_qkv", "llama3_8b_o", "llama3_8b_gate_up", "llama3_8b_down"):
+        k, n = PROJECTIONS[name]
+        ws = _weights(n, k)
+        for m in (16, 32):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = F.linear(x, ws[0]).float()
+            row = {"linear": graph_us([lambda w=w, x=x: F.linear(x, w) for w in ws])}
+            torch.backends.cuda.preferred_blas_library("cublaslt")
+            try:
+                row["cublaslt"] = graph_us([lambda w=w, x=x: F.linear(x, w) for w in ws])
+            finally:
+                torch.backends.cuda.preferred_blas_library("cublas")
+            x64 = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
+            row["rows_padded_64"] = graph_us([lambda w=w, x=x64: F.linear(x, w) for w in ws])
+            row["swapped_w_xt"] = graph_us([lambda w=w, x=x: torch.mm(w, x.t()) for w in ws])
+            for s in (2, 4):
+                xs = x.view(m, s, k // s).transpose(0, 1)  # [s, M, K/s], no copy
+
+                def split_k(w, xs=xs, s=s, n=n, k=k):
+                    return torch.bmm(xs, w.view(n, s, k // s).permute(1, 2, 0)).sum(0)
+
+                row[f"split_k{s}"] = graph_us([lambda w=w: split_k(w) for w in ws])
+                row[f"split_k{s}_max_abs_diff"] = round(
+                    (split_k(ws[0]).float() - ref).abs().max().item(), 4)
+            row["bytes_mb"] = round(n * k * 2 / 1e6, 1)
+            out[f"{name}_m{m}"] = row
+        del ws
+        torch.cuda.empty_cache()
+    return out
+
+
+def blas_rows() -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from vllm.model_executor.layers.ops.gemv import gemv
+
+    out = {}
+    for name, (k, n) in {**PROJECTIONS, **LM_HEADS}.items():
+        ws = _weights(n, k)
+        row = {}
+        for m in BLAS_ROWS:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            cublas = graph_us([lambda w=w, x=x: F.linear(x, w) for w in ws])
+            torch.backends.cuda.preferred_blas_library("cublaslt")
+            try:
+                lt = graph_us([lambda w=w, x=x: F.linear(x, w) for w in ws])
+            finally:
+                torch.backends.cuda.preferred_blas_library("cublas")
+            row[f"m{m}"] = {"cublas": cublas, "cublaslt": lt,
+                            "lt_over_cublas": round(lt / cublas, 3)}
+            if m == 1 and name in LM_HEADS:
+                row["m1"]["gemv"] = graph_us([lambda w=w, x=x: gemv(x, w) for w in ws])
+        out[name] = row
+        del ws
+        torch.cuda.empty_cache()
+    return out
+
+
 def argmax() -> dict:
     import torch
+
+    from vllm.v1.sample.ops.argmax import greedy_argmax
 
     out = {}
     for vocab in (49152, 128256):
         for batch in (1, 32):
             logits = torch.randn(batch, vocab, device="cuda")
-            out[f"v{vocab}_b{batch}"] = graph_us([lambda lg=logits: lg.argmax(dim=-1)] * 50)
+            half = logits.to(torch.bfloat16)
+            out[f"v{vocab}_b{batch}"] = {
+                "float32": graph_us([lambda lg=logits: lg.argmax(dim=-1)] * 50),
+                "bf16_to_float32": graph_us([lambda lg=half: lg.float().argmax(dim=-1)] * 50),
+                "bf16": graph_us([lambda lg=half: lg.argmax(dim=-1)] * 50),
+                "triton_bf16": graph_us([lambda lg=half: greedy_argmax(lg)] * 50),
+                "triton_float32": graph_us([lambda lg=logits: greedy_argmax(lg)] * 50),
+            }
+            assert torch.equal(greedy_argmax(half), half.float().argmax(dim=-1))
     return out
 
 
@@ -189,7 +275,8 @@ def graph_launch() -> dict:
     return out
 
 
-SECTIONS = {"projections": projections, "fused": fused, "argmax": argmax,
+SECTIONS = {"projections": projections, "fused": fused, "skinny": skinny,
+            "blas_rows": blas_rows, "argmax": argmax,
             "graph_launch": graph_launch}
 
 

@@ -1,7 +1,7 @@
 """Llama (SmolLM2, Llama 3.x) over the paged KV cache; Qwen2 and Qwen3 subclass it.
 
     input_ids [T] -> embed_tokens -> N x LlamaDecoderLayer -> norm -> hidden [T, hidden]
-                                                          compute_logits -> [N, vocab] fp32
+                                                          compute_logits -> [N, vocab] (model dtype)
 
     LlamaDecoderLayer (pre-norm, residual stream carried beside the hidden state):
       h, r = input_layernorm(h, r)          # r = h + r; h = rms(r)
@@ -313,8 +313,13 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden_states [N, hidden] -> logits [N, vocab_size] float32."""
-        return self.lm_head(hidden_states).float()
+        """hidden_states [N, hidden] -> logits [N, vocab_size] in the model's dtype.
+
+        As in vLLM, the sampler (and every other consumer) computes in float32;
+        an all-greedy batch needs only the argmax, which the raw logits give
+        without a float32 copy ([32, 128256]: 9.4 us on the H200).
+        """
+        return self.lm_head(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors (q/k/v and gate/up stacked here; tied lm_head skipped).

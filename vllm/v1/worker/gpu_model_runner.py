@@ -34,7 +34,12 @@ from vllm.v1.sample.metadata import (
     build_sampling_metadata,
     make_request_generator,
 )
-from vllm.v1.sample.sampler import Sampler, SamplerOutput, compute_token_logprobs
+from vllm.v1.sample.sampler import (
+    Sampler,
+    SamplerOutput,
+    argmax_rows,
+    compute_token_logprobs,
+)
 from vllm.v1.worker.async_output import AsyncRunnerOutput, AsyncStepState, scatter_logprobs
 from vllm.v1.worker.cuda_graph import CUDAGraphManager
 from vllm.v1.worker.input_batch import CachedRequestState, InputBatch
@@ -668,14 +673,19 @@ class GPUModelRunner:
         cuBLAS picks its kernel by the row count, and CUDA loads a kernel's
         module when it is first launched: a step that samples a row count not
         seen before paid that load (3 ms for the first one-row GEMM of the
-        SmolLM2 shape on the H200, issue 10). `hidden` [>= 1, hidden_size].
+        SmolLM2 shape on the H200, issue 10). The argmax runs on the raw
+        logits (an all-greedy batch) and on their float32 copy (the sampler's
+        other paths): Triton compiles one variant per dtype.
+        `hidden` [>= 1, hidden_size].
         """
         if self.device.type != "cuda":
             return
         idx = torch.arange(max_rows, device=self.device) % hidden.shape[0]
         rows = hidden[idx]
         for n in range(1, max_rows + 1):
-            self.model.compute_logits(rows[:n]).argmax(dim=-1)
+            logits = self.model.compute_logits(rows[:n])
+            argmax_rows(logits)
+            argmax_rows(logits.float())
 
     def warm_up_kernels(self) -> int:
         """Compile the attention kernels for every batch a step can hold; returns the launches.
