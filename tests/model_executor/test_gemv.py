@@ -128,7 +128,7 @@ def test_cpu_layers_stay_on_f_linear() -> None:
     for layer in (col, row):
         for p in layer.parameters():
             p.data.normal_()
-    for rows in (1, 2, 17):
+    for rows in (1, 2, 17, 32, 64):  # 32..64: cuBLASLt on NVIDIA GPUs only
         x = torch.randn(rows, 32)
         assert torch.equal(col(x), F.linear(x, col.weight, col.bias))
         assert torch.equal(row(col(x)), F.linear(col(x), row.weight))
@@ -180,3 +180,39 @@ def test_dispatch_one_row_takes_the_gemv_in_a_graph_cuda(monkeypatch) -> None:
         static_x.copy_(torch.randn(1, 4096, device="cuda").bfloat16())
         graph.replay()
         _close(static_y, static_x, layer.weight, None, "cuda")
+
+
+@pytest.mark.cuda
+def test_dispatch_32_to_64_rows_ask_for_cublaslt_cuda(monkeypatch) -> None:
+    """Rows in CUBLASLT_ROWS run F.linear under cuBLASLt (in a graph too), then the
+    preference is restored; other row counts never touch it."""
+    from vllm.model_executor.layers.linear import RowParallelLinear
+
+    if torch.version.cuda is None:
+        pytest.skip("cuBLASLt is the NVIDIA build's library")
+    torch.manual_seed(0)
+    layer = RowParallelLinear(4096, 4096, bias=False).to("cuda", torch.bfloat16)
+    layer.weight.data.normal_(std=4096**-0.5)
+    asked = []
+    real = torch.backends.cuda.preferred_blas_library
+
+    def spy(backend=None):
+        asked.append(backend if backend is None or isinstance(backend, str) else backend.name)
+        return real(backend)
+
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", spy)
+    before = real()
+    for rows in (2, 31, 32, 48, 64, 65, 256):
+        x = torch.randn(rows, 4096, device="cuda").bfloat16()
+        asked.clear()
+        y = layer(x)
+        assert (asked == [None, "cublaslt", "Cublas"]) == (32 <= rows <= 64), (rows, asked)
+        assert real() == before
+        _close(y, x, layer.weight, None, "cuda")
+    static_x = torch.randn(32, 4096, device="cuda").bfloat16()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = layer(static_x)
+    static_x.copy_(torch.randn(32, 4096, device="cuda").bfloat16())
+    graph.replay()
+    _close(static_y, static_x, layer.weight, None, "cuda")

@@ -24,6 +24,16 @@ cuBLAS and 15.4 with the GEMV, o_proj 12.8 / 10.9, down 32.5 / 30.8, and
 SmolLM2-135M's four projections 3.6-5.1 us / 2.3-3.4. From two rows on the
 GEMV's tl.dot tiles lose to cuBLAS (8 rows: qkv 16.6 vs 23.6 us), so
 `GEMV_MAX_ROWS` is 1 (0 turns it off).
+
+From 32 to 64 rows (a decode batch of that size) the NVIDIA build asks torch
+for cuBLASLt instead of cuBLAS: their heuristics pick different kernels there.
+On the H200 (2026-12-04, `benchmark_decode_primitives.py --sections blas_rows`,
+one launch in a CUDA graph, weights from HBM, cuBLAS / cuBLASLt) Llama-3-8B's
+o_proj took 13.26 / 11.92 us at 32 rows and 13.84 / 12.02 at 48, down 34.15 /
+32.06 and 35.15 / 32.54, gate_up 64.07 / 61.71 at 64, qkv 17.98 / 16.98 at 32;
+below 32 rows and from 128 on cuBLASLt's down is slower (8 rows 32.72 / 35.89,
+128 rows 38.73 / 39.94), and SmolLM2's projections and both lm_heads take the
+same time either way (within 1 %). `CUBLASLT_ROWS` holds that range.
 """
 
 from __future__ import annotations
@@ -48,6 +58,7 @@ from vllm.model_executor.layers.weight_utils import (
 )
 
 GEMV_MAX_ROWS = 1  # rows up to which CUDA projections take ops/gemv.py (0: always cuBLAS)
+CUBLASLT_ROWS = range(32, 65)  # row counts whose NVIDIA projections ask for cuBLASLt
 
 
 def linear_forward(
@@ -62,7 +73,36 @@ def linear_forward(
         from vllm.model_executor.layers.ops.gemv import gemv
 
         return gemv(x, weight, bias)
+    if takes_cublaslt(x):
+        return _linear_cublaslt(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def takes_cublaslt(x: torch.Tensor) -> bool:
+    """Whether `linear_forward` asks for cuBLASLt: x's row count in `CUBLASLT_ROWS`, NVIDIA CUDA."""
+    return (
+        x.is_cuda
+        and torch.version.cuda is not None
+        and x.numel() // max(x.shape[-1], 1) in CUBLASLT_ROWS
+    )
+
+
+def _linear_cublaslt(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """F.linear with torch's preferred BLAS set to cuBLASLt for this call, then restored.
+
+    The preference is process-wide torch state read at each GEMM call (and at
+    a CUDA graph's capture), so setting it around the call scopes it to this
+    projection.
+    """
+    blas = torch.backends.cuda
+    previous = blas.preferred_blas_library()
+    blas.preferred_blas_library("cublaslt")
+    try:
+        return F.linear(x, weight, bias)
+    finally:
+        blas.preferred_blas_library(previous)
 
 
 def takes_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
