@@ -12,10 +12,11 @@ MiB, that L2 holds none of them):
                   (`layers/ops/norm_linear.py`) against cuBLAS plus the
                   separate norm / SiLU launch, SmolLM2 shapes, 1 and 16 rows
   skinny          Llama-3-8B projections at 16 and 32 rows through cuBLAS in
-                  other forms: cuBLASLt preferred, the rows padded to 64, the
+                  other forms: cuBLASLt preferred (`linear_cublaslt`, as the
+                  engine calls it), the rows padded to 64, the
                   swapped product W x^T, and split-K by hand (a bmm over K
                   chunks, then a sum); `max_abs_diff` against F.linear
-  blas_rows       cuBLAS against cuBLASLt (`preferred_blas_library`) at 1-256
+  blas_rows       cuBLAS against cuBLASLt (`linear_cublaslt`) at 1-256
                   rows for every projection and lm_head shape of both models,
                   and the one-row Triton GEMV (`ops/gemv.py`) for the lm_heads
   argmax          greedy argmax over [B, vocab] logits: torch on float32, on
@@ -153,6 +154,8 @@ def skinny() -> dict:
     import torch
     import torch.nn.functional as F
 
+    from vllm.model_executor.layers.linear import linear_cublaslt
+
     out = {}
     for name in ("llama3_8b_qkv", "llama3_8b_o", "llama3_8b_gate_up", "llama3_8b_down"):
         k, n = PROJECTIONS[name]
@@ -161,11 +164,7 @@ def skinny() -> dict:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = F.linear(x, ws[0]).float()
             row = {"linear": graph_us([lambda w=w, x=x: F.linear(x, w) for w in ws])}
-            torch.backends.cuda.preferred_blas_library("cublaslt")
-            try:
-                row["cublaslt"] = graph_us([lambda w=w, x=x: F.linear(x, w) for w in ws])
-            finally:
-                torch.backends.cuda.preferred_blas_library("cublas")
+            row["cublaslt"] = graph_us([lambda w=w, x=x: linear_cublaslt(x, w, None) for w in ws])
             x64 = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
             row["rows_padded_64"] = graph_us([lambda w=w, x=x64: F.linear(x, w) for w in ws])
             row["swapped_w_xt"] = graph_us([lambda w=w, x=x: torch.mm(w, x.t()) for w in ws])
@@ -189,6 +188,7 @@ def blas_rows() -> dict:
     import torch
     import torch.nn.functional as F
 
+    from vllm.model_executor.layers.linear import linear_cublaslt
     from vllm.model_executor.layers.ops.gemv import gemv
 
     out = {}
@@ -198,11 +198,7 @@ def blas_rows() -> dict:
         for m in BLAS_ROWS:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             cublas = graph_us([lambda w=w, x=x: F.linear(x, w) for w in ws])
-            torch.backends.cuda.preferred_blas_library("cublaslt")
-            try:
-                lt = graph_us([lambda w=w, x=x: F.linear(x, w) for w in ws])
-            finally:
-                torch.backends.cuda.preferred_blas_library("cublas")
+            lt = graph_us([lambda w=w, x=x: linear_cublaslt(x, w, None) for w in ws])
             row[f"m{m}"] = {"cublas": cublas, "cublaslt": lt,
                             "lt_over_cublas": round(lt / cublas, 3)}
             if m == 1 and name in LM_HEADS:

@@ -74,7 +74,7 @@ def linear_forward(
 
         return gemv(x, weight, bias)
     if takes_cublaslt(x):
-        return _linear_cublaslt(x, weight, bias)
+        return linear_cublaslt(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -87,7 +87,7 @@ def takes_cublaslt(x: torch.Tensor) -> bool:
     )
 
 
-def _linear_cublaslt(
+def linear_cublaslt(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """F.linear with torch's preferred BLAS set to cuBLASLt for this call, then restored.

@@ -77,7 +77,7 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
 
     Equals `logits.float().argmax(dim=-1)`, reading `logits` once in its own
     dtype with the two launches above. The sampler calls it for CUDA logits
-    (`Sampler.sample`); elsewhere `torch.argmax` gives the same answer.
+    (`sampler.argmax_rows`); elsewhere `torch.argmax` gives the same answer.
 
     Args:
         logits: [N, V] float32 / bfloat16 / float16, N >= 1, 1 <= V < 2^31,
