@@ -75,7 +75,11 @@ class Sampler(nn.Module):
 
     @staticmethod
     def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """logit_bias, the min_tokens mask and the penalties, in place."""
+        """logit_bias, the min_tokens mask and the penalties, in place.
+
+        A new processor also goes into `_modifies_logits`: a batch it reports as
+        unmodified skips this (and the float32 copy) for the raw-logits argmax.
+        """
         if md.logit_bias is not None:
             rows, cols, values = md.logit_bias
             logits.index_put_((rows, cols), values, accumulate=True)
