@@ -160,3 +160,28 @@ def test_cuda_rejects_and_dispatches() -> None:
             greedy_argmax(bad)
     # argmax_rows: a transposed view goes to torch.argmax, the same answer.
     assert torch.equal(argmax_rows(logits.t()), logits.t().argmax(dim=-1))
+
+
+@pytest.mark.cuda
+@needs_triton
+def test_cuda_compiled_launches_follow_each_specialisation() -> None:
+    """After the first call of a specialisation, launches skip Triton's dispatch
+    (ops/launch.py); every later call must still run the variant its arguments need."""
+    from vllm.v1.sample.ops import argmax as argmax_module
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    wide = torch.randn(8, 4097, device="cuda", generator=gen).to(torch.bfloat16)
+    cases = [
+        wide[:, :4096],  # stride 4097: not a multiple of 16
+        wide[:, 1:],  # data pointer 2 bytes past alignment
+        wide[:3, :4096].contiguous(),  # stride 4096
+        wide[:, :4096].float(),  # another dtype
+        wide[:1, :17].contiguous(),  # one chunk, V = 17
+    ]
+    for _ in range(3):  # first calls compile; later ones launch the compiled handles
+        for logits in cases:
+            for rows in (1, logits.shape[0]):
+                view = logits[:rows]
+                got = argmax_module.greedy_argmax(view)
+                assert torch.equal(got, view.float().argmax(dim=-1)), (view.shape, view.stride())
+    assert len(argmax_module._CHUNKS._compiled) >= len(cases)

@@ -32,6 +32,7 @@ from vllm.model_executor.layers.ops import (
     check_last_dim_contiguous,
     check_same_device,
 )
+from vllm.model_executor.layers.ops.launch import CompiledLaunches
 
 BLOCK = 2048  # logits per stage-1 program: 4 KiB of bf16; 63 programs a row at V = 128256
 _MAX_COLS = 2**31 - 1  # the column fits the key's low 31 bits
@@ -93,11 +94,23 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"greedy_argmax takes [N, V] logits with N >= 1 and 1 <= V < 2^31, "
                          f"got {tuple(logits.shape)}")
     rows, vocab = logits.shape
+    stride, device = logits.stride(0), logits.device
     num_chunks = triton.cdiv(vocab, BLOCK)
-    keys = torch.empty(rows, num_chunks, dtype=torch.int64, device=logits.device)
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    _argmax_chunks_kernel[(rows, num_chunks)](
-        logits, keys, logits.stride(0), vocab, num_chunks, BLOCK=BLOCK, num_warps=4)
-    _argmax_rows_kernel[(rows,)](
-        keys, out, num_chunks, BLOCK_CHUNKS=triton.next_power_of_2(num_chunks), num_warps=1)
+    keys = torch.empty(rows, num_chunks, dtype=torch.int64, device=device)
+    out = torch.empty(rows, dtype=torch.int64, device=device)
+    # What Triton specialises on: the logits' dtype and alignment, the stride and
+    # the vocabulary size (num_chunks follows from it); keys and out are fresh
+    # allocations, always aligned. The row count is only the grid.
+    key = (device, logits.dtype, stride, vocab, logits.data_ptr() % 16 == 0)
+    _CHUNKS((*key, "chunks"), (rows, num_chunks),
+            (logits, keys, stride, vocab, num_chunks, BLOCK), device, num_warps=4)
+    _ROWS((device, num_chunks), (rows,),
+          (keys, out, num_chunks, triton.next_power_of_2(num_chunks)), device, num_warps=1)
     return out
+
+
+# The two kernels' compiled variants: an eager decode step calls greedy_argmax
+# once, and Triton's JIT dispatch would cost more host time than both kernels'
+# device time (~27 us a launch on the H200's host; see ops/launch.py).
+_CHUNKS = CompiledLaunches(_argmax_chunks_kernel)
+_ROWS = CompiledLaunches(_argmax_rows_kernel)
