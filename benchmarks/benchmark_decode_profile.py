@@ -25,6 +25,12 @@ default; the one-row GEMV prologue runs either way);
 adds `host_functions`: the same number of steps under cProfile, the Python
 functions with the most cumulative time per step (cProfile slows the host
 ~1.3x: read them as shares, the unprofiled step times as the figures).
+`--host-phases` adds `host_phases`: 200 more steps (before the profiled ones:
+CUPTI slows every later CUDA call on the host) with perf_counter timers
+around the step's phases (a timer costs well under a microsecond), each phase's
+inclusive host microseconds per step, and `host_wait_us_per_step`, the time the
+host spent blocked in CUDA event synchronizations (waiting for the device): a
+host-bound step waits ~0, a device-bound one waits for the difference.
 """
 
 from __future__ import annotations
@@ -69,8 +75,89 @@ def _host_functions(profiler: cProfile.Profile, steps: int, top: int = 25) -> li
             for (file, line, name), (_, nc, tt, ct, _) in rows]
 
 
+HOST_PHASE_STEPS = 200
+
+
+def _time_host_phases(engine, steps: int = HOST_PHASE_STEPS) -> dict:
+    """Host microseconds per step of each phase of `engine.step()` (inclusive, nested).
+
+    Wraps the phases' methods on their instances (and torch.cuda.Event.synchronize
+    on its class) with perf_counter timers for `steps` steps, then restores them.
+    """
+    import torch
+
+    from vllm.v1.sample import sampler as sampler_module
+    from vllm.v1.worker import async_output
+
+    core = engine.engine_core  # in-process (the profiled engine runs one rank)
+    runner = core.worker.model_runner
+    totals: dict[str, float] = collections.defaultdict(float)
+    restore = []
+
+    def wrap(owner, attr: str, label: str) -> None:
+        if owner is None or not hasattr(owner, attr):
+            return
+        original = getattr(owner, attr)
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                totals[label] += time.perf_counter() - t0
+
+        own = attr in vars(owner)  # an instance attribute (self.sampler), not a method
+        setattr(owner, attr, timed)
+        restore.append((owner, attr, original, own))
+
+    wrap(engine, "step", "step")
+    wrap(core.scheduler, "schedule", "scheduler.schedule")
+    wrap(core.scheduler, "update_from_output", "scheduler.update_from_output")
+    wrap(core, "_execute", "execute (runner, via the executor)")
+    wrap(engine.output_processor, "process_outputs", "output_processor.process_outputs")
+    wrap(runner, "_update_states", "runner._update_states")
+    wrap(runner, "_prepare_inputs", "runner._prepare_inputs")
+    wrap(runner, "_forward", "runner._forward")
+    wrap(runner.cuda_graphs, "replay", "runner._forward: graph replay")
+    wrap(runner.model, "compute_logits", "compute_logits")
+    wrap(runner, "sampler", "sampler")
+    wrap(runner, "_sampling_metadata", "sampler: metadata")
+    wrap(sampler_module, "argmax_rows", "sampler: argmax_rows")
+    wrap(runner.input_batch.block_table, "copy_to_device", "runner._prepare_inputs: block table")
+    if runner.async_state is not None:
+        wrap(runner.async_state, "feed", "async: feed")
+        wrap(runner.async_state, "output", "async: output (D2H copy launch)")
+        wrap(async_output.AsyncRunnerOutput, "get_output", "async: get_output (incl. wait)")
+    event_cls = torch.cuda.Event
+    original_sync = event_cls.synchronize
+
+    def timed_sync(self):
+        t0 = time.perf_counter()
+        try:
+            return original_sync(self)
+        finally:
+            totals["host waits (Event.synchronize)"] += time.perf_counter() - t0
+
+    event_cls.synchronize = timed_sync
+    try:
+        for _ in range(steps):
+            engine.step()
+    finally:
+        event_cls.synchronize = original_sync
+        for owner, attr, original, own in reversed(restore):
+            if own:
+                setattr(owner, attr, original)
+            else:
+                delattr(owner, attr)  # the timer shadowed the class's method
+    per_step = {label: round(1e6 * total / steps, 1) for label, total in totals.items()}
+    return {"steps": steps,
+            "host_wait_us_per_step": per_step.get("host waits (Event.synchronize)", 0.0),
+            "us_per_step": dict(sorted(per_step.items(), key=lambda kv: -kv[1]))}
+
+
 def profile_config(shape: str, batch: int, scheduling: str, fused_linear: bool, steps: int,
-                   max_model_len: int, trace_dir: str | None, host_profile: bool = False) -> dict:
+                   max_model_len: int, trace_dir: str | None, host_profile: bool = False,
+                   host_phases: bool = False) -> dict:
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -105,6 +192,9 @@ def profile_config(shape: str, batch: int, scheduling: str, fused_linear: bool, 
             engine.step()
             times.append(time.perf_counter() - t0)
         torch.cuda.synchronize()
+        # Before the profiler: once CUPTI has been attached, every CUDA call on
+        # the host stays slower for the rest of the process.
+        phases = _time_host_phases(engine) if host_phases else None
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(steps):
                 engine.step()
@@ -153,6 +243,7 @@ def profile_config(shape: str, batch: int, scheduling: str, fused_linear: bool, 
                         "self_us_per_step": round(r.self_cpu_time_total / steps, 1),
                         "calls_per_step": round(r.count / steps, 2)} for r in calls],
         **({"host_functions": host} if host is not None else {}),
+        **({"host_phases": phases} if phases is not None else {}),
     }
 
 
@@ -169,6 +260,8 @@ def main() -> None:
     parser.add_argument("--trace-dir", default=None)
     parser.add_argument("--host-profile", action="store_true",
                         help="also profile the host side of the same steps with cProfile")
+    parser.add_argument("--host-phases", action="store_true",
+                        help="also time the step's host phases with perf_counter timers")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -179,7 +272,8 @@ def main() -> None:
     emit({
         "device": torch.cuda.get_device_name(),
         "results": [profile_config(args.shape, b, s, args.fused_linear, args.steps,
-                                   args.max_model_len, args.trace_dir, args.host_profile)
+                                   args.max_model_len, args.trace_dir, args.host_profile,
+                                   args.host_phases)
                     for s in args.scheduling for b in args.batch_sizes],
     }, args.out)
 
