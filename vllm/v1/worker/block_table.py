@@ -45,6 +45,8 @@ class BlockTable:
         self.device_tensor = torch.zeros(
             (max_num_reqs, max_num_blocks_per_req), dtype=torch.int32, device=device
         )
+        # num_reqs -> (device rows, host rows): views made once (a slice costs microseconds).
+        self._rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def set_row(self, row: int, block_ids: list[int]) -> None:
         n = len(block_ids)
@@ -86,5 +88,8 @@ class BlockTable:
 
     def copy_to_device(self, num_reqs: int) -> torch.Tensor:
         """Copy the first `num_reqs` rows to the device; returns the device rows."""
-        self.device_tensor[:num_reqs].copy_(self.cpu[:num_reqs], non_blocking=True)
-        return self.device_tensor[:num_reqs]
+        rows = self._rows.get(num_reqs)
+        if rows is None:
+            rows = self._rows[num_reqs] = (self.device_tensor[:num_reqs], self.cpu[:num_reqs])
+        rows[0].copy_(rows[1], non_blocking=True)
+        return rows[0]

@@ -137,6 +137,8 @@ class GPUModelRunner:
         self.logits_indices = torch.zeros(r, dtype=torch.int64, device=device)  # [max_num_reqs]
         self.logits_indices_cpu = torch.zeros(r, dtype=torch.int64, pin_memory=pin)
         self._logits_indices_np = self.logits_indices_cpu.numpy()
+        # (id(buffer), n) -> buffer[:n] for the persistent buffers above, n <= r + 1.
+        self._heads: dict[tuple[int, int], torch.Tensor] = {}
         self.async_state = (
             AsyncStepState(r, device, max_model_len) if async_scheduling else None
         )
@@ -290,9 +292,10 @@ class GPUModelRunner:
             qsl[num_reqs + 1 : end + 1] = self._arange[num_reqs + 1 : end + 1]
             lens[num_reqs:end] = 0
 
-        self.input_ids[:end].copy_(self.input_ids_cpu[:end], non_blocking=True)
-        self.positions[:end].copy_(self.positions_cpu[:end], non_blocking=True)
-        self.slot_mapping[:end].copy_(self.slot_mapping_cpu[:end], non_blocking=True)
+        head = self._head
+        head(self.input_ids, end).copy_(head(self.input_ids_cpu, end), non_blocking=True)
+        head(self.positions, end).copy_(head(self.positions_cpu, end), non_blocking=True)
+        head(self.slot_mapping, end).copy_(head(self.slot_mapping_cpu, end), non_blocking=True)
         # Entries past `end` requests are stale on both sides and read by no kernel.
         self._req_lens.copy_(self._req_lens_cpu, non_blocking=True)
         block_table = batch.block_table.copy_to_device(num_reqs)
@@ -311,16 +314,31 @@ class GPUModelRunner:
 
         metadata = AttentionMetadata(
             num_actual_tokens=total,
-            max_query_len=int(num_sched.max()),
-            query_start_loc=self.query_start_loc[: num_reqs + 1],
+            max_query_len=1 if one_token_each else int(num_sched.max()),
+            query_start_loc=head(self.query_start_loc, num_reqs + 1),
             max_seq_len=int(seq_lens.max()),
-            seq_lens=self.seq_lens[:num_reqs],
+            seq_lens=head(self.seq_lens, num_reqs),
             block_table=block_table,
-            slot_mapping=self.slot_mapping[:total],
-            query_start_loc_cpu=self.query_start_loc_cpu[: num_reqs + 1],
-            seq_lens_cpu=self.seq_lens_cpu[:num_reqs],
+            slot_mapping=head(self.slot_mapping, total),
+            query_start_loc_cpu=head(self.query_start_loc_cpu, num_reqs + 1),
+            seq_lens_cpu=head(self.seq_lens_cpu, num_reqs),
         )
         return metadata, num_sched, rows
+
+    def _head(self, buffer: torch.Tensor, n: int) -> torch.Tensor:
+        """`buffer[:n]` of one of the runner's persistent buffers, made once for small n.
+
+        A torch slice costs a few microseconds of host time and a decode step takes
+        a dozen; for n <= max_num_reqs + 1 (the decode sizes) the view is kept, keyed
+        by the buffer's id (the buffers live as long as the runner, so ids are not reused).
+        """
+        key = (id(buffer), n)
+        view = self._heads.get(key)
+        if view is None:
+            view = buffer[:n]
+            if n <= self.input_batch.max_num_reqs + 1:
+                self._heads[key] = view
+        return view
 
     @staticmethod
     def _all_single_token(so: SchedulerOutput, num_reqs: int) -> bool:
@@ -673,9 +691,10 @@ class GPUModelRunner:
         cuBLAS picks its kernel by the row count, and CUDA loads a kernel's
         module when it is first launched: a step that samples a row count not
         seen before paid that load (3 ms for the first one-row GEMM of the
-        SmolLM2 shape on the H200, issue 10). The argmax runs on the raw
-        logits (an all-greedy batch) and on their float32 copy (the sampler's
-        other paths): Triton compiles one variant per dtype.
+        SmolLM2 shape on the H200, issue 10). The argmax runs once on the raw
+        logits (an all-greedy batch) and once on their float32 copy (the
+        sampler's other paths): Triton compiles one variant per dtype, and the
+        row count is only its grid.
         `hidden` [>= 1, hidden_size].
         """
         if self.device.type != "cuda":
@@ -684,8 +703,9 @@ class GPUModelRunner:
         rows = hidden[idx]
         for n in range(1, max_rows + 1):
             logits = self.model.compute_logits(rows[:n])
-            argmax_rows(logits)
-            argmax_rows(logits.float())
+            if n == 1:
+                argmax_rows(logits)
+                argmax_rows(logits.float())
 
     def warm_up_kernels(self) -> int:
         """Compile the attention kernels for every batch a step can hold; returns the launches.
