@@ -185,3 +185,15 @@ def test_cuda_compiled_launches_follow_each_specialisation() -> None:
                 got = argmax_module.greedy_argmax(view)
                 assert torch.equal(got, view.float().argmax(dim=-1)), (view.shape, view.stride())
     assert len(argmax_module._CHUNKS._compiled) >= len(cases)
+
+    class NoDispatch:  # every case is compiled now: a call must not reach Triton's JIT
+        def __getitem__(self, grid):
+            raise AssertionError("JIT dispatch after the first call of a specialisation")
+
+    saved = argmax_module._CHUNKS.kernel, argmax_module._ROWS.kernel
+    argmax_module._CHUNKS.kernel = argmax_module._ROWS.kernel = NoDispatch()
+    try:
+        for logits in cases:
+            assert torch.equal(argmax_module.greedy_argmax(logits), logits.float().argmax(dim=-1))
+    finally:
+        argmax_module._CHUNKS.kernel, argmax_module._ROWS.kernel = saved
