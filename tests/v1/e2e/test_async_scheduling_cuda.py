@@ -87,3 +87,49 @@ def test_greedy_identical_with_preemption(model_dir):
     assert on["async_outputs"]
     assert on["tokens"] == off["tokens"]
     assert on["finish"] == off["finish"]
+
+
+def _greedy_with_graph_ids(model_dir: str, use_graph_ids: bool) -> dict:
+    """Greedy tokens with async scheduling on; counts the runner's eager lm_head calls
+    and the steps that sampled from the decode graph's head."""
+    from vllm.v1.sample.sampler import Sampler
+
+    llm = LLM(model_dir, dtype="float32", max_model_len=512, gpu_memory_utilization=0.3)
+    runner = llm.llm_engine.engine_core.worker.model_runner
+    counts = {"eager_logits": 0, "graph_ids": 0}
+    compute_logits, forward = runner.model.compute_logits, Sampler.forward
+
+    def eager_logits(hidden):
+        counts["eager_logits"] += 1
+        return compute_logits(hidden)
+
+    def sampler_forward(self, logits, md, greedy=None):
+        counts["graph_ids"] += greedy is not None
+        return forward(self, logits, md, greedy if use_graph_ids else None)
+
+    runner.model.compute_logits = eager_logits
+    Sampler.forward = sampler_forward
+    try:
+        params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True)
+                  for m in (48, 7, 33, 48, 1)]
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    finally:
+        Sampler.forward = forward
+    tokens = [o.outputs[0].token_ids for o in outs]
+    llm.llm_engine.shutdown()
+    del llm, runner
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"tokens": tokens, **counts}
+
+
+def test_decode_steps_sample_from_the_graph_head(model_dir):
+    """A decode graph computes its rows' logits and greedy ids: decode steps launch no
+    eager lm_head, and the ids equal the sampler's own argmax of the same logits while
+    async scheduling copies them out behind the next step's replay."""
+    graph = _greedy_with_graph_ids(model_dir, True)
+    recomputed = _greedy_with_graph_ids(model_dir, False)
+    assert graph["graph_ids"] > 40  # the decode steps of the 48-token requests
+    assert graph["eager_logits"] < 10  # prefill (and mixed) steps only
+    assert graph["graph_ids"] == recomputed["graph_ids"]
+    assert graph["tokens"] == recomputed["tokens"]

@@ -41,13 +41,18 @@ class SamplerOutput:
 class Sampler(nn.Module):
     """Samples one token per row from [N, V] logits under `SamplingMetadata`."""
 
-    def forward(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> SamplerOutput:
+    def forward(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata,
+                greedy: torch.Tensor | None = None) -> SamplerOutput:
         """Sample.
 
         Args:
             logits: [N, V] float32 (other float dtypes are converted); may be
                 modified in place.
             sampling_metadata: the N rows' settings, tensors on logits' device.
+            greedy: [N] int64, the argmax of each row of `logits` when already
+                computed (a decode CUDA graph does); an all-greedy batch that
+                needs nothing else returns a copy of it (the caller's buffer may
+                be rewritten, as a graph's is by its next replay).
 
         Raises:
             ValueError: logits not 2-D, or N differs from the metadata's rows.
@@ -61,7 +66,8 @@ class Sampler(nn.Module):
         if md.all_greedy and md.max_num_logprobs is None and not _modifies_logits(md):
             # Only the argmax is needed: casting to float32 is exact and keeps
             # order, so the raw logits give the same tokens without the copy.
-            return SamplerOutput(sampled_token_ids=argmax_rows(logits), logprobs_tensors=None)
+            ids = argmax_rows(logits) if greedy is None else greedy.clone()
+            return SamplerOutput(sampled_token_ids=ids, logprobs_tensors=None)
         logits = logits.to(torch.float32)
         raw_logprobs = None
         if md.max_num_logprobs is not None:

@@ -6,6 +6,13 @@ A decode batch of n <= max(B) requests is padded to the next captured size;
 padded requests have seq_len 0 and slot -1, so they read and write nothing.
 Mixed batches (any prefill) run eagerly.
 
+A decode graph also runs the sampling head on its B rows: `compute_logits`
+and the greedy argmax (`DecodeGraphOutput`). Every row of a decode step
+samples, so the step's logits need no eager lm_head launch, and an all-greedy
+batch takes its ids from the graph (SmolLM2 shape on the H200: a batch-1 step
+is bound by host time as much as by the device, issue 10). Padded rows'
+logits are computed and ignored.
+
 The graphs read every per-step value from persistent buffers (input ids,
 positions, slot mapping, sequence lengths, block table) and address the KV
 cache through the per-layer views, whose base pointers never move: the
@@ -19,6 +26,8 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -28,6 +37,20 @@ from vllm.logger import init_logger
 logger = init_logger(__name__)
 
 
+@dataclass(frozen=True)
+class DecodeGraphOutput:
+    """What a decode graph of B rows leaves in its static buffers (rewritten by its next
+    replay: copy what must outlive the step)."""
+
+    hidden: torch.Tensor  # [B, hidden_size] the last layer's hidden states
+    logits: torch.Tensor  # [B, vocab_size] compute_logits of every row, the model's dtype
+    greedy: torch.Tensor  # [B] int64 the argmax of each row of `logits`
+
+    def rows(self, n: int) -> DecodeGraphOutput:
+        """The first n rows (views)."""
+        return DecodeGraphOutput(self.hidden[:n], self.logits[:n], self.greedy[:n])
+
+
 class CUDAGraphManager:
     """Captures and replays the model forward at fixed decode batch sizes.
 
@@ -35,7 +58,8 @@ class CUDAGraphManager:
         capture_sizes: batch sizes (requests = tokens) to capture.
         forward: runs the model on the first B rows of the persistent buffers
             under a forward context whose metadata also covers B rows, and
-            returns hidden states [B x tokens per row, hidden_size].
+            returns what `replay` gives back: hidden states [B x tokens per
+            row, hidden_size] (verify graphs) or a `DecodeGraphOutput`.
         kind: what a row is, for the progress bar and the log ("decode",
             "verify, k + 1 = 5 tokens per request").
     """
@@ -43,13 +67,13 @@ class CUDAGraphManager:
     # Total graphs captured in this process; tests read it.
     num_captures: int = 0
 
-    def __init__(self, capture_sizes: list[int], forward: Callable[[int], torch.Tensor],
+    def __init__(self, capture_sizes: list[int], forward: Callable[[int], Any],
                  kind: str = "decode") -> None:
         self.capture_sizes = sorted(set(capture_sizes))
         self.kind = kind
         self._forward = forward
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
+        self._outputs: dict[int, Any] = {}
         self.pool_bytes = 0
         self.num_replays = 0  # of this manager's graphs; tests read it
 
@@ -106,8 +130,8 @@ class CUDAGraphManager:
             self.pool_bytes / 2**30,
         )
 
-    def replay(self, size: int) -> torch.Tensor:
-        """Replay the graph of `size`; returns its hidden states [size, hidden_size]."""
+    def replay(self, size: int) -> Any:
+        """Replay the graph of `size`; returns its static outputs (see `forward`)."""
         self._graphs[size].replay()
         self.num_replays += 1
         return self._outputs[size]

@@ -41,7 +41,7 @@ from vllm.v1.sample.sampler import (
     compute_token_logprobs,
 )
 from vllm.v1.worker.async_output import AsyncRunnerOutput, AsyncStepState, scatter_logprobs
-from vllm.v1.worker.cuda_graph import CUDAGraphManager
+from vllm.v1.worker.cuda_graph import CUDAGraphManager, DecodeGraphOutput
 from vllm.v1.worker.input_batch import CachedRequestState, InputBatch
 from vllm.v1.worker.spec_decode import SpecDecoder
 
@@ -137,6 +137,8 @@ class GPUModelRunner:
         self.logits_indices = torch.zeros(r, dtype=torch.int64, device=device)  # [max_num_reqs]
         self.logits_indices_cpu = torch.zeros(r, dtype=torch.int64, pin_memory=pin)
         self._logits_indices_np = self.logits_indices_cpu.numpy()
+        # The decode graphs' logits, rows [:size] of each (see _decode_graph_forward).
+        self._decode_logits: torch.Tensor | None = None
         # (id(buffer), n) -> buffer[:n] for the persistent buffers above, n <= r + 1.
         self._heads: dict[tuple[int, int], torch.Tensor] = {}
         self.async_state = (
@@ -144,7 +146,7 @@ class GPUModelRunner:
         )
 
         self.spec_decoder = spec_decoder
-        self.cuda_graphs = CUDAGraphManager(capture_sizes, self._graph_forward)
+        self.cuda_graphs = CUDAGraphManager(capture_sizes, self._decode_graph_forward)
         # Verify batches: B requests x q = k + 1 tokens each (short drafts padded), own graphs.
         self.verify_query_len = spec_decoder.k + 1 if spec_decoder else 0
         verify_sizes = [
@@ -368,6 +370,29 @@ class GPUModelRunner:
         with set_forward_context(metadata):
             return self.model(self.input_ids[:tokens], self.positions[:tokens])
 
+    def _decode_graph_forward(self, size: int) -> DecodeGraphOutput:
+        """A decode graph's body: `size` one-token rows through the model, then the
+        sampling head every decode row needs (lm_head, greedy argmax).
+
+        Every size writes its logits into the first rows of one shared buffer
+        [largest size, vocab_size] (allocated by the first, eager warm-up call of
+        the largest size): a graph's own logits tensor would stay allocated per
+        captured size (Llama-3-8B at 256 sizes: ~1 GiB, taken from the KV cache),
+        while the lm_head's temporary goes back to the graphs' shared pool. One
+        graph runs at a time and the step reads its rows before the next replay
+        on the same stream, so sharing is safe.
+        """
+        hidden = self._graph_forward(size)
+        logits = self.model.compute_logits(hidden)
+        shared = self._decode_logits
+        if (shared is None or shared.shape[0] < size or shared.shape[1:] != logits.shape[1:]
+                or shared.dtype != logits.dtype):
+            rows = max(self.cuda_graphs.capture_sizes, default=size)
+            shared = self._decode_logits = logits.new_empty((max(rows, size), logits.shape[1]))
+        out = shared[:size]
+        out.copy_(logits)
+        return DecodeGraphOutput(hidden, out, argmax_rows(out))
+
     def _decode_graph_size(self, num_reqs: int, total: int) -> int | None:
         """The captured decode graph an all-decode batch replays (its padded size), or None."""
         if not self.use_cuda_graph or total != num_reqs:
@@ -388,9 +413,12 @@ class GPUModelRunner:
             self.query_start_loc_cpu[num_reqs + 1 : size + 1], non_blocking=True
         )
 
-    def _forward(self, metadata: AttentionMetadata, num_sched: np.ndarray) -> torch.Tensor:
+    def _forward(self, metadata: AttentionMetadata, num_sched: np.ndarray
+                 ) -> tuple[torch.Tensor, DecodeGraphOutput | None]:
         """Hidden states [total, hidden] of the step's flat tokens: a graph replay when
-        the batch is all decodes, or fits rows of k + 1 tokens (spec decode); else eager."""
+        the batch is all decodes, or fits rows of k + 1 tokens (spec decode); else eager.
+        A decode graph's replay also returns its sampling head's outputs (its first
+        `total` rows), None otherwise."""
         num_reqs = len(num_sched)
         total = metadata.num_actual_tokens
         q = self.verify_query_len
@@ -407,11 +435,14 @@ class GPUModelRunner:
                 self._pad_batch(num_reqs, size, q)
         if self.async_state is not None:
             self.async_state.record_inputs_copied()
+        if size is not None and graphs is self.cuda_graphs:
+            head = graphs.replay(size).rows(total)
+            return head.hidden, head
         if size is not None:
             hidden = graphs.replay(size)
-            return hidden[:total] if index is None else hidden.index_select(0, index)
+            return (hidden[:total] if index is None else hidden.index_select(0, index)), None
         with set_forward_context(metadata):
-            return self.model(self.input_ids[:total], self.positions[:total])
+            return self.model(self.input_ids[:total], self.positions[:total]), None
 
     def _token_rows(self, num_sched: np.ndarray, cu: np.ndarray, total: int
                     ) -> tuple[np.ndarray, np.ndarray]:
@@ -481,7 +512,7 @@ class GPUModelRunner:
         if so.scheduled_spec_decode_tokens:
             SpecDecoder.write_drafts(batch, so.scheduled_spec_decode_tokens)
         metadata, num_sched, sampling_rows = self._prepare_inputs(so)
-        hidden = self._forward(metadata, num_sched)
+        hidden, head = self._forward(metadata, num_sched)
         draft = self.spec_decoder.draft if self.spec_decoder is not None else None
         if draft is not None:
             draft.forget(so.finished_req_ids | so.preempted_req_ids)
@@ -508,19 +539,9 @@ class GPUModelRunner:
                     batch.append_token(row, tok)
         sampler_output = None
         if len(rows):
-            n = len(sampling_rows)
-            if n == num_reqs and self._all_single_token(so, num_reqs):
-                # Row i samples flat token i (no verify row: those carry drafts), so
-                # the logits indices are 0 .. n-1: a view, no index copy, no gather.
-                sampled_hidden = hidden[:n]
-            else:
-                idx = self.logits_indices[:n]
-                if is_verify.any():
-                    idx = idx[torch.from_numpy(np.nonzero(~is_verify)[0]).to(self.device)]
-                sampled_hidden = hidden[idx]
-            logits = self.model.compute_logits(sampled_hidden)
+            logits, greedy = self._logits(hidden, head, so, len(sampling_rows), is_verify)
             states = [batch.states[r] for r in rows]
-            sampler_output = self.sampler(logits, self._sampling_metadata(states))
+            sampler_output = self.sampler(logits, self._sampling_metadata(states), greedy=greedy)
         if sampler_output is not None and self.async_state is None:
             self._append_sampled(output, rows, sampler_output)
         if self.spec_decoder is not None:
@@ -539,6 +560,23 @@ class GPUModelRunner:
             self.async_state.prev_sampled = None
             return output
         return self.async_state.output(output, rows, sampler_output, batch)
+
+    def _logits(self, hidden: torch.Tensor, head: DecodeGraphOutput | None,
+                so: SchedulerOutput, n: int, is_verify: np.ndarray
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [rows, vocab] of the step's sampling rows that are not verify rows,
+        and their argmax [rows] int64 when the decode graph computed it (else None)."""
+        num_reqs = self.input_batch.num_reqs
+        if n == num_reqs and self._all_single_token(so, num_reqs):
+            # Row i samples flat token i (no verify row: those carry drafts), so
+            # the logits indices are 0 .. n-1: a view, no index copy, no gather.
+            if head is not None:
+                return head.logits, head.greedy
+            return self.model.compute_logits(hidden[:n]), None
+        idx = self.logits_indices[:n]
+        if is_verify.any():
+            idx = idx[torch.from_numpy(np.nonzero(~is_verify)[0]).to(self.device)]
+        return self.model.compute_logits(hidden[idx]), None
 
     def _append_sampled(
         self, output: ModelRunnerOutput, rows: np.ndarray, sampler_output: SamplerOutput
