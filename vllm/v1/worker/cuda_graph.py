@@ -7,11 +7,12 @@ padded requests have seq_len 0 and slot -1, so they read and write nothing.
 Mixed batches (any prefill) run eagerly.
 
 A decode graph also runs the sampling head on its B rows: `compute_logits`
-and the greedy argmax (`DecodeGraphOutput`). Every row of a decode step
-samples, so the step's logits need no eager lm_head launch, and an all-greedy
-batch takes its ids from the graph (SmolLM2 shape on the H200: a batch-1 step
-is bound by host time as much as by the device, issue 10). Padded rows'
-logits are computed and ignored.
+and the greedy argmax (`DecodeGraphOutput`). When every row of the step
+samples (a decode step; a one-token prefill chunk that does not sample sends
+the runner to the eager lm_head), the step's logits need no eager lm_head
+launch, and an all-greedy batch takes its ids from the graph (SmolLM2 shape on
+the H200: the step's host work halves, docs/benchmarks.md, issue 10). Padded
+rows' logits are computed and ignored.
 
 The graphs read every per-step value from persistent buffers (input ids,
 positions, slot mapping, sequence lengths, block table) and address the KV

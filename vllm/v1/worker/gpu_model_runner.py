@@ -385,10 +385,15 @@ class GPUModelRunner:
         hidden = self._graph_forward(size)
         logits = self.model.compute_logits(hidden)
         shared = self._decode_logits
-        if (shared is None or shared.shape[0] < size or shared.shape[1:] != logits.shape[1:]
-                or shared.dtype != logits.dtype):
-            rows = max(self.cuda_graphs.capture_sizes, default=size)
-            shared = self._decode_logits = logits.new_empty((max(rows, size), logits.shape[1]))
+        if shared is None:
+            rows = max(max(self.cuda_graphs.capture_sizes, default=size), size)
+            shared = self._decode_logits = logits.new_empty((rows, logits.shape[1]))
+        elif (shared.shape[0] < size or shared.shape[1:] != logits.shape[1:]
+              or shared.dtype != logits.dtype):
+            # Graphs captured before hold its address: it must never be reallocated.
+            raise RuntimeError(
+                f"decode graph logits {tuple(logits.shape)} {logits.dtype} do not fit the "
+                f"shared buffer {tuple(shared.shape)} {shared.dtype}")
         out = shared[:size]
         out.copy_(logits)
         return DecodeGraphOutput(hidden, out, argmax_rows(out))

@@ -45,7 +45,8 @@ class CompiledLaunches:
             key: determines Triton's specialisation for `args` (see the module).
             grid: 1 to 3 program counts.
             args: every kernel argument in order, constexprs included.
-            device: the device the tensors are on (its current stream is used).
+            device: the device the tensors are on (part of the caller's key; the
+                launch goes to the current device's current stream, as Triton's does).
             num_warps: the launch option of the first call; part of the variant.
         """
         compiled = self._compiled.get(key)
@@ -55,4 +56,7 @@ class CompiledLaunches:
                 self._compiled[key] = compiled
             return
         grid3 = (*grid, 1, 1)[:3]
-        compiled[grid3](*args, stream=driver.active.get_current_stream(device.index))
+        # The stream of the current device, as Triton's dispatch uses (the first call
+        # loaded the kernel there); tensors on another device would fail the same way.
+        current = driver.active.get_current_device()
+        compiled[grid3](*args, stream=driver.active.get_current_stream(current))
