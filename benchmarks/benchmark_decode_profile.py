@@ -157,7 +157,7 @@ def _time_host_phases(engine, steps: int = HOST_PHASE_STEPS) -> dict:
 
 def profile_config(shape: str, batch: int, scheduling: str, fused_linear: bool, steps: int,
                    max_model_len: int, trace_dir: str | None, host_profile: bool = False,
-                   host_phases: bool = False) -> dict:
+                   host_phases: bool = False, max_num_seqs: int | None = None) -> dict:
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -167,15 +167,23 @@ def profile_config(shape: str, batch: int, scheduling: str, fused_linear: bool, 
     from vllm.model_executor.layers import fused_linear as fl
     from vllm.model_executor.layers.ops.norm_linear import MAX_ROWS
 
+    prompt_len = 64
+    # Every measured step must decode: 10 warm-up steps, 60 timed, the host phases,
+    # the profiled steps and the cProfile'd ones, all within max_model_len.
+    needed = prompt_len + 70 + (HOST_PHASE_STEPS if host_phases else 0) + steps * (
+        2 if host_profile else 1)
+    if needed > max_model_len:
+        raise SystemExit(f"--max-model-len {max_model_len} is too short for the steps "
+                         f"measured: a request would finish; use >= {needed}")
     saved = fl.FUSED_LINEAR_MAX_TOKENS
     fl.FUSED_LINEAR_MAX_TOKENS = MAX_ROWS if fused_linear else saved
     try:
         llm = LLM(model_dir_for(shape), load_format="dummy", dtype="bfloat16",
-                  max_model_len=max_model_len, max_num_seqs=max(batch, 1),
+                  max_model_len=max_model_len,
+                  max_num_seqs=max_num_seqs or max(batch, 1),
                   async_scheduling=SCHEDULING[scheduling])
         engine = llm.llm_engine
         vocab = engine.vllm_config.model_config.get_vocab_size()
-        prompt_len = 64
         llm.generate(random_token_prompts(batch, prompt_len, vocab, 1),
                      SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
                      use_tqdm=False)
@@ -257,6 +265,9 @@ def main() -> None:
                              "(off by default)")
     parser.add_argument("--steps", type=int, default=30, help="profiled steps per configuration")
     parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="the engine's max_num_seqs (default: the batch size; "
+                             "benchmark_throughput.py runs at vLLM's 256)")
     parser.add_argument("--trace-dir", default=None)
     parser.add_argument("--host-profile", action="store_true",
                         help="also profile the host side of the same steps with cProfile")
@@ -273,7 +284,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(),
         "results": [profile_config(args.shape, b, s, args.fused_linear, args.steps,
                                    args.max_model_len, args.trace_dir, args.host_profile,
-                                   args.host_phases)
+                                   args.host_phases, args.max_num_seqs)
                     for s in args.scheduling for b in args.batch_sizes],
     }, args.out)
 
