@@ -81,25 +81,10 @@ class Sampler(nn.Module):
 
     @staticmethod
     def apply_logits_processors(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """logit_bias, the min_tokens mask and the penalties, in place.
-
-        A new processor also goes into `_modifies_logits`: a batch it reports as
-        unmodified skips this (and the float32 copy) for the raw-logits argmax.
-        """
-        if md.logit_bias is not None:
-            rows, cols, values = md.logit_bias
-            logits.index_put_((rows, cols), values, accumulate=True)
-        if md.min_tokens is not None:
-            logits.index_put_(md.min_tokens, torch.tensor(float("-inf"), device=logits.device))
-        if not md.no_penalties:
-            apply_penalties(
-                logits,
-                md.prompt_token_ids,
-                md.output_token_ids,
-                md.presence_penalties,
-                md.frequency_penalties,
-                md.repetition_penalties,
-            )
+        """logit_bias, the min_tokens mask and the penalties (`LOGITS_PROCESSORS`), in place."""
+        for used_by, apply in LOGITS_PROCESSORS:
+            if used_by(md):
+                apply(logits, md)
         return logits
 
     @staticmethod
@@ -118,9 +103,33 @@ class Sampler(nn.Module):
         return drawn if greedy is None else torch.where(is_greedy, greedy, drawn)
 
 
+def _apply_logit_bias(logits: torch.Tensor, md: SamplingMetadata) -> None:
+    rows, cols, values = md.logit_bias
+    logits.index_put_((rows, cols), values, accumulate=True)
+
+
+def _apply_min_tokens(logits: torch.Tensor, md: SamplingMetadata) -> None:
+    logits.index_put_(md.min_tokens, torch.tensor(float("-inf"), device=logits.device))
+
+
+def _apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> None:
+    apply_penalties(logits, md.prompt_token_ids, md.output_token_ids, md.presence_penalties,
+                    md.frequency_penalties, md.repetition_penalties)
+
+
+# The logits processors in the order they apply: (whether a batch uses it, the
+# in-place processor). The one list both applying them and `_modifies_logits`
+# read, so a batch that needs none takes the raw-logits argmax.
+LOGITS_PROCESSORS = (
+    (lambda md: md.logit_bias is not None, _apply_logit_bias),
+    (lambda md: md.min_tokens is not None, _apply_min_tokens),
+    (lambda md: not md.no_penalties, _apply_penalties),
+)
+
+
 def _modifies_logits(md: SamplingMetadata) -> bool:
     """Whether `Sampler.apply_logits_processors` changes any logit of this batch."""
-    return md.logit_bias is not None or md.min_tokens is not None or not md.no_penalties
+    return any(used_by(md) for used_by, _ in LOGITS_PROCESSORS)
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
