@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import os
+import tempfile
 from pathlib import Path
 
 
@@ -41,7 +42,40 @@ def positive_float(text: str) -> float:
     return value
 
 
+def check_output_path(path: str | None) -> None:
+    """Raise ValueError now, before a run, when `path` could not be written afterwards.
+
+    A path is writable when it is not a directory and a file can be created in
+    its nearest existing ancestor (tried with a temporary file, removed at
+    once; `write_json` creates the missing directories). None passes.
+    """
+    if path is None:
+        return
+    target = Path(path).expanduser().absolute()
+    if target.is_dir():
+        raise ValueError(f"output path {path!r} is a directory; give a file name")
+    parent = target.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"output path {path!r}: {str(parent)!r} is not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as e:
+        raise ValueError(f"output path {path!r}: cannot write in {str(parent)!r} "
+                         f"({e.strerror or e})") from None
+    if target.exists() and not os.access(target, os.W_OK):
+        raise ValueError(f"output path {path!r} exists and is not writable")
+
+
 def write_json(path: str, result: dict) -> None:
-    """Write `result` as indented JSON to `path` (its directory is created)."""
+    """Write `result` as indented, strict JSON to `path` (its directory is created).
+
+    Raises ValueError for a NaN or infinite number (strict parsers reject them:
+    callers report empty statistics as 0, as vLLM does) and OSError when the
+    file cannot be written (`check_output_path` catches the usual causes first).
+    """
+    text = json.dumps(result, indent=2, allow_nan=False)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    Path(path).write_text(json.dumps(result, indent=2) + "\n")
+    Path(path).write_text(text + "\n")
