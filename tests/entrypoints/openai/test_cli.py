@@ -87,6 +87,73 @@ def test_help_states_every_default():
     assert "(default: on)" in " ".join(serve.split())  # --enable-prefix-caching
 
 
+def _subcommand_parser(*path: str) -> argparse.ArgumentParser:
+    parser = make_parser()
+    for name in path:
+        parser = next(a for a in parser._actions
+                      if isinstance(a, argparse._SubParsersAction)).choices[name]
+    return parser
+
+
+@pytest.mark.parametrize("path", [("serve",), ("bench", "latency"), ("bench", "throughput"),
+                                  ("bench", "serve")])
+def test_every_subcommand_help_shows_each_default_once(path):
+    """vLLM's help shows every flag's default. A help that words its own default (the
+    engine and server flags) is kept as written; the others get argparse's "(default: X)"."""
+    parser = _subcommand_parser(*path)
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if action.help == argparse.SUPPRESS or isinstance(action, argparse._HelpAction):
+            continue
+        shown = formatter._get_help_string(action)
+        if "default" in (action.help or "").lower():
+            assert shown == action.help, action.option_strings  # never a second default
+        else:
+            assert shown == f"{action.help or ''} (default: %(default)s)", action.option_strings
+
+
+def test_bench_help_shows_the_defaults():
+    text = " ".join(_subcommand_parser("bench", "latency").format_help().split())
+    assert "--num-iters NUM_ITERS Timed iterations. (default: 30)" in text
+    assert "--num-iters-warmup NUM_ITERS_WARMUP Untimed iterations first. (default: 10)" in text
+    assert "--disable-tqdm No progress bar. (default: False)" in text
+    assert "(default: on)." in text and "(default: on). (default" not in text  # engine flags
+    text = " ".join(_subcommand_parser("bench", "throughput").format_help().split())
+    assert "--num-prompts NUM_PROMPTS Prompts. (default: 1000)" in text
+
+
+def test_top_level_help_fills_in_the_defaults():
+    top = _run_cli("--help").stdout
+    assert "%(default)s" not in top
+    assert "Random seed of the engine (default: 0)." in top
+
+
+def test_underscore_spellings_of_flags_are_accepted():
+    """vLLM's FlexibleArgumentParser: `--max_model_len` is `--max-model-len` in every
+    subcommand, with or without "="; values keep their underscores."""
+    parser = make_parser()
+    args = parser.parse_args(["serve", "--max_model_len", "64", "--served_model_name", "a_b",
+                              "c_d", "--enable_prefix_caching"])
+    assert (args.max_model_len, args.served_model_name) == (64, ["a_b", "c_d"])
+    assert args.enable_prefix_caching is True
+    args = parser.parse_args(["bench", "latency", "--num_iters_warmup=0", "--batch_size", "3",
+                              "--max_num_seqs", "5"])
+    assert (args.num_iters_warmup, args.batch_size, args.max_num_seqs) == (0, 3, 5)
+    assert parser.parse_args(["bench", "serve", "--num_prompts", "2"]).num_prompts == 2
+    assert parser.parse_args(["bench", "throughput", "--num_prompts=7"]).num_prompts == 7
+
+
+def test_an_unknown_underscore_flag_reports_its_subcommands_usage(capsys):
+    from vllm.entrypoints.cli.main import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "latency", "--bogus_flag", "x_y"])
+    assert info.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "usage: vllm bench latency [options]"
+    assert lines[-1] == "vllm bench latency: error: unrecognized arguments: --bogus-flag x_y"
+
+
 def test_help_and_version_do_not_import_torch():
     code = ("import sys\nfrom vllm.entrypoints.cli.main import main\n"
             "for argv in (['--help'], ['serve', '--help'], ['--version']):\n"

@@ -2,7 +2,9 @@
 
 Parsing imports only argparse and the (torch-free) EngineArgs, so `--help`
 and `--version` answer in a fraction of a second; the server (FastAPI,
-torch, the model) is imported only when `serve` runs.
+torch, the model) is imported only when `serve` runs. As in vLLM, every
+parser takes `--foo_bar` for `--foo-bar` and every subcommand's help shows the
+defaults (`vllm.utils.argparse_utils`).
 """
 
 from __future__ import annotations
@@ -10,25 +12,30 @@ from __future__ import annotations
 import argparse
 import sys
 
+from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.version import __version__
 
 
-def _first_line(text: str | None) -> str:
-    return " ".join((text or "").split()).replace("%%", "%")
+def _first_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 def _options_summary(parser: argparse.ArgumentParser, name: str) -> str:
-    """`vllm <name>`'s options, one line each, for the top-level help's epilog."""
+    """`vllm <name>`'s options, one line each, for the top-level help's epilog.
+
+    `%(default)s` in a help text is filled in as argparse does for `--help`.
+    """
     lines = [f"`vllm {name}` options (details: vllm {name} --help):"]
     for action in parser._actions:
         if action.help == argparse.SUPPRESS or isinstance(action, argparse._HelpAction):
             continue
         flags = ", ".join(action.option_strings) or (action.metavar or action.dest)
-        lines.append(f"  {flags:<36} {_first_line(action.help)}")
+        text = (action.help or "") % dict(vars(action), prog=parser.prog)
+        lines.append(f"  {flags:<36} {_first_line(text)}")
     return "\n".join(lines)
 
 
-class _SubcommandParser(argparse.ArgumentParser):
+class _SubcommandParser(FlexibleArgumentParser):
     """A subcommand's parser: unknown flags are reported with *its* usage line.
 
     argparse hands a subparser's leftovers back to the top-level parser, whose
@@ -45,7 +52,7 @@ class _SubcommandParser(argparse.ArgumentParser):
 def make_parser() -> argparse.ArgumentParser:
     from vllm.entrypoints.openai.cli_args import make_arg_parser
 
-    parser = argparse.ArgumentParser(
+    parser = FlexibleArgumentParser(
         prog="vllm",
         description="vLLM with an extensible KV cache: serve a model over the OpenAI API.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
