@@ -34,13 +34,24 @@ _WORDS = [
 
 @dataclass
 class RequestResult:
+    """One streamed request as the client saw it (seconds on `time.perf_counter`)."""
+
     ok: bool
+    start_s: float = 0.0  # when it was sent
     ttft_s: float = 0.0
     e2e_s: float = 0.0
-    itl_s: list[float] = field(default_factory=list)
-    output_tokens: int = 0
+    itl_s: list[float] = field(default_factory=list)  # gaps between content chunks
+    output_tokens: int = 0  # from the usage chunk
     prompt_tokens: int = 0
+    text: str = ""
     error: str = ""
+
+    def chunk_times(self) -> list[float]:
+        """Arrival time of each content chunk (seconds on the perf_counter clock)."""
+        if not self.ok:
+            return []
+        first = self.start_s + self.ttft_s
+        return [first, *(first + t for t in np.cumsum(self.itl_s))]
 
 
 def make_prompts(n: int, input_words: int, seed: int) -> list[str]:
@@ -48,18 +59,33 @@ def make_prompts(n: int, input_words: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(_WORDS) for _ in range(input_words)) for _ in range(n)]
 
 
-async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str,
-                      max_tokens: int, ignore_eos: bool) -> RequestResult:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True},
-            "ignore_eos": ignore_eos}
+async def one_request(client: httpx.AsyncClient, url: str, model: str,
+                      prompt: str | list[int], max_tokens: int, ignore_eos: bool,
+                      chat: bool = False, body_extra: dict | None = None) -> RequestResult:
+    """Stream one request to `url` and time it.
+
+    Args:
+        url: a /v1/completions URL, or /v1/chat/completions when `chat` (the
+            prompt is then the user message, a str).
+        prompt: text, or token ids (completions only).
+        body_extra: more request fields (sampling parameters); they override
+            the defaults (temperature 0).
+    """
+    body: dict = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                  "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    body.update(body_extra or {})
     start = time.perf_counter()
     last = None
-    result = RequestResult(ok=False)
+    result = RequestResult(ok=False, start_s=start)
+    texts = []
     try:
         async with client.stream("POST", url, json=body) as response:
             if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                result.error = _http_error(response.status_code, await response.aread())
                 return result
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -72,51 +98,89 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
                     result.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                choice = (chunk.get("choices") or [{}])[0]
+                text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                # A token's chunk has its text, or ends the request (EOS has no text); the
+                # chat API's first chunk (the role, no content) is no token.
+                if text or choice.get("finish_reason"):
+                    texts.append(text or "")
                     if last is None:
                         result.ttft_s = now - start
                     else:
                         result.itl_s.append(now - last)
                     last = now
         result.e2e_s = time.perf_counter() - start
+        result.text = "".join(texts)
         result.ok = last is not None
+        if not result.ok:
+            result.error = "the stream ended without a token"
     except httpx.HTTPError as e:
         result.error = repr(e)
     return result
 
 
+def _http_error(status: int, body: bytes) -> str:
+    """`HTTP <status>: <message>`, the message from an OpenAI-style error body when it has one."""
+    try:
+        message = json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = body[:200].decode(errors="replace")
+    return f"HTTP {status}: {message}"
+
+
 def _summary_ms(values: list[float]) -> dict[str, float]:
     if not values:
-        return {"mean": float("nan"), "p50": float("nan"), "p99": float("nan")}
+        return {"mean": 0.0, "p50": 0.0, "p99": 0.0}  # as vLLM: no NaN in the JSON
     arr = np.asarray(values) * 1000.0
     return {"mean": float(arr.mean()), "p50": float(np.percentile(arr, 50)),
             "p99": float(np.percentile(arr, 99))}
 
 
-async def run_level(base_url: str, model: str, concurrency: int, prompts: list[str],
-                    max_tokens: int, ignore_eos: bool, headers: dict[str, str],
-                    request_rate: float = float("inf"), progress=None, seed: int = 0) -> dict:
-    """Send `prompts` with at most `concurrency` in flight (and, when `request_rate` is
-    finite, Poisson arrivals at that many requests/s); the level's figures as a dict."""
-    url = base_url.rstrip("/") + "/v1/completions"
+async def run_requests(url: str, model: str, concurrency: int, prompts: list,
+                       max_tokens: int | list[int], ignore_eos: bool,
+                       headers: dict[str, str], request_rate: float = float("inf"),
+                       burstiness: float = 1.0, progress=None, seed: int = 0,
+                       chat: bool = False, body_extra: dict | None = None,
+                       ) -> tuple[list[RequestResult], float]:
+    """Send `prompts` to `url` with at most `concurrency` in flight; (results in prompt
+    order, the wall seconds from the first send to the last reply).
+
+    `max_tokens` is one value or one per prompt. With a finite `request_rate`
+    requests arrive at that mean rate, the gaps drawn from a gamma distribution
+    of shape `burstiness` (1: a Poisson process), as vLLM's `vllm bench serve`.
+    """
+    lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
     semaphore = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits,
                                  headers=headers) as client:
 
-        async def bounded(prompt: str, delay: float) -> RequestResult:
+        async def bounded(prompt, n: int, delay: float) -> RequestResult:
             await asyncio.sleep(delay)
             async with semaphore:
-                result = await one_request(client, url, model, prompt, max_tokens, ignore_eos)
+                result = await one_request(client, url, model, prompt, n, ignore_eos, chat,
+                                           body_extra)
             if progress is not None:
                 progress.update(1)
             return result
 
         start = time.perf_counter()
-        delays = _arrival_delays(len(prompts), request_rate, seed)
-        results = await asyncio.gather(*(bounded(p, d) for p, d in zip(prompts, delays,
-                                                                          strict=True)))
+        delays = _arrival_delays(len(prompts), request_rate, seed, burstiness)
+        results = await asyncio.gather(*(bounded(p, n, d) for p, n, d in zip(
+            prompts, lengths, delays, strict=True)))
         duration = time.perf_counter() - start
+    return list(results), duration
+
+
+async def run_level(base_url: str, model: str, concurrency: int, prompts: list[str],
+                    max_tokens: int, ignore_eos: bool, headers: dict[str, str],
+                    request_rate: float = float("inf"), progress=None, seed: int = 0) -> dict:
+    """Send `prompts` to /v1/completions with at most `concurrency` in flight (and, when
+    `request_rate` is finite, Poisson arrivals at that many requests/s); the level's
+    figures as a dict (the benchmarks/ scripts' format)."""
+    results, duration = await run_requests(
+        base_url.rstrip("/") + "/v1/completions", model, concurrency, prompts, max_tokens,
+        ignore_eos, headers, request_rate=request_rate, progress=progress, seed=seed)
     ok = [r for r in results if r.ok]
     output_tokens = sum(r.output_tokens for r in ok)
     return {
@@ -137,13 +201,16 @@ async def run_level(base_url: str, model: str, concurrency: int, prompts: list[s
     }
 
 
-def _arrival_delays(n: int, request_rate: float, seed: int) -> list[float]:
+def _arrival_delays(n: int, request_rate: float, seed: int, burstiness: float = 1.0
+                    ) -> list[float]:
     """Seconds after the start at which each request is sent: all at once for an infinite
-    rate, else a Poisson process (exponential gaps with mean 1 / request_rate), as vLLM."""
+    rate, else gaps from a gamma distribution of shape `burstiness` and mean
+    1 / request_rate (shape 1: exponential gaps, a Poisson process), as vLLM."""
     if request_rate == float("inf"):
         return [0.0] * n
     rng = np.random.default_rng(seed)
-    return list(np.cumsum(rng.exponential(1.0 / request_rate, n)) - 0.0)
+    gaps = rng.gamma(burstiness, 1.0 / (request_rate * burstiness), n)
+    return [float(t) for t in np.cumsum(gaps)]
 
 
 def wait_for_health(base_url: str, timeout: float, proc: subprocess.Popen | None) -> None:
@@ -160,9 +227,24 @@ def wait_for_health(base_url: str, timeout: float, proc: subprocess.Popen | None
     raise TimeoutError(f"{base_url} did not become healthy within {timeout:.0f} s")
 
 
-def resolve_model(base_url: str, headers: dict[str, str]) -> str:
+def served_models(base_url: str, headers: dict[str, str]) -> list[dict]:
+    """The server's /v1/models entries ({"id", "root", ...}); raises httpx.HTTPStatusError
+    for an error status, httpx.HTTPError when nothing answers, ValueError for a body
+    that is not a model list."""
     response = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
     response.raise_for_status()
-    return response.json()["data"][0]["id"]
+    try:
+        data = response.json()["data"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise ValueError(f"{base_url}/v1/models did not answer a model list") from None
+    if not isinstance(data, list):
+        raise ValueError(f"{base_url}/v1/models did not answer a model list")
+    return data
 
 
+def resolve_model(base_url: str, headers: dict[str, str]) -> str:
+    """The id of the server's first model."""
+    models = served_models(base_url, headers)
+    if not models:
+        raise ValueError(f"the server at {base_url} serves no model")
+    return models[0]["id"]

@@ -1,13 +1,11 @@
 """`vllm bench latency|throughput|serve` (issue 10, item 6): vLLM's summary lines and JSON.
 
 latency and throughput run on the session's shared offline engine (their `run`; `main`
-only adds building the engine from the flags and shutting it down); serve loads the
-session's shared server. Flag errors are one line and exit status 2.
+only adds building the engine from the flags and shutting it down); serve's own tests
+are in test_bench_serve.py. Flag errors are one line and exit status 2.
 """
 
 from __future__ import annotations
-
-import json
 
 import pytest
 
@@ -47,22 +45,6 @@ def test_throughput_prints_vllms_lines(bundled_llm, capsys):
     assert (f"Throughput: {result['requests_per_second']:.2f} requests/s, "
             f"{result['tokens_per_second']:.2f} total tokens/s") in out
     assert "Total num prompt tokens:  30" in out and "Total num output tokens:  6" in out
-
-
-def test_serve_prints_vllms_result_block_and_writes_json(server, tmp_path, capsys):
-    out_json = tmp_path / "serve.json"
-    code = main(["bench", "serve", "--base-url", server.url, "--num-prompts", "3",
-                 "--random-input-len", "8", "--random-output-len", "4", "--max-concurrency",
-                 "2", "--disable-tqdm", "--output-json", str(out_json)])
-    out = capsys.readouterr().out
-    assert code == 0
-    assert "============ Serving Benchmark Result ============" in out
-    for line in ("Successful requests:                     3 ", "Total generated tokens:",
-                 "Mean TTFT (ms):", "P99 TPOT (ms):", "Median ITL (ms):"):
-        assert line in out
-    result = json.loads(out_json.read_text())
-    assert result["failed"] == 0 and result["total_output_tokens"] == 12
-    assert result["total_input_tokens"] >= 3 * 8 and result["request_rate"] == "inf"
 
 
 @pytest.mark.parametrize(("argv", "message"), [
