@@ -7,7 +7,10 @@ Each iteration generates `--batch-size` prompts of `--input-len` random tokens
 (fresh tokens every iteration, so prefix caching never shortens the prefill),
 `--output-len` tokens each, greedy, EOS ignored. Prints "Avg latency" and the
 10/25/50/75/90/99th percentiles (seconds), plus this fork's TTFT and decode
-figures (`vllm.benchmarks.timing`). Engine flags are `vllm serve`'s.
+figures (`vllm.benchmarks.timing`). As in vLLM, one progress bar counts the
+"Warmup iterations", a second the "Profiling iterations" (timed). Engine flags
+are `vllm serve`'s; max_num_seqs, left unset, is the engine's default unless
+`--batch-size` is larger (then the batch, so it runs as one).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import argparse
 
 import numpy as np
 
-from vllm.benchmarks.utils import non_negative_int, positive_int, write_json
+from vllm.benchmarks.utils import check_output_path, non_negative_int, positive_int, write_json
 
 PERCENTILES = [10, 25, 50, 75, 90, 99]
 
@@ -36,8 +39,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    """Build the engine from the flags, run, print; `--output-json` is checked first.
+
+    Raises:
+        ValueError: an output path that could not be written (before the engine
+            is built), or a bad flag value; see `make_llm` for the engine's errors.
+        OSError: the JSON could not be written after all.
+    """
     from vllm.benchmarks.offline import make_llm
 
+    check_output_path(args.output_json)
     llm = make_llm(args, max_num_seqs_at_least=args.batch_size)
     try:
         result = run(llm, args)
@@ -57,12 +68,17 @@ def run(llm, args: argparse.Namespace) -> dict:
 
     vocab = llm.llm_engine.vllm_config.model_config.get_vocab_size()
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
-    runs = []
-    total = args.num_iters_warmup + args.num_iters
-    for i in tqdm(range(total), desc="Iterations", disable=args.disable_tqdm):
-        prompts = random_token_prompts(args.batch_size, args.input_len, vocab, seed=i)
-        runs.append(time_batch(llm, prompts, params))
-    timed = runs[args.num_iters_warmup:]
+
+    def one_batch(seed: int):  # fresh prompts every iteration: no prefix-cache hits
+        prompts = random_token_prompts(args.batch_size, args.input_len, vocab, seed=seed)
+        return time_batch(llm, prompts, params)
+
+    warmup = args.num_iters_warmup
+    for i in tqdm(range(warmup), desc="Warmup iterations", disable=args.disable_tqdm):
+        one_batch(i)
+    timed = []
+    for i in tqdm(range(args.num_iters), desc="Profiling iterations", disable=args.disable_tqdm):
+        timed.append(one_batch(warmup + i))
     latencies = np.array([r.total_s for r in timed])
     percentiles = np.percentile(latencies, PERCENTILES)
     print(f"Avg latency: {latencies.mean()} seconds")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from vllm.benchmarks.utils import positive_int, write_json
+from vllm.benchmarks.utils import check_output_path, positive_int, write_json
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -30,8 +30,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    """Build the engine from the flags, run, print; `--output-json` is checked first.
+
+    Raises:
+        ValueError: an output path that could not be written (before the engine
+            is built), or a bad flag value; see `make_llm` for the engine's errors.
+        OSError: the JSON could not be written after all.
+    """
     from vllm.benchmarks.offline import make_llm
 
+    check_output_path(args.output_json)
     llm = make_llm(args)
     try:
         result = run(llm, args)

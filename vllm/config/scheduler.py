@@ -24,6 +24,11 @@ DEFAULT_LIMITS = {"cuda": (256, 8192), "cpu": (64, 512)}
 DEFAULT_MAX_NUM_PARTIAL_PREFILLS = 4
 
 
+def default_limits(device_type: str) -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens) when unset, for "cuda" or "cpu" (others: cpu's)."""
+    return DEFAULT_LIMITS.get(device_type, DEFAULT_LIMITS["cpu"])
+
+
 def _check_positive_int(name: str, value: object) -> None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -97,7 +102,7 @@ class SchedulerConfig:
 
     def resolve(self, max_model_len: int, device_type: str) -> None:
         """Fill the defaults for `device_type` ("cuda" or "cpu") and check the limits."""
-        default_seqs, default_tokens = DEFAULT_LIMITS.get(device_type, DEFAULT_LIMITS["cpu"])
+        default_seqs, default_tokens = default_limits(device_type)
         self.max_model_len = max_model_len
         if self.max_num_seqs is None:
             self.max_num_seqs = default_seqs

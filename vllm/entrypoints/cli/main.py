@@ -102,14 +102,28 @@ def _add_bench(subparsers) -> None:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    """Run `vllm bench <kind>`; a bad flag value or model path is a one-line usage error."""
+    """Run `vllm bench <kind>`; what `vllm serve` reports in one line is one line here too.
+
+    A bad flag value, a model path or an output path that cannot be written
+    is a usage error (exit 2); what the offline engine refuses while it starts
+    exits as `vllm serve` does for it (a KV cache the device cannot hold, a
+    device held by another process: 1); a file that could not be written
+    after the run is one line too (exit 2), never a traceback.
+    """
     import importlib
 
+    from vllm.exceptions import DeviceBusyError, EngineStartupError
+
+    command = f"bench {args.bench_kind}"
     module = importlib.import_module(f"vllm.benchmarks.{args.bench_kind}")
     try:
         return module.main(args)
+    except (DeviceBusyError, EngineStartupError) as e:
+        return _startup_error(command, e)
     except (ValueError, FileNotFoundError) as e:
-        return _usage_error(f"bench {args.bench_kind}", e)
+        return _usage_error(command, e)
+    except OSError as e:
+        return _usage_error(command, _os_error_message(e))
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -135,8 +149,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as e:
         return _usage_error("serve", e)
     except OSError as e:  # the port (its message names it), or an unreadable template file
-        where = f" ({e.filename})" if e.filename else ""
-        return _usage_error("serve", f"{e.strerror or e}{where}")
+        return _usage_error("serve", _os_error_message(e))
     # The engine core process imports torch and the engine (seconds) while this
     # one imports the server and builds the configuration; it gets that config
     # when the engine client starts, or is stopped if building it fails.
@@ -155,12 +168,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             return _usage_error("serve", e)
         try:
             return run_server(args, vllm_config, sock)
-        except DeviceBusyError as e:  # another process holds the device: one line, exit 1
-            print(f"vllm serve: error: {' '.join(str(e).split())}", file=sys.stderr)
-            return 1
-        except EngineStartupError as e:  # the engine refused the configuration: one line
-            print(f"vllm serve: error: {' '.join(str(e).split())}", file=sys.stderr)
-            return e.exit_code
+        except (DeviceBusyError, EngineStartupError) as e:
+            return _startup_error("serve", e)
     finally:
         cancel_prestarted_engine_core()
         sock.close()
@@ -170,6 +179,23 @@ def _usage_error(subcommand: str, error: Exception | str) -> int:
     """Print `vllm <subcommand>: error: <message>` as one line on stderr; returns 2."""
     print(f"vllm {subcommand}: error: {' '.join(str(error).split())}", file=sys.stderr)
     return 2
+
+
+def _startup_error(subcommand: str, error: Exception) -> int:
+    """The engine could not start: one line as `_usage_error`; returns the exit code.
+
+    `EngineStartupError` carries its code (2: a configuration the engine cannot
+    honour, 1: the device cannot hold it); `DeviceBusyError` (another process
+    holds the device) is 1.
+    """
+    _usage_error(subcommand, error)
+    return getattr(error, "exit_code", 1)
+
+
+def _os_error_message(error: OSError) -> str:
+    """The system's reason and the file ("Is a directory (/tmp)"), without the errno."""
+    where = f" ({error.filename})" if error.filename else ""
+    return f"{error.strerror or error}{where}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -62,12 +62,10 @@ from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.entrypoints.openai.serving_engine import cancel_on_disconnect
 from vllm.entrypoints.openai.serving_models import ServedModels
 from vllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
-from vllm.exceptions import EngineStartupError
 from vllm.logger import init_logger
 from vllm.transformers_utils.config import BUNDLED_MODEL_NAME
 from vllm.v1.engine.async_llm import AsyncLLM
-from vllm.v1.engine.exceptions import EngineDeadError
-from vllm.v1.worker.kv_cache_sizing import KVCacheSizingError
+from vllm.v1.engine.exceptions import EngineDeadError, startup_errors
 from vllm.version import __version__
 
 if TYPE_CHECKING:
@@ -404,17 +402,13 @@ def _start_engine(vllm_config: VllmConfig, args: argparse.Namespace) -> AsyncLLM
             or a missing file while it loaded, sized or warmed up: exit code 2)
             or the device cannot hold its KV cache (exit code 1); one line.
     """
-    try:
+    with startup_errors():
         return AsyncLLM.from_vllm_config(
             vllm_config,
             log_stats=not getattr(args, "disable_log_stats", False),
             log_requests=bool(getattr(args, "enable_log_requests", False)),
             multiprocess_mode=True,  # the engine core steps in a process of its own
         )
-    except (ValueError, FileNotFoundError) as e:
-        raise EngineStartupError(str(e), exit_code=2) from e
-    except KVCacheSizingError as e:
-        raise EngineStartupError(str(e), exit_code=1) from e
 
 
 def run_server(

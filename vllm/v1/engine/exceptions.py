@@ -8,9 +8,18 @@ EngineSleepingError     engine asleep (sleep mode)            -> HTTP 503
 EngineShutdownError     engine shut down / shutting down      -> HTTP 503
 SleepModeUnavailableError  sleep asked of an engine without it -> HTTP 501
 ```
+
+While an engine starts (`startup_errors`, for `vllm serve` and the offline
+engine of `vllm bench`), what its configuration or the device refuses becomes
+`vllm.exceptions.EngineStartupError`: the CLI prints it as one line.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from vllm.exceptions import EngineStartupError
 
 
 class EngineGenerateError(RuntimeError):
@@ -47,3 +56,26 @@ class EngineShutdownError(RuntimeError):
 
 class SleepModeUnavailableError(RuntimeError):
     """`sleep` / `wake_up` asked of an engine that cannot sleep (not enabled or not implemented)."""
+
+
+@contextmanager
+def startup_errors() -> Iterator[None]:
+    """Around building an engine: what it refuses becomes `EngineStartupError`.
+
+    A ValueError or a missing file while it loads, sizes or warms up (a flag
+    value only the engine can check, a KV connector's option) gets exit code 2;
+    a KV cache the device cannot hold (`KVCacheSizingError`) gets 1.
+    `DeviceBusyError` (another process holds the device) passes as it is;
+    anything else propagates with its traceback.
+
+    Raises:
+        EngineStartupError: carrying the message and the exit code.
+    """
+    from vllm.v1.worker.kv_cache_sizing import KVCacheSizingError  # torch-free
+
+    try:
+        yield
+    except (ValueError, FileNotFoundError) as e:
+        raise EngineStartupError(str(e), exit_code=2) from e
+    except KVCacheSizingError as e:
+        raise EngineStartupError(str(e), exit_code=1) from e
