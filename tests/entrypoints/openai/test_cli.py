@@ -384,6 +384,16 @@ def test_startup_log_ends_with_url(key_server):
     assert "listening on " + key_server.url in lines[-1]
 
 
+def test_startup_log_has_one_engine_config_line(key_server):
+    """vLLM's start-up line with the settings in use, async scheduling among them: once,
+    from the engine core process (not again from the frontend)."""
+    lines = [ln for ln in key_server.startup_log.splitlines()
+             if "Initializing a V1 LLM engine" in ln]
+    assert len(lines) == 1, lines
+    assert re.search(r"with config: model='.*', .*async_scheduling=(True|False), ", lines[0])
+    assert f"(v{__version__})" in lines[0] and "max_model_len=" in lines[0]
+
+
 def test_generation_config_defaults_are_logged_and_used(key_server):
     """vLLM: the generation config's sampling values are logged at start-up and used for
     the fields a request leaves unset (here temperature 0: greedy)."""

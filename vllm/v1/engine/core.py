@@ -30,6 +30,7 @@ from vllm.v1.outputs import (
 )
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.worker.kv_cache_sizing import fit_max_model_len
+from vllm.version import __version__
 
 logger = init_logger(__name__)
 
@@ -52,6 +53,11 @@ class EngineCore:
     """
 
     def __init__(self, vllm_config: VllmConfig) -> None:
+        # vLLM's start-up line: the settings in use (async scheduling on or off,
+        # the KV cache path, ...), once per engine (the core is one per engine,
+        # in the server's engine core process or in the offline LLM's process).
+        logger.info("Initializing a V1 LLM engine (v%s) with config: %s", __version__,
+                    vllm_config.summary())
         self.vllm_config = vllm_config
         sched = vllm_config.scheduler_config
         cache = vllm_config.cache_config
