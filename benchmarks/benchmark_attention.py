@@ -348,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--no-tune", action="store_true", help="skip the config grids")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"],
+                        help="dtype of the queries and the KV cache (default: %(default)s)")
     add_smoke_flag(parser)
     args = parser.parse_args(argv)
     if args.smoke:

@@ -26,6 +26,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from vllm.benchmarks.utils import non_negative_int, positive_int
+
 ROOT = Path(__file__).resolve().parents[1]
 _CHILD = """
 import json, time, torch
@@ -51,10 +53,14 @@ def _run(bind: str, tokens: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tokens", type=int, default=8)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--load", type=int, default=0, help="Busy-looping processes to run beside.")
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--tokens", type=positive_int, default=8,
+                   help="Tokens each timed generation decodes (default: %(default)s).")
+    p.add_argument("--reps", type=positive_int, default=3,
+                   help="Fresh processes per setting, alternating; the median is reported "
+                        "(default: %(default)s).")
+    p.add_argument("--load", type=non_negative_int, default=0,
+                   help="Busy-looping processes to run beside (default: %(default)s).")
+    p.add_argument("--out", type=Path, default=None, help="Also write the JSON to this file.")
     args = p.parse_args(argv)
     load = [subprocess.Popen([sys.executable, "-c", _BUSY]) for _ in range(args.load)]
     runs: dict[str, list[dict]] = {"rules": [], "peer": []}

@@ -39,6 +39,8 @@ import torch
 from benchmark_decode_primitives import graph_us
 from common import add_smoke_flag, copy_bandwidth, emit, no_gpu_message, smoke_env_problem
 
+from vllm.benchmarks.utils import positive_int
+
 
 @dataclass(frozen=True)
 class Point:
@@ -250,7 +252,9 @@ def _load_baseline(path: str | None):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="also write the JSON here")
-    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--layers", type=positive_int, default=32,
+                        help="launches per captured graph, each on its own layer's cache "
+                             "(default: %(default)s)")
     parser.add_argument("--baseline-module", help="an older unified_attention.py to compare")
     parser.add_argument("--sweep", action="store_true", help="tiles / stages / splits grid")
     add_smoke_flag(parser)

@@ -8,7 +8,7 @@ into the projections after them (`vllm/model_executor/layers/fused_linear.py`)
 save against the separate kernels?
 
     python benchmarks/benchmark_decode_kernels.py --shapes smollm2 llama3_8b \
-        --batch-sizes 1 32 --out results/decode_kernels.json
+        --batch-sizes 1 32 --out benchmarks/results/decode_kernels.json
 
 For each shape (random weights, bf16) and batch: the model (`LlamaForCausalLM`)
 with one paged KV cache per layer, a decode batch whose requests each hold
@@ -40,6 +40,8 @@ import math
 
 import torch
 from common import SHAPES, copy_bandwidth_bytes_per_s, emit
+
+from vllm.benchmarks.utils import positive_int
 
 BLOCK_SIZE = 16
 
@@ -184,11 +186,15 @@ def bench(shape: str, batch: int, context: int, max_model_len: int, copy_bps: fl
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=["smollm2", "llama3_8b"],
-                        choices=sorted(SHAPES))
-    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 32])
-    parser.add_argument("--context", type=int, default=256, help="cached tokens per request")
-    parser.add_argument("--max-model-len", type=int, default=8192)
-    parser.add_argument("--out", default=None)
+                        choices=list(SHAPES), help="model shapes (random weights, bf16)")
+    parser.add_argument("--batch-sizes", nargs="+", type=positive_int, default=[1, 32],
+                        help="decode batch sizes (requests per step)")
+    parser.add_argument("--context", type=positive_int, default=256,
+                        help="cached tokens per request")
+    parser.add_argument("--max-model-len", type=positive_int, default=8192,
+                        help="max_seq_len the attention is built for, as in the engine's "
+                             "captured graphs")
+    parser.add_argument("--out", default=None, help="also write the JSON here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.exit(2, "benchmark_decode_kernels: needs a CUDA GPU; nothing measured\n")

@@ -29,7 +29,7 @@ MiB, that L2 holds none of them):
 
 Every time is the mean over the nodes of a graph replayed 5 times (us).
 
-    python benchmarks/benchmark_decode_primitives.py --out results/decode_primitives.json
+    python benchmarks/benchmark_decode_primitives.py --out benchmarks/results/decode_primitives.json
 """
 
 from __future__ import annotations
@@ -278,8 +278,9 @@ SECTIONS = {"projections": projections, "fused": fused, "skinny": skinny,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS),
+                        help="which measurements to run (see above; default: all)")
+    parser.add_argument("--out", default=None, help="also write the JSON here")
     args = parser.parse_args()
 
     import torch

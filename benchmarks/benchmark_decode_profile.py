@@ -16,7 +16,7 @@ inside the CUDA-graph replay as well) and reports, per step:
                          by the profiler itself, so read them as ranks)
 
     python benchmarks/benchmark_decode_profile.py --shape smollm2 --batch-sizes 1 32 \
-        --out results/decode_profile.json
+        --out benchmarks/results/decode_profile.json
 
 `--scheduling sync` profiles the synchronous loop, `--fused-linear` switches on
 the 2..16-row norm / SiLU projection fusion (`layers/fused_linear.py`, off by
@@ -44,7 +44,9 @@ import statistics
 import time
 from pathlib import Path
 
-from common import emit, model_dir_for
+from common import SHAPES, emit, model_dir_for
+
+from vllm.benchmarks.utils import positive_int
 
 SCHEDULING = {"default": None, "sync": False, "async": True}
 
@@ -257,23 +259,30 @@ def profile_config(shape: str, batch: int, scheduling: str, fused_linear: bool, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", default="smollm2", choices=["smollm2", "llama3_8b"])
-    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 32])
-    parser.add_argument("--scheduling", nargs="+", choices=list(SCHEDULING), default=["default"])
+    parser.add_argument("--shape", default="smollm2", choices=list(SHAPES),
+                        help="model shape (random weights, bf16)")
+    parser.add_argument("--batch-sizes", nargs="+", type=positive_int, default=[1, 32],
+                        help="requests in steady decode, one configuration each")
+    parser.add_argument("--scheduling", nargs="+", choices=list(SCHEDULING), default=["default"],
+                        help="engine runs: the default, sync (--no-async-scheduling) and/or "
+                             "async (--async-scheduling)")
     parser.add_argument("--fused-linear", action="store_true",
                         help="switch on the 2..16-row norm / SiLU projection fusion "
                              "(off by default)")
-    parser.add_argument("--steps", type=int, default=30, help="profiled steps per configuration")
-    parser.add_argument("--max-model-len", type=int, default=1024)
-    parser.add_argument("--max-num-seqs", type=int, default=None,
+    parser.add_argument("--steps", type=positive_int, default=30,
+                        help="profiled steps per configuration")
+    parser.add_argument("--max-model-len", type=positive_int, default=1024,
+                        help="the engine's max_model_len (prompt + every step measured)")
+    parser.add_argument("--max-num-seqs", type=positive_int, default=None,
                         help="the engine's max_num_seqs (default: the batch size; "
                              "benchmark_throughput.py runs at vLLM's 256)")
-    parser.add_argument("--trace-dir", default=None)
+    parser.add_argument("--trace-dir", default=None,
+                        help="also write a Chrome trace per configuration into this directory")
     parser.add_argument("--host-profile", action="store_true",
                         help="also profile the host side of the same steps with cProfile")
     parser.add_argument("--host-phases", action="store_true",
                         help="also time the step's host phases with perf_counter timers")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="also write the JSON here")
     args = parser.parse_args()
 
     import torch

@@ -38,9 +38,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import emit, model_dir_for  # noqa: E402
+from benchmarks.common import SHAPES, emit, model_dir_for  # noqa: E402
 from tests.entrypoints.openai.utils import RemoteServer  # noqa: E402
 from vllm.benchmarks.serve_client import make_prompts, run_level  # noqa: E402
+from vllm.benchmarks.utils import positive_int  # noqa: E402
 
 
 def _free_port() -> int:
@@ -130,21 +131,29 @@ def main(argv: list[str] | None = None) -> int:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", default="llama3_8b", help="Random-weight shape (GPU).")
+    p.add_argument("--shape", default="llama3_8b", choices=list(SHAPES),
+                   help="Random-weight shape (GPU).")
     p.add_argument("--model", default=None, help="A real model instead of --shape.")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="Each instance's share of the device (required on a GPU: two "
                         "instances share it).")
     p.add_argument("--kv-cache-memory-bytes", default=None, help="e.g. 256MiB (CPU runs).")
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--input-words", type=int, default=512)
-    p.add_argument("--output-tokens", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-model-len", type=positive_int, default=4096,
+                   help="Both instances' --max-model-len (default: %(default)s).")
+    p.add_argument("--concurrency", type=positive_int, nargs="+", default=[1, 8],
+                   help="Requests in flight, one level each (default: 1 8).")
+    p.add_argument("--num-prompts", type=positive_int, default=32,
+                   help="Requests per level (at least the level's concurrency; "
+                        "default: %(default)s).")
+    p.add_argument("--input-words", type=positive_int, default=512,
+                   help="Words per synthetic prompt (default: %(default)s).")
+    p.add_argument("--output-tokens", type=positive_int, default=128,
+                   help="max_tokens of each request (default: %(default)s).")
+    p.add_argument("--seed", type=int, default=0,
+                   help="Seed of the synthetic prompts (default: %(default)s).")
     p.add_argument("--server-arg", action="append", default=[],
                    help="Extra `vllm serve` argument (repeatable).")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, help="Also write the JSON to this file.")
     return p.parse_args(argv)
 
 

@@ -45,9 +45,10 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-from common import ROOT, emit, model_dir_for
+from common import ROOT, SHAPES, emit, model_dir_for
 
 from vllm.benchmarks.serve_client import make_prompts, resolve_model, run_level
+from vllm.benchmarks.utils import positive_float, positive_int
 
 _URL = re.compile(r"listening on (http://\S+)")
 _METRIC = re.compile(r'^(vllm:[a-z_]+)\{[^}]*\} ([0-9.e+]+)$', re.M)
@@ -240,28 +241,52 @@ def write_series(results: list[dict], csv_path: str | None, png_path: str | None
     return png_path
 
 
+MODES = ("elastic", "static")
+
+
+def _modes(text: str) -> str:
+    """argparse type of --modes: comma-separated names from MODES, kept as the string."""
+    bad = [m for m in text.split(",") if m not in MODES]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"unknown mode(s) {', '.join(map(repr, bad))}; choose from {', '.join(MODES)}")
+    return text
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", default="llama3_8b", help="random-weight model shape")
-    p.add_argument("--modes", default="elastic,static")
-    p.add_argument("--bursts", type=int, default=4)
-    p.add_argument("--burst-requests", type=int, default=256)
-    p.add_argument("--input-words", type=int, default=650,
+    p.add_argument("--shape", default="llama3_8b", choices=list(SHAPES),
+                   help="random-weight model shape")
+    p.add_argument("--modes", type=_modes, default="elastic,static",
+                   help=f"comma-separated, run in order, from {', '.join(MODES)} "
+                        "(default: %(default)s)")
+    p.add_argument("--bursts", type=positive_int, default=4,
+                   help="bursts, alternately to engine A and B (default: %(default)s)")
+    p.add_argument("--burst-requests", type=positive_int, default=256,
+                   help="streaming completions per burst (default: %(default)s)")
+    p.add_argument("--input-words", type=positive_int, default=650,
                    help="words per prompt (~4.4 tokens each: 650 -> ~2900 tokens)")
-    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", type=positive_int, default=256,
+                   help="max_tokens of each request (default: %(default)s)")
     p.add_argument("--gap-s", type=float, default=8.0, help="idle time after each burst")
     p.add_argument("--shrink-delay-s", type=float, default=2.0,
                    help="VLLM_ELASTIC_KV_SHRINK_DELAY_S for the elastic servers")
-    p.add_argument("--sample-s", type=float, default=0.5)
-    p.add_argument("--start-timeout", type=float, default=600.0)
-    p.add_argument("--server-args", default="--load-format dummy --max-model-len 4096")
-    p.add_argument("--elastic-args", default="--enable-elastic-kv-cache")
-    p.add_argument("--static-args", default="--gpu-memory-utilization 0.45")
+    p.add_argument("--sample-s", type=positive_float, default=0.5,
+                   help="seconds between two reads of both servers' /metrics "
+                        "(default: %(default)s)")
+    p.add_argument("--start-timeout", type=positive_float, default=600.0,
+                   help="seconds a server may take to start (default: %(default)s)")
+    p.add_argument("--server-args", default="--load-format dummy --max-model-len 4096",
+                   help="`vllm serve` flags of every server (default: %(default)s)")
+    p.add_argument("--elastic-args", default="--enable-elastic-kv-cache",
+                   help="added for the elastic mode (default: %(default)s)")
+    p.add_argument("--static-args", default="--gpu-memory-utilization 0.45",
+                   help="added for the static mode (default: %(default)s)")
     p.add_argument("--smoke", action="store_true",
                    help="CPU: the bundled model, 2 bursts of 4 short requests")
-    p.add_argument("--out")
-    p.add_argument("--csv")
-    p.add_argument("--png")
+    p.add_argument("--out", help="also write the JSON here")
+    p.add_argument("--csv", help="write the committed-bytes time series here")
+    p.add_argument("--png", help="plot the committed-bytes time series here (needs matplotlib)")
     args = p.parse_args(argv)
     if args.smoke:
         args.model = None

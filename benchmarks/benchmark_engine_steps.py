@@ -8,7 +8,8 @@ default shape is a tiny 2-layer Llama (random weights), so the figure is the
 engine's own per-step cost, not the model's; `--shape smollm2|llama3_8b` uses
 the benchmark shapes.
 
-    python benchmarks/benchmark_engine_steps.py --batch-sizes 1 32 --out results/steps.json
+    python benchmarks/benchmark_engine_steps.py --batch-sizes 1 32 \
+        --out benchmarks/results/steps.json
 
 Found the batch-32 regression of issue 10: 95 steps for 64 output tokens.
 """
@@ -21,7 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import emit, model_dir_for
+from common import SHAPES, emit, model_dir_for
+
+from vllm.benchmarks.utils import positive_int
 
 
 def _model_dir(shape: str) -> str:
@@ -72,12 +75,16 @@ def bench(llm, batch: int, input_len: int, output_len: int, repeats: int) -> dic
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", default="tiny", choices=["tiny", "smollm2", "llama3_8b"])
-    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 32])
-    parser.add_argument("--input-len", type=int, default=8)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--shape", default="tiny", choices=["tiny", *SHAPES],
+                        help="model shape, random weights (tiny: a 2-layer Llama)")
+    parser.add_argument("--batch-sizes", nargs="+", type=positive_int, default=[1, 32],
+                        help="prompts generated together, one measurement each")
+    parser.add_argument("--input-len", type=positive_int, default=8, help="prompt tokens")
+    parser.add_argument("--output-len", type=positive_int, default=64,
+                        help="output tokens (the ideal: one engine step each)")
+    parser.add_argument("--repeats", type=positive_int, default=5,
+                        help="runs per batch size; the best is reported")
+    parser.add_argument("--out", default=None, help="also write the JSON here")
     args = parser.parse_args()
 
     from vllm import LLM

@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from vllm.benchmarks.utils import positive_int  # noqa: E402
 from vllm.config import ParallelConfig  # noqa: E402
 
 
@@ -72,11 +73,16 @@ def measure(backend: str, world_size: int, num_reqs: int, calls: int) -> list[fl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backends", nargs="+", default=["uni", "mp", "ray"])
-    parser.add_argument("--world-sizes", nargs="+", type=int, default=[1, 2])
-    parser.add_argument("--num-reqs", type=int, default=256)
-    parser.add_argument("--calls", type=int, default=500)
-    parser.add_argument("--out", type=str, default=None)
+    parser.add_argument("--backends", nargs="+", default=["uni", "mp", "ray"],
+                        choices=["uni", "mp", "ray"],
+                        help="executor backends to time (uni runs at world size 1 only)")
+    parser.add_argument("--world-sizes", nargs="+", type=positive_int, default=[1, 2],
+                        help="ranks per executor, one measurement each")
+    parser.add_argument("--num-reqs", type=positive_int, default=256,
+                        help="requests in the stand-in SchedulerOutput (payload size)")
+    parser.add_argument("--calls", type=positive_int, default=500,
+                        help="timed calls per backend and world size (after 20 untimed)")
+    parser.add_argument("--out", type=str, default=None, help="also write the JSON here")
     args = parser.parse_args()
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local Ray, loopback
     results: dict[str, dict] = {}

@@ -197,7 +197,8 @@ def measure(plan: Plan, dtype: torch.dtype) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="also write the JSON here")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                        help="dtype of the activations and weights (default: %(default)s)")
     add_smoke_flag(parser)
     args = parser.parse_args(argv)
     if args.smoke:

@@ -8,7 +8,7 @@ at every tile of a sweep. Prints the best tile per case and, for each time,
 the weight bytes over it as a fraction of the device's copy bandwidth measured
 in the same run (`frac_of_copy_bw`: 1.0 is the physical limit).
 
-    python benchmarks/benchmark_gemv.py --out results/gemv.json
+    python benchmarks/benchmark_gemv.py --out benchmarks/results/gemv.json
     python benchmarks/benchmark_gemv.py --no-sweep          # default tile vs cuBLAS only
     python benchmarks/benchmark_gemv.py --prologue          # fused norm / SiLU, one row
 
@@ -25,6 +25,8 @@ import itertools
 
 from benchmark_decode_primitives import PROJECTIONS, _weights, graph_us
 from common import copy_bandwidth_bytes_per_s, emit
+
+from vllm.benchmarks.utils import positive_int
 
 SWEEP = {
     "block_n": (8, 16, 32, 64),
@@ -113,12 +115,14 @@ def _prologue_case(name: str, k: int, n: int, bw: float) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shapes", nargs="+", choices=list(PROJECTIONS), default=list(PROJECTIONS))
-    parser.add_argument("--rows", nargs="+", type=int, default=[1, 8, 16])
+    parser.add_argument("--shapes", nargs="+", choices=list(PROJECTIONS), default=list(PROJECTIONS),
+                        help="projection shapes (model_projection; default: all)")
+    parser.add_argument("--rows", nargs="+", type=positive_int, default=[1, 8, 16],
+                        help="rows (tokens) per launch, one case each")
     parser.add_argument("--no-sweep", action="store_true", help="default tile and cuBLAS only")
     parser.add_argument("--prologue", action="store_true",
                         help="one row: the fused norm / SiLU prologue against two launches")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="also write the JSON here")
     args = parser.parse_args()
 
     import torch

@@ -8,8 +8,8 @@ prompt_logprobs and n > 1 mixed in, and decodes long enough that the KV cache
 fills and requests are preempted. Reported: OOM yes/no, preemptions, and the
 HBM never used during the stress run (total - peak in use).
 
-    python benchmarks/benchmark_kv_sizing.py --shape llama3_8b --out results/kv_sizing.json \
-        --png docs/images/kv_sizing.png
+    python benchmarks/benchmark_kv_sizing.py --shape llama3_8b \
+        --out benchmarks/results/kv_sizing.json --png docs/images/kv_sizing.png
 
 Targets on the H200 with the 8B shape (issue 5): extensible capacity >= classic
 + 7 % of device memory; unused HBM after stress <= 2 % of total; start-up
@@ -29,9 +29,10 @@ decode step carries k drafts and the verify batch fills. Target: the
 extensible path never OOMs and keeps <= 2 % of HBM unused; what classic at
 0.92 does is reported.
 
-    python benchmarks/benchmark_kv_sizing.py --load spec-decode --out results/kv_sizing_spec.json
+    python benchmarks/benchmark_kv_sizing.py --load spec-decode \
+        --out benchmarks/results/kv_sizing_spec.json
     python benchmarks/benchmark_kv_sizing.py --load spec-decode --spec-method draft_model \
-        --out results/kv_sizing_spec_draft.json
+        --out benchmarks/results/kv_sizing_spec_draft.json
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ import sys
 import threading
 import time
 
-from common import emit, model_dir_for
+from common import SHAPES, emit, model_dir_for
+
+from vllm.benchmarks.utils import positive_int
 
 GiB = 1 << 30
 
@@ -209,18 +212,23 @@ def plot(report: dict, png: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", default="llama3_8b", choices=["smollm2", "llama3_8b"])
-    parser.add_argument("--max-model-len", type=int, default=8192)
-    parser.add_argument("--num-seqs", type=int, default=256, help="the engine's max_num_seqs")
-    parser.add_argument("--load", default="stress", choices=["stress", "spec-decode"])
-    parser.add_argument("--num-speculative-tokens", type=int, default=64,
+    parser.add_argument("--shape", default="llama3_8b", choices=list(SHAPES),
+                        help="model shape (random weights)")
+    parser.add_argument("--max-model-len", type=positive_int, default=8192,
+                        help="the engine's max_model_len")
+    parser.add_argument("--num-seqs", type=positive_int, default=256,
+                        help="the engine's max_num_seqs")
+    parser.add_argument("--load", default="stress", choices=["stress", "spec-decode"],
+                        help="what each engine serves after start-up (see above)")
+    parser.add_argument("--num-speculative-tokens", type=positive_int, default=64,
                         help="k of the spec-decode load")
     parser.add_argument("--spec-method", default="ngram", choices=["ngram", "draft_model"],
                         help="spec-decode load: ngram drafts (as many as the random-weight "
                         "model's output repeats), or the shape as its own draft model "
                         "(every decode carries k drafts: the verify batch fills)")
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--png", default=None)
+    parser.add_argument("--out", default=None, help="also write the JSON here")
+    parser.add_argument("--png", default=None,
+                        help="also plot both paths' KV cache, unused HBM and start-up here")
     parser.add_argument("--child", choices=["classic", "extensible"], help=argparse.SUPPRESS)
     args = parser.parse_args()
 

@@ -33,20 +33,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.entrypoints.openai.mixed_load import MixedLoad
 from tests.entrypoints.openai.utils import MODEL_NAME, RemoteServer
+from vllm.benchmarks.utils import positive_int
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--duration", type=float, default=600.0, help="Seconds of load.")
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--kv-cache-memory", default="1GiB")
+    p.add_argument("--max-model-len", type=positive_int, default=2048,
+                   help="The server's --max-model-len (default: %(default)s).")
+    p.add_argument("--kv-cache-memory", default="1GiB",
+                   help="The server's --kv-cache-memory-bytes (default: %(default)s).")
     p.add_argument("--sleep-period", type=float, default=60.0,
                    help="Seconds between sleep / wake_up cycles.")
-    p.add_argument("--streamers", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--streamers", type=positive_int, default=8,
+                   help="Clients streaming completions at once (default: %(default)s).")
+    p.add_argument("--seed", type=int, default=0,
+                   help="Seed of the load's choices (default: %(default)s).")
     p.add_argument("--server-arg", action="append", default=[],
                    help="Extra `vllm serve` argument (repeatable).")
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--out", type=Path, default=None, help="Also write the JSON to this file.")
     args = p.parse_args(argv)
     server = RemoteServer(["--max-model-len", str(args.max_model_len), "--kv-cache-memory-bytes",
                            args.kv_cache_memory, "--enable-sleep-mode", "--shutdown-timeout", "2",

@@ -42,6 +42,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.entrypoints.openai.utils import RemoteServer, scrape_metrics
+from vllm.benchmarks.utils import positive_int
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -107,16 +108,21 @@ def measure(partial_prefills: int | None, args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--prompt-tokens", type=int, default=4000)
-    p.add_argument("--max-model-len", type=int, default=8192)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+    p.add_argument("--prompt-tokens", type=positive_int, default=4000,
+                   help="Random token ids of the long prompt (default: %(default)s).")
+    p.add_argument("--max-model-len", type=positive_int, default=8192,
+                   help="The servers' --max-model-len (default: %(default)s).")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
                    help="Step budget (default: the device's).")
-    p.add_argument("--kv-cache-memory", default="1GiB")
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-cache-memory", default="1GiB",
+                   help="The servers' --kv-cache-memory-bytes (default: %(default)s).")
+    p.add_argument("--reps", type=positive_int, default=3,
+                   help="Long prompt + short chat pairs per server (default: %(default)s).")
+    p.add_argument("--seed", type=int, default=0,
+                   help="Seed of the long prompts' tokens (default: %(default)s).")
     p.add_argument("--server-arg", action="append", default=[],
                    help="Extra `vllm serve` argument (repeatable).")
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--out", type=Path, default=None, help="Also write the JSON to this file.")
     args = p.parse_args(argv)
     peer = measure(1, args)
     default = measure(None, args)

@@ -1,6 +1,6 @@
 """Sleep / wake latency and memory freed, against deleting the engine and building a new one.
 
-    python benchmarks/benchmark_sleep.py --shape llama3_8b --out results/sleep.json
+    python benchmarks/benchmark_sleep.py --shape llama3_8b --out benchmarks/results/sleep.json
 
 Reports, for levels 1 and 2: seconds to sleep and to wake (level 2 includes
 reloading the weights), device memory freed while asleep, and whether greedy
@@ -15,13 +15,14 @@ import argparse
 import gc
 import time
 
-from common import emit, model_dir_for
+from common import SHAPES, emit, model_dir_for
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", default="llama3_8b", choices=["smollm2", "llama3_8b"])
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--shape", default="llama3_8b", choices=list(SHAPES),
+                        help="model shape (random weights)")
+    parser.add_argument("--out", default=None, help="also write the JSON here")
     args = parser.parse_args()
 
     import torch

@@ -1,6 +1,7 @@
 """Speculative decoding (ngram) vs none: accepted tokens per step and batch-1 decode speed-up.
 
-    python benchmarks/benchmark_spec_decode.py --model /tmp/smollm2.gguf --out results/spec.json
+    python benchmarks/benchmark_spec_decode.py --model /tmp/smollm2.gguf \
+        --out benchmarks/results/spec.json
 
 The bundled SmolLM2-135M-Instruct (real text), greedy, one request at a time,
 on prompts that quote their input (a code edit, a summary with quotations, a
@@ -23,6 +24,8 @@ import sys
 import time
 
 from common import emit
+
+from vllm.benchmarks.utils import positive_int
 
 CODE = '''def total_price(items, tax_rate):
     subtotal = 0
@@ -118,9 +121,11 @@ def _spec(engine):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="GGUF / HF dir (default: the bundled one)")
-    parser.add_argument("--num-speculative-tokens", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--num-speculative-tokens", type=positive_int, default=4,
+                        help="drafts per step of the spec mode (ngram prompt lookup)")
+    parser.add_argument("--max-tokens", type=positive_int, default=256,
+                        help="output tokens per prompt")
+    parser.add_argument("--out", default=None, help="also write the JSON here")
     parser.add_argument("--child", choices=["base", "spec"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:

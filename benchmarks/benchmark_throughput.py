@@ -13,7 +13,7 @@ with the bandwidth limit: (weight bytes + the KV bytes the batch reads) /
 measured device copy bandwidth.
 
     python benchmarks/benchmark_throughput.py --shapes smollm2 llama3_8b \
-        --batch-sizes 1 32 --out results/throughput.json
+        --batch-sizes 1 32 --out benchmarks/results/throughput.json
 
 `--scheduling sync async` runs every shape twice, without and with async
 scheduling (the engine's default is async on CUDA), and reports the decode
@@ -34,7 +34,9 @@ import argparse
 import gc
 import time
 
-from common import copy_bandwidth_bytes_per_s, emit, model_dir_for
+from common import SHAPES, copy_bandwidth_bytes_per_s, emit, model_dir_for
+
+from vllm.benchmarks.utils import positive_int
 
 # --scheduling choice -> LLM(async_scheduling=...); None = the engine's default.
 SCHEDULING = {"default": None, "sync": False, "async": True}
@@ -168,10 +170,14 @@ def _summary(ours: dict, bandwidth: float, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shapes", nargs="+", default=["smollm2", "llama3_8b"])
-    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 32])
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--shapes", nargs="+", default=["smollm2", "llama3_8b"],
+                        choices=list(SHAPES), help="model shapes (random weights, bf16)")
+    parser.add_argument("--batch-sizes", nargs="+", type=positive_int, default=[1, 32],
+                        help="prompts generated together, one timed batch each")
+    parser.add_argument("--input-len", type=positive_int, default=128,
+                        help="prompt tokens (random ids)")
+    parser.add_argument("--output-len", type=positive_int, default=128,
+                        help="output tokens per prompt (EOS ignored)")
     parser.add_argument("--no-peer", action="store_true", help="skip transformers")
     parser.add_argument("--scheduling", nargs="+", choices=list(SCHEDULING), default=["default"],
                         help="engine runs per shape: the default, sync (--no-async-scheduling) "
@@ -180,7 +186,7 @@ def main() -> None:
                         help="one-row projections through the Triton GEMV as the engine runs "
                              "them (on), without the fused norm / SiLU prologue (plain), "
                              "and/or cuBLAS (off); one engine run each")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="also write the JSON here")
     args = parser.parse_args()
 
     import torch

@@ -10,7 +10,7 @@ what a user pays the first time a length class is seen: a Triton compilation
 on the request path shows up as a ratio far above 1.
 
     python benchmarks/benchmark_ttft_by_length.py --shapes smollm2 llama3_8b \
-        --max-model-len 4096 --out results/ttft_by_length.json
+        --max-model-len 4096 --out benchmarks/results/ttft_by_length.json
 
 Target (issue 10): every ratio <= 2 (before: up to 65x on the H200).
 """
@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 
-from common import emit, model_dir_for
+from common import SHAPES, emit, model_dir_for
+
+from vllm.benchmarks.utils import positive_int
 
 
 def prompt_lengths(max_model_len: int, num: int) -> list[int]:
@@ -70,12 +72,15 @@ def bench_shape(model_dir: str, max_model_len: int, lengths: list[int]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shapes", nargs="+", default=["smollm2", "llama3_8b"])
-    parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--num-lengths", type=int, default=20)
+    parser.add_argument("--shapes", nargs="+", default=["smollm2", "llama3_8b"],
+                        choices=list(SHAPES), help="model shapes (random weights, bf16)")
+    parser.add_argument("--max-model-len", type=positive_int, default=4096,
+                        help="the engine's max_model_len; prompts run up to one token less")
+    parser.add_argument("--num-lengths", type=positive_int, default=20,
+                        help="prompt lengths, about geometric from 1 to max_model_len - 1")
     parser.add_argument("--allow-cpu", action="store_true",
                         help="run on the CPU (code path only; the target is for the GPU)")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="also write the JSON here")
     args = parser.parse_args()
 
     import torch

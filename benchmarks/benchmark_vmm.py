@@ -38,6 +38,7 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from vllm.benchmarks.utils import positive_int
 from vllm.platforms import current_platform
 from vllm.utils.extensible_tensor import ExtensibleTensor
 
@@ -164,7 +165,8 @@ def bench_grow(driver, growths: list[int], repeats: int, on_gpu: bool) -> list[d
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="also write the JSON to this file")
-    parser.add_argument("--repeats", type=int, default=5, help="runs per measurement (median)")
+    parser.add_argument("--repeats", type=positive_int, default=5,
+                        help="runs per measurement (median)")
     parser.add_argument("--quick", action="store_true", help="smallest sizes only (smoke test)")
     args = parser.parse_args()
 

@@ -97,7 +97,9 @@ def compile_report(cfg, heads: tuple[int, int, int], block_size: int = 16) -> di
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", choices=list(SHAPES), default="llama3_8b")
+    parser.add_argument("--shape", choices=list(SHAPES), default="llama3_8b",
+                        help="the model's attention layout: heads, KV heads, head size "
+                             "(default: %(default)s)")
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args(argv)
     import torch
