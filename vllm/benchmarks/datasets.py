@@ -23,6 +23,14 @@ from pathlib import Path
 from vllm.benchmarks.utils import non_negative_int, positive_int
 
 DATASETS = ("random", "sharegpt", "custom")
+# vLLM's defaults; the flags default to None so that one given to another dataset is
+# an error rather than silently unused.
+RANDOM_DEFAULTS = {"random_input_len": 1024, "random_output_len": 128,
+                   "random_range_ratio": 0.0, "random_prefix_len": 0}
+CUSTOM_OUTPUT_LEN = 256
+# The flags only one dataset reads.
+_OWN_FLAGS = {"random": (*RANDOM_DEFAULTS, "input_len"), "sharegpt": ("sharegpt_output_len",),
+              "custom": ("custom_output_len",)}
 
 
 @dataclass
@@ -51,37 +59,64 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
                         help="Where prompts come from (see --dataset-path).")
     parser.add_argument("--dataset-path", default=None,
                         help="The ShareGPT JSON file (sharegpt) or JSONL file with a 'prompt' "
-                             "field per line (custom).")
+                             "field per line (custom); the random dataset takes none.")
     parser.add_argument("--input-len", type=positive_int, default=None,
-                        help="Prompt tokens of the random dataset (sets --random-input-len).")
+                        help="Prompt tokens of the random dataset (another name of "
+                             "--random-input-len).")
     parser.add_argument("--output-len", type=positive_int, default=None,
                         help="Output tokens of every request (sets --random-output-len, "
                              "--sharegpt-output-len or --custom-output-len).")
     group = parser.add_argument_group("random dataset")
-    group.add_argument("--random-input-len", type=positive_int, default=1024,
-                       help="Tokens per prompt.")
-    group.add_argument("--random-output-len", type=positive_int, default=128,
-                       help="Output tokens per request (max_tokens).")
-    group.add_argument("--random-range-ratio", type=unit_interval, default=0.0,
-                       help="Lengths are drawn uniformly from [len * (1 - r), len * (1 + r)].")
-    group.add_argument("--random-prefix-len", type=non_negative_int, default=0,
-                       help="Random tokens shared by every prompt, before its own.")
+    group.add_argument("--random-input-len", type=positive_int, default=None,
+                       help=f"Tokens per prompt (default: {RANDOM_DEFAULTS['random_input_len']}).")
+    group.add_argument("--random-output-len", type=positive_int, default=None,
+                       help="Output tokens per request, max_tokens (default: "
+                            f"{RANDOM_DEFAULTS['random_output_len']}).")
+    group.add_argument("--random-range-ratio", type=unit_interval, default=None,
+                       help="Lengths are drawn uniformly from [len * (1 - r), len * (1 + r)] "
+                            "(default: 0).")
+    group.add_argument("--random-prefix-len", type=non_negative_int, default=None,
+                       help="Random tokens shared by every prompt, before its own (default: 0).")
     group = parser.add_argument_group("sharegpt dataset")
     group.add_argument("--sharegpt-output-len", type=positive_int, default=None,
                        help="Output tokens per request (default: each reply's length).")
     group = parser.add_argument_group("custom dataset")
-    group.add_argument("--custom-output-len", type=positive_int, default=256,
-                       help="Output tokens per request.")
+    group.add_argument("--custom-output-len", type=positive_int, default=None,
+                       help=f"Output tokens per request (default: {CUSTOM_OUTPUT_LEN}).")
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
 
 
 def validate_dataset_args(args: argparse.Namespace) -> None:
-    """Raise ValueError for a dataset that needs a file and has none (checked before any
-    request; argparse has checked each value)."""
-    if args.dataset_name != "random":
-        if args.dataset_path is None:
-            raise ValueError(f"--dataset-name {args.dataset_name} needs --dataset-path")
-        if not Path(args.dataset_path).is_file():
-            raise ValueError(f"--dataset-path {args.dataset_path!r}: no such file")
+    """Raise ValueError (checked before any request; argparse has checked each value) for
+    a dataset that needs a file and has none, a file the random dataset would not read,
+    another dataset's flag, or one length given twice."""
+    name = args.dataset_name
+    for other, dests in _OWN_FLAGS.items():
+        given = [d for d in dests if other != name and getattr(args, d) is not None]
+        if given:
+            raise ValueError(f"{_flag(given[0])} is a flag of --dataset-name {other}, "
+                             f"not of {name}")
+    if args.input_len is not None and args.random_input_len is not None:
+        raise ValueError("--input-len and --random-input-len name the same length: give one")
+    own_output = {"random": "random_output_len", "sharegpt": "sharegpt_output_len",
+                  "custom": "custom_output_len"}[name]
+    if args.output_len is not None and getattr(args, own_output) is not None:
+        raise ValueError(f"--output-len and {_flag(own_output)} name the same length: give one")
+    if name == "random":
+        if args.dataset_path is not None:
+            raise ValueError("--dataset-path is not read by --dataset-name random (the "
+                             "default); choose sharegpt or custom")
+        return
+    if args.dataset_path is None:
+        raise ValueError(f"--dataset-name {name} needs --dataset-path")
+    path = Path(args.dataset_path)
+    if path.is_dir():
+        raise ValueError(f"--dataset-path {args.dataset_path!r} is a directory, not a file")
+    if not path.is_file():
+        raise ValueError(f"--dataset-path {args.dataset_path!r}: no such file")
 
 
 def get_samples(args: argparse.Namespace, tokenizer) -> list[SampleRequest]:
@@ -90,20 +125,19 @@ def get_samples(args: argparse.Namespace, tokenizer) -> list[SampleRequest]:
     Raises:
         ValueError: the dataset file cannot be read or holds no usable prompt.
     """
-    if args.input_len is not None:
-        args.random_input_len = args.input_len
-    if args.output_len is not None:
-        args.random_output_len = args.sharegpt_output_len = args.custom_output_len = (
-            args.output_len)
     if args.dataset_name == "random":
-        return random_samples(tokenizer, args.num_prompts, args.random_input_len,
-                              args.random_output_len, args.random_range_ratio,
-                              args.random_prefix_len, args.seed)
+        opts = {k: getattr(args, k) if getattr(args, k) is not None else v
+                for k, v in RANDOM_DEFAULTS.items()}
+        return random_samples(tokenizer, args.num_prompts,
+                              args.input_len or opts["random_input_len"],
+                              args.output_len or opts["random_output_len"],
+                              opts["random_range_ratio"], opts["random_prefix_len"], args.seed)
     if args.dataset_name == "sharegpt":
         return sharegpt_samples(args.dataset_path, tokenizer, args.num_prompts,
-                                args.sharegpt_output_len, args.seed)
+                                args.output_len or args.sharegpt_output_len, args.seed)
     return custom_samples(args.dataset_path, tokenizer, args.num_prompts,
-                          args.custom_output_len, args.seed)
+                          args.output_len or args.custom_output_len or CUSTOM_OUTPUT_LEN,
+                          args.seed)
 
 
 def _length_range(length: int, ratio: float) -> tuple[int, int]:
@@ -154,6 +188,7 @@ def sharegpt_samples(path: str, tokenizer, num: int, output_len: int | None, see
             pairs.append((turns[0]["value"], turns[1]["value"]))
     random.Random(seed).shuffle(pairs)
     samples = []
+    filtered = 0
     for prompt, reply in pairs:
         if len(samples) == num:
             break
@@ -162,8 +197,14 @@ def sharegpt_samples(path: str, tokenizer, num: int, output_len: int | None, see
             reply_len = len(tokenizer(reply).input_ids)
             if prompt_len < 4 or reply_len < 4 or prompt_len > 1024 or (
                     prompt_len + reply_len > 2048):
+                filtered += 1
                 continue
         samples.append(SampleRequest(prompt, prompt_len, output_len or reply_len))
+    if not samples and filtered:
+        raise ValueError(
+            f"--dataset-path {path!r}: all {filtered} conversations were filtered out (a "
+            "prompt or reply under 4 tokens, a prompt over 1024 or both over 2048, as vLLM); "
+            "--sharegpt-output-len keeps them")
     return _enough(samples, num, path)
 
 

@@ -19,8 +19,12 @@ The result block and the JSON keys are vLLM's (`duration`, `completed`,
 `--save-detailed`); `--save-result` writes
 `{label}-{rate}qps[-concurrency{C}]-{model}-{date}.json` (or `--result-filename`)
 into `--result-dir`, `--output-json PATH` writes the same JSON to PATH. Every
-output path and flag is checked before the first request. Exit status 1 when
-any request failed (the first errors are printed under the block).
+output path and flag is checked before the first request; a flag that would
+have no effect (another dataset's, --result-dir without --save-result, --port
+with --base-url) is an error too. Failed requests are counted and their first
+errors printed under the block; the exit status stays 0, as in vLLM. Input
+token counts are the server's: with openai-chat they include the chat
+template (vLLM's client counts the bare prompt).
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 DETAILED_KEYS = ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times",
                  "generated_texts", "errors")
 MAX_ERRORS_SHOWN = 10
+LONG_ARRIVAL_SPAN_S = 3600.0  # a request rate this slow gets a warning before the run
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -68,8 +73,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="Prefix of the result file name (default: the backend).")
     parser.add_argument("--base-url", default=None,
                         help="Server root URL (default: http://HOST:PORT).")
-    parser.add_argument("--host", default="127.0.0.1", help="Server host.")
-    parser.add_argument("--port", type=_port, default=8000, help="Server port.")
+    parser.add_argument("--host", default=None, help="Server host (default: 127.0.0.1).")
+    parser.add_argument("--port", type=_port, default=None, help="Server port (default: 8000).")
     parser.add_argument("--endpoint", default=None,
                         help="API path (default: /v1/completions, or /v1/chat/completions "
                              "for openai-chat).")
@@ -166,7 +171,8 @@ def _key_values(items: list[str] | None, flag: str, sep: str = "=") -> dict[str,
 class Plan:
     """What the flags ask for, checked before any request is sent."""
 
-    url: str
+    base_url: str  # the server's root, no trailing slash
+    url: str  # the endpoint's
     chat: bool
     headers: dict[str, str]
     metrics: list[str]
@@ -176,8 +182,25 @@ class Plan:
     body_extra: dict
 
 
+def _base_url(args: argparse.Namespace) -> str:
+    """The server's root URL from --base-url or --host/--port; ValueError if unusable."""
+    import httpx
+
+    if args.base_url is not None and (args.host is not None or args.port is not None):
+        raise ValueError("--base-url names the server: --host and --port would be unused")
+    url = args.base_url or f"http://{args.host or '127.0.0.1'}:{args.port or 8000}"
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as e:
+        raise ValueError(f"server URL {url!r} is not valid ({e})") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ValueError(f"server URL {url!r} is not an http:// or https:// URL with a host")
+    return url.rstrip("/")
+
+
 def make_plan(args: argparse.Namespace) -> Plan:
     """Check every flag that argparse cannot check alone; raises ValueError (one line)."""
+    base_url = _base_url(args)
     default_endpoint, chat = BACKENDS[args.backend]
     endpoint = args.endpoint or default_endpoint
     if chat != endpoint.rstrip("/").endswith("chat/completions"):
@@ -209,20 +232,35 @@ def make_plan(args: argparse.Namespace) -> Plan:
         if not goodput[key] > 0:
             raise ValueError(f"--goodput {key}: must be > 0 ms, got {value}")
     headers = _key_values(args.header, "--header")
+    for key, value in headers.items():
+        if not (key + value).isascii():
+            raise ValueError(f"--header {key}: HTTP headers take ASCII characters only")
     if args.api_key:
+        if not args.api_key.isascii():
+            raise ValueError("--api-key: HTTP headers take ASCII characters only")
         headers.setdefault("Authorization", f"Bearer {args.api_key}")
     body_extra = {name: getattr(args, name) for name in (
         "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
         "repetition_penalty") if getattr(args, name) is not None}
     body_extra.update(args.extra_body or {})
+    saving = args.save_result or args.append_result
+    writing = saving or args.output_json is not None
+    for flag, used, needed in (("--result-dir", args.result_dir, "save"),
+                               ("--result-filename", args.result_filename, "save"),
+                               ("--save-detailed", args.save_detailed, "write"),
+                               ("--label", args.label, "write"),
+                               ("--metadata", args.metadata, "write")):
+        if used and not (saving if needed == "save" else writing):
+            outputs = "--save-result or --append-result" if needed == "save" else (
+                "--save-result, --append-result or --output-json")
+            raise ValueError(f"{flag} has no effect without {outputs}")
     check_output_path(args.output_json)
     if args.result_dir is not None:
         check_output_path(str(Path(args.result_dir) / "result.json"))
     if args.result_filename is not None:
         check_output_path(str(Path(args.result_dir or ".") / args.result_filename))
-    base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
-    return Plan(url=base_url + "/" + endpoint.lstrip("/"), chat=chat, headers=headers,
-                metrics=metrics, percentiles=percentiles, goodput=goodput,
+    return Plan(base_url=base_url, url=base_url + "/" + endpoint.lstrip("/"), chat=chat,
+                headers=headers, metrics=metrics, percentiles=percentiles, goodput=goodput,
                 metadata=_key_values(args.metadata, "--metadata"), body_extra=body_extra)
 
 
@@ -371,7 +409,7 @@ def main(args: argparse.Namespace) -> int:
     from vllm.benchmarks.serve_client import served_models, wait_for_health
 
     plan = make_plan(args)
-    base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    base_url = plan.base_url
     try:
         if args.ready_check_timeout_sec:
             wait_for_health(base_url, args.ready_check_timeout_sec, None)
@@ -397,13 +435,15 @@ def main(args: argparse.Namespace) -> int:
     if plan.chat:  # the chat API takes text
         samples = [replace(s, prompt=tokenizer.decode(s.prompt)) if isinstance(s.prompt, list)
                    else s for s in samples]
+    span = len(samples) / args.request_rate
+    if span > LONG_ARRIVAL_SPAN_S:
+        print(f"WARNING: at {args.request_rate:g} requests/s the {len(samples)} requests "
+              f"arrive over about {span:.3g} s")
     return asyncio.run(_run(args, plan, base_url, model, tokenizer_id, samples))
 
 
 async def _run(args, plan: Plan, base_url: str, model: str, tokenizer_id: str,
                samples: list) -> int:
-    import time
-
     from tqdm.auto import tqdm
 
     from vllm.benchmarks.serve_client import run_requests
@@ -414,7 +454,7 @@ async def _run(args, plan: Plan, base_url: str, model: str, tokenizer_id: str,
                             plan.headers, chat=plan.chat, body_extra=plan.body_extra, **kw)
 
     print("Starting initial single prompt test run...")
-    (test,), _ = await send(samples[:1], 1)
+    (test,), _, _ = await send(samples[:1], 1)
     if not test.ok:
         raise ValueError(f"the initial test request failed ({test.error}); check --model, "
                          "--endpoint, --backend and the dataset flags")
@@ -428,9 +468,8 @@ async def _run(args, plan: Plan, base_url: str, model: str, tokenizer_id: str,
     print(f"Burstiness factor: {args.burstiness}"
           f"{' (Poisson process)' if args.burstiness == 1.0 else ''}")
     print(f"Maximum request concurrency: {args.max_concurrency}")
-    start = time.perf_counter()
     with tqdm(total=len(samples), disable=args.disable_tqdm, desc="Requests") as bar:
-        results, duration = await send(samples, args.max_concurrency or len(samples),
+        results, start, duration = await send(samples, args.max_concurrency or len(samples),
                                        request_rate=args.request_rate,
                                        burstiness=args.burstiness, progress=bar, seed=args.seed)
     date = datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -466,4 +505,4 @@ async def _run(args, plan: Plan, base_url: str, model: str, tokenizer_id: str,
             f.write(json.dumps(saved, allow_nan=False) + "\n")
     elif path is not None:
         write_json(path, saved)
-    return 0 if result["failed"] == 0 else 1
+    return 0  # as vLLM, failed requests are reported, not an exit status

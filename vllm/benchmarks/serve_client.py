@@ -85,7 +85,7 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str,
     try:
         async with client.stream("POST", url, json=body) as response:
             if response.status_code != 200:
-                result.error = _http_error(response.status_code, await response.aread())
+                result.error = _http_error(response, await response.aread())
                 return result
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -98,17 +98,22 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str,
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
                     result.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                choice = (chunk.get("choices") or [{}])[0]
-                text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-                # A token's chunk has its text, or ends the request (EOS has no text); the
-                # chat API's first chunk (the role, no content) is no token.
-                if text or choice.get("finish_reason"):
-                    texts.append(text or "")
-                    if last is None:
-                        result.ttft_s = now - start
-                    else:
-                        result.itl_s.append(now - last)
-                    last = now
+                if not chunk.get("choices"):
+                    continue
+                choice = chunk["choices"][0]
+                delta = choice.get("delta") or {}
+                # Every chunk with a choice is a token's (as vLLM's client counts them:
+                # its text may be empty, e.g. half a character), except the chat API's
+                # first one, which carries the role before any token exists.
+                if chat and "role" in delta:
+                    continue
+                text = delta.get("content") if chat else choice.get("text")
+                texts.append(text or "")
+                if last is None:
+                    result.ttft_s = now - start
+                else:
+                    result.itl_s.append(now - last)
+                last = now
         result.e2e_s = time.perf_counter() - start
         result.text = "".join(texts)
         result.ok = last is not None
@@ -119,13 +124,14 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str,
     return result
 
 
-def _http_error(status: int, body: bytes) -> str:
-    """`HTTP <status>: <message>`, the message from an OpenAI-style error body when it has one."""
+def _http_error(response: httpx.Response, body: bytes) -> str:
+    """`HTTP <status>: <message>`: the message of an OpenAI-style error body, else the
+    body's start, else the status's reason phrase."""
     try:
         message = json.loads(body)["error"]["message"]
     except (ValueError, KeyError, TypeError):
-        message = body[:200].decode(errors="replace")
-    return f"HTTP {status}: {message}"
+        message = body[:200].decode(errors="replace").strip() or response.reason_phrase
+    return f"HTTP {response.status_code}: {message}"
 
 
 def _summary_ms(values: list[float]) -> dict[str, float]:
@@ -141,9 +147,9 @@ async def run_requests(url: str, model: str, concurrency: int, prompts: list,
                        headers: dict[str, str], request_rate: float = float("inf"),
                        burstiness: float = 1.0, progress=None, seed: int = 0,
                        chat: bool = False, body_extra: dict | None = None,
-                       ) -> tuple[list[RequestResult], float]:
+                       ) -> tuple[list[RequestResult], float, float]:
     """Send `prompts` to `url` with at most `concurrency` in flight; (results in prompt
-    order, the wall seconds from the first send to the last reply).
+    order, the start on the perf_counter clock, the seconds from it to the last reply).
 
     `max_tokens` is one value or one per prompt. With a finite `request_rate`
     requests arrive at that mean rate, the gaps drawn from a gamma distribution
@@ -153,7 +159,7 @@ async def run_requests(url: str, model: str, concurrency: int, prompts: list,
     semaphore = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits,
-                                 headers=headers) as client:
+                                 headers=headers, follow_redirects=True) as client:
 
         async def bounded(prompt, n: int, delay: float) -> RequestResult:
             await asyncio.sleep(delay)
@@ -169,7 +175,7 @@ async def run_requests(url: str, model: str, concurrency: int, prompts: list,
         results = await asyncio.gather(*(bounded(p, n, d) for p, n, d in zip(
             prompts, lengths, delays, strict=True)))
         duration = time.perf_counter() - start
-    return list(results), duration
+    return list(results), start, duration
 
 
 async def run_level(base_url: str, model: str, concurrency: int, prompts: list[str],
@@ -178,7 +184,7 @@ async def run_level(base_url: str, model: str, concurrency: int, prompts: list[s
     """Send `prompts` to /v1/completions with at most `concurrency` in flight (and, when
     `request_rate` is finite, Poisson arrivals at that many requests/s); the level's
     figures as a dict (the benchmarks/ scripts' format)."""
-    results, duration = await run_requests(
+    results, _, duration = await run_requests(
         base_url.rstrip("/") + "/v1/completions", model, concurrency, prompts, max_tokens,
         ignore_eos, headers, request_rate=request_rate, progress=progress, seed=seed)
     ok = [r for r in results if r.ok]
@@ -203,14 +209,15 @@ async def run_level(base_url: str, model: str, concurrency: int, prompts: list[s
 
 def _arrival_delays(n: int, request_rate: float, seed: int, burstiness: float = 1.0
                     ) -> list[float]:
-    """Seconds after the start at which each request is sent: all at once for an infinite
-    rate, else gaps from a gamma distribution of shape `burstiness` and mean
-    1 / request_rate (shape 1: exponential gaps, a Poisson process), as vLLM."""
+    """Seconds after the start at which each request is sent: all at once for an
+    infinite rate, else the first at once and then gaps from a gamma distribution of
+    shape `burstiness` and mean 1 / request_rate (shape 1: exponential gaps, a Poisson
+    process), as vLLM."""
     if request_rate == float("inf"):
         return [0.0] * n
     rng = np.random.default_rng(seed)
-    gaps = rng.gamma(burstiness, 1.0 / (request_rate * burstiness), n)
-    return [float(t) for t in np.cumsum(gaps)]
+    gaps = rng.gamma(burstiness, 1.0 / (request_rate * burstiness), max(n - 1, 0))
+    return [0.0, *(float(t) for t in np.cumsum(gaps))][:n]  # the first is sent at once
 
 
 def wait_for_health(base_url: str, timeout: float, proc: subprocess.Popen | None) -> None:

@@ -98,7 +98,7 @@ def test_chat_backend_and_file_datasets(server, tmp_path, capsys):
             "--output-len", "3", "--ignore-eos"]
     for extra in (["--dataset-name", "sharegpt", "--dataset-path", str(sharegpt)],
                   ["--dataset-name", "custom", "--dataset-path", str(custom),
-                   "--backend", "openai-chat"]):
+                   "--backend", "openai-chat", "--endpoint", "v1/chat/completions/"]):
         out_json = tmp_path / "r.json"
         assert main([*base, *extra, "--output-json", str(out_json)]) == 0
         result = _strict_json(out_json)
@@ -125,7 +125,21 @@ def test_unknown_model_stops_at_the_test_request(server, capsys):
     (["--backend", "openai-chat", "--endpoint", "/v1/completions"],
      "--backend openai-chat needs an endpoint ending in chat/completions"),
     (["--output-json", "{tmp}"], "is a directory; give a file name"),
-    (["--metadata", "novalue"], "--metadata expects KEY=VALUE"),
+    (["--metadata", "novalue", "--output-json", "{tmp}/r.json"],
+     "--metadata expects KEY=VALUE"),
+    (["--header", "X-A=\u00e9"], "--header X-A: HTTP headers take ASCII characters only"),
+    (["--base-url", "http://127.0.0.1:1"], "--base-url names the server: --host and --port"),
+    (["--host", "a:b:c"], "server URL 'http://a:b:c:1' is not valid"),
+    # A flag that would have no effect is an error, not silently unused.
+    (["--dataset-path", "{tmp}"], "--dataset-path is not read by --dataset-name random"),
+    (["--dataset-name", "sharegpt", "--dataset-path", "x", "--random-output-len", "3"],
+     "--random-output-len is a flag of --dataset-name random, not of sharegpt"),
+    (["--custom-output-len", "3"], "--custom-output-len is a flag of --dataset-name custom"),
+    (["--input-len", "5", "--random-input-len", "5"], "name the same length: give one"),
+    (["--dataset-name", "custom", "--dataset-path", "{tmp}"], "is a directory, not a file"),
+    (["--save-detailed"], "--save-detailed has no effect without --save-result, --append"),
+    (["--result-dir", "{tmp}", "--output-json", "{tmp}/r.json"],
+     "--result-dir has no effect without --save-result or --append-result"),
 ])
 def test_bad_flags_fail_before_any_request(argv, message, tmp_path, capsys):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
@@ -147,6 +161,17 @@ def test_bad_flag_values_are_usage_errors(argv, message, capsys):
         main(["bench", "serve", *argv])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_ctrl_c_is_one_line(monkeypatch, capsys):
+    from vllm.benchmarks import serve
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(serve, "main", interrupted)
+    assert main(["bench", "serve", "--disable-tqdm"]) == 130
+    assert capsys.readouterr().err == "vllm bench serve: interrupted\n"
 
 
 def _result(start, ttft, itls, tokens):
@@ -180,7 +205,8 @@ def test_back_to_back_requests_are_not_counted_concurrent():
 
 def test_arrivals_have_the_requested_rate():
     times = _arrival_delays(4000, 20.0, seed=1, burstiness=0.5)
-    assert times == sorted(times) and math.isclose(times[-1] / 4000, 1 / 20.0, rel_tol=0.1)
+    assert times[0] == 0.0 and times == sorted(times)  # the first is sent at once
+    assert math.isclose(times[-1] / 3999, 1 / 20.0, rel_tol=0.1)
     assert _arrival_delays(3, float("inf"), seed=1) == [0.0, 0.0, 0.0]
 
 

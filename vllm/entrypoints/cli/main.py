@@ -108,7 +108,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     is a usage error (exit 2); what the offline engine refuses while it starts
     exits as `vllm serve` does for it (a KV cache the device cannot hold, a
     device held by another process: 1); a file that could not be written
-    after the run is one line too (exit 2), never a traceback.
+    after the run is one line too (exit 2), and Ctrl-C is one line (exit 130),
+    never a traceback.
     """
     import importlib
 
@@ -124,6 +125,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         return _usage_error(command, e)
     except OSError as e:
         return _usage_error(command, _os_error_message(e))
+    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's status for SIGINT
+        print(f"vllm {command}: interrupted", file=sys.stderr)
+        return 130
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
