@@ -18,10 +18,15 @@ Prints one JSON document (and writes it to --out):
   prefill             8 x 2048-token causal prefills, no cached context;
                       FLOPs = 4 x head_size x num_heads x sum_i q_i (q_i + 1) / 2
                       (QK^T and PV over the causal (query, key) pairs), ratio to matmul
+                      through the paged kernel (unified_attention, keys read from the cache)
+  prefill_fresh       the same prompts through prefill_attention, the kernel the engine
+                      runs for a step of fresh prompts (this step's key/value rows read
+                      by TMA; sm_90+): same FLOPs, ratio to matmul; target >= 0.55
+                      (issue 10); max_abs_error against the paged kernel's output
   reshape_and_cache   16384 tokens written; bytes = 2 x (K + V bytes) (read + write)
-  tune                every config of a small grid for decode 64x4096 and prefill
-                      8x2048, fastest first: pick the winners for the constants at the
-                      top of vllm/v1/attention/ops/unified_attention.py
+  tune                every config of a small grid for decode 64x4096, prefill 8x2048
+                      and prefill_fresh 8x2048, fastest first: pick the winners for
+                      the constants in vllm/v1/attention/ops/attention_config.py
 Times: triton.testing.do_bench (L2 flushed before each call), median in ms.
 Block tables are random permutations of the cache blocks (no locality help).
 """
@@ -44,6 +49,7 @@ from common import (  # puts the checkout on sys.path
 )
 
 TARGET_DECODE_RATIO = 0.7
+TARGET_PREFILL_RATIO = 0.55
 GiB = 1 << 30
 
 
@@ -245,6 +251,69 @@ def prefill_configs():
         yield AttentionKernelConfig(block_m, block_n, 1, warps, stages)
 
 
+def fresh_rows(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """This step's key/value rows of a no-context prefill batch, laid out as the model
+    passes them (strided slices of one qkv row), also written into the batch's cache
+    slots so the paged kernel attends to the same keys."""
+    from vllm.v1.attention.ops.reshape_and_cache import reshape_and_cache
+
+    query, table = batch["query"], batch["block_table"]
+    _, kv_heads, head_size = PLAN.heads
+    width = kv_heads * head_size
+    qkv = torch.randn(query.shape[0], query[0].numel() + 2 * width, dtype=query.dtype,
+                      device=PLAN.device)
+    key = qkv[:, -2 * width : -width].view(-1, kv_heads, head_size)
+    value = qkv[:, -width:].view(-1, kv_heads, head_size)
+    slots = []
+    for i, n in enumerate(batch["seq_lens"].tolist()):
+        pos = torch.arange(n, device=PLAN.device)
+        slots.append(table[i, pos // PLAN.block_size].long() * PLAN.block_size
+                     + pos % PLAN.block_size)
+    reshape_and_cache(key, value, batch["kv_cache"], torch.cat(slots))
+    return key, value
+
+
+def fresh_prefill_point(batch: dict, flops: int, matmul_fps: float, config=None) -> dict:
+    """prefill_attention on the batch's rows: time, FLOP/s, ratio, error vs the paged kernel."""
+    from vllm.v1.attention.ops.prefill_attention import fresh_prefill_supported, prefill_attention
+    from vllm.v1.attention.ops.unified_attention import unified_attention
+
+    key, value = fresh_rows(batch)
+    if not fresh_prefill_supported(batch["query"], key, value):
+        return {"skipped": "prefill_attention does not take this device, dtype or head size"}
+    out = torch.empty_like(batch["query"])
+    args = (batch["query"], key, value, out, batch["query_start_loc"], batch["scale"])
+    ms = _bench(lambda: prefill_attention(*args, config=config))
+    paged = unified_attention(**batch)
+    return {
+        "time_ms": ms,
+        "flops_per_s": flops / (ms * 1e-3),
+        "ratio_to_matmul": flops / (ms * 1e-3) / matmul_fps,
+        "max_abs_error_vs_paged": float((out.float() - paged.float()).abs().max()),
+    }
+
+
+def fresh_configs():
+    from vllm.v1.attention.ops.attention_config import FreshPrefillConfig
+
+    for (block_m, group), block_n, stages, ws in itertools.product(
+        ((128, 1), (128, 2), (128, 4), (256, 2), (256, 4)), (64, 128), (2, 3), (False, True)
+    ):
+        yield FreshPrefillConfig(block_m, block_n, group, 8, stages, ws)
+
+
+def tune_fresh(batch: dict, flops: int, matmul_fps: float) -> list[dict]:
+    rows = []
+    for cfg in itertools.islice(fresh_configs(), PLAN.max_tune_configs):
+        row = {"config": cfg.__dict__.copy()}
+        try:
+            row.update(fresh_prefill_point(batch, flops, matmul_fps, cfg))
+        except Exception as e:  # e.g. out of shared memory for a large tile: record, go on
+            row["error"] = f"{type(e).__name__}: {e}"[:300]
+        rows.append(row)
+    return sorted(rows, key=lambda r: r.get("time_ms", float("inf")))
+
+
 def reshape_and_cache_point(dtype: torch.dtype, copy_bps: float) -> dict:
     """Bytes = K and V rows read once and written once."""
     from vllm.v1.attention.ops.reshape_and_cache import reshape_and_cache
@@ -330,6 +399,10 @@ def measure(dtype: torch.dtype, do_tune: bool) -> dict:
         "config": _chosen(prefill),
         "max_abs_error_first_2_reqs": max_error(prefill),
     }
+    fresh = result["prefill_fresh"] = fresh_prefill_point(prefill, flops, matmul_fps)
+    if "ratio_to_matmul" in fresh:
+        fresh["target_ratio"] = TARGET_PREFILL_RATIO
+        fresh["meets_target"] = fresh["ratio_to_matmul"] >= TARGET_PREFILL_RATIO
     result["reshape_and_cache"] = reshape_and_cache_point(dtype, copy_bps)
     if do_tune:
         result["tune"] = {
@@ -340,6 +413,10 @@ def measure(dtype: torch.dtype, do_tune: bool) -> dict:
                 prefill, prefill_configs(), flops, "flops_per_s", matmul_fps
             ),
         }
+        if "ratio_to_matmul" in fresh:
+            result["tune"][f"prefill_fresh_{len(q_lens)}x{q_lens[0]}"] = tune_fresh(
+                prefill, flops, matmul_fps
+            )
     return result
 
 

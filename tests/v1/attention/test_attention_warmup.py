@@ -77,12 +77,14 @@ def test_attention_kernels_do_not_specialise_on_per_step_integers():
 
 
 @pytest.mark.cuda
-def test_serving_after_start_up_compiles_no_triton_kernel(tmp_path):
+@pytest.mark.parametrize("fresh_prefill", ["0", "1"])  # VLLM_FRESH_PREFILL_ATTENTION
+def test_serving_after_start_up_compiles_no_triton_kernel(tmp_path, monkeypatch, fresh_prefill):
     import triton
 
     from tests.model_dirs import make_model_dir, smollm2_config
     from vllm import LLM, SamplingParams
 
+    monkeypatch.setenv("VLLM_FRESH_PREFILL_ATTENTION", fresh_prefill)
     model_dir = make_model_dir(tmp_path / "smollm2", smollm2_config(), weights=False)
     llm = LLM(str(model_dir), load_format="dummy", dtype="bfloat16", max_model_len=2048,
               max_num_seqs=64)
@@ -119,9 +121,15 @@ def _our_kernels() -> list:
     from triton.runtime.jit import JITFunction
 
     from vllm.model_executor.layers.ops import activation, gemv, rms_norm, rotary
-    from vllm.v1.attention.ops import reshape_and_cache, unified_attention
+    from vllm.v1.attention.ops import (
+        prefill_attention,
+        reshape_and_cache,
+        rope_and_cache,
+        unified_attention,
+    )
 
-    modules = (activation, gemv, rms_norm, rotary, reshape_and_cache, unified_attention)
+    modules = (activation, gemv, rms_norm, rotary, reshape_and_cache, rope_and_cache,
+               prefill_attention, unified_attention)
     return [v for m in modules for v in vars(m).values() if isinstance(v, JITFunction)]
 
 

@@ -73,7 +73,7 @@ def check_rope_and_cache(case: Case, device: str) -> None:
 
     positions, query, key, value, rope, cache, slots = _inputs(case, device)
     qkv_before = (query.clone(), key.clone(), value.clone())
-    cache_ref = cache.clone()
+    cache_ref, cache_before = cache.clone(), cache.clone()
     q = rope_and_cache(positions, query, key, value, rope.cos_sin_cache, cache, slots, case.neox)
     q_ref = rope_and_cache_ref(positions, query, key, value, rope, cache_ref, slots)
     assert_matches(q, q_ref, device, exact=True)
@@ -87,6 +87,12 @@ def check_rope_and_cache(case: Case, device: str) -> None:
     _, k_rot = rope.forward_native(positions, query, key)
     written = cache[block, 0, off].reshape(-1)
     assert_matches(written, k_rot[t].contiguous(), device, exact=True)
+    # key_out (the fresh-prefill path): every row's rotated key, the same cache writes.
+    cache_again, key_out = cache_before, torch.full_like(key, float("nan")).contiguous()
+    q_again = rope_and_cache(positions, query, key, value, rope.cos_sin_cache, cache_again,
+                             slots, case.neox, key_out=key_out)
+    assert torch.equal(q_again, q) and torch.equal(cache_again, cache)
+    assert_matches(key_out, k_rot.contiguous(), device, exact=True)
 
 
 # Small on purpose: the interpreter runs every program in Python.
@@ -141,6 +147,8 @@ def test_launcher_rejects_bad_inputs() -> None:
     for args, message in bad:
         with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("*", r"\*")):
             rope_and_cache(*args)
+    with pytest.raises(ValueError, match=r"key_out must be contiguous torch.float32 \(3, 64\)"):
+        rope_and_cache(positions, query, key, value, cs, cache, slots, key_out=key[:, :32])
 
 
 def test_default_forward_with_rope_is_rope_then_forward() -> None:

@@ -7,6 +7,8 @@ real CPU engine (tiny random-weight Llama) every step of a run that mixes a
 long decode with requests arriving, prefilling in chunks and finishing is
 prepared twice: by the general path (the fast-path test forced off) and by the
 real call, and the two must agree on every field and buffer the step reads.
+Each step's `no_cached_context` flag must say whether every request's keys are
+its own new tokens (seq_lens equal to the query lengths).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ def _snapshot(runner, result) -> dict:
         "rows": rows.copy(),
         "max_query_len": metadata.max_query_len,
         "max_seq_len": metadata.max_seq_len,
+        "no_cached_context": metadata.no_cached_context,
         "input_ids": runner.input_ids[:end].clone(),
         "positions": runner.positions[:end].clone(),
         "slot_mapping": metadata.slot_mapping.clone(),
@@ -55,7 +58,7 @@ def test_decode_fast_path_prepares_what_the_general_path_does(llm, monkeypatch):
     runner = llm.llm_engine.engine_core.worker.model_runner
     assert type(runner) is GPUModelRunner  # the class patched below is the one stepping
     original = GPUModelRunner._prepare_inputs
-    seen = {"fast": 0, "general": 0}
+    seen = {"fast": 0, "general": 0, "fresh": 0, "not fresh": 0}
 
     def checked(self, so):
         fast = self._all_single_token(so, self.input_batch.num_reqs)
@@ -69,6 +72,11 @@ def test_decode_fast_path_prepares_what_the_general_path_does(llm, monkeypatch):
                      else np.array_equal(value, want) if isinstance(value, np.ndarray)
                      else value == want)
             assert equal, (key, value, want)
+        # The fresh-prefill flag: every request's keys are this step's tokens.
+        lens = got["seq_lens"].cpu()
+        fresh = bool(torch.equal(lens, got["query_start_loc"].cpu().diff().to(lens.dtype)))
+        assert got["no_cached_context"] is fresh, (got["no_cached_context"], lens)
+        seen["fresh" if fresh else "not fresh"] += 1
         seen["fast" if fast else "general"] += 1
         return original(self, so)
 
@@ -87,3 +95,4 @@ def test_decode_fast_path_prepares_what_the_general_path_does(llm, monkeypatch):
             break
     assert not engine.has_unfinished_requests()
     assert seen["fast"] >= 20 and seen["general"] >= 3, seen
+    assert seen["fresh"] >= 1 and seen["not fresh"] >= 20, seen

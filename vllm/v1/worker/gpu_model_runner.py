@@ -324,6 +324,7 @@ class GPUModelRunner:
             slot_mapping=head(self.slot_mapping, total),
             query_start_loc_cpu=head(self.query_start_loc_cpu, num_reqs + 1),
             seq_lens_cpu=head(self.seq_lens_cpu, num_reqs),
+            no_cached_context=not computed.any(),
         )
         return metadata, num_sched, rows
 
@@ -689,6 +690,7 @@ class GPUModelRunner:
                 slot_mapping=self.slot_mapping[:num_tokens],
                 query_start_loc_cpu=self.query_start_loc_cpu[: num_reqs + 1],
                 seq_lens_cpu=self.seq_lens_cpu[:num_reqs],
+                no_cached_context=True,
             )
         self.input_ids[:num_tokens].zero_()
         self.positions[:num_tokens].copy_(

@@ -33,6 +33,10 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64, on the device; -1 = padding
     query_start_loc_cpu: torch.Tensor  # [num_reqs + 1] int32 host copy
     seq_lens_cpu: torch.Tensor  # [num_reqs] int32 host copy
+    # Every request starts at position 0 this step (seq_lens == query lengths: fresh
+    # prompts, no prefix-cache hit, no earlier chunk), so all keys it attends to are
+    # this step's own key/value rows; a backend may read them there.
+    no_cached_context: bool = False
 
     @property
     def num_reqs(self) -> int:

@@ -29,7 +29,11 @@ from vllm.v1.attention.backends.abstract import (
     AttentionMetadata,
 )
 from vllm.v1.attention.ops.attention_config import max_split_workspace_numel
-from vllm.v1.attention.ops.attention_warmup import warm_up_unified_attention
+from vllm.v1.attention.ops.attention_warmup import (
+    warm_up_prefill_attention,
+    warm_up_unified_attention,
+)
+from vllm.v1.attention.ops.prefill_attention import fresh_prefill_applies, prefill_attention
 from vllm.v1.attention.ops.reshape_and_cache import reshape_and_cache
 from vllm.v1.attention.ops.rope_and_cache import rope_and_cache
 from vllm.v1.attention.ops.unified_attention import unified_attention
@@ -78,6 +82,8 @@ class TritonAttentionImpl(AttentionImpl):
                 f"{self.head_size}], got {tuple(kv_cache.shape)}"
             )
         reshape_and_cache(key, value, kv_cache, attn_metadata.slot_mapping)
+        if self._fresh_prefill(attn_metadata, query, key, value):
+            return self._attend_fresh(query, key, value, attn_metadata, output)
         return self._attend(query, kv_cache, attn_metadata, output)
 
     def forward_with_rope(
@@ -102,16 +108,32 @@ class TritonAttentionImpl(AttentionImpl):
                 positions, rotary_emb, query, key, value, kv_cache, attn_metadata, output
             )
         num_tokens = query.shape[0]
+        key, value = _rows_with_unit_stride(key), _rows_with_unit_stride(value)
+        value_rows = value.view(num_tokens, self.num_kv_heads, self.head_size)
+        # A fresh prefill reads its keys back contiguously, so the rotated keys are
+        # also stored in a tensor of their own (one extra store of each key).
+        key_out = None
+        if self._fresh_prefill(attn_metadata, None, None, value_rows):
+            key_out = torch.empty(key.shape, dtype=key.dtype, device=key.device)
         query = rope_and_cache(
             positions,
             _rows_with_unit_stride(query),
-            _rows_with_unit_stride(key),
-            _rows_with_unit_stride(value),
+            key,
+            value,
             cos_sin_cache,
             kv_cache,
             attn_metadata.slot_mapping,
             bool(getattr(rotary_emb, "is_neox_style", True)),
+            key_out=key_out,
         )
+        if key_out is not None:
+            return self._attend_fresh(
+                query.view(num_tokens, self.num_heads, self.head_size),
+                key_out.view(num_tokens, self.num_kv_heads, self.head_size),
+                value_rows,
+                attn_metadata,
+                output,
+            )
         return self._attend(
             query.view(num_tokens, self.num_heads, self.head_size),
             kv_cache,
@@ -140,14 +162,47 @@ class TritonAttentionImpl(AttentionImpl):
         )
 
 
+    def _fresh_prefill(
+        self,
+        attn_metadata: AttentionMetadata,
+        query: torch.Tensor | None,
+        key: torch.Tensor | None,
+        value: torch.Tensor,
+    ) -> bool:
+        """Whether this step's attention runs `prefill_attention` on the step's own
+        K/V rows: fresh prompts only, long enough, on a device and tensors it takes."""
+        return attn_metadata.no_cached_context and fresh_prefill_applies(
+            attn_metadata.max_query_len, query, key, value
+        )
+
+    def _attend_fresh(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size], rotated
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        attn_metadata: AttentionMetadata,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        real = attn_metadata.num_actual_tokens
+        if output.shape[0] > real:  # rows past the requests' tokens are padding: zeros
+            output[real:].zero_()
+        return prefill_attention(
+            query, key, value, output, attn_metadata.query_start_loc, self.scale
+        )
+
     def warm_up(
         self, kv_cache: torch.Tensor, max_num_tokens: int, max_model_len: int,
         max_blocks_per_req: int,
     ) -> int:
-        """Compile every unified-attention variant a step can select (see attention_warmup)."""
-        return warm_up_unified_attention(
+        """Compile every attention variant a step can select: each unified-attention
+        config (see attention_warmup), and `prefill_attention` where fresh prompts
+        take it. Returns the number of launches."""
+        launches = warm_up_unified_attention(
             kv_cache, self.num_heads, self.scale, self._workspace(kv_cache.device),
             max_num_tokens, max_model_len, max_blocks_per_req,
+        )
+        return launches + warm_up_prefill_attention(
+            kv_cache, self.num_heads, self.scale, max_num_tokens, max_model_len
         )
 
 

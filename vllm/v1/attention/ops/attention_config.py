@@ -105,6 +105,32 @@ MAX_SPLIT_ROWS = 1024  # num_splits x num_tokens; sizes the preallocated workspa
 REQUEST_SCAN_BLOCK = 128
 
 
+@dataclass(frozen=True)
+class FreshPrefillConfig:
+    """Tile config of `prefill_attention` (prompts without cached context).
+
+    Attributes:
+        block_m: rows per program = query tokens x query heads of one KV head
+            (power of two >= 16; the tokens, block_m / heads, must be >= 16).
+        block_n: keys per K/V tile (one TMA copy each).
+        max_group: most query heads of one KV head a program serves (the GQA
+            group, or the largest power of two dividing it, whichever is smaller).
+        num_warps, num_stages, warp_specialize: Triton launch options.
+    """
+
+    block_m: int
+    block_n: int
+    max_group: int = 1
+    num_warps: int = 8
+    num_stages: int = 3
+    warp_specialize: bool = False
+
+
+FRESH_PREFILL_CONFIG = FreshPrefillConfig(block_m=128, block_n=64, max_group=1)
+FRESH_PREFILL_MIN_QUERY_LEN = 128
+FRESH_PREFILL_HEAD_SIZES = (64, 128)
+
+
 def head_pad(head_size: int) -> int:
     """Padded head size the kernel computes with (power of two, >= 16)."""
     return max(triton.next_power_of_2(head_size), 16)

@@ -20,7 +20,12 @@ from __future__ import annotations
 
 import torch
 
-from vllm.v1.attention.ops.attention_config import num_sms, reachable_configs
+from vllm.v1.attention.ops.attention_config import (
+    FRESH_PREFILL_MIN_QUERY_LEN,
+    num_sms,
+    reachable_configs,
+)
+from vllm.v1.attention.ops.prefill_attention import fresh_prefill_applies, prefill_attention
 from vllm.v1.attention.ops.unified_attention import unified_attention
 
 
@@ -63,3 +68,34 @@ def warm_up_unified_attention(
             block_table, scale, query_len, max_model_len, workspace=workspace, config=cfg,
         )
     return len(configs)
+
+
+def warm_up_prefill_attention(
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_size]
+    num_heads: int,
+    scale: float,
+    max_num_tokens: int,
+    max_model_len: int,
+) -> int:
+    """Launch `prefill_attention` once if fresh prompts can take it; returns 0 or 1.
+
+    It has one tile config and does not specialise on the token or request
+    count; its descriptors carry shapes and strides as run-time values, so one
+    launch on a dummy prompt of FRESH_PREFILL_MIN_QUERY_LEN tokens (value rows
+    strided as in the qkv projection) compiles the variant every step uses.
+    """
+    num_kv_heads, head_size = kv_cache.shape[3], kv_cache.shape[4]
+    n = FRESH_PREFILL_MIN_QUERY_LEN
+    if min(max_num_tokens, max_model_len) < n:
+        return 0
+    device, dtype = kv_cache.device, kv_cache.dtype
+    kv_width = num_kv_heads * head_size
+    qkv = torch.zeros((n, num_heads * head_size + 2 * kv_width), dtype=dtype, device=device)
+    value = qkv[:, -kv_width:].view(n, num_kv_heads, head_size)
+    if not fresh_prefill_applies(n, None, None, value):
+        return 0
+    query = torch.zeros((n, num_heads, head_size), dtype=dtype, device=device)
+    key = torch.zeros((n, num_kv_heads, head_size), dtype=dtype, device=device)
+    prefill_attention(query, key, value, torch.empty_like(query),
+                      torch.tensor([0, n], dtype=torch.int32, device=device), scale)
+    return 1

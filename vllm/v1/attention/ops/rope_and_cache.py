@@ -27,8 +27,11 @@ the number of tokens, so the launch is CUDA-graph capturable; no host sync.
 Rejected: folding the rotation into the attention kernel's query load (the
 decode kernel runs once per KV split and per GQA group, so the query would be
 rotated many times, and the key still has to be written before attention
-reads it); writing the rotated key to a tensor and the cache both (one more
-store of every key for nothing: the attention kernel reads keys from the cache).
+reads it); writing the rotated key to a tensor and the cache both in every
+step (one more store of every key for nothing: the paged kernel reads keys from
+the cache). Only a fresh prefill asks for `key_out`: its attention reads this
+step's keys contiguously (`prefill_attention.py`), and one extra store of each
+key costs far less than gathering them back through the block table.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ def _rope_and_cache_kernel(
     kv_cache_ptr,  # [num_blocks, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE] (heads contiguous)
     slot_mapping_ptr,  # [num_tokens] int64, -1 = padding
     query_out_ptr,  # [num_tokens, NUM_Q_HEADS * HEAD_SIZE] contiguous
+    key_out_ptr,  # [num_tokens, NUM_KV_HEADS * HEAD_SIZE] contiguous (WRITE_KEY)
     stride_pos,
     stride_q,  # row strides, elements
     stride_k,
@@ -71,6 +75,7 @@ def _rope_and_cache_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     IS_NEOX: tl.constexpr,
+    WRITE_KEY: tl.constexpr,  # also store the rotated key rows into key_out
 ):
     half = ROTARY_DIM // 2
     token = tl.program_id(0).to(tl.int64)
@@ -98,6 +103,20 @@ def _rope_and_cache_kernel(
         BLOCK_HQ,
         IS_NEOX,
     )
+    if WRITE_KEY:
+        _rope_heads(
+            key_ptr + token * stride_k,
+            key_out_ptr + token * (NUM_KV_HEADS * HEAD_SIZE),
+            cos,
+            sin,
+            NUM_KV_HEADS,
+            HEAD_SIZE,
+            ROTARY_DIM,
+            HALF_PAD,
+            PASS_PAD,
+            BLOCK_HK,
+            IS_NEOX,
+        )
     slot = tl.load(slot_mapping_ptr + token)
     if slot >= 0:
         dst = kv_cache_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
@@ -129,6 +148,7 @@ def rope_and_cache(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     is_neox_style: bool = True,
+    key_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate query and key by their positions and write key/value into the cache, one launch.
 
@@ -143,14 +163,25 @@ def rope_and_cache(
             dtype, the last two dims contiguous; block_size a power of two.
         slot_mapping: [T] int64, contiguous; -1 writes nothing.
         is_neox_style: rotate halves (True) or interleaved pairs.
+        key_out: optional contiguous [T, num_kv_heads * head_size] of the key's
+            dtype that also receives the rotated key rows (every row, padding
+            included): the fresh-prefill attention reads keys from it.
 
     Returns:
         query_out: new contiguous [T, num_heads * head_size], the rotated query.
-        The cache is written in place; key and value are not modified.
+        The cache (and key_out) are written in place; key and value are not modified.
 
     Raises:
         ValueError: dtypes, shapes, strides or devices that do not fit (numbers given).
     """
+    if key_out is not None and (
+        key_out.shape != key.shape or key_out.dtype != key.dtype
+        or key_out.device != key.device or not key_out.is_contiguous()
+    ):
+        raise ValueError(
+            f"rope_and_cache: key_out must be contiguous {key.dtype} {tuple(key.shape)} on "
+            f"{key.device}, got {key_out.dtype} {tuple(key_out.shape)} on {key_out.device}"
+        )
     rotary_dim, head_size = _check_inputs(
         positions, query, key, value, cos_sin_cache, kv_cache, slot_mapping
     )
@@ -170,6 +201,7 @@ def rope_and_cache(
         kv_cache,
         slot_mapping,
         query_out,
+        query_out if key_out is None else key_out,
         positions.stride(0),
         query.stride(0),
         key.stride(0),
@@ -190,6 +222,7 @@ def rope_and_cache(
         BLOCK_HQ=min(triton.next_power_of_2(num_heads), heads_per_tile),
         BLOCK_HK=min(triton.next_power_of_2(num_kv_heads), heads_per_tile),
         IS_NEOX=is_neox_style,
+        WRITE_KEY=key_out is not None,
         num_warps=4,
         enable_fp_fusion=False,  # no FMA contraction: round products where torch does
     )
