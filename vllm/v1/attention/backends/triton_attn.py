@@ -82,7 +82,9 @@ class TritonAttentionImpl(AttentionImpl):
                 f"{self.head_size}], got {tuple(kv_cache.shape)}"
             )
         reshape_and_cache(key, value, kv_cache, attn_metadata.slot_mapping)
-        if self._fresh_prefill(attn_metadata, query, key, value):
+        if attn_metadata.no_cached_context and fresh_prefill_applies(
+            attn_metadata.max_query_len, query, key, value
+        ):
             return self._attend_fresh(query, key, value, attn_metadata, output)
         return self._attend(query, kv_cache, attn_metadata, output)
 
@@ -109,12 +111,14 @@ class TritonAttentionImpl(AttentionImpl):
             )
         num_tokens = query.shape[0]
         key, value = _rows_with_unit_stride(key), _rows_with_unit_stride(value)
-        value_rows = value.view(num_tokens, self.num_kv_heads, self.head_size)
         # A fresh prefill reads its keys back contiguously, so the rotated keys are
-        # also stored in a tensor of their own (one extra store of each key).
+        # also stored in a tensor of their own (one extra store of each key; the
+        # query and that tensor are new and contiguous, hence the two Nones).
         key_out = None
-        if self._fresh_prefill(attn_metadata, None, None, value_rows):
-            key_out = torch.empty(key.shape, dtype=key.dtype, device=key.device)
+        if attn_metadata.no_cached_context:
+            value_rows = value.view(num_tokens, self.num_kv_heads, self.head_size)
+            if fresh_prefill_applies(attn_metadata.max_query_len, None, None, value_rows):
+                key_out = torch.empty(key.shape, dtype=key.dtype, device=key.device)
         query = rope_and_cache(
             positions,
             _rows_with_unit_stride(query),
@@ -159,20 +163,6 @@ class TritonAttentionImpl(AttentionImpl):
             attn_metadata.max_query_len,
             attn_metadata.max_seq_len,
             workspace=self._workspace(query.device),
-        )
-
-
-    def _fresh_prefill(
-        self,
-        attn_metadata: AttentionMetadata,
-        query: torch.Tensor | None,
-        key: torch.Tensor | None,
-        value: torch.Tensor,
-    ) -> bool:
-        """Whether this step's attention runs `prefill_attention` on the step's own
-        K/V rows: fresh prompts only, long enough, on a device and tensors it takes."""
-        return attn_metadata.no_cached_context and fresh_prefill_applies(
-            attn_metadata.max_query_len, query, key, value
         )
 
     def _attend_fresh(

@@ -35,13 +35,14 @@ from vllm.v1.attention.ops.attention_config import (
     REQUEST_SCAN_BLOCK,
     FreshPrefillConfig,
 )
+from vllm.v1.attention.ops.unified_attention import _INTERPRETED
 
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _prefill_tile(q, k_desc, v_desc, m_i, l_i, acc, k_row, k_col, key0, q_tok, scale_log2,
-                  GROUP: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
     k = k_desc.load([k_row, k_col])
     s = tl.dot(q, tl.trans(k))
     if MASKED:
@@ -110,12 +111,12 @@ def _prefill_attention_kernel(
     full_end = q_off - q_off % BLOCK_N
     for key0 in tl.range(0, full_end, BLOCK_N, warp_specialize=WARP_SPEC):
         m_i, l_i, acc = _prefill_tile(q, k_desc, v_desc, m_i, l_i, acc, q_start + key0, k_col,
-                                      key0, q_tok, scale_log2, GROUP, BLOCK_N, False)
+                                      key0, q_tok, scale_log2, BLOCK_N, False)
     # The diagonal: tiles up to the block's last token, masked to each row's own token.
     diag_end = tl.minimum(q_off + BLOCK_Q, q_len)
     for key0 in range(full_end, diag_end, BLOCK_N):
         m_i, l_i, acc = _prefill_tile(q, k_desc, v_desc, m_i, l_i, acc, q_start + key0, k_col,
-                                      key0, q_tok, scale_log2, GROUP, BLOCK_N, True)
+                                      key0, q_tok, scale_log2, BLOCK_N, True)
 
     out = acc / l_i[:, None]
     head = head0 + offs_m % GROUP
@@ -129,7 +130,6 @@ def _prefill_attention_kernel(
 
 
 _FRESH_DTYPES = (torch.float16, torch.bfloat16)
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y")
 
 
 @functools.cache
@@ -233,10 +233,8 @@ def prefill_attention(
     if block_q < 16 or block_q % 16:
         raise ValueError(f"block_m {cfg.block_m} leaves {block_q} tokens a program (>= 16)")
 
-    def rows(t, heads, block):
-        return TensorDescriptor(t, [num_tokens, heads, head_size], list(t.stride()), block)
-
-    q_desc = rows(query, num_heads, [block_q, group, head_size])
+    q_desc = TensorDescriptor(query, list(query.shape), list(query.stride()),
+                              [block_q, group, head_size])
     k_desc = TensorDescriptor(key, [num_tokens, num_kv_heads * head_size], [key.stride(0), 1],
                               [cfg.block_n, head_size])
     v_desc = TensorDescriptor(value, [num_tokens, num_kv_heads * head_size],
