@@ -4,7 +4,8 @@ Question: does decode attention stream the KV cache at >= 0.7 of the device's
 copy bandwidth (bf16, batch 64 x context 4096, Llama-3-8B heads)? And how does
 causal prefill compare with a bf16 matmul?
 
-    python benchmarks/benchmark_attention.py [--out FILE] [--no-tune] [--dtype bfloat16]
+    python benchmarks/benchmark_attention.py [--out FILE] [--tune [decode prefill fresh]]
+                                             [--dtype bfloat16]
     TRITON_INTERPRET=1 python benchmarks/benchmark_attention.py --smoke   # CPU: code path only
 
 Prints one JSON document (and writes it to --out):
@@ -23,9 +24,13 @@ Prints one JSON document (and writes it to --out):
                       runs for a step of fresh prompts (this step's key/value rows read
                       by TMA; sm_90+): same FLOPs, ratio to matmul; target >= 0.55
                       (issue 10); max_abs_error against the paged kernel's output
+  prefill_peer        the same prompts through torch's scaled_dot_product_attention,
+                      causal, K/V expanded to every query head, each backend that takes
+                      it (flash, cuDNN): time and ratio to matmul (CUDA only)
   reshape_and_cache   16384 tokens written; bytes = 2 x (K + V bytes) (read + write)
   tune                every config of a small grid for decode 64x4096, prefill 8x2048
-                      and prefill_fresh 8x2048, fastest first: pick the winners for
+                      and prefill_fresh 8x2048 (those --tune names; default all),
+                      fastest first: pick the winners for
                       the constants in vllm/v1/attention/ops/attention_config.py
 Times: triton.testing.do_bench (L2 flushed before each call), median in ms.
 Block tables are random permutations of the cache blocks (no locality help).
@@ -290,13 +295,42 @@ def fresh_prefill_point(batch: dict, rows: tuple, paged: torch.Tensor, flops: in
     }
 
 
+def sdpa_peer(batch: dict, rows: tuple, flops: int, matmul_fps: float) -> dict:
+    """torch SDPA (causal) on the same equal-length prompts, per backend: the peer the
+    fresh kernel is compared with. K/V are expanded to every query head before timing."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    q_lens = batch["seq_lens"].tolist()
+    if PLAN.device != "cuda" or len(set(q_lens)) != 1:
+        return {"skipped": "CUDA and equal prompt lengths only"}
+    heads, kv_heads, head_size = PLAN.heads
+    num_reqs, q_len = len(q_lens), q_lens[0]
+
+    def bhsd(x: torch.Tensor) -> torch.Tensor:  # [tokens, h, d] -> [reqs, heads, q_len, d]
+        x = x.reshape(num_reqs, q_len, x.shape[1], head_size).transpose(1, 2)
+        return x.repeat_interleave(heads // x.shape[1], dim=1).contiguous()
+
+    q, k, v = bhsd(batch["query"]), bhsd(rows[0]), bhsd(rows[1])
+    result = {}
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
+                          ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        try:
+            with sdpa_kernel(backend):
+                ms = _bench(lambda: sdpa(q, k, v, is_causal=True, scale=batch["scale"]))
+            result[name] = {"time_ms": ms, "ratio_to_matmul": flops / (ms * 1e-3) / matmul_fps}
+        except RuntimeError as e:  # backend not built in or not taking this shape
+            result[name] = {"error": f"{e}"[:200]}
+    return result
+
+
 def fresh_configs():
     from vllm.v1.attention.ops.attention_config import FreshPrefillConfig
 
-    for (block_m, group), block_n, stages, ws in itertools.product(
-        ((128, 1), (128, 2), (128, 4), (256, 2), (256, 4)), (64, 128), (2, 3), (False, True)
+    for (block_m, group), block_n, warps, stages in itertools.product(
+        ((64, 1), (64, 2), (128, 1), (128, 2), (128, 4)), (64, 128), (4, 8), (3, 4)
     ):
-        yield FreshPrefillConfig(block_m, block_n, group, 8, stages, ws)
+        yield FreshPrefillConfig(block_m, block_n, group, warps, stages)
 
 
 def tune_fresh(batch: dict, kv_rows: tuple, paged: torch.Tensor, flops: int,
@@ -335,6 +369,7 @@ def reshape_and_cache_point(dtype: torch.dtype, copy_bps: float) -> dict:
     }
 
 
+TUNE_GRIDS = ("decode", "prefill", "fresh")
 CONVENTIONS = {
     "copy_bandwidth": "dst.copy_(src) of copy_bandwidth.bytes / 2; bytes = 2 x size (read+write)",
     "decode_bytes": "batch x context x num_kv_heads x head_size x 2 (K, V) x itemsize",
@@ -344,7 +379,7 @@ CONVENTIONS = {
 }
 
 
-def measure(dtype: torch.dtype, do_tune: bool) -> dict:
+def measure(dtype: torch.dtype, grids: tuple[str, ...]) -> dict:
     """Every measurement of the module docstring, as one JSON-ready dict."""
     import triton
 
@@ -412,20 +447,21 @@ def measure(dtype: torch.dtype, do_tune: bool) -> dict:
         )
         fresh["target_ratio"] = TARGET_PREFILL_RATIO
         fresh["meets_target"] = fresh["ratio_to_matmul"] >= TARGET_PREFILL_RATIO
+    result["prefill_peer"] = sdpa_peer(prefill, kv_rows, flops, matmul_fps)
     result["reshape_and_cache"] = reshape_and_cache_point(dtype, copy_bps)
-    if do_tune:
-        result["tune"] = {
-            f"decode_{batch_size}x{context}": tune(
-                decode_batch, decode_configs(), headline["kv_bytes"], "bytes_per_s", copy_bps
-            ),
-            f"prefill_{len(q_lens)}x{q_lens[0]}": tune(
-                prefill, prefill_configs(), flops, "flops_per_s", matmul_fps
-            ),
-        }
-        if fresh_ok:
-            result["tune"][f"prefill_fresh_{len(q_lens)}x{q_lens[0]}"] = tune_fresh(
-                prefill, kv_rows, paged, flops, matmul_fps
-            )
+    tuned = result["tune"] = {}
+    if "decode" in grids:
+        tuned[f"decode_{batch_size}x{context}"] = tune(
+            decode_batch, decode_configs(), headline["kv_bytes"], "bytes_per_s", copy_bps
+        )
+    if "prefill" in grids:
+        tuned[f"prefill_{len(q_lens)}x{q_lens[0]}"] = tune(
+            prefill, prefill_configs(), flops, "flops_per_s", matmul_fps
+        )
+    if "fresh" in grids and fresh_ok:
+        tuned[f"prefill_fresh_{len(q_lens)}x{q_lens[0]}"] = tune_fresh(
+            prefill, kv_rows, paged, flops, matmul_fps
+        )
     return result
 
 
@@ -433,7 +469,8 @@ def main(argv: list[str] | None = None) -> int:
     global PLAN
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="also write the JSON here")
-    parser.add_argument("--no-tune", action="store_true", help="skip the config grids")
+    parser.add_argument("--tune", nargs="*", choices=TUNE_GRIDS, default=list(TUNE_GRIDS),
+                        help="config grids to time (default: all; none: --tune with no name)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"],
                         help="dtype of the queries and the KV cache (default: %(default)s)")
     add_smoke_flag(parser)
@@ -450,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     if PLAN.device == "cpu" and dtype == torch.bfloat16:
         dtype = torch.float16  # the interpreter's bf16 tl.dot is wrong (Triton 3.9)
-    result = measure(dtype, not args.no_tune)
+    result = measure(dtype, tuple(args.tune))
     if args.smoke:
         result["smoke"] = "tiny shapes on the CPU interpreter: the numbers mean nothing"
     text = json.dumps(result, indent=1)

@@ -10,7 +10,7 @@ CPU: the cases run in one TRITON_INTERPRET=1 subprocess (tests/triton_interprete
 its bf16 dot is wrong, so fp16). CUDA (`-m cuda`, sm_90+): the engine's shapes in
 bf16/fp16 with the shipped config, and the Triton backend choosing this kernel
 for a fresh prefill against the paged reference. The engine takes it only with
-VLLM_FRESH_PREFILL_ATTENTION=1 (off by default until measured on a GPU).
+VLLM_FRESH_PREFILL_ATTENTION=1 (off by default until the engine GPU tests ran with it).
 """
 
 from __future__ import annotations

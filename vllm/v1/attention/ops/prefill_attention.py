@@ -77,7 +77,6 @@ def _prefill_attention_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    WARP_SPEC: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP
     per_qblock: tl.constexpr = NUM_KV_HEADS * HEAD_GROUPS
@@ -109,7 +108,7 @@ def _prefill_attention_kernel(
     k_col = kv_head * HEAD_SIZE
     # Key tiles wholly below the q block's first token: visible to every row.
     full_end = q_off - q_off % BLOCK_N
-    for key0 in tl.range(0, full_end, BLOCK_N, warp_specialize=WARP_SPEC):
+    for key0 in tl.range(0, full_end, BLOCK_N):
         m_i, l_i, acc = _prefill_tile(q, k_desc, v_desc, m_i, l_i, acc, q_start + key0, k_col,
                                       key0, q_tok, scale_log2, BLOCK_N, False)
     # The diagonal: tiles up to the block's last token, masked to each row's own token.
@@ -153,7 +152,7 @@ def _tma_ready(t: torch.Tensor) -> bool:
 
 def _enabled() -> bool:
     """VLLM_FRESH_PREFILL_ATTENTION=1 lets the engine take this kernel (off by default
-    until it has run on a GPU: see docs/benchmarks.md, issue 10)."""
+    until the engine's GPU tests have run with it: see docs/benchmarks.md, issue 10)."""
     return os.environ.get("VLLM_FRESH_PREFILL_ATTENTION", "0").lower() in ("1", "true", "on")
 
 
@@ -246,7 +245,7 @@ def prefill_attention(
         output.stride(0), output.stride(1),
         NUM_KV_HEADS=num_kv_heads, QUERIES_PER_KV=qpk, HEAD_GROUPS=head_groups, GROUP=group,
         HEAD_SIZE=head_size, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, BLOCK_R=REQUEST_SCAN_BLOCK,
-        WARP_SPEC=cfg.warp_specialize, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return output
 
