@@ -32,3 +32,30 @@ def test_dummy_batches_fit_max_model_len(tmp_path, caplog):
         assert [len(o.outputs[0].token_ids) for o in outputs] == [4, 4]
     finally:
         llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("max_model_len", "num_tokens", "num_reqs", "expected"),
+    [
+        (2048, 8192, 256, [(8192, 4)]),  # 32-token prompts; 4 x 2048 take the fresh kernel
+        (3000, 8192, 256, [(8192, 3)]),  # ceil(8192 / 3000) prompts of <= 3000 tokens
+        (2048, 8192, 8, []),  # the worst case's own prompts are already >= 128 tokens
+        (100, 8192, 256, []),  # no prompt reaches 128 tokens
+    ],
+)
+def test_warmup_adds_long_fresh_prompts_where_the_worst_case_has_none(
+    max_model_len, num_tokens, num_reqs, expected
+):
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu_worker import Worker
+
+    calls = []
+    runner = SimpleNamespace(
+        max_model_len=max_model_len,
+        dummy_run=lambda tokens, reqs, with_kv: calls.append((tokens, reqs)),
+    )
+    worker = object.__new__(Worker)
+    worker.model_runner = runner
+    worker._warm_up_long_prompts(num_tokens, num_reqs)
+    assert calls == expected

@@ -9,8 +9,9 @@
                       classic     final size from the profile; allocate it all
                       extensible  reserve the capacity, commit the warmup blocks
     compile_or_warm_up_model
-        warmup      worst-case prefill with the KV cache, sampler, verify batch,
-                    CUDA graphs (decode and verify batches)
+        warmup      worst-case prefill with the KV cache (on CUDA also as a few
+                    long prompts: the fresh-prefill kernel's buffers), sampler,
+                    verify batch, CUDA graphs (decode and verify batches)
         size        what is free now -> final block count (kv_cache_sizing.py),
                     agreed across ranks; a fully committed cache keeps its size
         extend      extend_kv_cache(final) under the same base, rebind the views
@@ -415,10 +416,27 @@ class Worker(SleepModeWorkerMixin, SpecDecodeWorkerMixin, ElasticWorkerMixin):
         runner = self.model_runner
         hidden = runner.dummy_run(num_tokens, num_reqs, with_kv=True)
         runner.dummy_sampler_run(hidden, self.config.scheduler_config.max_num_seqs)
+        if self.device.type == "cuda":
+            self._warm_up_long_prompts(num_tokens, num_reqs)
         positions = self._verify_positions()
         if positions:
             runner.spec_decoder.dummy_verify_run(runner.model, hidden, positions)
         del hidden
+
+    def _warm_up_long_prompts(self, num_tokens: int, num_reqs: int) -> None:
+        """The same tokens as a few prompts of up to max_model_len (CUDA only).
+
+        A step of long fresh prompts takes `prefill_attention`, whose rotated-key
+        rows ([num_tokens, num_kv_heads x head_size]) the worst case of many short
+        prompts does not allocate; running it here puts them in torch's pool
+        before the free memory is measured (and compiles what it launches).
+        """
+        from vllm.v1.attention.ops.attention_config import FRESH_PREFILL_MIN_QUERY_LEN
+
+        runner = self.model_runner
+        long_reqs = -(-num_tokens // runner.max_model_len)
+        if num_tokens // num_reqs < FRESH_PREFILL_MIN_QUERY_LEN <= num_tokens // long_reqs:
+            runner.dummy_run(num_tokens, long_reqs, with_kv=True)
 
     def _size_after_warmup(self) -> tuple[sizing.MemorySnapshot, sizing.KVCacheSize, int]:
         """This rank's measured size, and the block count agreed across ranks."""
