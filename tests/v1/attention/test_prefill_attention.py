@@ -9,8 +9,8 @@ requests' tokens are the caller's (the backend zeroes them) and must stay NaN.
 CPU: the cases run in one TRITON_INTERPRET=1 subprocess (tests/triton_interpreter.py;
 its bf16 dot is wrong, so fp16). CUDA (`-m cuda`, sm_90+): the engine's shapes in
 bf16/fp16 with the shipped config, and the Triton backend choosing this kernel
-for a fresh prefill against the paged reference. The engine takes it only with
-VLLM_FRESH_PREFILL_ATTENTION=1 (off by default until the engine GPU tests ran with it).
+for a fresh prefill against the paged reference. The engine takes it unless
+VLLM_FRESH_PREFILL_ATTENTION=0 (on by default).
 """
 
 from __future__ import annotations
@@ -202,8 +202,19 @@ def test_applies_only_when_enabled_where_the_kernel_runs_and_pays(monkeypatch):
         assert not fresh_prefill_applies(n, None, None, cuda.float())
         odd = torch.zeros(8, 2 * 64 + 1, dtype=torch.float16, device="cuda")[:, 1:]
         assert not fresh_prefill_applies(n, None, None, odd.view(8, 2, 64))
-        monkeypatch.delenv("VLLM_FRESH_PREFILL_ATTENTION")  # off by default
+        monkeypatch.setenv("VLLM_FRESH_PREFILL_ATTENTION", "0")  # the way to turn it off
         assert not fresh_prefill_applies(n, None, None, cuda)
+        monkeypatch.delenv("VLLM_FRESH_PREFILL_ATTENTION")  # on by default
+        assert fresh_prefill_applies(n, None, None, cuda)
+
+
+@pytest.mark.parametrize("flag", ["yes", "2", ""])
+def test_a_bad_switch_value_is_an_error_not_a_guess(monkeypatch, flag):
+    from vllm.v1.attention.ops.prefill_attention import fresh_prefill_applies
+
+    monkeypatch.setenv("VLLM_FRESH_PREFILL_ATTENTION", flag)
+    with pytest.raises(ValueError, match="VLLM_FRESH_PREFILL_ATTENTION must be"):
+        fresh_prefill_applies(128, None, None, torch.zeros(8, 2, 64, dtype=torch.float16))
 
 
 def test_prefill_kernel_does_not_specialise_on_per_step_integers():

@@ -151,9 +151,20 @@ def _tma_ready(t: torch.Tensor) -> bool:
 
 
 def _enabled() -> bool:
-    """VLLM_FRESH_PREFILL_ATTENTION=1 lets the engine take this kernel (off by default
-    until the engine's GPU tests have run with it: see docs/benchmarks.md, issue 10)."""
-    return os.environ.get("VLLM_FRESH_PREFILL_ATTENTION", "0").lower() in ("1", "true", "on")
+    """Whether the engine may take this kernel: VLLM_FRESH_PREFILL_ATTENTION, 1 (the
+    default) / true / on, or 0 / false / off (the paged kernel runs every prefill).
+
+    Raises:
+        ValueError: any other value (read at start-up warmup first).
+    """
+    flag = os.environ.get("VLLM_FRESH_PREFILL_ATTENTION", "1").strip().lower()
+    if flag not in _FLAG_VALUES:
+        raise ValueError(f"VLLM_FRESH_PREFILL_ATTENTION must be 1/true/on or 0/false/off, "
+                         f"got {flag!r}")
+    return _FLAG_VALUES[flag]
+
+
+_FLAG_VALUES = {"1": True, "true": True, "on": True, "0": False, "false": False, "off": False}
 
 
 def fresh_prefill_supported(
@@ -177,7 +188,7 @@ def fresh_prefill_applies(
     value: torch.Tensor,
 ) -> bool:
     """Whether the engine runs a step of fresh prompts (no cached context) on
-    `prefill_attention`: enabled (VLLM_FRESH_PREFILL_ATTENTION=1), prompts of at
+    `prefill_attention`: enabled (VLLM_FRESH_PREFILL_ATTENTION not 0), prompts of at
     least FRESH_PREFILL_MIN_QUERY_LEN tokens (shorter ones run on the paged
     kernel's small tiles) and `fresh_prefill_supported`. Host values only.
     """
