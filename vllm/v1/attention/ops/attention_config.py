@@ -125,9 +125,9 @@ class FreshPrefillConfig:
     num_stages: int = 3
 
 
-# Fastest of the benchmark_attention sweep for 8 x 2048 Llama-3-8B heads on an H100
-# (2026-12-05: 0.646 ms against 0.711 for 128 x 64 / 8 warps; 256-row tiles and
-# Triton warp specialization slower or not compiling).
+# Fastest of `benchmark_attention.py --tune fresh` for 8 x 2048 Llama-3-8B heads on an
+# H100 (2026-12-05: 0.642 ms against 0.735 for 128 x 64 / 8 warps; 256-row tiles and
+# Triton warp specialization slower or not compiling in an earlier sweep).
 FRESH_PREFILL_CONFIG = FreshPrefillConfig(block_m=64, block_n=64, max_group=1, num_warps=4,
                                           num_stages=3)
 FRESH_PREFILL_MIN_QUERY_LEN = 128
