@@ -21,13 +21,13 @@ base 2; the two-phase causal loop follows Triton's fused-attention tutorial.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from vllm.utils.env_flags import env_flag
 from vllm.v1.attention.ops.attention_config import (
     FRESH_PREFILL_CONFIG,
     FRESH_PREFILL_HEAD_SIZES,
@@ -157,14 +157,7 @@ def _enabled() -> bool:
     Raises:
         ValueError: any other value (read at start-up warmup first).
     """
-    flag = os.environ.get("VLLM_FRESH_PREFILL_ATTENTION", "1").strip().lower()
-    if flag not in _FLAG_VALUES:
-        raise ValueError(f"VLLM_FRESH_PREFILL_ATTENTION must be 1/true/on or 0/false/off, "
-                         f"got {flag!r}")
-    return _FLAG_VALUES[flag]
-
-
-_FLAG_VALUES = {"1": True, "true": True, "on": True, "0": False, "false": False, "off": False}
+    return env_flag("VLLM_FRESH_PREFILL_ATTENTION", True)
 
 
 def fresh_prefill_supported(

@@ -1,0 +1,29 @@
+"""`env_flag`: the on/off switches of the kernels (VLLM_FRESH_PREFILL_ATTENTION)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm.utils.env_flags import env_flag
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    ("1", True), ("true", True), (" ON ", True), ("0", False), ("False", False), ("off", False),
+])
+def test_on_and_off_spellings(monkeypatch, value, expected):
+    monkeypatch.setenv("VLLM_TEST_SWITCH", value)
+    assert env_flag("VLLM_TEST_SWITCH", not expected) is expected
+
+
+def test_unset_is_the_default(monkeypatch):
+    monkeypatch.delenv("VLLM_TEST_SWITCH", raising=False)
+    assert env_flag("VLLM_TEST_SWITCH", True) is True
+    assert env_flag("VLLM_TEST_SWITCH", False) is False
+
+
+@pytest.mark.parametrize("value", ["yes", "2", ""])
+def test_anything_else_is_an_error_naming_the_variable(monkeypatch, value):
+    monkeypatch.setenv("VLLM_TEST_SWITCH", value)
+    with pytest.raises(ValueError, match="VLLM_TEST_SWITCH must be 1/true/on or 0/false/off"):
+        env_flag("VLLM_TEST_SWITCH", True)
+
