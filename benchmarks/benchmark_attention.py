@@ -404,7 +404,7 @@ def measure(dtype: torch.dtype, grids: tuple[str, ...]) -> dict:
     copy_bps, matmul_fps = copy["bytes_per_s"], result["matmul"]["flops_per_s"]
     longest = max(PLAN.batches) * max(PLAN.contexts)
     cache = Cache(max(longest, sum(PLAN.prefill_q_lens)), dtype)
-    ws = torch.empty(
+    ws = torch.zeros(  # zero: the decode kernel's counters (split_counters_numel)
         max_split_workspace_numel(heads, head_size), dtype=torch.float32, device=PLAN.device
     )
 

@@ -212,7 +212,7 @@ def _setups(points, layers: int, baseline, device: str, dtype):
     gen = torch.Generator().manual_seed(0)
     for point in points:
         heads, _, head_size = point.heads
-        workspace = torch.empty(max_split_workspace_numel(heads, head_size),
+        workspace = torch.zeros(max_split_workspace_numel(heads, head_size),
                                 dtype=torch.float32, device=device)
         batches, kv_bytes = _layer_batches(point, layers, dtype, device, gen)
         yield point, (workspace, batches, kv_bytes, _variants(point, baseline))

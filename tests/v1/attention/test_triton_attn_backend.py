@@ -201,6 +201,8 @@ def test_select_config_decode_splits_and_prefill_tiles():
 
 @pytest.mark.parametrize("queries_per_kv", [1, 4, 8])
 def test_auto_splits_always_fit_the_preallocated_workspace(queries_per_kv):
+    from vllm.v1.attention.ops.unified_attention import fuses_reduce
+
     ua = _cfg()
     num_heads, head_size = 8 * queries_per_kv, 96
     for num_tokens in (1, 2, 3, 8, 33, 64, 100, 512, 1024, 8192):
@@ -218,6 +220,22 @@ def test_auto_splits_always_fit_the_preallocated_workspace(queries_per_kv):
                 assert cfg.num_splits == 1 or need <= ua.max_split_workspace_numel(
                     num_heads, head_size
                 )
+                if fuses_reduce(cfg):  # and the counters of its programs, so it does fuse
+                    assert num_tokens * 8 <= ua.split_counters_numel(num_heads)
+
+
+def test_only_decode_launches_of_a_few_splits_reduce_in_their_last_split():
+    from vllm.v1.attention.ops.attention_config import (
+        DECODE_CONFIG,
+        FUSED_REDUCE_MAX_SPLITS,
+        ONE_TOKEN_CONFIG,
+    )
+    from vllm.v1.attention.ops.unified_attention import fuses_reduce
+
+    assert ONE_TOKEN_CONFIG.decode and not DECODE_CONFIG.decode
+    assert [n for n in (1, 2, 4, 8, 16, 32) if fuses_reduce(replace(ONE_TOKEN_CONFIG,
+            num_splits=n))] == [n for n in (2, 4, 8) if n <= FUSED_REDUCE_MAX_SPLITS]
+    assert not fuses_reduce(replace(DECODE_CONFIG, num_splits=2))  # q-block programs
 
 
 # --- CUDA graphs ----------------------------------------------------------------------------

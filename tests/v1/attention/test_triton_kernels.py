@@ -97,7 +97,13 @@ def _batch(case: Case, device: str):
 
 def check_attention(case: Case, device: str) -> None:
     """reshape_and_cache + unified_attention vs the references; raises AssertionError."""
-    from vllm.v1.attention.ops.attention_config import DECODE_CONFIG, AttentionKernelConfig
+    from vllm.v1.attention.ops.attention_config import (
+        DECODE_CONFIG,
+        MAX_SPLITS,
+        AttentionKernelConfig,
+        head_pad,
+        split_counters_numel,
+    )
     from vllm.v1.attention.ops.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
     from vllm.v1.attention.ops.unified_attention import unified_attention, unified_attention_ref
 
@@ -128,7 +134,20 @@ def check_attention(case: Case, device: str) -> None:
         b["seq_lens"],
         b["block_table"],
     )
-    unified_attention(*args, scale, b["max_query_len"], b["max_seq_len"], config=config)
+    # One workspace for two launches: a split decode launch leaves the arrival counters
+    # at the workspace's front at zero for the next one (CUDA graphs replay on one
+    # workspace), and the second launch's output equals the first's.
+    counters = split_counters_numel(case.num_heads)
+    rows = MAX_SPLITS * b["query"].shape[0] * case.num_heads
+    workspace = torch.zeros(counters + rows * (head_pad(case.head_size) + 2),
+                            dtype=torch.float32, device=device)
+    bounds = (scale, b["max_query_len"], b["max_seq_len"])
+    unified_attention(*args, *bounds, workspace=workspace, config=config)
+    first = output.clone()
+    output.fill_(float("nan"))
+    unified_attention(*args, *bounds, workspace=workspace, config=config)
+    assert torch.equal(output.nan_to_num(7.0), first.nan_to_num(7.0)), "second launch differs"
+    assert not workspace[:counters].view(torch.int32).any(), "split counters not reset to 0"
     expected = unified_attention_ref(
         b["query"], ref_cache, b["query_start_loc"], b["seq_lens"], b["block_table"], scale
     )
@@ -228,6 +247,12 @@ INTERPRETED_ATTENTION = [
     Case(
         "prefill_unmasked_split2_d40", "float32", 8, 6, 2, 40, ((17, 37), (1, 52)),
         block_m=16, block_n=16, num_splits=2,
+    ),
+    # More splits than FUSED_REDUCE_MAX_SPLITS: the decode launch is followed by the
+    # reduce kernel (fewer reduce in the attention kernel's last split).
+    Case(
+        "decode_split16_reduce_launch", "float32", 16, 4, 2, 16, ((1, 90), (1, 7), (0, 0)),
+        pad_tokens=1, block_n=16, num_splits=16, split_min_tiles=1,
     ),
     # Decode (one request per program, no search) over 4 splits of >= 8 tiles of 16
     # keys: the 201-key request uses two splits, the short ones one, the rest idle.

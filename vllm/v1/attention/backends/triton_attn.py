@@ -52,7 +52,7 @@ class TritonAttentionImpl(AttentionImpl):
         workspace = self._workspaces.get(key)
         if workspace is None:
             numel = max_split_workspace_numel(self.num_heads, self.head_size)
-            workspace = torch.empty(numel, dtype=torch.float32, device=device)
+            workspace = torch.zeros(numel, dtype=torch.float32, device=device)
             self._workspaces[key] = workspace
         return workspace
 

@@ -101,6 +101,13 @@ DECODE_SPLIT_TARGET_PROGRAMS_PER_SM = 1
 MAX_SPLITS = 32
 MIN_TOKENS_PER_SPLIT = 128
 MAX_SPLIT_ROWS = 1024  # num_splits x num_tokens; sizes the preallocated workspace
+# A decode launch of up to this many splits combines them in its last split to
+# finish (no reduce launch). benchmark_decode_attention.py on an H100 (2026-12-06,
+# us a layer, fused vs `_reduce_splits_kernel`): 2 splits 5.12 vs 5.70 (SmolLM2
+# heads, batch 1), 6.99 vs 7.65 (Llama-3-8B heads, batch 1), 7.89 vs 8.54 (SmolLM2,
+# batch 32); 8 splits 5.50 vs 5.87; but 32 splits 6.61 vs 6.21 and 8.72 vs 8.11:
+# one program combining 32 partials serially costs more than the launch it saves.
+FUSED_REDUCE_MAX_SPLITS = 8
 # Requests scanned per step of the in-kernel search for a program's request.
 REQUEST_SCAN_BLOCK = 128
 
@@ -139,9 +146,19 @@ def head_pad(head_size: int) -> int:
     return max(triton.next_power_of_2(head_size), 16)
 
 
+def split_counters_numel(num_heads: int) -> int:
+    """Elements at the front of a split-KV workspace that hold the decode kernel's
+    per-program arrival counters (int32 in fp32 slots; zero when allocated, and the
+    kernel leaves them zero). A decode launch needs one per program, at most
+    num_tokens x num_kv_heads <= MAX_SPLIT_ROWS x num_heads when it splits."""
+    return MAX_SPLIT_ROWS * num_heads
+
+
 def split_workspace_numel(num_splits: int, num_tokens: int, num_heads: int, head_size: int) -> int:
-    """fp32 elements the split-KV workspace needs: accumulators plus (max, sum) per row."""
-    return num_splits * num_tokens * num_heads * (head_pad(head_size) + 2)
+    """fp32 elements the split-KV workspace needs: the counters, then accumulators plus
+    (max, sum) per row."""
+    return split_counters_numel(num_heads) + num_splits * num_tokens * num_heads * (
+        head_pad(head_size) + 2)
 
 
 def max_split_workspace_numel(num_heads: int, head_size: int) -> int:
