@@ -63,7 +63,7 @@ def compile_report(cfg, heads: tuple[int, int, int], block_size: int = 16) -> di
             signature[name] = "constexpr"
         elif name.startswith("ws_"):
             signature[name] = "*fp32"
-        elif name in ("query_start_loc_ptr", "seq_lens_ptr", "block_table_ptr"):
+        elif name in ("query_start_loc_ptr", "seq_lens_ptr", "block_table_ptr", "counters_ptr"):
             signature[name] = "*i32"
         elif name.endswith("_ptr"):
             signature[name] = "*bf16"
