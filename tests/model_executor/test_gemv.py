@@ -216,3 +216,57 @@ def test_dispatch_32_to_64_rows_ask_for_cublaslt_cuda(monkeypatch) -> None:
     static_x.copy_(torch.randn(32, 4096, device="cuda").bfloat16())
     graph.replay()
     _close(static_y, static_x, layer.weight, None, "cuda")
+
+
+@pytest.mark.cuda
+def test_dependent_launch_chain_in_a_graph_equals_plain_launches_cuda(monkeypatch) -> None:
+    """Eight one-row GEMVs, each reading the one before's output (and the norm / SiLU
+    prologues), captured in a CUDA graph with programmatic dependent launch: a launch
+    that read its input before the previous kernel finished would differ from the
+    same chain launched plainly (the kernels' math is the same, so bit for bit)."""
+    from vllm.model_executor.layers.ops.gemv import (
+        PDL_MAX_WEIGHT_BYTES,
+        dependent_launch,
+        gemv,
+        gemv_rms_norm,
+        gemv_silu_and_mul,
+    )
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    k = 576  # SmolLM2-135M's hidden size: its weights take the dependent launch
+    weights = [torch.randn(k, k, generator=gen, device="cuda").bfloat16() * k**-0.5
+               for _ in range(6)]
+    gate_up = torch.randn(2 * k, k, generator=gen, device="cuda").bfloat16() * k**-0.5
+    norm_w = torch.rand(k, generator=gen, device="cuda").bfloat16() + 0.5
+    assert gate_up.numel() * 2 <= PDL_MAX_WEIGHT_BYTES
+
+    def chain(x: torch.Tensor) -> torch.Tensor:
+        residual = x
+        for i, w in enumerate(weights):
+            y = gemv(x, w)
+            if i % 2:
+                y, residual = gemv_rms_norm(y, residual, norm_w, 1e-6, w)
+            x = y
+        return gemv_silu_and_mul(gemv(x, gate_up), weights[0])
+
+    outputs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("VLLM_GEMV_PDL", flag)
+        if flag == "1" and not dependent_launch(torch.device("cuda"), k * k * 2):
+            pytest.skip("programmatic dependent launch needs compute capability 9.0+")
+        static_x = torch.zeros(1, k, device="cuda", dtype=torch.bfloat16)
+        chain(static_x)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y = chain(static_x)
+        runs = []
+        for seed in range(3):
+            x = torch.randn(1, k, generator=torch.Generator(device="cuda").manual_seed(seed),
+                            device="cuda").bfloat16()
+            static_x.copy_(x)
+            graph.replay()
+            runs.append(static_y.clone())
+            assert torch.equal(chain(x), runs[-1])  # eager launches, the same
+        outputs[flag] = torch.cat(runs)
+    assert torch.isfinite(outputs["1"].float()).all()
+    assert torch.equal(outputs["1"], outputs["0"])

@@ -39,6 +39,7 @@ of the mean square and Triton's `exp`; the new residual stream is exact.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,7 @@ from vllm.model_executor.layers.ops import (
     check_same_device,
     gate_up_width,
 )
+from vllm.utils.env_flags import env_flag
 from vllm.v1.attention.ops.attention_config import num_sms
 
 MAX_ROWS = 16  # tl.dot's smallest M: rows 2..16 share one padded tile
@@ -142,8 +144,10 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K masks
     FP32_IEEE: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (one row)
 ):
     tl.static_assert(PROLOGUE == 0 or M_PAD == 1, "prologues are for one row")
+    tl.static_assert(not USE_PDL or M_PAD == 1, "dependent launch is for one row")
     pid = tl.program_id(0)
     dtype = out_ptr.dtype.element_ty
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -153,6 +157,17 @@ def _gemv_kernel(
     w_rows = w_ptr + tl.minimum(offs_n, n_out - 1).to(tl.int64)[:, None] * stride_w
     offs_kb = tl.arange(0, BLOCK_K)
     if M_PAD == 1:
+        # The first weight tile (no kernel of a forward writes weights), loaded before
+        # this program reads or writes anything another kernel touches: with
+        # USE_PDL the launch starts while the kernel before it still runs, and
+        # waits for it to finish (gdc_wait) only after this load was issued.
+        if EVEN_K:
+            w = tl.load(w_rows + offs_kb[None, :])
+        else:
+            w = tl.load(w_rows + offs_kb[None, :], mask=(offs_kb < K)[None, :], other=0.0)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()  # the next launch may start now
         rstd = 0.0
         if PROLOGUE == 1:  # the mean square of x + residual; program 0 stores the sum
             sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -166,8 +181,11 @@ def _gemv_kernel(
                 s32 = s.to(tl.float32)
                 sum_sq += s32 * s32
             rstd = tl.math.rsqrt(tl.sum(sum_sq, axis=0) / K + eps)
+        a = _one_row_input(x_ptr, res_ptr, norm_w_ptr, offs_kb, offs_kb < K, K, rstd,
+                           PROLOGUE, HAS_RESIDUAL, EVEN_K)
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             offs_k = k0 + offs_kb
             k_mask = offs_k < K
             if EVEN_K:
@@ -206,6 +224,41 @@ def _gemv_kernel(
             acc.to(dtype),
             mask=m_mask[:, None] & n_mask[None, :],
         )
+
+
+# One-row launches of weights up to this take programmatic dependent launch. On an
+# H100 (2026-12-06, benchmark_throughput.py batch 1, same machine, on / off):
+# SmolLM2-135M shape (weights <= 3.4 MiB) decode step 0.634 / 0.713 ms; Llama-3-8B
+# shape (32-112 MiB) 5.745 / 5.633 ms, slower: there a launch is bandwidth-bound
+# and the next one's early weight loads compete with its last wave.
+PDL_MAX_WEIGHT_BYTES = 8 << 20
+
+
+def dependent_launch(device: torch.device, weight_bytes: int = 0) -> bool:
+    """Whether a one-row launch on `device` over `weight_bytes` of weights uses
+    programmatic dependent launch (PDL).
+
+    With PDL (compute capability 9.0+, CUDA 12.3+ inside graphs) a launch may start
+    while the kernel before it on the stream still runs: each program issues its
+    first weight tile's load, waits for that kernel to complete (griddepcontrol.wait),
+    then lets the next launch start. A batch-1 decode step of a small model is a
+    chain of ~3 us launches, so the weight fetch and the launch latency overlap
+    the previous kernel's tail instead of following it (the weight-prefetch
+    pattern of CUTLASS example 63; NVIDIA CUDA Programming Guide, "Programmatic
+    Dependent Launch and Synchronization"). Weights over PDL_MAX_WEIGHT_BYTES
+    launch plainly.
+
+    `VLLM_GEMV_PDL`: 1/true/on (default) or 0/false/off; any other value is a
+    ValueError.
+    """
+    if device.type != "cuda" or weight_bytes > PDL_MAX_WEIGHT_BYTES:
+        return False
+    return env_flag("VLLM_GEMV_PDL", True) and _capability_major(device) >= 9
+
+
+@functools.cache
+def _capability_major(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0]
 
 
 def default_config(num_rows: int, n: int, k: int, sm_count: int) -> GemvConfig:
@@ -370,6 +423,7 @@ def _launch(
         config = default_config(num_rows, n, k, num_sms(x.device))
     out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
     res_out = None if residual is None else torch.empty(1, k, dtype=x.dtype, device=x.device)
+    pdl = num_rows == 1 and dependent_launch(x.device, weight.numel() * weight.element_size())
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x,
         weight,
@@ -393,9 +447,11 @@ def _launch(
         BLOCK_K=config.block_k,
         EVEN_K=k % config.block_k == 0,
         FP32_IEEE=x.dtype == torch.float32,
+        USE_PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         # The prologues round each product where torch does: no fused multiply-adds.
         enable_fp_fusion=prologue == PROLOGUE_NONE,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return out, res_out
