@@ -220,10 +220,12 @@ def test_dispatch_32_to_64_rows_ask_for_cublaslt_cuda(monkeypatch) -> None:
 
 @pytest.mark.cuda
 def test_dependent_launch_chain_in_a_graph_equals_plain_launches_cuda(monkeypatch) -> None:
-    """Eight one-row GEMVs, each reading the one before's output (and the norm / SiLU
-    prologues), captured in a CUDA graph with programmatic dependent launch: a launch
-    that read its input before the previous kernel finished would differ from the
-    same chain launched plainly (the kernels' math is the same, so bit for bit)."""
+    """Eleven one-row GEMVs, each reading the one before's output (with the norm and
+    SiLU prologues), captured in a CUDA graph with programmatic dependent launch: a
+    launch that read its input before the previous kernel finished would differ from
+    the same chain launched plainly (the kernels' math is the same, so bit for bit).
+    Every launch of the "1" runs asked Triton for PDL, none of the "0" runs did."""
+    from vllm.model_executor.layers.ops import gemv as gemv_module
     from vllm.model_executor.layers.ops.gemv import (
         PDL_MAX_WEIGHT_BYTES,
         dependent_launch,
@@ -231,6 +233,15 @@ def test_dependent_launch_chain_in_a_graph_equals_plain_launches_cuda(monkeypatc
         gemv_rms_norm,
         gemv_silu_and_mul,
     )
+
+    asked = []  # (launch_pdl option, USE_PDL constexpr) of every launch
+    real_run = gemv_module._gemv_kernel.run
+
+    def spy(*args, **kwargs):
+        asked.append((kwargs.get("launch_pdl", False), kwargs["USE_PDL"]))
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(gemv_module._gemv_kernel, "run", spy)
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     k = 576  # SmolLM2-135M's hidden size: its weights take the dependent launch
@@ -251,6 +262,7 @@ def test_dependent_launch_chain_in_a_graph_equals_plain_launches_cuda(monkeypatc
 
     outputs = {}
     for flag in ("0", "1"):
+        asked.clear()
         monkeypatch.setenv("VLLM_GEMV_PDL", flag)
         if flag == "1" and not dependent_launch(torch.device("cuda"), k * k * 2):
             pytest.skip("programmatic dependent launch needs compute capability 9.0+")
@@ -268,5 +280,6 @@ def test_dependent_launch_chain_in_a_graph_equals_plain_launches_cuda(monkeypatc
             runs.append(static_y.clone())
             assert torch.equal(chain(x), runs[-1])  # eager launches, the same
         outputs[flag] = torch.cat(runs)
+        assert len(asked) >= 11 and set(asked) == {(flag == "1", flag == "1")}
     assert torch.isfinite(outputs["1"].float()).all()
     assert torch.equal(outputs["1"], outputs["0"])

@@ -33,6 +33,7 @@ def test_gemv_dependent_launch_switch(monkeypatch):
     from vllm.model_executor.layers.ops.gemv import dependent_launch
 
     assert not dependent_launch(torch.device("cpu"))  # a CUDA launch option only
+    monkeypatch.setattr(torch.version, "cuda", "13.0")  # as NVIDIA builds say (CI's is CPU)
     monkeypatch.setenv("VLLM_GEMV_PDL", "0")
     assert not dependent_launch(torch.device("cuda"))  # off: the device is not even asked
     monkeypatch.setenv("VLLM_GEMV_PDL", "1")
@@ -40,3 +41,5 @@ def test_gemv_dependent_launch_switch(monkeypatch):
     monkeypatch.setenv("VLLM_GEMV_PDL", "maybe")
     with pytest.raises(ValueError, match="VLLM_GEMV_PDL must be"):
         dependent_launch(torch.device("cuda"), 1 << 20)
+    monkeypatch.setattr(torch.version, "cuda", None)  # ROCm's torch: no griddepcontrol
+    assert not dependent_launch(torch.device("cuda"), 1 << 20)

@@ -30,7 +30,8 @@ the projection costs more than the bytes it moves):
     gemv_silu_and_mul:  a = silu(x[:K]) * x[K:],   y = a W^T (+ b)
 
 Each program recomputes `a` from the row (K elements from L2: every program
-reads the same bytes) before its weight tiles; the norm needs one more pass
+reads the same bytes) alongside its weight tiles (the first tile's load is
+issued before anything else: see `dependent_launch`); the norm needs one more pass
 over K for the mean square. `a` is rounded where `RMSNorm.forward_native` /
 `SiluAndMul.forward_native` round (fp contraction off in these variants), so
 it equals the torch path's input bit for bit except for the float32 sum order
@@ -245,14 +246,15 @@ def dependent_launch(device: torch.device, weight_bytes: int = 0) -> bool:
     chain of ~3 us launches, so the weight fetch and the launch latency overlap
     the previous kernel's tail instead of following it (the weight-prefetch
     pattern of CUTLASS example 63; NVIDIA CUDA Programming Guide, "Programmatic
-    Dependent Launch and Synchronization"). Weights over PDL_MAX_WEIGHT_BYTES
-    launch plainly.
+    Dependent Launch and Synchronization"). Weights over PDL_MAX_WEIGHT_BYTES, and
+    ROCm devices, launch plainly. The weights must not be written by the kernel
+    launched just before (nothing in a forward writes weights).
 
     `VLLM_GEMV_PDL`: 1/true/on (default) or 0/false/off; any other value is a
     ValueError.
     """
-    if device.type != "cuda" or weight_bytes > PDL_MAX_WEIGHT_BYTES:
-        return False
+    if device.type != "cuda" or torch.version.cuda is None or weight_bytes > PDL_MAX_WEIGHT_BYTES:
+        return False  # ROCm's torch says "cuda" too; its Triton has no griddepcontrol
     return env_flag("VLLM_GEMV_PDL", True) and _capability_major(device) >= 9
 
 

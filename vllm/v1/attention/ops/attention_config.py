@@ -149,8 +149,9 @@ def head_pad(head_size: int) -> int:
 def split_counters_numel(num_heads: int) -> int:
     """Elements at the front of a split-KV workspace that hold the decode kernel's
     per-program arrival counters (int32 in fp32 slots; zero when allocated, and the
-    kernel leaves them zero). A decode launch needs one per program, at most
-    num_tokens x num_kv_heads <= MAX_SPLIT_ROWS x num_heads when it splits."""
+    kernel leaves them zero). A decode launch needs one per program of its grid's
+    first dimension, max(num_tokens, num_reqs) x num_kv_heads; one with more programs
+    than this launches the reduce kernel instead."""
     return MAX_SPLIT_ROWS * num_heads
 
 

@@ -46,7 +46,9 @@ NUM_SPLITS reduces its rows in split order and resets the counter to 0, so such
 a decode layer is one launch (0.4-0.7 us a layer less on an H100; a small model's
 batch-1 step launched 30 `_reduce_splits_kernel`s, issue 10). Other launches run
 `_reduce_splits_kernel` after the attention kernel. The "last block reduces"
-pattern (a fence, then an atomic ticket) is the CUDA samples' threadFenceReduction.
+pattern is the CUDA samples' threadFenceReduction (there a __threadfence, here a
+CTA barrier before one thread's acq_rel gpu-scope atomic: release cumulativity
+carries the other threads' stores, ordered before it by the barrier).
 
 Graph-capture rules: the grid, the tile config and NUM_SPLITS depend only on
 tensor shapes and on the host bounds max_query_len / max_seq_len (which a
