@@ -40,7 +40,6 @@ of the mean square and Triton's `exp`; the new residual stream is exact.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -55,7 +54,7 @@ from vllm.model_executor.layers.ops import (
     gate_up_width,
 )
 from vllm.utils.env_flags import env_flag
-from vllm.v1.attention.ops.attention_config import num_sms
+from vllm.v1.attention.ops.attention_config import compute_capability, num_sms
 
 MAX_ROWS = 16  # tl.dot's smallest M: rows 2..16 share one padded tile
 
@@ -255,12 +254,7 @@ def dependent_launch(device: torch.device, weight_bytes: int = 0) -> bool:
     """
     if device.type != "cuda" or torch.version.cuda is None or weight_bytes > PDL_MAX_WEIGHT_BYTES:
         return False  # ROCm's torch says "cuda" too; its Triton has no griddepcontrol
-    return env_flag("VLLM_GEMV_PDL", True) and _capability_major(device) >= 9
-
-
-@functools.cache
-def _capability_major(device: torch.device) -> int:
-    return torch.cuda.get_device_capability(device)[0]
+    return env_flag("VLLM_GEMV_PDL", True) and compute_capability(device) >= (9, 0)
 
 
 def default_config(num_rows: int, n: int, k: int, sm_count: int) -> GemvConfig:

@@ -175,6 +175,12 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.cache
+def compute_capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) of a CUDA device (static: asked once per device)."""
+    return torch.cuda.get_device_capability(device)
+
+
 def select_config(
     *,
     num_tokens: int,

@@ -20,8 +20,6 @@ base 2; the two-phase causal loop follows Triton's fused-attention tutorial.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -34,6 +32,7 @@ from vllm.v1.attention.ops.attention_config import (
     FRESH_PREFILL_MIN_QUERY_LEN,
     REQUEST_SCAN_BLOCK,
     FreshPrefillConfig,
+    compute_capability,
 )
 from vllm.v1.attention.ops.unified_attention import _INTERPRETED
 
@@ -131,12 +130,11 @@ def _prefill_attention_kernel(
 _FRESH_DTYPES = (torch.float16, torch.bfloat16)
 
 
-@functools.cache
 def _has_tma(device: torch.device) -> bool:
     """TMA (tensor descriptors) needs sm_90 or newer; the interpreter emulates them."""
     if device.type != "cuda":
         return _INTERPRETED
-    return torch.cuda.get_device_capability(device) >= (9, 0)
+    return compute_capability(device) >= (9, 0)
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
