@@ -136,11 +136,13 @@ def check_attention(case: Case, device: str) -> None:
     )
     # One workspace for two launches: a split decode launch leaves the arrival counters
     # at the workspace's front at zero for the next one (CUDA graphs replay on one
-    # workspace), and the second launch's output equals the first's.
+    # workspace), and the second launch's output equals the first's. The partials
+    # start as NaN: a reduce that read a split nobody wrote would show it.
     counters = split_counters_numel(case.num_heads)
     rows = MAX_SPLITS * b["query"].shape[0] * case.num_heads
-    workspace = torch.zeros(counters + rows * (head_pad(case.head_size) + 2),
-                            dtype=torch.float32, device=device)
+    workspace = torch.full((counters + rows * (head_pad(case.head_size) + 2),), float("nan"),
+                           dtype=torch.float32, device=device)
+    workspace[:counters] = 0
     bounds = (scale, b["max_query_len"], b["max_seq_len"])
     unified_attention(*args, *bounds, workspace=workspace, config=config)
     first = output.clone()

@@ -107,6 +107,9 @@ MAX_SPLIT_ROWS = 1024  # num_splits x num_tokens; sizes the preallocated workspa
 # heads, batch 1), 6.99 vs 7.65 (Llama-3-8B heads, batch 1), 7.89 vs 8.54 (SmolLM2,
 # batch 32); 8 splits 5.50 vs 5.87; but 32 splits 6.61 vs 6.21 and 8.72 vs 8.11:
 # one program combining 32 partials serially costs more than the launch it saves.
+# Rechecked after idle splits learned to leave at once (second run of 2026-12-06):
+# fusing every launch of up to 32 splits still lost at 32 (6.84 vs 6.17 SmolLM2,
+# 8.81 vs 8.13 Llama-3-8B, batch 1, 128-256 tokens under an 8192 bound).
 FUSED_REDUCE_MAX_SPLITS = 8
 # Requests scanned per step of the in-kernel search for a program's request.
 REQUEST_SCAN_BLOCK = 128

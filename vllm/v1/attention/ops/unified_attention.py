@@ -40,11 +40,13 @@ NUM_SPLITS > 1 is flash-decoding: each split keeps its own running max m, sum l
 and unnormalised accumulator in an fp32 workspace, and they are combined as
 out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s. A DECODE launch of up to
 FUSED_REDUCE_MAX_SPLITS splits combines them in its own last split to finish
-(FUSE_REDUCE): each program bumps an int32 counter at the workspace's front (one
-per program of grid dim 0) after its stores, and the one that brings it to
-NUM_SPLITS reduces its rows in split order and resets the counter to 0, so such
-a decode layer is one launch (0.4-0.7 us a layer less on an H100; a small model's
-batch-1 step launched 30 `_reduce_splits_kernel`s, issue 10). Other launches run
+(FUSE_REDUCE): a split past the rows' last key tile leaves at once; a single
+active split writes the output itself; otherwise each active split bumps an int32
+counter at the workspace's front (one per program of grid dim 0) after its stores,
+and the one that brings it to the number of active splits reduces their rows in
+split order and resets the counter to 0, so such a decode layer is one launch
+(0.4-0.7 us a layer less on an H100; a small model's batch-1 step launched 30
+`_reduce_splits_kernel`s, issue 10). Other launches run
 `_reduce_splits_kernel` after the attention kernel. The "last block reduces"
 pattern is the CUDA samples' threadFenceReduction (there a __threadfence, here a
 CTA barrier before one thread's acq_rel gpu-scope atomic: release cumulativity
@@ -305,11 +307,18 @@ def _unified_attention_kernel(
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
     # NUM_SPLITS is chosen for the longest range a launch may hold (under a CUDA
     # graph, max_model_len); a shorter range runs on fewer splits of at least
-    # SPLIT_MIN_TILES tiles each, and an idle split only stores (max -inf, sum 0,
-    # zeros), which the reduce weighs 0.
+    # SPLIT_MIN_TILES tiles each; an idle split stores (max -inf, sum 0, zeros),
+    # which the reduce weighs 0, or with FUSE_REDUCE leaves without a store.
     tiles_per_split = tl.maximum(tl.cdiv(num_tiles, NUM_SPLITS), SPLIT_MIN_TILES)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    if FUSE_REDUCE:
+        # Splits past the range's last tile have nothing to add: they leave now, and
+        # only the active splits count towards the reduce (a single active split
+        # writes the output itself, as NUM_SPLITS == 1 does).
+        num_active = tl.maximum(tl.cdiv(num_tiles, tiles_per_split), 1)
+        if split >= num_active:
+            return
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -340,65 +349,81 @@ def _unified_attention_kernel(
         )
 
     if NUM_SPLITS == 1:
-        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        tl.store(
-            output_ptr + q_tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-            out.to(output_ptr.dtype.element_ty),
-            mask=row_valid[:, None] & d_valid[None, :],
-        )
-    else:
-        ws_row = (split * num_tokens + q_tok) * num_heads + head
-        tl.store(
-            ws_acc_ptr + ws_row[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_valid[:, None]
-        )
-        tl.store(ws_ml_ptr + ws_row * 2, m_i, mask=row_valid)
-        tl.store(ws_ml_ptr + ws_row * 2 + 1, l_i, mask=row_valid)
-        if FUSE_REDUCE:
-            # The last of the NUM_SPLITS programs of these rows to finish combines
-            # every split's partial (no second launch). The barrier orders all of
+        _store_rows(output_ptr, acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None], q_tok, head,
+                    row_valid, d_valid, offs_d, stride_ot, stride_oh)
+    elif FUSE_REDUCE:
+        if num_active == 1:
+            _store_rows(output_ptr, acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None], q_tok, head,
+                        row_valid, d_valid, offs_d, stride_ot, stride_oh)
+        else:
+            _store_split(ws_acc_ptr, ws_ml_ptr, acc, m_i, l_i, split, q_tok, head, row_valid,
+                         offs_d, num_tokens, num_heads, HEAD_PAD)
+            # The last of the num_active splits of these rows to finish combines every
+            # active split's partial (no second launch). The barrier orders all of
             # this program's stores before the counter's release; the reducer's
             # acquire orders its loads after every other split's stores, and its
             # loads skip L1 (.cg), which is not coherent across SMs.
             tl.debug_barrier()
             counter = counters_ptr + tl.program_id(0)
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == NUM_SPLITS - 1:
+            if arrived == num_active - 1:
                 tl.store(counter, 0)  # ready for the next launch
                 _reduce_rows(output_ptr, ws_acc_ptr, ws_ml_ptr, q_tok, head, row_valid,
                              d_valid, offs_d, num_tokens, num_heads, stride_ot, stride_oh,
-                             HEAD_PAD, NUM_SPLITS)
+                             num_active, HEAD_PAD, NUM_SPLITS)
+    else:
+        _store_split(ws_acc_ptr, ws_ml_ptr, acc, m_i, l_i, split, q_tok, head, row_valid,
+                     offs_d, num_tokens, num_heads, HEAD_PAD)
+
+
+@triton.jit
+def _store_rows(output_ptr, out, q_tok, head, row_valid, d_valid, offs_d, stride_ot, stride_oh):
+    """Write one program's normalised rows to the output (its dtype)."""
+    tl.store(
+        output_ptr + q_tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+        out.to(output_ptr.dtype.element_ty),
+        mask=row_valid[:, None] & d_valid[None, :],
+    )
+
+
+@triton.jit
+def _store_split(ws_acc_ptr, ws_ml_ptr, acc, m_i, l_i, split, q_tok, head, row_valid, offs_d,
+                 num_tokens, num_heads, HEAD_PAD: tl.constexpr):
+    """Write one split's partial (unnormalised acc, running max m, sum l) to the workspace."""
+    ws_row = (split * num_tokens + q_tok) * num_heads + head
+    tl.store(ws_acc_ptr + ws_row[:, None] * HEAD_PAD + offs_d[None, :], acc,
+             mask=row_valid[:, None])
+    tl.store(ws_ml_ptr + ws_row * 2, m_i, mask=row_valid)
+    tl.store(ws_ml_ptr + ws_row * 2 + 1, l_i, mask=row_valid)
 
 
 @triton.jit
 def _reduce_rows(output_ptr, ws_acc_ptr, ws_ml_ptr, q_tok, head, row_valid, d_valid, offs_d,
-                 num_tokens, num_heads, stride_ot, stride_oh,
+                 num_tokens, num_heads, stride_ot, stride_oh, num_active,
                  HEAD_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr):
     """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s for one program's rows,
-    splits in order 0 .. NUM_SPLITS - 1 (the same result whichever split reduces)."""
+    over the active splits 0 .. num_active - 1 in order (the same result whichever
+    split reduces; the partials of splits past num_active are stale and never read)."""
     m_max = tl.full(q_tok.shape, float("-inf"), dtype=tl.float32)
     for s in tl.static_range(NUM_SPLITS):
         row = (s * num_tokens + q_tok) * num_heads + head
-        m_s = tl.load(ws_ml_ptr + row * 2, mask=row_valid, other=float("-inf"),
-                      cache_modifier=".cg")
+        valid = row_valid & (tl.full(q_tok.shape, s, tl.int32) < num_active)
+        m_s = tl.load(ws_ml_ptr + row * 2, mask=valid, other=float("-inf"), cache_modifier=".cg")
         m_max = tl.maximum(m_max, m_s)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
     denom = tl.zeros(q_tok.shape, dtype=tl.float32)
     acc = tl.zeros([q_tok.shape[0], HEAD_PAD], dtype=tl.float32)
     for s in tl.static_range(NUM_SPLITS):
         row = (s * num_tokens + q_tok) * num_heads + head
-        m_s = tl.load(ws_ml_ptr + row * 2, mask=row_valid, other=float("-inf"),
-                      cache_modifier=".cg")
-        l_s = tl.load(ws_ml_ptr + row * 2 + 1, mask=row_valid, other=0.0, cache_modifier=".cg")
+        valid = row_valid & (tl.full(q_tok.shape, s, tl.int32) < num_active)
+        m_s = tl.load(ws_ml_ptr + row * 2, mask=valid, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(ws_ml_ptr + row * 2 + 1, mask=valid, other=0.0, cache_modifier=".cg")
         w = tl.exp2(m_s - m_max)  # 0 for splits that saw no key
         denom += w * l_s
         acc += w[:, None] * tl.load(ws_acc_ptr + row[:, None] * HEAD_PAD + offs_d[None, :],
-                                    mask=row_valid[:, None], other=0.0, cache_modifier=".cg")
-    out = acc / tl.where(denom > 0.0, denom, 1.0)[:, None]
-    tl.store(
-        output_ptr + q_tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-        out.to(output_ptr.dtype.element_ty),
-        mask=row_valid[:, None] & d_valid[None, :],
-    )
+                                    mask=valid[:, None], other=0.0, cache_modifier=".cg")
+    _store_rows(output_ptr, acc / tl.where(denom > 0.0, denom, 1.0)[:, None], q_tok, head,
+                row_valid, d_valid, offs_d, stride_ot, stride_oh)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_reqs"])
