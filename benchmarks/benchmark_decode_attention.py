@@ -21,6 +21,7 @@ Variants (all through `unified_attention`, so the reduce launch is included):
                 share of even a short range: close to the kernel before decode
                 programs existed (--baseline-module times the exact older one)
   decode_min1   one request per program, splits of >= 1 tile
+  min_tokens    auto's tiles and splits, each split >= MIN_TOKENS_PER_SPLIT keys
   one_split     auto's tiles with a single split (no reduce launch)
   baseline      --baseline-module's launcher with its own choice
 
@@ -66,6 +67,9 @@ GPU_POINTS = [
     Point(SMOL, 1, (128, 256), 272),
     Point(SMOL, 1, (64, 128), 1024),
     Point(SMOL, 1, (128, 256), 8192),
+    Point(L8B, 1, (1024, 2048), 8192),  # long contexts at batch 1: every split busy
+    Point(L8B, 1, (4096, 8000), 8192),
+    Point(SMOL, 1, (1024, 2048), 8192),
     Point(SMOL, 32, (128, 256), 272),
     Point(SMOL, 32, (128, 256), 8192),
 ]
@@ -121,6 +125,7 @@ def _variants(point: Point, baseline):
         "search": (ua.unified_attention, replace(auto, decode=False, split_min_tiles=1,
                                                  num_stages=DECODE_CONFIG.num_stages)),
         "decode_min1": (ua.unified_attention, replace(auto, split_min_tiles=1)),
+        "min_tokens": (ua.unified_attention, replace(auto, split_min_tiles=0)),
         "one_split": (ua.unified_attention, replace(auto, num_splits=1)),
     }
     if baseline is not None:
