@@ -111,7 +111,12 @@ def _layer_batches(point: Point, layers: int, dtype, device: str, gen: torch.Gen
 
 def _variants(point: Point, baseline):
     from vllm.v1.attention.ops import unified_attention as ua
-    from vllm.v1.attention.ops.attention_config import DECODE_CONFIG, num_sms, select_config
+    from vllm.v1.attention.ops.attention_config import (
+        DECODE_CONFIG,
+        MIN_TOKENS_PER_SPLIT,
+        num_sms,
+        select_config,
+    )
 
     heads, kv_heads, head_size = point.heads
     auto = select_config(
@@ -125,7 +130,8 @@ def _variants(point: Point, baseline):
         "search": (ua.unified_attention, replace(auto, decode=False, split_min_tiles=1,
                                                  num_stages=DECODE_CONFIG.num_stages)),
         "decode_min1": (ua.unified_attention, replace(auto, split_min_tiles=1)),
-        "min_tokens": (ua.unified_attention, replace(auto, split_min_tiles=0)),
+        "min_tokens": (ua.unified_attention,
+                       replace(auto, split_min_tiles=max(1, MIN_TOKENS_PER_SPLIT // auto.block_n))),
         "one_split": (ua.unified_attention, replace(auto, num_splits=1)),
     }
     if baseline is not None:

@@ -31,7 +31,7 @@ class AttentionKernelConfig:
             launches whose max_query_len is 1 (the decode CUDA graphs).
         split_min_tiles: a split takes at least this many key tiles, so a range
             shorter than num_splits x that runs on fewer splits (the others
-            idle); 0 = from MIN_TOKENS_PER_SPLIT.
+            idle); 0 = the default of `min_tiles_per_split`.
     """
 
     block_m: int
@@ -43,8 +43,26 @@ class AttentionKernelConfig:
     split_min_tiles: int = 0
 
     def min_tiles_per_split(self) -> int:
-        """split_min_tiles, resolved (>= 1)."""
-        return self.split_min_tiles or max(1, MIN_TOKENS_PER_SPLIT // self.block_n)
+        """split_min_tiles, resolved (>= 1).
+
+        The default (0) is one tile for a DECODE launch of more than
+        FUSED_REDUCE_MAX_SPLITS splits and MIN_TOKENS_PER_SPLIT keys' worth for
+        the rest. Such a launch is followed by `_reduce_splits_kernel`, whose cost
+        does not depend on how many splits held keys, so a short range is best
+        spread over as many splits as it has tiles. benchmark_decode_attention.py
+        on an H100 (2026-12-06, batch 1, 8192 bound, 32 splits, us a layer, one
+        tile vs MIN_TOKENS_PER_SPLIT): 128-256 tokens 6.86 vs 8.04 (Llama-3-8B
+        heads), 5.20 vs 6.15 (SmolLM2 heads); 1024-2048 tokens 8.94 vs 9.59 and
+        6.17 vs 6.97; 4096-8000 tokens (Llama-3-8B) 15.23 vs 15.10, where every
+        split already holds several tiles. A launch that reduces in its last split
+        pays for every extra active split (SmolLM2 heads, 8 splits, 64-128 tokens:
+        4.42 with one tile vs 4.22), so it keeps MIN_TOKENS_PER_SPLIT.
+        """
+        if self.split_min_tiles:
+            return self.split_min_tiles
+        if self.decode and self.num_splits > FUSED_REDUCE_MAX_SPLITS:
+            return 1
+        return max(1, MIN_TOKENS_PER_SPLIT // self.block_n)
 
 
 # Decode-like batches (max_query_len x padded group <= DECODE_MAX_ROWS): few rows
@@ -236,26 +254,7 @@ def select_config(
         and max_seq_len >= splits * 2 * MIN_TOKENS_PER_SPLIT
     ):
         splits *= 2
-    return replace(base, block_m=block_m, num_splits=splits, decode=decode,
-                   split_min_tiles=split_min_tiles_for(decode, splits))
-
-
-def split_min_tiles_for(decode: bool, num_splits: int) -> int:
-    """The `split_min_tiles` that `select_config` gives a launch of `num_splits`.
-
-    1 (every key tile may be its own split) for a DECODE launch of more than
-    FUSED_REDUCE_MAX_SPLITS splits, 0 (MIN_TOKENS_PER_SPLIT keys a split) for the
-    rest. Such a launch is followed by `_reduce_splits_kernel`, whose cost does not
-    depend on how many splits held keys, so a short range is best spread over as
-    many splits as it has tiles. benchmark_decode_attention.py on an H100
-    (2026-12-06, batch 1, 8192 bound, 32 splits, us a layer, 1 vs the minimum):
-    128-256 tokens 6.86 vs 8.04 (Llama-3-8B heads), 5.20 vs 6.15 (SmolLM2 heads);
-    1024-2048 tokens 8.94 vs 9.59 and 6.17 vs 6.97; 4096-8000 tokens (Llama-3-8B)
-    15.23 vs 15.10, where every split already holds several tiles. A launch that
-    reduces in its last split pays for every extra active split (SmolLM2 heads,
-    8 splits, 64-128 tokens: 4.42 with 1 vs 4.22), so it keeps the minimum.
-    """
-    return 1 if decode and num_splits > FUSED_REDUCE_MAX_SPLITS else 0
+    return replace(base, block_m=block_m, num_splits=splits, decode=decode)
 
 
 def check_config(cfg: AttentionKernelConfig, group_pad: int) -> None:
@@ -323,9 +322,7 @@ def reachable_configs(
         )
         splits = 1
         while splits <= cfg.num_splits:
-            found.setdefault(replace(cfg, num_splits=splits,
-                                     split_min_tiles=split_min_tiles_for(cfg.decode, splits)),
-                             query_len)
+            found.setdefault(replace(cfg, num_splits=splits), query_len)
             splits *= 2
     return sorted(((q, cfg) for cfg, q in found.items()),
                   key=lambda item: (item[0], item[1].num_splits))

@@ -312,6 +312,7 @@ def _unified_attention_kernel(
     tiles_per_split = tl.maximum(tl.cdiv(num_tiles, NUM_SPLITS), SPLIT_MIN_TILES)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    num_active = NUM_SPLITS  # splits whose partials are combined
     if FUSE_REDUCE:
         # Splits past the range's last tile have nothing to add: they leave now, and
         # only the active splits count towards the reduce (a single active split
@@ -348,16 +349,16 @@ def _unified_attention_kernel(
             HEAD_SIZE, HEAD_PAD, BLOCK_SIZE, BLOCK_N, FP32_IEEE, True,
         )
 
-    if NUM_SPLITS == 1:
+    if num_active == 1:  # NUM_SPLITS == 1, or the only split of a FUSE_REDUCE launch
         _store_rows(output_ptr, acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None], q_tok, head,
                     row_valid, d_valid, offs_d, stride_ot, stride_oh)
-    elif FUSE_REDUCE:
-        if num_active == 1:
-            _store_rows(output_ptr, acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None], q_tok, head,
-                        row_valid, d_valid, offs_d, stride_ot, stride_oh)
-        else:
-            _store_split(ws_acc_ptr, ws_ml_ptr, acc, m_i, l_i, split, q_tok, head, row_valid,
-                         offs_d, num_tokens, num_heads, HEAD_PAD)
+    else:
+        ws_row = (split * num_tokens + q_tok) * num_heads + head
+        tl.store(ws_acc_ptr + ws_row[:, None] * HEAD_PAD + offs_d[None, :], acc,
+                 mask=row_valid[:, None])
+        tl.store(ws_ml_ptr + ws_row * 2, m_i, mask=row_valid)
+        tl.store(ws_ml_ptr + ws_row * 2 + 1, l_i, mask=row_valid)
+        if FUSE_REDUCE:
             # The last of the num_active splits of these rows to finish combines every
             # active split's partial (no second launch). The barrier orders all of
             # this program's stores before the counter's release; the reducer's
@@ -371,9 +372,6 @@ def _unified_attention_kernel(
                 _reduce_rows(output_ptr, ws_acc_ptr, ws_ml_ptr, q_tok, head, row_valid,
                              d_valid, offs_d, num_tokens, num_heads, stride_ot, stride_oh,
                              num_active, HEAD_PAD, NUM_SPLITS)
-    else:
-        _store_split(ws_acc_ptr, ws_ml_ptr, acc, m_i, l_i, split, q_tok, head, row_valid,
-                     offs_d, num_tokens, num_heads, HEAD_PAD)
 
 
 @triton.jit
@@ -384,17 +382,6 @@ def _store_rows(output_ptr, out, q_tok, head, row_valid, d_valid, offs_d, stride
         out.to(output_ptr.dtype.element_ty),
         mask=row_valid[:, None] & d_valid[None, :],
     )
-
-
-@triton.jit
-def _store_split(ws_acc_ptr, ws_ml_ptr, acc, m_i, l_i, split, q_tok, head, row_valid, offs_d,
-                 num_tokens, num_heads, HEAD_PAD: tl.constexpr):
-    """Write one split's partial (unnormalised acc, running max m, sum l) to the workspace."""
-    ws_row = (split * num_tokens + q_tok) * num_heads + head
-    tl.store(ws_acc_ptr + ws_row[:, None] * HEAD_PAD + offs_d[None, :], acc,
-             mask=row_valid[:, None])
-    tl.store(ws_ml_ptr + ws_row * 2, m_i, mask=row_valid)
-    tl.store(ws_ml_ptr + ws_row * 2 + 1, l_i, mask=row_valid)
 
 
 @triton.jit
