@@ -234,6 +234,26 @@ def test_only_decode_launches_of_a_few_splits_reduce_in_their_last_split():
     assert not fuses_reduce(replace(DECODE_CONFIG, num_splits=2))  # q-block programs
 
 
+def test_decode_launches_followed_by_the_reduce_kernel_take_one_tile_a_split():
+    """A decode launch of more than FUSED_REDUCE_MAX_SPLITS splits (its own reduce
+    launch) spreads a short range over one key tile a split; fused-reduce decode
+    launches and prefill launches keep MIN_TOKENS_PER_SPLIT keys a split, and an
+    explicit split_min_tiles wins."""
+    ua = _cfg()
+    one_request = _select(num_tokens=1, num_reqs=1, max_seq_len=8192)
+    assert one_request.num_splits > ua.FUSED_REDUCE_MAX_SPLITS
+    assert one_request.min_tiles_per_split() == 1
+    default = ua.MIN_TOKENS_PER_SPLIT // ua.ONE_TOKEN_CONFIG.block_n
+    assert default > 1
+    fused = _select(num_tokens=1, num_reqs=1, max_seq_len=300)
+    assert 1 < fused.num_splits <= ua.FUSED_REDUCE_MAX_SPLITS
+    assert fused.min_tiles_per_split() == default
+    verify = _select(num_tokens=4, num_reqs=1, max_query_len=4, max_seq_len=8192)
+    assert not verify.decode and verify.num_splits > ua.FUSED_REDUCE_MAX_SPLITS
+    assert verify.min_tiles_per_split() == ua.MIN_TOKENS_PER_SPLIT // verify.block_n
+    assert replace(one_request, split_min_tiles=3).min_tiles_per_split() == 3
+
+
 # --- CUDA graphs ----------------------------------------------------------------------------
 def _replay_cases(prefix: str, num_tokens: int, num_reqs: int, batches):
     cases = []
