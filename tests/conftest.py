@@ -49,9 +49,9 @@ def pytest_configure(config):
         # threads an engine would choose, from the start: otherwise its speed depends on
         # whether an engine happened to be built earlier in the session, and torch's
         # default (every core) runs ~10x slower on a loaded machine (issue 17).
-        from vllm.platforms.cpu_threads import apply_cpu_thread_plan, plan_cpu_threads
+        from vllm.platforms.cpu_threads import apply_cpu_thread_plan, plan_cpu_threads_from_env
 
-        apply_cpu_thread_plan(plan_cpu_threads())
+        apply_cpu_thread_plan(plan_cpu_threads_from_env())
 
 
 # The slowest modules on a 2-core CPU machine (serial `--durations`, 2026-12-03), slowest
@@ -83,6 +83,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_envs():
+    """`vllm.envs` parses each VLLM_* variable once per process: drop the parsed values
+    before and after every test, so a test's monkeypatch.setenv is seen and undone. A test
+    that changes a variable after something read it calls `envs.reset()` itself."""
+    from vllm import envs
+
+    envs.reset()
+    yield
+    envs.reset()
 
 
 @pytest.fixture(scope="session")

@@ -1,11 +1,13 @@
 """One logging setup for the package: `init_logger(__name__)` in every module.
 
-Format and level follow vLLM's (`VLLM_LOGGING_LEVEL`, default INFO).
+Format and level follow vLLM's (`VLLM_LOGGING_LEVEL`, default INFO;
+`VLLM_CONFIGURE_LOGGING=0` adds no handler: see vllm/envs.py).
 """
 
 import logging
-import os
 import sys
+
+from vllm import envs
 
 _ROOT = "vllm"
 _configured = False
@@ -17,8 +19,8 @@ def _configure_root() -> None:
         return
     _configured = True
     root = logging.getLogger(_ROOT)
-    root.setLevel(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper())
-    if os.environ.get("VLLM_CONFIGURE_LOGGING", "1") == "0":
+    root.setLevel(envs.VLLM_LOGGING_LEVEL)
+    if not envs.VLLM_CONFIGURE_LOGGING:
         return
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from tests.model_executor.test_fused_ops import _generator, _randn
 from tests.model_executor.test_norm_linear import _close
 from tests.triton_interpreter import check_result, needs_triton, run_checks, run_interpreted
+from vllm import envs
 
 
 @dataclass(frozen=True)
@@ -218,6 +219,27 @@ def test_dispatch_32_to_64_rows_ask_for_cublaslt_cuda(monkeypatch) -> None:
     _close(static_y, static_x, layer.weight, None, "cuda")
 
 
+def test_dependent_launch_switch(monkeypatch) -> None:
+    """VLLM_GEMV_PDL turns programmatic dependent launch off; a CUDA launch option only,
+    for weights up to PDL_MAX_WEIGHT_BYTES, never on ROCm; a bad value is an error."""
+    from vllm.model_executor.layers.ops.gemv import PDL_MAX_WEIGHT_BYTES, dependent_launch
+
+    assert not dependent_launch(torch.device("cpu"))  # a CUDA launch option only
+    monkeypatch.setattr(torch.version, "cuda", "13.0")  # as NVIDIA builds say (CI's is CPU)
+    monkeypatch.setenv("VLLM_GEMV_PDL", "0")
+    assert not dependent_launch(torch.device("cuda"))  # off: the device is not even asked
+    monkeypatch.setenv("VLLM_GEMV_PDL", "1")
+    envs.reset()  # parsed once per process: read the new value
+    assert not dependent_launch(torch.device("cuda"), PDL_MAX_WEIGHT_BYTES + 1)  # too large
+    monkeypatch.setenv("VLLM_GEMV_PDL", "maybe")
+    envs.reset()
+    with pytest.raises(ValueError, match="VLLM_GEMV_PDL must be 1/true/on or 0/false/off, "
+                                         "got 'maybe'"):
+        dependent_launch(torch.device("cuda"), 1 << 20)
+    monkeypatch.setattr(torch.version, "cuda", None)  # ROCm's torch: no griddepcontrol
+    assert not dependent_launch(torch.device("cuda"), 1 << 20)
+
+
 @pytest.mark.cuda
 def test_dependent_launch_chain_in_a_graph_equals_plain_launches_cuda(monkeypatch) -> None:
     """Eleven one-row GEMVs, each reading the one before's output (with the norm and
@@ -264,6 +286,7 @@ def test_dependent_launch_chain_in_a_graph_equals_plain_launches_cuda(monkeypatc
     for flag in ("0", "1"):
         asked.clear()
         monkeypatch.setenv("VLLM_GEMV_PDL", flag)
+        envs.reset()  # parsed once per process: read the new value
         if flag == "1" and not dependent_launch(torch.device("cuda"), k * k * 2):
             pytest.skip("programmatic dependent launch needs compute capability 9.0+")
         static_x = torch.zeros(1, k, device="cuda", dtype=torch.bfloat16)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import vllm.platforms as platforms
+from vllm import envs
 from vllm.device_allocator.gpu_vmm import CudaVmmDriver, HipVmmDriver
 from vllm.device_allocator.host_vmm import HostVmmDriver
 from vllm.platforms.cpu import DEFAULT_CPU_KV_CACHE_BYTES, CpuPlatform, read_host_memory
@@ -118,6 +119,11 @@ def test_host_memory_rejects_broken_meminfo(tmp_path):
         read_host_memory(p, tmp_path, tmp_path / "x")
 
 
+def _set_kv_cache_space(monkeypatch, gib: str) -> None:
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", gib)
+    envs.reset()  # parsed once per process: this test changes it after a read
+
+
 def test_cpu_kv_cache_cap(monkeypatch):
     cpu = CpuPlatform()
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
@@ -125,11 +131,13 @@ def test_cpu_kv_cache_cap(monkeypatch):
     assert cpu.default_kv_cache_bytes_cap() == DEFAULT_CPU_KV_CACHE_BYTES == 4 * GiB
     monkeypatch.setattr(cpu, "mem_get_info", lambda device_index=0: (3 * GiB, 128 * GiB))
     assert cpu.default_kv_cache_bytes_cap() == 3 * GiB
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "6")
+    _set_kv_cache_space(monkeypatch, "6")
     assert cpu.default_kv_cache_bytes_cap() == 6 * GiB
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0")
+    _set_kv_cache_space(monkeypatch, "0.5")
+    assert cpu.default_kv_cache_bytes_cap() == GiB // 2
+    _set_kv_cache_space(monkeypatch, "0")
     assert cpu.default_kv_cache_bytes_cap() == 3 * GiB
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "lots")
+    _set_kv_cache_space(monkeypatch, "lots")
     with pytest.raises(ValueError, match="VLLM_CPU_KVCACHE_SPACE='lots'"):
         cpu.default_kv_cache_bytes_cap()
     assert CudaPlatform().default_kv_cache_bytes_cap() is None
@@ -140,9 +148,9 @@ def test_cpu_kv_cache_cap_is_named_for_the_sizing_line(monkeypatch):
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     assert cpu.default_kv_cache_cap_name().startswith("the CPU default min(4 GiB, available")
     assert "set VLLM_CPU_KVCACHE_SPACE" in cpu.default_kv_cache_cap_name()
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0")
+    _set_kv_cache_space(monkeypatch, "0")
     assert cpu.default_kv_cache_cap_name().startswith("the CPU default")
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "6")
+    _set_kv_cache_space(monkeypatch, "6")
     assert cpu.default_kv_cache_cap_name() == "VLLM_CPU_KVCACHE_SPACE=6 GiB"
 
 

@@ -3,9 +3,10 @@ the ranks' rendezvous address (a free port on rank 0's node; its IP comes from t
 
 from __future__ import annotations
 
-import os
 import socket
 from dataclasses import dataclass
+
+from vllm import envs
 
 
 def get_open_port() -> int:
@@ -13,9 +14,12 @@ def get_open_port() -> int:
 
     `VLLM_PORT`, when set, is used instead (vLLM's variable), so a firewall
     can be opened for a known port.
+
+    Raises:
+        ValueError: VLLM_PORT is not a port number.
     """
-    if os.environ.get("VLLM_PORT"):
-        return int(os.environ["VLLM_PORT"])
+    if envs.VLLM_PORT is not None:
+        return envs.VLLM_PORT
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return s.getsockname()[1]

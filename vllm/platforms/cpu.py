@@ -3,19 +3,18 @@ vLLM's CPU thread rules (`cpu_threads.py`)."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from vllm import envs
 from vllm.device_allocator.host_vmm import HostVmmDriver
 from vllm.logger import init_logger
 from vllm.platforms.cpu_threads import (
     apply_cpu_thread_plan,
     check_cpu_threads_env,
-    plan_cpu_threads,
+    plan_cpu_threads_from_env,
 )
 from vllm.platforms.interface import Platform
 
@@ -171,7 +170,7 @@ class CpuPlatform(Platform):
     def configure_threads(self) -> None:
         """vLLM's CPU thread rules (`cpu_threads.py`): one thread per physical core this
         process may use, one core reserved for the rest, bound; logged."""
-        plan = plan_cpu_threads()
+        plan = plan_cpu_threads_from_env()
         apply_cpu_thread_plan(plan)
         threads = torch.get_num_threads()
         if plan.cpus is None or threads < 2:  # one thread: the caller's own, left as it is
@@ -189,26 +188,16 @@ class CpuPlatform(Platform):
         Raises:
             ValueError: `VLLM_CPU_KVCACHE_SPACE` is negative or not a number.
         """
-        env = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
-        if env:
-            try:
-                gib = float(env)
-            except ValueError:
-                gib = -1.0
-            if gib < 0:
-                raise ValueError(
-                    f"VLLM_CPU_KVCACHE_SPACE={env!r} must be a non-negative number of GiB"
-                )
-            if gib > 0:
-                return int(gib * GiB)
+        gib = envs.VLLM_CPU_KVCACHE_SPACE
+        if gib > 0:
+            return int(gib * GiB)
         available, _ = self.mem_get_info()
         return min(DEFAULT_CPU_KV_CACHE_BYTES, available)
 
     def default_kv_cache_cap_name(self) -> str:
         """"VLLM_CPU_KVCACHE_SPACE=<GiB>" when set (> 0), else the default and how to change it."""
-        env = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
-        with contextlib.suppress(ValueError):
-            if float(env) > 0:
-                return f"VLLM_CPU_KVCACHE_SPACE={env} GiB"
+        gib = envs.VLLM_CPU_KVCACHE_SPACE
+        if gib > 0:
+            return f"VLLM_CPU_KVCACHE_SPACE={gib:g} GiB"
         return (f"the CPU default min({DEFAULT_CPU_KV_CACHE_BYTES / GiB:g} GiB, available "
                 f"memory); set VLLM_CPU_KVCACHE_SPACE (GiB) to change it")

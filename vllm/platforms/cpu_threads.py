@@ -1,6 +1,6 @@
 """How many threads compute on the CPU, and on which cores: vLLM's CPU backend rules.
 
-Environment (vLLM's names and meanings):
+Environment (vLLM's names and meanings; parsed in vllm/envs.py):
 
     VLLM_CPU_OMP_THREADS_BIND     "auto" (default): one thread per physical core this
                                   process may use (its affinity mask), on the first
@@ -36,8 +36,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-ENV_BIND = "VLLM_CPU_OMP_THREADS_BIND"
-ENV_RESERVED = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+from vllm import envs
+
 _SYS_CPU = Path("/sys/devices/system/cpu")
 _SYS_NODE = Path("/sys/devices/system/node")
 
@@ -110,17 +110,9 @@ def _auto_cpus(allowed: list[int], topology: dict[int, tuple[int, int, int]],
     return cores[: len(cores) - reserved], reserved
 
 
-def _reserved_from_env(env: dict[str, str]) -> int | None:
-    text = env.get(ENV_RESERVED, "").strip()
-    if not text:
-        return None
-    if not text.isdigit():
-        raise ValueError(f"{ENV_RESERVED}={text!r} must be a whole number of cores")
-    return int(text)
-
-
 def plan_cpu_threads(
-    env: dict[str, str] | os._Environ | None = None,
+    bind: str = "auto",
+    reserved: int | None = None,
     allowed: list[int] | None = None,
     topology: dict[int, tuple[int, int, int]] | None = None,
     rank: int = 0,
@@ -128,55 +120,63 @@ def plan_cpu_threads(
     """The thread plan for `rank` (see the module doc); reads the process state by default.
 
     Args:
-        env: the environment (default os.environ).
+        bind: VLLM_CPU_OMP_THREADS_BIND's value: "auto", "nobind" or CPU lists.
+        reserved: VLLM_CPU_NUM_OF_RESERVED_CPU's value (None: the default rule).
         allowed: CPUs this process may run on (default: its affinity mask).
         topology: cpu -> (NUMA node, package, core id) (default: from sysfs).
 
     Raises:
-        ValueError: a malformed variable, or a CPU list naming CPUs the process
-            may not use; the message names the variable.
+        ValueError: `bind` is not a CPU list, has none for `rank` or names CPUs the
+            process may not use; the message names the variable.
     """
-    env = os.environ if env is None else env
     allowed = sorted(os.sched_getaffinity(0)) if allowed is None else sorted(allowed)
-    mode = env.get(ENV_BIND, "").strip() or "auto"
-    reserved = _reserved_from_env(env)
-    if mode == "nobind":
-        omp = env.get("OMP_NUM_THREADS")
+    if bind == "nobind":
+        omp = os.environ.get("OMP_NUM_THREADS")
         source = f"OMP_NUM_THREADS={omp}" if omp else "torch's default"
-        return CpuThreadPlan(None, None, f"{ENV_BIND}=nobind: thread count from {source}, "
-                                         "not bound")
-    if mode == "auto":
+        return CpuThreadPlan(None, None, f"VLLM_CPU_OMP_THREADS_BIND=nobind: thread count "
+                                         f"from {source}, not bound")
+    if bind == "auto":
         topology = _read_topology(allowed) if topology is None else topology
         cpus, reserved = _auto_cpus(allowed, topology, reserved)
         cores = len(cpus) + reserved
-        why = (f"{ENV_BIND}=auto: {cores} physical core(s) allowed, {reserved} reserved "
-               f"({ENV_RESERVED}) for the server's other threads")
+        why = (f"VLLM_CPU_OMP_THREADS_BIND=auto: {cores} physical core(s) allowed, {reserved} "
+               "reserved (VLLM_CPU_NUM_OF_RESERVED_CPU) for the server's other threads")
         return CpuThreadPlan(len(cpus), tuple(cpus), why)
-    lists = mode.split("|")
+    lists = bind.split("|")
     if rank >= len(lists):
-        raise ValueError(f"{ENV_BIND}={mode!r} has {len(lists)} CPU list(s), none for rank {rank}")
+        raise ValueError(f"VLLM_CPU_OMP_THREADS_BIND={bind!r} has {len(lists)} CPU list(s), "
+                         f"none for rank {rank}")
     try:
         cpus = parse_cpu_list(lists[rank])
     except ValueError as e:
-        raise ValueError(f"{ENV_BIND}: {e}, 'auto' or 'nobind'") from None
+        raise ValueError(f"VLLM_CPU_OMP_THREADS_BIND: {e}, 'auto' or 'nobind'") from None
     outside = sorted(set(cpus) - set(allowed))
     if outside:
-        raise ValueError(f"{ENV_BIND}={mode!r} names CPU(s) {outside} this process may not use "
-                         f"(allowed: {allowed})")
-    return CpuThreadPlan(len(cpus), tuple(cpus), f"{ENV_BIND}={mode}")
+        raise ValueError(f"VLLM_CPU_OMP_THREADS_BIND={bind!r} names CPU(s) {outside} this "
+                         f"process may not use (allowed: {allowed})")
+    return CpuThreadPlan(len(cpus), tuple(cpus), f"VLLM_CPU_OMP_THREADS_BIND={bind}")
 
 
-def check_cpu_threads_env(env: dict[str, str] | os._Environ | None = None) -> None:
+def plan_cpu_threads_from_env(rank: int = 0) -> CpuThreadPlan:
+    """`plan_cpu_threads` for this process: VLLM_CPU_OMP_THREADS_BIND and
+    VLLM_CPU_NUM_OF_RESERVED_CPU from `envs`, its affinity mask, sysfs.
+
+    Raises:
+        ValueError: a malformed variable (naming it), as `plan_cpu_threads`.
+    """
+    return plan_cpu_threads(envs.VLLM_CPU_OMP_THREADS_BIND, envs.VLLM_CPU_NUM_OF_RESERVED_CPU,
+                            rank=rank)
+
+
+def check_cpu_threads_env() -> None:
     """Reject a malformed VLLM_CPU_OMP_THREADS_BIND / VLLM_CPU_NUM_OF_RESERVED_CPU early.
 
     Raises:
-        ValueError: as `plan_cpu_threads`.
+        ValueError: as `plan_cpu_threads_from_env`.
     """
-    env = os.environ if env is None else env
-    mode = env.get(ENV_BIND, "").strip()
-    if mode not in ("", "auto", "nobind"):
-        plan_cpu_threads(env)
-    _reserved_from_env(env)
+    reserved = envs.VLLM_CPU_NUM_OF_RESERVED_CPU  # parsed (checked) here
+    if envs.VLLM_CPU_OMP_THREADS_BIND not in ("auto", "nobind"):
+        plan_cpu_threads(envs.VLLM_CPU_OMP_THREADS_BIND, reserved)
 
 
 def apply_cpu_thread_plan(plan: CpuThreadPlan) -> None:

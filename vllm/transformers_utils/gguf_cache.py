@@ -24,6 +24,7 @@ from pathlib import Path
 
 import transformers
 
+from vllm import envs
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -32,9 +33,8 @@ _HASH_CHUNK = 1 << 20  # bytes hashed at each end of the file
 
 
 def get_cache_root() -> Path:
-    """$VLLM_CACHE_ROOT, else ~/.cache/vllm (vLLM's default)."""
-    root = os.environ.get("VLLM_CACHE_ROOT")
-    return Path(root) if root else Path.home() / ".cache" / "vllm"
+    """$VLLM_CACHE_ROOT, else ~/.cache/vllm (vLLM's default; see vllm/envs.py)."""
+    return Path(envs.VLLM_CACHE_ROOT)
 
 
 def gguf_content_key(gguf_path: str | os.PathLike) -> str:

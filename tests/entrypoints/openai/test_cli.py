@@ -197,6 +197,16 @@ def test_api_key_from_environment(monkeypatch):
     assert args.api_key == "from-flag"
 
 
+def test_a_malformed_variable_fails_the_serve_check(monkeypatch):
+    """Every VLLM_* variable is parsed before the server starts (exit 2, one line), even
+    one read only on CUDA launches."""
+    monkeypatch.setenv("VLLM_GEMV_PDL", "maybe")
+    args = make_parser().parse_args(["serve"])
+    with pytest.raises(ValueError, match="^VLLM_GEMV_PDL must be 1/true/on or 0/false/off, "
+                                         "got 'maybe'$"):
+        validate_parsed_serve_args(args)
+
+
 def test_bad_flag_value_exits_2():
     result = _run_cli("serve", "--port", "many")
     assert result.returncode == 2

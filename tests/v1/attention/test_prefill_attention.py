@@ -22,6 +22,7 @@ import torch
 
 from tests.triton_interpreter import check_result, needs_triton, run_checks, run_interpreted
 from tests.v1.attention.test_triton_kernels import TOLERANCE, Case, _batch, metadata
+from vllm import envs
 
 pytestmark = needs_triton
 
@@ -135,6 +136,7 @@ def _run_interpreted_cases() -> dict[str, str]:
 
     pa.FRESH_PREFILL_CONFIG = small
     os.environ["VLLM_FRESH_PREFILL_ATTENTION"] = "1"  # this subprocess only
+    envs.reset()
     return run_checks(((check_prefill, INTERPRETED), (check_backend_fresh, INTERPRETED_BACKEND)),
                       probe=True)
 
@@ -203,8 +205,10 @@ def test_applies_only_when_enabled_where_the_kernel_runs_and_pays(monkeypatch):
         odd = torch.zeros(8, 2 * 64 + 1, dtype=torch.float16, device="cuda")[:, 1:]
         assert not fresh_prefill_applies(n, None, None, odd.view(8, 2, 64))
         monkeypatch.setenv("VLLM_FRESH_PREFILL_ATTENTION", "0")  # the way to turn it off
+        envs.reset()  # parsed once per process: read again
         assert not fresh_prefill_applies(n, None, None, cuda)
         monkeypatch.delenv("VLLM_FRESH_PREFILL_ATTENTION")  # on by default
+        envs.reset()
         assert fresh_prefill_applies(n, None, None, cuda)
 
 

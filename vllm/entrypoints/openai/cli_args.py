@@ -9,10 +9,10 @@ bad flag or a taken port fails in a fraction of a second.
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 from pathlib import Path
 
+from vllm import envs
 from vllm.engine.arg_utils import AsyncEngineArgs
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -59,8 +59,9 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
     """Merge MODEL into --model and check the server's own flags.
 
     Raises:
-        ValueError: MODEL and --model disagree, the port is out of range, or
-            the chat template is neither a file nor a template.
+        ValueError: MODEL and --model disagree, the port is out of range, a
+            `VLLM_*` variable is malformed (vllm/envs.py), or the chat template is
+            neither a file nor a template.
     """
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
@@ -73,8 +74,9 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
+    envs.validate()  # a malformed VLLM_* variable fails here, in one line
     if args.api_key is None:
-        args.api_key = os.environ.get("VLLM_API_KEY") or None
+        args.api_key = envs.VLLM_API_KEY
     load_chat_template(args.chat_template)
 
 

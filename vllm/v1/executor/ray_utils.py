@@ -18,13 +18,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from vllm import envs
 from vllm.logger import init_logger
 from vllm.v1.executor.worker_wrapper import WorkerWrapper
 
 logger = init_logger(__name__)
-
-# How long to wait for the cluster to grant the placement group (seconds).
-PLACEMENT_GROUP_TIMEOUT_S = float(os.environ.get("VLLM_RAY_PG_TIMEOUT", "120"))
 
 
 def import_ray() -> Any:
@@ -54,7 +52,7 @@ def worker_pythonpath() -> str:
 
 def worker_env() -> dict[str, str]:
     """Environment every worker actor gets: this process's VLLM_* variables and PYTHONPATH."""
-    env = {key: value for key, value in os.environ.items() if key.startswith("VLLM_")}
+    env = envs.vllm_environ()
     env["PYTHONPATH"] = worker_pythonpath()
     return env
 
@@ -92,7 +90,7 @@ def create_placement_group(world_size: int, resource: str) -> Any:
     """A placement group of `world_size` bundles of {resource: 1}, ready.
 
     Raises:
-        RuntimeError: the cluster cannot grant it within PLACEMENT_GROUP_TIMEOUT_S;
+        RuntimeError: the cluster cannot grant it within VLLM_RAY_PG_TIMEOUT seconds;
             the message says what was asked and what the cluster has.
     """
     ray = import_ray()
@@ -104,14 +102,15 @@ def create_placement_group(world_size: int, resource: str) -> Any:
     # still find the old name taken ("name 'vllm-<pid>' already exists").
     name = f"vllm-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     group = placement_group(bundles, strategy="PACK", name=name)
-    ready, _ = ray.wait([group.ready()], timeout=PLACEMENT_GROUP_TIMEOUT_S)
+    timeout_s = envs.VLLM_RAY_PG_TIMEOUT  # how long the cluster may take to grant it
+    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
     if not ready:
         remove_placement_group(group)
         available = ray.available_resources().get(resource, 0)
         total = ray.cluster_resources().get(resource, 0)
         raise RuntimeError(
             f"Ray could not place {world_size} ranks (one {resource} each) within "
-            f"{PLACEMENT_GROUP_TIMEOUT_S:.0f} s: the cluster has {total:g} {resource} "
+            f"{timeout_s:.0f} s: the cluster has {total:g} {resource} "
             f"({available:g} free) on {len(ray.nodes())} node(s); add nodes or lower "
             "--tensor-parallel-size"
         )

@@ -46,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm import envs
 from vllm.model_executor.layers.ops import (
     check_dtype,
     check_last_dim_contiguous,
@@ -53,7 +54,6 @@ from vllm.model_executor.layers.ops import (
     check_same_device,
     gate_up_width,
 )
-from vllm.utils.env_flags import env_flag
 from vllm.v1.attention.ops.attention_config import compute_capability, num_sms
 
 MAX_ROWS = 16  # tl.dot's smallest M: rows 2..16 share one padded tile
@@ -249,12 +249,12 @@ def dependent_launch(device: torch.device, weight_bytes: int = 0) -> bool:
     ROCm devices, launch plainly. The weights must not be written by the kernel
     launched just before (nothing in a forward writes weights).
 
-    `VLLM_GEMV_PDL`: 1/true/on (default) or 0/false/off; any other value is a
-    ValueError.
+    `VLLM_GEMV_PDL` (vllm/envs.py): 1/true/on (default) or 0/false/off; any other
+    value is a ValueError.
     """
     if device.type != "cuda" or torch.version.cuda is None or weight_bytes > PDL_MAX_WEIGHT_BYTES:
         return False  # ROCm's torch says "cuda" too; its Triton has no griddepcontrol
-    return env_flag("VLLM_GEMV_PDL", True) and compute_capability(device) >= (9, 0)
+    return envs.VLLM_GEMV_PDL and compute_capability(device) >= (9, 0)
 
 
 def default_config(num_rows: int, n: int, k: int, sm_count: int) -> GemvConfig:
@@ -388,6 +388,34 @@ def _check_one_row(op: str, x: torch.Tensor) -> None:
         raise ValueError(f"{op}: takes one row, got {x.shape[0]}")
 
 
+def _check_launch(
+    op: str,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+) -> None:
+    """Check bias ([N], x's dtype), last-dim strides and one device over every tensor.
+
+    Raises:
+        ValueError: naming `op` and the tensor at fault.
+    """
+    n = weight.shape[0]
+    tensors = dict(x=x, weight=weight)
+    if residual is not None:
+        tensors["residual"] = residual
+    if norm_weight is not None:
+        tensors["norm_weight"] = norm_weight
+    if bias is not None:
+        if bias.shape != (n,) or bias.dtype != x.dtype:
+            raise ValueError(f"{op}: bias must be [{n}] {x.dtype}, got {bias.dtype} "
+                             f"{tuple(bias.shape)}")
+        tensors["bias"] = bias
+    check_last_dim_contiguous(op, **tensors)
+    check_same_device(op, **tensors)
+
+
 def _launch(
     op: str,
     x: torch.Tensor,
@@ -401,20 +429,9 @@ def _launch(
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Check bias, strides and devices, allocate the outputs and launch `_gemv_kernel`."""
+    """Check the inputs (`_check_launch`), allocate the outputs and launch `_gemv_kernel`."""
+    _check_launch(op, x, weight, bias, residual, norm_weight)
     num_rows, n = x.shape[0], weight.shape[0]
-    tensors = dict(x=x, weight=weight)
-    if residual is not None:
-        tensors["residual"] = residual
-    if norm_weight is not None:
-        tensors["norm_weight"] = norm_weight
-    if bias is not None:
-        if bias.shape != (n,) or bias.dtype != x.dtype:
-            raise ValueError(f"{op}: bias must be [{n}] {x.dtype}, got {bias.dtype} "
-                             f"{tuple(bias.shape)}")
-        tensors["bias"] = bias
-    check_last_dim_contiguous(op, **tensors)
-    check_same_device(op, **tensors)
     if config is None:
         config = default_config(num_rows, n, k, num_sms(x.device))
     out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)

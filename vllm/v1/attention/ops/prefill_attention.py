@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from vllm.utils.env_flags import env_flag
+from vllm import envs
 from vllm.v1.attention.ops.attention_config import (
     FRESH_PREFILL_CONFIG,
     FRESH_PREFILL_HEAD_SIZES,
@@ -155,7 +155,7 @@ def _enabled() -> bool:
     Raises:
         ValueError: any other value (read at start-up warmup first).
     """
-    return env_flag("VLLM_FRESH_PREFILL_ATTENTION", True)
+    return envs.VLLM_FRESH_PREFILL_ATTENTION
 
 
 def fresh_prefill_supported(

@@ -31,7 +31,8 @@ which requests' blocks it holds.
 Failures: a dead or unreachable producer makes the handshake, the "held"
 check or the READ fail; the request is reported in `failed_recving`, the scheduler frees its
 blocks (never cached) and the client gets a 502 that says so. A producer
-whose blocks are never read frees them after `abort_timeout_s` (default 120 s).
+whose blocks are never read frees them after `abort_timeout_s` (default
+VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 120 s; vLLM waits 480 s).
 
 Sleep mode: either instance deregisters its KV memory before sleep releases the
 pages (a producer frees the blocks it held for readers: their contents go, so
@@ -46,13 +47,13 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from vllm import envs
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -72,7 +73,6 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-DEFAULT_ABORT_TIMEOUT_S = 120.0  # vLLM waits 480 s (VLLM_NIXL_ABORT_REQUEST_TIMEOUT)
 HANDSHAKE_TIMEOUT_S = 5.0
 TRANSFER_TIMEOUT_S = 30.0
 
@@ -170,16 +170,16 @@ class NixlConnector(KVConnectorBase_V1):
     """1P1D over NIXL: the producer keeps finished prompts' blocks until the consumer reads them."""
 
     needs_one_allocation_per_segment = True
+    reads_pages_from_other_processes = True
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole) -> None:
         super().__init__(vllm_config, role)
         extra = self.kv_transfer_config.kv_connector_extra_config
         self.kv_role = self.kv_transfer_config.kv_role
-        self.abort_timeout_s = float(extra.get("abort_timeout_s", DEFAULT_ABORT_TIMEOUT_S))
-        self.host = extra.get("side_channel_host") or os.environ.get(
-            "VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
-        self.port = int(extra.get("side_channel_port") or os.environ.get(
-            "VLLM_NIXL_SIDE_CHANNEL_PORT", 0))
+        self.abort_timeout_s = float(extra.get("abort_timeout_s",
+                                               envs.VLLM_NIXL_ABORT_REQUEST_TIMEOUT))
+        self.host = extra.get("side_channel_host") or envs.VLLM_NIXL_SIDE_CHANNEL_HOST
+        self.port = int(extra.get("side_channel_port") or envs.VLLM_NIXL_SIDE_CHANNEL_PORT)
         self.backends = list(extra.get("backends") or ["UCX"])
         self.engine_id = ""
         # scheduler side
