@@ -19,44 +19,30 @@ import argparse
 
 import numpy as np
 
-from vllm.benchmarks.utils import check_output_path, non_negative_int, positive_int, write_json
+from vllm.benchmarks.utils import (
+    add_length_args,
+    add_run_args,
+    non_negative_int,
+    positive_int,
+    run_offline,
+)
 
 PERCENTILES = [10, 25, 50, 75, 90, 99]
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    from vllm.engine.arg_utils import EngineArgs
-
-    parser.add_argument("--input-len", type=positive_int, default=32, help="Prompt tokens.")
-    parser.add_argument("--output-len", type=positive_int, default=128, help="Output tokens.")
+    add_length_args(parser, input_len=32)
     parser.add_argument("--batch-size", type=positive_int, default=8, help="Prompts per batch.")
     parser.add_argument("--num-iters-warmup", type=non_negative_int, default=10,
                         help="Untimed iterations first.")
     parser.add_argument("--num-iters", type=positive_int, default=30, help="Timed iterations.")
-    parser.add_argument("--disable-tqdm", action="store_true", help="No progress bar.")
-    parser.add_argument("--output-json", default=None, help="Also write the results here.")
-    EngineArgs.add_cli_args(parser)
+    add_run_args(parser)
 
 
 def main(args: argparse.Namespace) -> int:
-    """Build the engine from the flags, run, print; `--output-json` is checked first.
-
-    Raises:
-        ValueError: an output path that could not be written (before the engine
-            is built), or a bad flag value; see `make_llm` for the engine's errors.
-        OSError: the JSON could not be written after all.
-    """
-    from vllm.benchmarks.offline import make_llm
-
-    check_output_path(args.output_json)
-    llm = make_llm(args, max_num_seqs_at_least=args.batch_size)
-    try:
-        result = run(llm, args)
-    finally:
-        llm.llm_engine.shutdown()
-    if args.output_json:
-        write_json(args.output_json, result)
-    return 0
+    """Build the engine from the flags and run `run`'s iterations on it (`run_offline`: the
+    output path is checked first; its errors are listed there)."""
+    return run_offline(args, run, max_num_seqs_at_least=args.batch_size)
 
 
 def run(llm, args: argparse.Namespace) -> dict:

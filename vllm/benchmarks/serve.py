@@ -62,11 +62,23 @@ GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 DETAILED_KEYS = ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times",
                  "generated_texts", "errors")
 MAX_ERRORS_SHOWN = 10
+# Sampling flags (--top-p, ...) -> request fields of that name, sent when given.
+SAMPLING_FIELDS = (("temperature", float), ("top_p", float), ("top_k", int), ("min_p", float),
+                   ("frequency_penalty", float), ("presence_penalty", float),
+                   ("repetition_penalty", float))
 LONG_ARRIVAL_SPAN_S = 3600.0  # a request rate this slow gets a warning before the run
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_dataset_args(parser)
+    _add_server_args(parser)
+    _add_traffic_args(parser)
+    _add_result_args(parser)
+    _add_sampling_args(parser)
+
+
+def _add_server_args(parser: argparse.ArgumentParser) -> None:
+    """Where the requests go: the API, the server, its headers, the model and tokenizer."""
     parser.add_argument("--backend", choices=list(BACKENDS), default="openai",
                         help="API to load: openai / vllm (completions) or openai-chat.")
     parser.add_argument("--label", default=None,
@@ -89,6 +101,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default=None,
                         help="Tokenizer path (default: --model when it is a path, else the "
                              "served model's root).")
+
+
+def _add_traffic_args(parser: argparse.ArgumentParser) -> None:
+    """How many requests, how fast, how many at once, and the warm-up before them."""
     parser.add_argument("--num-prompts", type=positive_int, default=1000,
                         help="Requests to send.")
     parser.add_argument("--max-concurrency", type=positive_int, default=None,
@@ -104,6 +120,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="Generate exactly the output length (the server ignores EOS).")
     parser.add_argument("--seed", type=int, default=0, help="Seed of prompts and arrivals.")
     parser.add_argument("--disable-tqdm", action="store_true", help="No progress bar.")
+
+
+def _add_result_args(parser: argparse.ArgumentParser) -> None:
+    """What the result reports (metrics, percentiles, goodput), the wait for the server's
+    health before the run, and where the result JSON is written."""
     parser.add_argument("--percentile-metrics", default="ttft,tpot,itl",
                         help="Comma-separated metrics to report: " + ", ".join(METRICS) + ".")
     parser.add_argument("--metric-percentiles", default="99",
@@ -128,14 +149,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                              "{label}-{rate}qps[-concurrency{C}]-{model}-{date}.json).")
     parser.add_argument("--output-json", default=None,
                         help="Also write the result JSON to this path.")
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    """Sampling parameters of every request (greedy by default) and extra body fields."""
     sampling = parser.add_argument_group("sampling parameters (default: greedy)")
-    sampling.add_argument("--temperature", type=float, default=None)
-    sampling.add_argument("--top-p", type=float, default=None)
-    sampling.add_argument("--top-k", type=int, default=None)
-    sampling.add_argument("--min-p", type=float, default=None)
-    sampling.add_argument("--frequency-penalty", type=float, default=None)
-    sampling.add_argument("--presence-penalty", type=float, default=None)
-    sampling.add_argument("--repetition-penalty", type=float, default=None)
+    for name, kind in SAMPLING_FIELDS:
+        sampling.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
     parser.add_argument("--extra-body", type=_json_object, default=None,
                         help="A JSON object merged into every request body.")
 
@@ -201,12 +221,32 @@ def _base_url(args: argparse.Namespace) -> str:
 def make_plan(args: argparse.Namespace) -> Plan:
     """Check every flag that argparse cannot check alone; raises ValueError (one line)."""
     base_url = _base_url(args)
+    endpoint, chat = _endpoint(args)
+    validate_dataset_args(args)
+    metrics, percentiles = _reported_metrics(args)
+    goodput = _goodput(args)
+    headers = _headers(args)
+    body_extra = {name: getattr(args, name) for name, _ in SAMPLING_FIELDS
+                  if getattr(args, name) is not None}
+    body_extra.update(args.extra_body or {})
+    _check_result_flags(args)
+    return Plan(base_url=base_url, url=base_url + "/" + endpoint.lstrip("/"), chat=chat,
+                headers=headers, metrics=metrics, percentiles=percentiles, goodput=goodput,
+                metadata=_key_values(args.metadata, "--metadata"), body_extra=body_extra)
+
+
+def _endpoint(args: argparse.Namespace) -> tuple[str, bool]:
+    """(the API path, whether it is the chat API) from --backend and --endpoint."""
     default_endpoint, chat = BACKENDS[args.backend]
     endpoint = args.endpoint or default_endpoint
     if chat != endpoint.rstrip("/").endswith("chat/completions"):
         raise ValueError(f"--backend {args.backend} needs an endpoint ending in "
                          f"{'chat/completions' if chat else 'completions'}, got {endpoint!r}")
-    validate_dataset_args(args)
+    return endpoint, chat
+
+
+def _reported_metrics(args: argparse.Namespace) -> tuple[list[str], list[float]]:
+    """--percentile-metrics and --metric-percentiles, parsed and checked."""
     metrics = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
     unknown = [m for m in metrics if m not in METRICS]
     if unknown or not metrics:
@@ -220,6 +260,11 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if not all(0 < p <= 100 for p in percentiles):
         raise ValueError(f"--metric-percentiles must lie in (0, 100], got "
                          f"{args.metric_percentiles}")
+    return metrics, percentiles
+
+
+def _goodput(args: argparse.Namespace) -> dict[str, float]:
+    """--goodput's service-level objectives: metric -> milliseconds (> 0)."""
     goodput = {}
     for key, value in _key_values(args.goodput, "--goodput", ":").items():
         if key not in GOODPUT_METRICS:
@@ -231,6 +276,11 @@ def make_plan(args: argparse.Namespace) -> Plan:
             raise ValueError(f"--goodput {key}: expected milliseconds, got {value!r}") from None
         if not goodput[key] > 0:
             raise ValueError(f"--goodput {key}: must be > 0 ms, got {value}")
+    return goodput
+
+
+def _headers(args: argparse.Namespace) -> dict[str, str]:
+    """--header's fields plus the bearer key of --api-key (ASCII only, as HTTP needs)."""
     headers = _key_values(args.header, "--header")
     for key, value in headers.items():
         if not (key + value).isascii():
@@ -239,10 +289,12 @@ def make_plan(args: argparse.Namespace) -> Plan:
         if not args.api_key.isascii():
             raise ValueError("--api-key: HTTP headers take ASCII characters only")
         headers.setdefault("Authorization", f"Bearer {args.api_key}")
-    body_extra = {name: getattr(args, name) for name in (
-        "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
-        "repetition_penalty") if getattr(args, name) is not None}
-    body_extra.update(args.extra_body or {})
+    return headers
+
+
+def _check_result_flags(args: argparse.Namespace) -> None:
+    """Refuse result flags that would have no effect, and output paths that could not be
+    written after the run."""
     saving = args.save_result or args.append_result
     writing = saving or args.output_json is not None
     for flag, used, needed in (("--result-dir", args.result_dir, "save"),
@@ -259,9 +311,6 @@ def make_plan(args: argparse.Namespace) -> Plan:
         check_output_path(str(Path(args.result_dir) / "result.json"))
     if args.result_filename is not None:
         check_output_path(str(Path(args.result_dir or ".") / args.result_filename))
-    return Plan(base_url=base_url, url=base_url + "/" + endpoint.lstrip("/"), chat=chat,
-                headers=headers, metrics=metrics, percentiles=percentiles, goodput=goodput,
-                metadata=_key_values(args.metadata, "--metadata"), body_extra=body_extra)
 
 
 def calculate_metrics(results: list, duration: float, samples: list, percentiles: list[float],
@@ -453,17 +502,7 @@ async def _run(args, plan: Plan, base_url: str, model: str, tokenizer_id: str,
                             [s.expected_output_len for s in batch], args.ignore_eos,
                             plan.headers, chat=plan.chat, body_extra=plan.body_extra, **kw)
 
-    print("Starting initial single prompt test run...")
-    (test,), _, _ = await send(samples[:1], 1)
-    if not test.ok:
-        raise ValueError(f"the initial test request failed ({test.error}); check --model, "
-                         "--endpoint, --backend and the dataset flags")
-    print("Initial test run completed. Starting main benchmark run...")
-    if args.num_warmups:
-        print(f"Warming up with {args.num_warmups} requests...")
-        await send([samples[i % len(samples)] for i in range(args.num_warmups)],
-                   args.max_concurrency or args.num_warmups)
-        print("Warmup run completed.")
+    await _test_and_warm_up(args, send, samples)
     print(f"Traffic request rate: {args.request_rate}")
     print(f"Burstiness factor: {args.burstiness}"
           f"{' (Poisson process)' if args.burstiness == 1.0 else ''}")
@@ -481,6 +520,32 @@ async def _run(args, plan: Plan, base_url: str, model: str, tokenizer_id: str,
         "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
         "duration": duration,
         **calculate_metrics(results, duration, samples, plan.percentiles, plan.goodput, start),
+        **_per_request_lists(results, samples, start),
+    }
+    print_summary(result, plan, args)
+    _save_result(args, result, model, date)
+    return 0  # as vLLM, failed requests are reported, not an exit status
+
+
+async def _test_and_warm_up(args: argparse.Namespace, send, samples: list) -> None:
+    """One test request (ValueError when it fails: a wrong model, endpoint or dataset),
+    then --num-warmups untimed ones."""
+    print("Starting initial single prompt test run...")
+    (test,), _, _ = await send(samples[:1], 1)
+    if not test.ok:
+        raise ValueError(f"the initial test request failed ({test.error}); check --model, "
+                         "--endpoint, --backend and the dataset flags")
+    print("Initial test run completed. Starting main benchmark run...")
+    if args.num_warmups:
+        print(f"Warming up with {args.num_warmups} requests...")
+        await send([samples[i % len(samples)] for i in range(args.num_warmups)],
+                   args.max_concurrency or args.num_warmups)
+        print("Warmup run completed.")
+
+
+def _per_request_lists(results: list, samples: list, start: float) -> dict:
+    """The result's per-request lists (`DETAILED_KEYS`), in prompt order."""
+    return {
         "input_lens": [r.prompt_tokens or s.prompt_len for r, s in zip(results, samples,
                                                                         strict=True)],
         "output_lens": [r.output_tokens for r in results],
@@ -491,7 +556,11 @@ async def _run(args, plan: Plan, base_url: str, model: str, tokenizer_id: str,
         "generated_texts": [r.text for r in results],
         "errors": [r.error for r in results],
     }
-    print_summary(result, plan, args)
+
+
+def _save_result(args: argparse.Namespace, result: dict, model: str, date: str) -> None:
+    """Write the result where --output-json / --save-result / --append-result ask: without
+    the per-request lists unless --save-detailed, non-finite numbers as 0."""
     saved = result if args.save_detailed else {
         k: v for k, v in result.items() if k not in DETAILED_KEYS}
     saved = {k: (0.0 if isinstance(v, float) and not math.isfinite(v) else v)
@@ -505,4 +574,3 @@ async def _run(args, plan: Plan, base_url: str, model: str, tokenizer_id: str,
             f.write(json.dumps(saved, allow_nan=False) + "\n")
     elif path is not None:
         write_json(path, saved)
-    return 0  # as vLLM, failed requests are reported, not an exit status

@@ -71,6 +71,30 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str,
         body_extra: more request fields (sampling parameters); they override
             the defaults (temperature 0).
     """
+    body = _request_body(model, prompt, max_tokens, ignore_eos, chat, body_extra)
+    start = time.perf_counter()
+    result = RequestResult(ok=False, start_s=start)
+    try:
+        async with client.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                result.error = _http_error(response, await response.aread())
+                return result
+            texts = await _read_stream(response, result, start, chat)
+            if texts is None:
+                return result
+        result.e2e_s = time.perf_counter() - start
+        result.text = "".join(texts)
+        result.ok = bool(texts)
+        if not result.ok:
+            result.error = "the stream ended without a token"
+    except httpx.HTTPError as e:
+        result.error = repr(e)
+    return result
+
+
+def _request_body(model: str, prompt: str | list[int], max_tokens: int, ignore_eos: bool,
+                  chat: bool, body_extra: dict | None) -> dict:
+    """A streaming request with a usage chunk, greedy unless `body_extra` says otherwise."""
     body: dict = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                   "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
     if chat:
@@ -78,50 +102,43 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str,
     else:
         body["prompt"] = prompt
     body.update(body_extra or {})
-    start = time.perf_counter()
+    return body
+
+
+async def _read_stream(response: httpx.Response, result: RequestResult, start: float,
+                       chat: bool) -> list[str] | None:
+    """Read the SSE events into `result` (TTFT, ITLs, the usage's token counts); the
+    tokens' texts, or None after an error event (its message in `result.error`)."""
     last = None
-    result = RequestResult(ok=False, start_s=start)
     texts = []
-    try:
-        async with client.stream("POST", url, json=body) as response:
-            if response.status_code != 200:
-                result.error = _http_error(response, await response.aread())
-                return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    result.error = chunk["error"]["message"]
-                    return result
-                now = time.perf_counter()
-                if chunk.get("usage"):
-                    result.output_tokens = chunk["usage"]["completion_tokens"]
-                    result.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                if not chunk.get("choices"):
-                    continue
-                choice = chunk["choices"][0]
-                delta = choice.get("delta") or {}
-                # Every chunk with a choice is a token's (as vLLM's client counts them:
-                # its text may be empty, e.g. half a character), except the chat API's
-                # first one, which carries the role before any token exists.
-                if chat and "role" in delta:
-                    continue
-                text = delta.get("content") if chat else choice.get("text")
-                texts.append(text or "")
-                if last is None:
-                    result.ttft_s = now - start
-                else:
-                    result.itl_s.append(now - last)
-                last = now
-        result.e2e_s = time.perf_counter() - start
-        result.text = "".join(texts)
-        result.ok = last is not None
-        if not result.ok:
-            result.error = "the stream ended without a token"
-    except httpx.HTTPError as e:
-        result.error = repr(e)
-    return result
+    async for line in response.aiter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            result.error = chunk["error"]["message"]
+            return None
+        now = time.perf_counter()
+        if chunk.get("usage"):
+            result.output_tokens = chunk["usage"]["completion_tokens"]
+            result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+        if not chunk.get("choices"):
+            continue
+        choice = chunk["choices"][0]
+        delta = choice.get("delta") or {}
+        # Every chunk with a choice is a token's (as vLLM's client counts them:
+        # its text may be empty, e.g. half a character), except the chat API's
+        # first one, which carries the role before any token exists.
+        if chat and "role" in delta:
+            continue
+        text = delta.get("content") if chat else choice.get("text")
+        texts.append(text or "")
+        if last is None:
+            result.ttft_s = now - start
+        else:
+            result.itl_s.append(now - last)
+        last = now
+    return texts
 
 
 def _http_error(response: httpx.Response, body: bytes) -> str:

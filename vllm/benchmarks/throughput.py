@@ -15,39 +15,19 @@ from __future__ import annotations
 import argparse
 import time
 
-from vllm.benchmarks.utils import check_output_path, positive_int, write_json
+from vllm.benchmarks.utils import add_length_args, add_run_args, positive_int, run_offline
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    from vllm.engine.arg_utils import EngineArgs
-
-    parser.add_argument("--input-len", type=positive_int, default=128, help="Prompt tokens.")
-    parser.add_argument("--output-len", type=positive_int, default=128, help="Output tokens.")
+    add_length_args(parser, input_len=128)
     parser.add_argument("--num-prompts", type=positive_int, default=1000, help="Prompts.")
-    parser.add_argument("--disable-tqdm", action="store_true", help="No progress bar.")
-    parser.add_argument("--output-json", default=None, help="Also write the results here.")
-    EngineArgs.add_cli_args(parser)
+    add_run_args(parser)
 
 
 def main(args: argparse.Namespace) -> int:
-    """Build the engine from the flags, run, print; `--output-json` is checked first.
-
-    Raises:
-        ValueError: an output path that could not be written (before the engine
-            is built), or a bad flag value; see `make_llm` for the engine's errors.
-        OSError: the JSON could not be written after all.
-    """
-    from vllm.benchmarks.offline import make_llm
-
-    check_output_path(args.output_json)
-    llm = make_llm(args)
-    try:
-        result = run(llm, args)
-    finally:
-        llm.llm_engine.shutdown()
-    if args.output_json:
-        write_json(args.output_json, result)
-    return 0
+    """Build the engine from the flags and run `run`'s prompts on it (`run_offline`: the
+    output path is checked first; its errors are listed there)."""
+    return run_offline(args, run)
 
 
 def run(llm, args: argparse.Namespace) -> dict:

@@ -1,4 +1,4 @@
-"""Argument types and JSON output shared by the `vllm bench` subcommands."""
+"""Argument types, JSON output and the offline run shared by the `vllm bench` subcommands."""
 
 from __future__ import annotations
 
@@ -7,27 +7,27 @@ import json
 import math
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 
 def positive_int(text: str) -> int:
     """argparse type: an int >= 1 (argparse turns the ValueError into a usage error)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
-    return value
+    return _int_at_least(text, 1)
 
 
 def non_negative_int(text: str) -> int:
+    """argparse type: an int >= 0."""
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, minimum: int) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+        raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {value}")
     return value
 
 
@@ -79,3 +79,43 @@ def write_json(path: str, result: dict) -> None:
     text = json.dumps(result, indent=2, allow_nan=False)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     Path(path).write_text(text + "\n")
+
+
+def add_length_args(parser: argparse.ArgumentParser, input_len: int) -> None:
+    """`--input-len` (default `input_len`) and `--output-len` (128) of an offline benchmark."""
+    parser.add_argument("--input-len", type=positive_int, default=input_len,
+                        help="Prompt tokens.")
+    parser.add_argument("--output-len", type=positive_int, default=128, help="Output tokens.")
+
+
+def add_run_args(parser: argparse.ArgumentParser) -> None:
+    """`--disable-tqdm`, `--output-json` and `vllm serve`'s engine flags, which close the
+    flags of an offline benchmark (`run_offline` reads them)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    parser.add_argument("--disable-tqdm", action="store_true", help="No progress bar.")
+    parser.add_argument("--output-json", default=None, help="Also write the results here.")
+    EngineArgs.add_cli_args(parser)
+
+
+def run_offline(args: argparse.Namespace, run: Callable[[object, argparse.Namespace], dict],
+                max_num_seqs_at_least: int = 0) -> int:
+    """`vllm bench latency|throughput`'s main: check `--output-json`, build the offline
+    engine from the flags, `run(llm, args)`, shut the engine down, write the JSON; 0.
+
+    Raises:
+        ValueError: an output path that could not be written (before the engine
+            is built), or a bad flag value; see `make_llm` for the engine's errors.
+        OSError: the JSON could not be written after all.
+    """
+    from vllm.benchmarks.offline import make_llm
+
+    check_output_path(args.output_json)
+    llm = make_llm(args, max_num_seqs_at_least=max_num_seqs_at_least)
+    try:
+        result = run(llm, args)
+    finally:
+        llm.llm_engine.shutdown()
+    if args.output_json:
+        write_json(args.output_json, result)
+    return 0

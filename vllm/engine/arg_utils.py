@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -140,126 +141,12 @@ class EngineArgs:
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         """Add the engine flags to `parser` (in an "EngineArgs" group) and return it."""
-        d = EngineArgs
         g = parser.add_argument_group("EngineArgs")
-        bool_flag = argparse.BooleanOptionalAction
-        g.add_argument("--model", type=str, default=d.model,
-                       help="HF model directory or .gguf file (default: the bundled "
-                            "SmolLM2-135M-Instruct).")
-        g.add_argument("--tokenizer", type=str, default=d.tokenizer,
-                       help="Tokenizer path (default: the model's own).")
-        g.add_argument("--dtype", choices=DTYPE_CHOICES, default=d.dtype,
-                       help="Weight and activation dtype (default: %(default)s: the platform's "
-                            "choice: bfloat16 on CUDA, float16 for fp16 checkpoints, float32 on "
-                            "the CPU).")
-        g.add_argument("--max-model-len", type=human_readable_int, default=d.max_model_len,
-                       help="Context length in tokens (prompt + output), e.g. 4096 or 4k; "
-                            "default: the model's.")
-        g.add_argument("--seed", type=int, default=d.seed,
-                       help="Random seed of the engine (default: %(default)s).")
-        g.add_argument("--load-format", choices=LOAD_FORMAT_CHOICES, default=d.load_format,
-                       help="Weight format; 'dummy' = random weights (default: %(default)s: "
-                            "from the path).")
-        g.add_argument("--block-size", type=int, default=d.block_size,
-                       help="Tokens per KV cache block, a power of two, 1-256 "
-                            "(default: %(default)s).")
-        g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
-                       help="Fraction of total device memory the engine may use, in (0, 1] "
-                            "(default: 1.0 extensible, 0.92 classic KV cache).")
-        g.add_argument("--kv-cache-memory-bytes", type=human_readable_bytes,
-                       default=d.kv_cache_memory_bytes,
-                       help="Explicit KV cache size in bytes: 4294967296, 4GiB, 4G (binary) "
-                            "or 4GB (decimal); bypasses measured sizing (default: unset: "
-                            "measured).")
-        g.add_argument("--enable-extensible-kv-cache", action=bool_flag,
-                       default=d.enable_extensible_kv_cache,
-                       help="Reserve, warm up, measure, then grow the KV cache (default: on "
-                            "where the platform supports it; the flag makes it required).")
-        g.add_argument("--enable-elastic-kv-cache", action=bool_flag,
-                       default=d.enable_elastic_kv_cache,
-                       help="Commit KV cache memory while serving as it is needed, only into "
-                            "memory free at that moment, and return free tail blocks when "
-                            "idle, so engines share a device without tuning (implies "
-                            "--enable-extensible-kv-cache; default: off).")
-        g.add_argument("--enable-prefix-caching", action=bool_flag,
-                       default=d.enable_prefix_caching,
-                       help="Reuse KV cache blocks of shared prompt prefixes (default: on).")
-        g.add_argument("--enable-sleep-mode", action=bool_flag, default=d.enable_sleep_mode,
-                       help="Allow sleep()/wake_up() to release and restore KV cache memory "
-                            "(default: off).")
-        (cuda_seqs, cuda_tokens), (cpu_seqs, cpu_tokens) = (DEFAULT_LIMITS["cuda"],
-                                                            DEFAULT_LIMITS["cpu"])
-        g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
-                       help=f"Most requests per step, and the most samples (n) of one "
-                            f"request (default: {cuda_seqs} on CUDA, {cpu_seqs} on CPU).")
-        g.add_argument("--max-num-batched-tokens", type=human_readable_int,
-                       default=d.max_num_batched_tokens,
-                       help=f"Token budget per step (default: {cuda_tokens} on CUDA, "
-                            f"{cpu_tokens} on CPU).")
-        g.add_argument("--max-num-partial-prefills", type=int,
-                       default=d.max_num_partial_prefills,
-                       help=f"Most requests mid-prefill at once; above 1 the prefills of a step "
-                            f"share its budget, so a short prompt is not stuck behind a long "
-                            f"one (default: {DEFAULT_MAX_NUM_PARTIAL_PREFILLS}; vLLM's: 1).")
-        g.add_argument("--max-long-partial-prefills", type=int,
-                       default=d.max_long_partial_prefills,
-                       help="Most prompts longer than --long-prefill-token-threshold prefilled "
-                            "at once; shorter prompts may go ahead of the others (default: 1).")
-        g.add_argument("--long-prefill-token-threshold", type=human_readable_int,
-                       default=d.long_prefill_token_threshold,
-                       help="Prompts with more tokens to compute are long, and compute at most "
-                            "this many tokens a step (default: 0 = 4%% of --max-model-len count "
-                            "as long, no cap).")
-        g.add_argument("--async-scheduling", action=bool_flag, default=d.async_scheduling,
-                       help="Schedule and prepare the next step while the device runs this "
-                            "one; sampled tokens feed the next step on the device (default: "
-                            "on for CUDA with the 'uni' executor, off elsewhere; unsupported "
-                            "combinations fall back to synchronous with a warning).")
-        g.add_argument("--enforce-eager", action=bool_flag, default=d.enforce_eager,
-                       help="Never capture CUDA graphs (default: off).")
-        g.add_argument("-O", "--compilation-config",
-                       type=_json_type(_compilation_config_from_cli, "compilation_config"),
-                       default=d.compilation_config,
-                       help='JSON, e.g. \'{"cudagraph_capture_sizes": [1, 2, 4, 8]}\' '
-                            "(default: capture the decode batch sizes up to --max-num-seqs).")
-        g.add_argument("-tp", "--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
-                       help="Devices (ranks) to shard the model over; each rank is a process "
-                            "with its own KV cache (default: %(default)s).")
-        g.add_argument("--distributed-executor-backend", choices=EXECUTOR_BACKENDS,
-                       default=d.distributed_executor_backend,
-                       help="How the ranks run: 'uni' in the engine process (one rank), 'mp' "
-                            "one process per rank on this node, 'ray' Ray actors (several "
-                            "nodes). Default: 'uni' for one rank, 'ray' when Ray is "
-                            "initialised or the ranks outnumber this node's GPUs, else 'mp'.")
-        g.add_argument("--worker-cls", type=str, default=d.worker_cls,
-                       help="The worker class each rank runs, as 'package.module.Class' "
-                            "(a subclass of the default, for instrumentation; default: "
-                            "%(default)s).")
-        g.add_argument("--kv-transfer-config",
-                       type=_json_type(KVTransferConfig.from_cli, "kv_transfer_config"),
-                       default=d.kv_transfer_config,
-                       help='KV connector as JSON: \'{"kv_connector": ..., "kv_role": ...}\' '
-                            "(connectors: OffloadingConnector, NixlConnector; see "
-                            "docs/kv_connectors.md; default: none).")
-        g.add_argument("--generation-config", type=str, default=d.generation_config,
-                       help="Where the generation config comes from: 'auto' (the model's "
-                            "generation_config.json, or a GGUF file's metadata), 'vllm' (its "
-                            "EOS ids only, no sampling defaults), or a directory holding "
-                            "generation_config.json. Its EOS ids stop generation; its "
-                            "temperature, top_p, top_k, min_p and repetition_penalty become the "
-                            "defaults a request overrides (default: %(default)s).")
-        g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
-                       help="The most logprobs (sample or prompt) a request may ask for; -1 "
-                            "lifts the cap, so logprobs / prompt_logprobs -1 return the whole "
-                            "vocabulary (default: %(default)s).")
-        g.add_argument("--speculative-config",
-                       type=_json_type(SpeculativeConfig.from_cli, "speculative_config"),
-                       default=d.speculative_config,
-                       help='Speculative decoding as JSON (vLLM\'s keys): \'{"method": "ngram", '
-                            '"num_speculative_tokens": 4, "prompt_lookup_max": 5, '
-                            '"prompt_lookup_min": 2}\' (default: none).')
-        g.add_argument("--disable-log-stats", action="store_true", default=d.disable_log_stats,
-                       help="Do not log engine statistics periodically (default: log every 10 s).")
+        _add_model_args(g)
+        _add_cache_args(g)
+        _add_scheduler_args(g)
+        _add_execution_args(g)
+        _add_feature_args(g)
         return parser
 
     @classmethod
@@ -370,6 +257,157 @@ class EngineArgs:
         raise ValueError(
             f"kv_transfer_config must be a JSON string, dict or KVTransferConfig, got {kv!r}"
         )
+
+
+def _add_model_args(g: argparse._ArgumentGroup) -> None:
+    """The model, its weights and tokenizer, dtype, context length and seed."""
+    d = EngineArgs
+    g.add_argument("--model", type=str, default=d.model,
+                   help="HF model directory or .gguf file (default: the bundled "
+                        "SmolLM2-135M-Instruct).")
+    g.add_argument("--tokenizer", type=str, default=d.tokenizer,
+                   help="Tokenizer path (default: the model's own).")
+    g.add_argument("--dtype", choices=DTYPE_CHOICES, default=d.dtype,
+                   help="Weight and activation dtype (default: %(default)s: the platform's "
+                        "choice: bfloat16 on CUDA, float16 for fp16 checkpoints, float32 on "
+                        "the CPU).")
+    g.add_argument("--max-model-len", type=human_readable_int, default=d.max_model_len,
+                   help="Context length in tokens (prompt + output), e.g. 4096 or 4k; "
+                        "default: the model's.")
+    g.add_argument("--seed", type=int, default=d.seed,
+                   help="Random seed of the engine (default: %(default)s).")
+    g.add_argument("--load-format", choices=LOAD_FORMAT_CHOICES, default=d.load_format,
+                   help="Weight format; 'dummy' = random weights (default: %(default)s: "
+                        "from the path).")
+
+
+def _add_cache_args(g: argparse._ArgumentGroup) -> None:
+    """KV cache: block size, how much memory, extensible / elastic, prefix caching, sleep."""
+    d = EngineArgs
+    bool_flag = argparse.BooleanOptionalAction
+    g.add_argument("--block-size", type=int, default=d.block_size,
+                   help="Tokens per KV cache block, a power of two, 1-256 "
+                        "(default: %(default)s).")
+    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                   help="Fraction of total device memory the engine may use, in (0, 1] "
+                        "(default: 1.0 extensible, 0.92 classic KV cache).")
+    g.add_argument("--kv-cache-memory-bytes", type=human_readable_bytes,
+                   default=d.kv_cache_memory_bytes,
+                   help="Explicit KV cache size in bytes: 4294967296, 4GiB, 4G (binary) "
+                        "or 4GB (decimal); bypasses measured sizing (default: unset: "
+                        "measured).")
+    g.add_argument("--enable-extensible-kv-cache", action=bool_flag,
+                   default=d.enable_extensible_kv_cache,
+                   help="Reserve, warm up, measure, then grow the KV cache (default: on "
+                        "where the platform supports it; the flag makes it required).")
+    g.add_argument("--enable-elastic-kv-cache", action=bool_flag,
+                   default=d.enable_elastic_kv_cache,
+                   help="Commit KV cache memory while serving as it is needed, only into "
+                        "memory free at that moment, and return free tail blocks when "
+                        "idle, so engines share a device without tuning (implies "
+                        "--enable-extensible-kv-cache; default: off).")
+    g.add_argument("--enable-prefix-caching", action=bool_flag,
+                   default=d.enable_prefix_caching,
+                   help="Reuse KV cache blocks of shared prompt prefixes (default: on).")
+    g.add_argument("--enable-sleep-mode", action=bool_flag, default=d.enable_sleep_mode,
+                   help="Allow sleep()/wake_up() to release and restore KV cache memory "
+                        "(default: off).")
+
+
+def _add_scheduler_args(g: argparse._ArgumentGroup) -> None:
+    """Scheduler: requests and tokens per step, partial prefills, async scheduling."""
+    d = EngineArgs
+    bool_flag = argparse.BooleanOptionalAction
+    (cuda_seqs, cuda_tokens), (cpu_seqs, cpu_tokens) = (DEFAULT_LIMITS["cuda"],
+                                                        DEFAULT_LIMITS["cpu"])
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                   help=f"Most requests per step, and the most samples (n) of one "
+                        f"request (default: {cuda_seqs} on CUDA, {cpu_seqs} on CPU).")
+    g.add_argument("--max-num-batched-tokens", type=human_readable_int,
+                   default=d.max_num_batched_tokens,
+                   help=f"Token budget per step (default: {cuda_tokens} on CUDA, "
+                        f"{cpu_tokens} on CPU).")
+    g.add_argument("--max-num-partial-prefills", type=int,
+                   default=d.max_num_partial_prefills,
+                   help=f"Most requests mid-prefill at once; above 1 the prefills of a step "
+                        f"share its budget, so a short prompt is not stuck behind a long "
+                        f"one (default: {DEFAULT_MAX_NUM_PARTIAL_PREFILLS}; vLLM's: 1).")
+    g.add_argument("--max-long-partial-prefills", type=int,
+                   default=d.max_long_partial_prefills,
+                   help="Most prompts longer than --long-prefill-token-threshold prefilled "
+                        "at once; shorter prompts may go ahead of the others (default: 1).")
+    g.add_argument("--long-prefill-token-threshold", type=human_readable_int,
+                   default=d.long_prefill_token_threshold,
+                   help="Prompts with more tokens to compute are long, and compute at most "
+                        "this many tokens a step (default: 0 = 4%% of --max-model-len count "
+                        "as long, no cap).")
+    g.add_argument("--async-scheduling", action=bool_flag, default=d.async_scheduling,
+                   help="Schedule and prepare the next step while the device runs this "
+                        "one; sampled tokens feed the next step on the device (default: "
+                        "on for CUDA with the 'uni' executor, off elsewhere; unsupported "
+                        "combinations fall back to synchronous with a warning).")
+
+
+def _add_execution_args(g: argparse._ArgumentGroup) -> None:
+    """How the model runs: CUDA graphs, tensor-parallel ranks, their executor and worker."""
+    d = EngineArgs
+    bool_flag = argparse.BooleanOptionalAction
+    g.add_argument("--enforce-eager", action=bool_flag, default=d.enforce_eager,
+                   help="Never capture CUDA graphs (default: off).")
+    _add_json_config_arg(g, "-O", "--compilation-config", parse=_compilation_config_from_cli,
+                         help_text='JSON, e.g. \'{"cudagraph_capture_sizes": [1, 2, 4, 8]}\' '
+                                   "(default: capture the decode batch sizes up to "
+                                   "--max-num-seqs).")
+    g.add_argument("-tp", "--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
+                   help="Devices (ranks) to shard the model over; each rank is a process "
+                        "with its own KV cache (default: %(default)s).")
+    g.add_argument("--distributed-executor-backend", choices=EXECUTOR_BACKENDS,
+                   default=d.distributed_executor_backend,
+                   help="How the ranks run: 'uni' in the engine process (one rank), 'mp' "
+                        "one process per rank on this node, 'ray' Ray actors (several "
+                        "nodes). Default: 'uni' for one rank, 'ray' when Ray is "
+                        "initialised or the ranks outnumber this node's GPUs, else 'mp'.")
+    g.add_argument("--worker-cls", type=str, default=d.worker_cls,
+                   help="The worker class each rank runs, as 'package.module.Class' "
+                        "(a subclass of the default, for instrumentation; default: "
+                        "%(default)s).")
+
+
+def _add_feature_args(g: argparse._ArgumentGroup) -> None:
+    """KV connector, generation config, logprob cap, speculative decoding, stats logging."""
+    d = EngineArgs
+    _add_json_config_arg(g, "--kv-transfer-config", parse=KVTransferConfig.from_cli,
+                         help_text='KV connector as JSON: \'{"kv_connector": ..., "kv_role": '
+                                   '...}\' (connectors: OffloadingConnector, NixlConnector; '
+                                   "see docs/kv_connectors.md; default: none).")
+    g.add_argument("--generation-config", type=str, default=d.generation_config,
+                   help="Where the generation config comes from: 'auto' (the model's "
+                        "generation_config.json, or a GGUF file's metadata), 'vllm' (its "
+                        "EOS ids only, no sampling defaults), or a directory holding "
+                        "generation_config.json. Its EOS ids stop generation; its "
+                        "temperature, top_p, top_k, min_p and repetition_penalty become the "
+                        "defaults a request overrides (default: %(default)s).")
+    g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
+                   help="The most logprobs (sample or prompt) a request may ask for; -1 "
+                        "lifts the cap, so logprobs / prompt_logprobs -1 return the whole "
+                        "vocabulary (default: %(default)s).")
+    _add_json_config_arg(g, "--speculative-config", parse=SpeculativeConfig.from_cli,
+                         help_text='Speculative decoding as JSON (vLLM\'s keys): \'{"method": '
+                                   '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": '
+                                   '5, "prompt_lookup_min": 2}\' (default: none).')
+    g.add_argument("--disable-log-stats", action="store_true", default=d.disable_log_stats,
+                   help="Do not log engine statistics periodically (default: log every 10 s).")
+
+
+
+def _add_json_config_arg(
+    g: argparse._ArgumentGroup, *flags: str, parse: Callable[[str], Any], help_text: str
+) -> None:
+    """A flag whose value is a config as JSON: `parse` builds it (its ValueError becomes
+    argparse's usage error, message kept); the default is EngineArgs' field of that name."""
+    dest = flags[-1].removeprefix("--").replace("-", "_")
+    g.add_argument(*flags, type=_json_type(parse, dest), default=getattr(EngineArgs, dest),
+                   help=help_text)
 
 
 @dataclass

@@ -107,16 +107,18 @@ def test_unified_attention_needs_cuda_tensors():
 
 
 def test_config_and_workspace_are_checked():
-    ua, cfg = _ops(), _cfg()
+    from vllm.v1.attention.ops.unified_attention_launch import check_workspace
+
+    cfg = _cfg()
     bad = cfg.AttentionKernelConfig(block_m=8, block_n=64, num_splits=1)
     with pytest.raises(ValueError, match="block_m must be a power of two >= max"):
         _ua_check_config(bad)
     with pytest.raises(ValueError, match="block_n must be a power of two >= 16, got 24"):
         _ua_check_config(cfg.AttentionKernelConfig(block_m=16, block_n=24, num_splits=1))
     with pytest.raises(ValueError, match="workspace has 10 fp32 elements, this launch needs 99"):
-        ua._check_workspace(torch.zeros(10), 99, torch.device("cpu"))
+        check_workspace(torch.zeros(10), 99, torch.device("cpu"))
     with pytest.raises(ValueError, match="contiguous float32 on cpu"):
-        ua._check_workspace(torch.zeros(200, dtype=torch.float16), 99, torch.device("cpu"))
+        check_workspace(torch.zeros(200, dtype=torch.float16), 99, torch.device("cpu"))
 
 
 def _ua_check_config(cfg):
@@ -149,6 +151,29 @@ def test_impl_rejects_mismatched_heads():
     with pytest.raises(ValueError, match=r"kv_cache must be \[num_blocks, 2, block_size, 2, 32\]"):
         impl.forward(x["query"], None, None, torch.zeros(3, 2, 16, 4, 32), None, None)
     assert TritonAttentionBackend.name == "TRITON_ATTN"
+
+
+def test_layers_share_a_workspace_that_goes_with_the_last_of_them():
+    """One split-KV scratch per (device, heads, head size), held by the layers that use
+    it: replaced never while they live, freed with them (it used to live forever in a
+    class attribute, across every engine the process built)."""
+    import gc
+
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
+
+    a, b = TritonAttentionImpl(4, 32, 1.0, 2), TritonAttentionImpl(4, 32, 1.0, 2)
+    other = TritonAttentionImpl(8, 32, 1.0, 2)
+    cpu = torch.device("cpu")
+    shared = a._workspace(cpu)
+    assert b._workspace(cpu) is shared and a._workspace(cpu) is shared
+    assert other._workspace(cpu) is not shared
+    key = (cpu, 4, 32)
+    del a, shared
+    gc.collect()
+    assert key in TritonAttentionImpl._workspaces  # b still holds it
+    del b
+    gc.collect()
+    assert key not in TritonAttentionImpl._workspaces
 
 
 def _select(**kw):

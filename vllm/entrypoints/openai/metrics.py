@@ -2,8 +2,8 @@
 
 One `CollectorRegistry` per app (two servers in one process, or a test that
 builds several apps, never collide). `PrometheusStatLogger.record` runs on the
-engine thread after every step; prometheus-client's metrics are thread-safe,
-and `/metrics` renders the registry on the event loop.
+event loop (AsyncLLM's output handler) for every batch from the engine core,
+and `/metrics` renders the registry there too.
 
 Counters whose source is cumulative in `SchedulerStats` (preemptions, prefix
 cache hits / queries, KV connector hits, speculative-decoding drafts and
@@ -71,6 +71,34 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
         exponent += 1
 
 
+def _new_registry() -> CollectorRegistry:
+    """A registry with what vLLM's default registry shows besides vllm:*: process_*
+    (CPU, memory, fds) and python_* (GC, version); each collector belongs to one registry."""
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
+    return registry
+
+
+class _LabelledMetrics:
+    """Creates metrics in one registry with the `model_name` label, bound to one model."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.registry = registry
+        self.model_name = model_name
+
+    def gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(name, doc, ["model_name"], registry=self.registry).labels(self.model_name)
+
+    def counter(self, name: str, doc: str) -> Counter:
+        return Counter(name, doc, ["model_name"], registry=self.registry).labels(self.model_name)
+
+    def histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(name, doc, ["model_name"], buckets=buckets,
+                         registry=self.registry).labels(self.model_name)
+
+
 class PrometheusStatLogger:
     """Feeds the engine's per-step statistics into a per-app Prometheus registry.
 
@@ -86,112 +114,17 @@ class PrometheusStatLogger:
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None,
                  max_model_len: int = 8192,
                  cache_config_info: dict[str, str] | None = None) -> None:
-        if registry is None:
-            registry = CollectorRegistry()
-            # What vLLM's default registry shows besides vllm:*: process_* (CPU,
-            # memory, fds) and python_* (GC, version); each belongs to one registry.
-            ProcessCollector(registry=registry)
-            PlatformCollector(registry=registry)
-            GCCollector(registry=registry)
-        self.registry = registry
-        labels = ["model_name"]
-        r = self.registry
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=r).labels(model_name)
-
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, labels, registry=r).labels(model_name)
-
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
-
-        self.num_requests_running = gauge(
-            "vllm:num_requests_running", "Requests in the running batch.")
-        self.num_requests_waiting = gauge(
-            "vllm:num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_cache_usage = gauge(
-            "vllm:kv_cache_usage_perc", "KV cache usage: fraction of usable blocks held, 0-1.")
-        self.kv_cache_committed_bytes = gauge(
-            "vllm:kv_cache_committed_bytes",
-            "KV cache bytes backed by physical memory (committed pages).")
-        self.kv_cache_reserved_bytes = gauge(
-            "vllm:kv_cache_reserved_bytes",
-            "KV cache virtual address space reserved, bytes (= committed on the classic path).")
-        self.kv_cache_num_blocks = gauge(
-            "vllm:kv_cache_num_blocks", "KV cache blocks in the pool (including the null block).")
-        self.kv_cache_elastic_grows = counter(
-            "vllm:kv_cache_elastic_grows",
-            "Times the elastic KV cache grew (more blocks) while serving.")
-        self.kv_cache_elastic_shrinks = counter(
-            "vllm:kv_cache_elastic_shrinks",
-            "Times the elastic KV cache released free tail blocks.")
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens processed.")
-        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
-        self.num_preemptions = counter("vllm:num_preemptions", "Preemptions (by recompute).")
-        self.prefix_cache_queries = counter(
-            "vllm:prefix_cache_queries", "Tokens looked up in the prefix cache.")
-        self.prefix_cache_hits = counter(
-            "vllm:prefix_cache_hits", "Tokens served from the prefix cache.")
-        self.external_prefix_cache_queries = counter(
-            "vllm:external_prefix_cache_queries",
-            "Tokens looked up by the KV connector (beyond the local prefix-cache hit).")
-        self.external_prefix_cache_hits = counter(
-            "vllm:external_prefix_cache_hits",
-            "Tokens loaded by the KV connector (host offload or another instance).")
-        self.prompt_tokens_by_source = Counter(
-            "vllm:prompt_tokens_by_source", "Prompt tokens by where their KV came from.",
-            ["model_name", "source"], registry=r)
-        self._request_success = Counter(
-            "vllm:request_success", "Finished requests, by finish reason.",
-            ["model_name", "finished_reason"], registry=r)
+        self.registry = registry if registry is not None else _new_registry()
         self._model_name = model_name
-        # Every finish reason exists from the start (0), as in vLLM, so dashboards and
-        # alerts over it have a series before the first request finishes.
-        for reason in ("stop", "length", "abort"):
-            self._request_success.labels(model_name, reason)
-        self.time_to_first_token = histogram(
-            "vllm:time_to_first_token_seconds", "Time to first token, seconds.", _TTFT_BUCKETS)
-        self.inter_token_latency = histogram(
-            "vllm:inter_token_latency_seconds", "Time between two output tokens, seconds.",
-            _ITL_BUCKETS)
-        self.e2e_request_latency = histogram(
-            "vllm:e2e_request_latency_seconds", "Arrival to last token, seconds.",
-            _REQUEST_LATENCY_BUCKETS)
-        # vLLM's older name for the inter-token latency; the same observations.
-        self.time_per_output_token = histogram(
-            "vllm:time_per_output_token_seconds",
-            "Time per output token (between two output tokens), seconds.", _ITL_BUCKETS)
-        token_buckets = tuple(build_1_2_5_buckets(max_model_len))
-        self.request_prompt_tokens = histogram(
-            "vllm:request_prompt_tokens", "Prompt tokens of each finished request.",
-            token_buckets)
-        self.request_generation_tokens = histogram(
-            "vllm:request_generation_tokens", "Generated tokens of each finished request.",
-            token_buckets)
-        self.iteration_tokens = histogram(
-            "vllm:iteration_tokens_total",
-            "Tokens per engine step (prompt tokens of requests that got their first token "
-            "plus generated tokens).", _ITERATION_TOKENS_BUCKETS)
-        self.request_queue_time = histogram(
-            "vllm:request_queue_time_seconds",
-            "Time in the WAITING phase: arrival to first scheduled, seconds.",
-            _REQUEST_LATENCY_BUCKETS)
-        self.request_prefill_time = histogram(
-            "vllm:request_prefill_time_seconds",
-            "Time in the PREFILL phase: first scheduled to first token, seconds.",
-            _REQUEST_LATENCY_BUCKETS)
-        self.request_decode_time = histogram(
-            "vllm:request_decode_time_seconds",
-            "Time in the DECODE phase: first token to last token, seconds.",
-            _REQUEST_LATENCY_BUCKETS)
-        self.request_inference_time = histogram(
-            "vllm:request_inference_time_seconds",
-            "Time in the RUNNING phase: first scheduled to last token, seconds.",
-            _REQUEST_LATENCY_BUCKETS)
+        # Created in this order, which is the order of /metrics' text.
+        make = _LabelledMetrics(self.registry, model_name)
+        self._add_state_metrics(make)
+        self._add_token_counters(make)
+        self._add_latency_histograms(make)
+        self._add_request_histograms(make, max_model_len)
         if cache_config_info is not None:
             info = Gauge("vllm:cache_config_info", "Information of the engine's CacheConfig.",
-                         sorted(cache_config_info), registry=r)
+                         sorted(cache_config_info), registry=self.registry)
             info.labels(**cache_config_info).set(1)
         # Cumulative scheduler figures seen at the previous record.
         self._last_preemptions = 0
@@ -201,6 +134,103 @@ class PrometheusStatLogger:
         self._spec: SpecDecodingProm | None = None  # created with the first spec stats
         self._last_grows = 0
         self._last_shrinks = 0
+
+    def _add_state_metrics(self, make: _LabelledMetrics) -> None:
+        """The batch and the KV cache as they are now (gauges), and the elastic cache's
+        grows and shrinks."""
+        self.num_requests_running = make.gauge(
+            "vllm:num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = make.gauge(
+            "vllm:num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage = make.gauge(
+            "vllm:kv_cache_usage_perc", "KV cache usage: fraction of usable blocks held, 0-1.")
+        self.kv_cache_committed_bytes = make.gauge(
+            "vllm:kv_cache_committed_bytes",
+            "KV cache bytes backed by physical memory (committed pages).")
+        self.kv_cache_reserved_bytes = make.gauge(
+            "vllm:kv_cache_reserved_bytes",
+            "KV cache virtual address space reserved, bytes (= committed on the classic path).")
+        self.kv_cache_num_blocks = make.gauge(
+            "vllm:kv_cache_num_blocks", "KV cache blocks in the pool (including the null block).")
+        self.kv_cache_elastic_grows = make.counter(
+            "vllm:kv_cache_elastic_grows",
+            "Times the elastic KV cache grew (more blocks) while serving.")
+        self.kv_cache_elastic_shrinks = make.counter(
+            "vllm:kv_cache_elastic_shrinks",
+            "Times the elastic KV cache released free tail blocks.")
+
+    def _add_token_counters(self, make: _LabelledMetrics) -> None:
+        """Tokens processed, preemptions, prefix-cache and KV-connector lookups, and
+        finished requests by reason."""
+        self.prompt_tokens = make.counter("vllm:prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = make.counter("vllm:generation_tokens", "Tokens generated.")
+        self.num_preemptions = make.counter("vllm:num_preemptions", "Preemptions (by recompute).")
+        self.prefix_cache_queries = make.counter(
+            "vllm:prefix_cache_queries", "Tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = make.counter(
+            "vllm:prefix_cache_hits", "Tokens served from the prefix cache.")
+        self.external_prefix_cache_queries = make.counter(
+            "vllm:external_prefix_cache_queries",
+            "Tokens looked up by the KV connector (beyond the local prefix-cache hit).")
+        self.external_prefix_cache_hits = make.counter(
+            "vllm:external_prefix_cache_hits",
+            "Tokens loaded by the KV connector (host offload or another instance).")
+        self.prompt_tokens_by_source = Counter(
+            "vllm:prompt_tokens_by_source", "Prompt tokens by where their KV came from.",
+            ["model_name", "source"], registry=self.registry)
+        self._request_success = Counter(
+            "vllm:request_success", "Finished requests, by finish reason.",
+            ["model_name", "finished_reason"], registry=self.registry)
+        # Every finish reason exists from the start (0), as in vLLM, so dashboards and
+        # alerts over it have a series before the first request finishes.
+        for reason in ("stop", "length", "abort"):
+            self._request_success.labels(self._model_name, reason)
+
+    def _add_latency_histograms(self, make: _LabelledMetrics) -> None:
+        """Per-token and end-to-end latencies (seconds)."""
+        self.time_to_first_token = make.histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token, seconds.", _TTFT_BUCKETS)
+        self.inter_token_latency = make.histogram(
+            "vllm:inter_token_latency_seconds", "Time between two output tokens, seconds.",
+            _ITL_BUCKETS)
+        self.e2e_request_latency = make.histogram(
+            "vllm:e2e_request_latency_seconds", "Arrival to last token, seconds.",
+            _REQUEST_LATENCY_BUCKETS)
+        # vLLM's older name for the inter-token latency; the same observations.
+        self.time_per_output_token = make.histogram(
+            "vllm:time_per_output_token_seconds",
+            "Time per output token (between two output tokens), seconds.", _ITL_BUCKETS)
+
+    def _add_request_histograms(self, make: _LabelledMetrics, max_model_len: int) -> None:
+        """Token counts of finished requests and engine steps, and each request's time
+        in every phase (seconds)."""
+        token_buckets = tuple(build_1_2_5_buckets(max_model_len))
+        self.request_prompt_tokens = make.histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens of each finished request.",
+            token_buckets)
+        self.request_generation_tokens = make.histogram(
+            "vllm:request_generation_tokens", "Generated tokens of each finished request.",
+            token_buckets)
+        self.iteration_tokens = make.histogram(
+            "vllm:iteration_tokens_total",
+            "Tokens per engine step (prompt tokens of requests that got their first token "
+            "plus generated tokens).", _ITERATION_TOKENS_BUCKETS)
+        self.request_queue_time = make.histogram(
+            "vllm:request_queue_time_seconds",
+            "Time in the WAITING phase: arrival to first scheduled, seconds.",
+            _REQUEST_LATENCY_BUCKETS)
+        self.request_prefill_time = make.histogram(
+            "vllm:request_prefill_time_seconds",
+            "Time in the PREFILL phase: first scheduled to first token, seconds.",
+            _REQUEST_LATENCY_BUCKETS)
+        self.request_decode_time = make.histogram(
+            "vllm:request_decode_time_seconds",
+            "Time in the DECODE phase: first token to last token, seconds.",
+            _REQUEST_LATENCY_BUCKETS)
+        self.request_inference_time = make.histogram(
+            "vllm:request_inference_time_seconds",
+            "Time in the RUNNING phase: first scheduled to last token, seconds.",
+            _REQUEST_LATENCY_BUCKETS)
 
     def _record_external(self, s: SchedulerStats) -> None:
         """KV connector counters and prompt tokens by source (cumulative in the scheduler)."""
@@ -280,10 +310,18 @@ class PrometheusStatLogger:
         return generate_latest(self.registry)
 
 
-def cache_config_info(cache_config: Any) -> dict[str, str]:
-    """`vllm:cache_config_info` labels: the CacheConfig's public fields as strings."""
-    return {f.name: str(getattr(cache_config, f.name)) for f in dataclasses.fields(cache_config)
-            if not f.name.startswith("_")}
+def cache_config_info(cache_config: Any, plan: Any = None) -> dict[str, str]:
+    """`vllm:cache_config_info` labels: the CacheConfig's public fields as strings, with
+    what the engine's `StartupPlan` resolved (the KV cache path, the utilization in
+    force) where the user left a field to its default."""
+    labels = {f.name: str(getattr(cache_config, f.name))
+              for f in dataclasses.fields(cache_config) if not f.name.startswith("_")}
+    if plan is not None:
+        labels["enable_extensible_kv_cache"] = str(plan.extensible_kv_cache)
+        labels["gpu_memory_utilization"] = str(plan.gpu_memory_utilization)
+    return labels
+
+
 class SpecDecodingProm:
     """vLLM's `vllm:spec_decode_*` counters, fed from cumulative `SpecDecodingStats`.
 
@@ -293,9 +331,7 @@ class SpecDecodingProm:
     """
 
     def __init__(self, registry: CollectorRegistry, model_name: str, num_spec_tokens: int) -> None:
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, ["model_name"], registry=registry).labels(model_name)
-
+        counter = _LabelledMetrics(registry, model_name).counter
         self.num_drafts = counter("vllm:spec_decode_num_drafts", "Draft verifications.")
         self.num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Draft tokens.")
         self.num_accepted_tokens = counter(

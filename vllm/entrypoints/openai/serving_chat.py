@@ -40,7 +40,6 @@ from vllm.entrypoints.openai.serving_engine import (
     sse,
     sse_response,
     stream_error_event,
-    stream_settings,
     usage_info,
 )
 
@@ -93,14 +92,13 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(
         self, request: ChatCompletionRequest
     ) -> JSONResponse | StreamingResponse:
-        """Serve one request.
+        """Serve one chat request: the messages through the chat template, one engine
+        request, its `n` choices whole or as SSE chunks.
 
         Raises:
             APIError: 400 invalid input, 404 unknown model, 500/503 engine failures.
         """
-        model_name = self.models.resolve(request.model)
-        self._check_unsupported(request)
-        stream, include_usage, continuous_usage = stream_settings(request)
+        model_name, stream, include_usage, continuous_usage = self.open_request(request)
         top_logprobs = request.top_logprobs or 0
         use_completion_tokens = request.max_completion_tokens is not None
         params = build_sampling_params(
@@ -163,7 +161,8 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
 
     async def _render(self, request: ChatCompletionRequest) -> dict:
-        """The conversation as {"prompt", "prompt_token_ids"} (on the engine thread)."""
+        """The conversation as {"prompt", "prompt_token_ids"} (rendered and encoded on
+        AsyncLLM's render and tokenizer threads)."""
         return await render_chat(
             self.engine_client,
             [m.model_dump(exclude_none=True) for m in request.messages],

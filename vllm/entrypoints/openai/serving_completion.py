@@ -35,7 +35,6 @@ from vllm.entrypoints.openai.serving_engine import (
     sse,
     sse_response,
     stream_error_event,
-    stream_settings,
     usage_info,
 )
 
@@ -97,14 +96,13 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(
         self, request: CompletionRequest
     ) -> JSONResponse | StreamingResponse:
-        """Serve one request.
+        """Serve one completions request: one engine request per prompt, their
+        choices whole or as SSE chunks.
 
         Raises:
             APIError: 400 invalid input, 404 unknown model, 500/503 engine failures.
         """
-        model_name = self.models.resolve(request.model)
-        self._check_unsupported(request)
-        stream, include_usage, continuous_usage = stream_settings(request)
+        model_name, stream, include_usage, continuous_usage = self.open_request(request)
         prompts = _normalise_prompts(request.prompt)
         # vLLM: echo with logprobs returns the prompt's logprobs too (as many top entries).
         prompt_logprobs = request.prompt_logprobs

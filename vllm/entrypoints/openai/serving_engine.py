@@ -163,7 +163,32 @@ def build_sampling_params(
     Raises:
         APIError(400): a value SamplingParams rejects; `param` names the request field.
     """
-    renamed = renamed or {}
+    kwargs = _request_sampling_kwargs(request, logprobs, prompt_logprobs)
+    for name, value in (defaults or {}).items():
+        kwargs.setdefault(name, value)
+    if request.kv_transfer_params is not None:
+        kwargs["extra_args"] = {"kv_transfer_params": request.kv_transfer_params}
+    kwargs["max_tokens"] = max_tokens  # None is meaningful: "as many as fit"
+    kwargs["output_kind"] = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+    try:
+        params = SamplingParams(**kwargs)
+        params.verify_vocab(vocab_size)
+    except ValueError as e:
+        raise validation_error(e, renamed or {}) from e
+    except TypeError as e:
+        raise APIError(400, str(e)) from e
+    return params
+
+
+def _request_sampling_kwargs(
+    request: SamplingFields, logprobs: int | None, prompt_logprobs: int | None
+) -> dict[str, Any]:
+    """The SamplingParams fields the request sets (None values left out, so the
+    model's defaults and SamplingParams' own fill them).
+
+    Raises:
+        APIError(400, param "logit_bias"): a logit_bias key that is not a token id.
+    """
     logit_bias = None
     if request.logit_bias is not None:
         try:
@@ -191,21 +216,7 @@ def build_sampling_params(
         "spaces_between_special_tokens": request.spaces_between_special_tokens,
         "logit_bias": logit_bias,
     }
-    kwargs = {k: v for k, v in kwargs.items() if v is not None}
-    for name, value in (defaults or {}).items():
-        kwargs.setdefault(name, value)
-    if request.kv_transfer_params is not None:
-        kwargs["extra_args"] = {"kv_transfer_params": request.kv_transfer_params}
-    kwargs["max_tokens"] = max_tokens  # None is meaningful: "as many as fit"
-    kwargs["output_kind"] = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
-    try:
-        params = SamplingParams(**kwargs)
-        params.verify_vocab(vocab_size)
-    except ValueError as e:
-        raise validation_error(e, renamed) from e
-    except TypeError as e:
-        raise APIError(400, str(e)) from e
-    return params
+    return {k: v for k, v in kwargs.items() if v is not None}
 
 
 class OpenAIServing:
@@ -214,10 +225,27 @@ class OpenAIServing:
     def __init__(self, engine_client: AsyncLLM, models: ServedModels) -> None:
         self.engine_client = engine_client
         self.models = models
-        self.max_model_len = engine_client.model_config.max_model_len
+        self.max_model_len = engine_client.max_model_len  # fitted to the KV cache
         self.vocab_size = engine_client.model_config.get_vocab_size()
         # The generation config's temperature, top_p, ... for fields a request leaves unset.
         self.default_sampling_params = engine_client.model_config.get_diff_sampling_param()
+
+    def open_request(self, request: SamplingFields) -> tuple[str, bool, bool, bool]:
+        """The preamble of a completions or chat request, before any work is done:
+        (served model name, stream, include_usage, continuous_usage).
+
+        Raises:
+            APIError: 404 an unknown model; 400 a field this server refuses
+                (`_check_unsupported`) or stream_options without stream=true.
+        """
+        model_name = self.models.resolve(request.model)
+        self._check_unsupported(request)
+        return (model_name, *stream_settings(request))
+
+    @staticmethod
+    def _check_unsupported(request: SamplingFields) -> None:
+        """Refuse the fields this server cannot honour (endpoints add their own)."""
+        reject_unsupported_fields(request)
 
     async def admit(
         self, request_id: str, prompt: PromptType, params: SamplingParams,

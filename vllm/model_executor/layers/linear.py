@@ -117,6 +117,20 @@ def takes_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     )
 
 
+def _check_not_stacked(layer: nn.Module, shard_id: object) -> None:
+    """A layer loaded from one whole checkpoint tensor refuses a shard id (ValueError)."""
+    if shard_id is not None:
+        raise ValueError(f"{type(layer).__name__} is not stacked; got shard id {shard_id!r}")
+
+
+def _copy_shard(target: torch.Tensor, shard: torch.Tensor, what: str = "") -> None:
+    """Copy a checkpoint `shard` into `target` (a parameter or a slice of one) after
+    checking the shapes agree (ValueError naming both, and `what`)."""
+    check_shape(target, shard, what)
+    with torch.no_grad():
+        target.copy_(shard)
+
+
 class LinearBase(nn.Module):
     """Holds `weight` [output_size_per_partition, input_size_per_partition] and optional `bias`."""
 
@@ -195,12 +209,9 @@ class ColumnParallelLinear(LinearBase):
         self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: object = None
     ) -> None:
         """Copy this rank's rows of the full weight (or bias) `loaded_weight`."""
-        if shard_id is not None:
-            raise ValueError(f"{type(self).__name__} is not stacked; got shard id {shard_id!r}")
-        shard = narrow_to_rank(loaded_weight, 0, param.shape[0], self.tp_rank, self.tp_size)
-        check_shape(param, shard)
-        with torch.no_grad():
-            param.copy_(shard)
+        _check_not_stacked(self, shard_id)
+        _copy_shard(param, narrow_to_rank(loaded_weight, 0, param.shape[0], self.tp_rank,
+                                          self.tp_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear_forward(x, self.weight, self.bias)
@@ -255,9 +266,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         sizes = [size // self.tp_size for size in self.output_sizes]
         target = param.narrow(0, sum(sizes[:shard_id]), sizes[shard_id])
         shard = narrow_to_rank(loaded_weight, 0, sizes[shard_id], self.tp_rank, self.tp_size)
-        check_shape(target, shard, f"shard {shard_id}")
-        with torch.no_grad():
-            target.copy_(shard)
+        _copy_shard(target, shard, f"shard {shard_id}")
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -330,9 +339,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             raise ValueError(f"shard id must be 'q', 'k' or 'v', got {shard_id!r}")
         target = param.narrow(0, offset, size)
         check_rows(loaded_weight, 0, total * d, f"shard {shard_id!r}")
-        check_shape(target, loaded_weight.narrow(0, start * d, size), f"shard {shard_id!r}")
-        with torch.no_grad():
-            target.copy_(loaded_weight.narrow(0, start * d, size))
+        _copy_shard(target, loaded_weight.narrow(0, start * d, size), f"shard {shard_id!r}")
 
 
 class RowParallelLinear(LinearBase):
@@ -388,13 +395,9 @@ class RowParallelLinear(LinearBase):
         self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: object = None
     ) -> None:
         """Copy this rank's input columns of the full weight `loaded_weight`."""
-        if shard_id is not None:
-            raise ValueError(f"{type(self).__name__} is not stacked; got shard id {shard_id!r}")
+        _check_not_stacked(self, shard_id)
         check_rows(loaded_weight, 1, self.input_size)
-        shard = loaded_weight.narrow(1, self.input_start, param.shape[1])
-        check_shape(param, shard)
-        with torch.no_grad():
-            param.copy_(shard)
+        _copy_shard(param, loaded_weight.narrow(1, self.input_start, param.shape[1]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

@@ -91,23 +91,6 @@ class ParallelLMHead(VocabParallelEmbedding):
     (tied word embeddings): the checkpoint then needs no `lm_head.weight`.
     """
 
-    def __init__(
-        self,
-        num_embeddings: int,
-        embedding_dim: int,
-        *,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        params_dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__(
-            num_embeddings,
-            embedding_dim,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-            params_dtype=params_dtype,
-        )
-
     def tie_weights(self, embedding: VocabParallelEmbedding) -> None:
         """Share `embedding.weight` (same shape and sharding required)."""
         if embedding.weight.shape != self.weight.shape:

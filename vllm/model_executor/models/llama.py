@@ -16,7 +16,7 @@ logic, no host sync and no data-dependent shape (CUDA-graph safe).
 Subclasses change one piece by overriding a class attribute:
 `LlamaForCausalLM.model_cls`, `LlamaModel.decoder_layer_cls`,
 `LlamaDecoderLayer.attention_cls`, and on the attention the `qkv_bias` /
-`o_proj_bias` rules and the `qk_norm` hook.
+`o_proj_bias` rules and the `qk_norm` hook (with `build_qk_norm` for its modules).
 """
 
 from __future__ import annotations
@@ -140,6 +140,7 @@ class LlamaAttention(nn.Module):
             num_kv_heads=self.num_kv_heads,
             prefix=f"{prefix}.attn",
         )
+        self.build_qk_norm(config)
 
     @staticmethod
     def qkv_bias(config: PretrainedConfig) -> bool:
@@ -148,6 +149,9 @@ class LlamaAttention(nn.Module):
     @staticmethod
     def o_proj_bias(config: PretrainedConfig) -> bool:
         return bool(getattr(config, "attention_bias", False))
+
+    def build_qk_norm(self, config: PretrainedConfig) -> None:
+        """Hook at the end of `__init__`: create the modules `qk_norm` uses (none for Llama)."""
 
     def qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Hook between the projection and rope (identity for Llama)."""

@@ -10,7 +10,6 @@ import torch
 from transformers import PretrainedConfig
 
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaModel
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 
@@ -18,16 +17,7 @@ from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 class Qwen3Attention(LlamaAttention):
     """Adds q_norm / k_norm: RMSNorm over head_dim, applied to every head."""
 
-    def __init__(
-        self,
-        config: PretrainedConfig,
-        rotary_emb: RotaryEmbedding,
-        *,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        prefix: str = "",
-    ) -> None:
-        super().__init__(config, rotary_emb, tp_rank=tp_rank, tp_size=tp_size, prefix=prefix)
+    def build_qk_norm(self, config: PretrainedConfig) -> None:
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 

@@ -90,6 +90,14 @@ class KVCacheManager:
         """Change the block count; see BlockPool.resize (a shrink drops free tail blocks)."""
         self.block_pool.resize(num_blocks)
 
+    def num_free_tail_blocks(self) -> int:
+        """Free blocks at the end of the id range (what a shrink may drop)."""
+        return self.block_pool.num_free_tail_blocks()
+
+    def prefer_blocks_below(self, num_blocks: int | None) -> None:
+        """Hand out ids below `num_blocks` first (None: LRU order); see BlockPool."""
+        self.block_pool.prefer_blocks_below(num_blocks)
+
     def reset_prefix_cache(self) -> bool:
         """Forget all cached hashes; False while any block is in use."""
         return self.block_pool.reset_prefix_cache()
@@ -168,35 +176,43 @@ class KVCacheManager:
             raise ValueError(f"num_new_tokens must be >= 1, got {num_new_tokens}")
         new_computed_blocks = new_computed_blocks or []
         req_id = request.request_id
-        req_blocks = self.req_to_blocks.get(req_id, [])
+        num_held = len(self.req_to_blocks.get(req_id, [])) + len(new_computed_blocks)
         num_computed = request.num_computed_tokens + num_new_computed_tokens + num_external_tokens
         num_slots = min(num_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
-        num_new_blocks = (
-            cdiv(num_slots, self.block_size) - len(req_blocks) - len(new_computed_blocks)
-        )
-
+        num_new_blocks = cdiv(num_slots, self.block_size) - num_held
         # Hits sitting in the free queue stop being free once touched.
         num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_new_blocks > self.block_pool.get_num_free_blocks() - num_evictable_hits:
             return None
 
         first_allocation = req_id not in self.req_to_blocks
-        self.block_pool.touch(new_computed_blocks)
-        req_blocks = self.req_to_blocks.setdefault(req_id, req_blocks)
-        req_blocks.extend(new_computed_blocks)
-        if new_computed_blocks:
-            self.num_cached_block[req_id] = len(req_blocks)
-        new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
-        req_blocks.extend(new_blocks)
-
+        new_blocks = self._append_blocks(req_id, new_computed_blocks, max(num_new_blocks, 0))
         if first_allocation and self.reads_prefix_cache(request):
-            stats = self.prefix_cache_stats
-            stats.requests += 1
-            stats.queries += request.num_tokens
-            stats.hits += num_new_computed_tokens
+            self._count_prefix_lookup(request, num_new_computed_tokens)
         if self.enable_caching and not num_external_tokens:
             self._cache_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
         return new_blocks
+
+    def _append_blocks(
+        self, req_id: str, hits: list[KVCacheBlock], num_new_blocks: int
+    ) -> list[KVCacheBlock]:
+        """Append the prefix-cache `hits` (taking a reference; they count as cached) and
+        `num_new_blocks` fresh blocks to the request's blocks; returns the fresh ones."""
+        self.block_pool.touch(hits)
+        req_blocks = self.req_to_blocks.setdefault(req_id, [])
+        req_blocks.extend(hits)
+        if hits:
+            self.num_cached_block[req_id] = len(req_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        req_blocks.extend(new_blocks)
+        return new_blocks
+
+    def _count_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        """Add one admission's lookup to `prefix_cache_stats` (tokens)."""
+        stats = self.prefix_cache_stats
+        stats.requests += 1
+        stats.queries += request.num_tokens
+        stats.hits += num_hit_tokens
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (the sequence end is evicted first)."""

@@ -115,47 +115,24 @@ def build_sampling_metadata(
     Raises:
         ValueError: mismatched lengths, or a generator for a row outside [0, N).
     """
-    n = len(sampling_params)
-    if len(prompt_token_ids) != n or len(output_token_ids) != n:
-        raise ValueError(
-            f"sampling_params ({n}), prompt_token_ids ({len(prompt_token_ids)}) and "
-            f"output_token_ids ({len(output_token_ids)}) must have one entry per row"
-        )
-    bad_rows = [r for r in generators if not 0 <= r < n]
-    if bad_rows:
-        raise ValueError(f"generators has rows {bad_rows} outside the batch of {n} rows")
+    _check_rows(sampling_params, prompt_token_ids, output_token_ids, generators)
     greedy = [p.sampling_type == SamplingType.GREEDY for p in sampling_params]
     all_greedy, all_random = all(greedy), not any(greedy)
-
-    def optional(values: list, off, dtype: torch.dtype) -> torch.Tensor | None:
-        # Greedy rows ignore truncation; only random rows decide if a tensor is needed.
-        used = any(v != off for v, g in zip(values, greedy, strict=True) if not g)
-        return _row_tensor(values, dtype, device) if used else None
-
     temperature = None
     if not all_greedy:
         temperature = _row_tensor([p.temperature for p in sampling_params], torch.float32, device)
-    no_penalties = all(
-        p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0
-        for p in sampling_params
+    no_penalties, penalties, prompt_tensor = _penalties(
+        sampling_params, prompt_token_ids, vocab_size, device
     )
-    penalties: list[torch.Tensor | None] = [None, None, None]
-    prompt_tensor = None
-    if not no_penalties:
-        penalties = [
-            _row_tensor([getattr(p, name) for p in sampling_params], torch.float32, device)
-            for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")
-        ]
-        prompt_tensor = pad_token_lists(prompt_token_ids, vocab_size, device)
+    top_p, top_k, min_p = _truncation(sampling_params, greedy, vocab_size, device)
     asked = [p.logprobs for p in sampling_params if p.logprobs is not None]
     return SamplingMetadata(
         temperature=temperature,
         all_greedy=all_greedy,
         all_random=all_random,
-        top_p=optional([p.top_p for p in sampling_params], 1.0, torch.float32),
-        top_k=optional([min(p.top_k, vocab_size) or vocab_size for p in sampling_params],
-                       vocab_size, torch.int64),
-        min_p=optional([p.min_p for p in sampling_params], 0.0, torch.float32),
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
         generators=generators,
         max_num_logprobs=max(asked) if asked else None,
         no_penalties=no_penalties,
@@ -166,6 +143,52 @@ def build_sampling_metadata(
         output_token_ids=output_token_ids,
         min_tokens=_min_tokens_mask(sampling_params, output_token_ids, vocab_size, device),
         logit_bias=_logit_bias(sampling_params, vocab_size, device),
+    )
+
+
+def _check_rows(sampling_params, prompt_token_ids, output_token_ids, generators) -> None:
+    """Raise ValueError unless every per-row input has N entries and every generator's
+    row is in [0, N)."""
+    n = len(sampling_params)
+    if len(prompt_token_ids) != n or len(output_token_ids) != n:
+        raise ValueError(
+            f"sampling_params ({n}), prompt_token_ids ({len(prompt_token_ids)}) and "
+            f"output_token_ids ({len(output_token_ids)}) must have one entry per row"
+        )
+    bad_rows = [r for r in generators if not 0 <= r < n]
+    if bad_rows:
+        raise ValueError(f"generators has rows {bad_rows} outside the batch of {n} rows")
+
+
+def _penalties(sampling_params, prompt_token_ids, vocab_size, device):
+    """(no_penalties, [presence, frequency, repetition] [N] float32 or Nones, the padded
+    prompts [N, max_prompt_len] int64 or None): tensors only when some row uses a penalty."""
+    no_penalties = all(
+        p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0
+        for p in sampling_params
+    )
+    if no_penalties:
+        return True, [None, None, None], None
+    penalties = [
+        _row_tensor([getattr(p, name) for p in sampling_params], torch.float32, device)
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")
+    ]
+    return False, penalties, pad_token_lists(prompt_token_ids, vocab_size, device)
+
+
+def _truncation(sampling_params, greedy: list[bool], vocab_size: int, device):
+    """(top_p, top_k, min_p) [N] tensors, each None when no random row uses it (greedy
+    rows ignore truncation, so they never make one needed)."""
+
+    def optional(values: list, off, dtype: torch.dtype) -> torch.Tensor | None:
+        used = any(v != off for v, g in zip(values, greedy, strict=True) if not g)
+        return _row_tensor(values, dtype, device) if used else None
+
+    return (
+        optional([p.top_p for p in sampling_params], 1.0, torch.float32),
+        optional([min(p.top_k, vocab_size) or vocab_size for p in sampling_params],
+                 vocab_size, torch.int64),
+        optional([p.min_p for p in sampling_params], 0.0, torch.float32),
     )
 
 

@@ -72,31 +72,54 @@ class RejectionSampler:
             )
         if metadata.all_greedy:
             return _verify_greedy(draft_token_ids, target_logits)
-        device = target_logits.device
-        r, k = len(num_draft), max(num_draft, default=0)
-        starts = _starts(num_draft)
-        nd = torch.tensor(num_draft, dtype=torch.int64)
-        pos = torch.arange(k + 1, dtype=torch.int64)
-        # Flat row of (request, position), clamped to the request's last position.
-        flat = (starts.unsqueeze(1) + torch.minimum(pos.unsqueeze(0), nd.unsqueeze(1))).to(device)
-        valid = (pos[:k].unsqueeze(0) < nd.unsqueeze(1)).to(device)  # [R, K]
-        drafts = torch.zeros(r, k, dtype=torch.int64)
-        for i, d in enumerate(draft_token_ids):
-            drafts[i, : len(d)] = torch.tensor(d, dtype=torch.int64)
-        drafts = drafts.to(device)
-
+        starts, nd, flat, valid, drafts = _draft_layout(
+            draft_token_ids, num_draft, target_logits.device
+        )
         logits = target_logits.to(torch.float32)
         out_greedy = out_random = None
         if not metadata.all_random:
-            target = logits.argmax(dim=-1)[flat]  # [R, K + 1]
-            match = (drafts == target[:, :k]) & valid
-            accepted = match.to(torch.int64).cumprod(dim=1).sum(dim=1)
-            out_greedy = (target, accepted)
+            out_greedy = _verify_argmax(logits, flat, drafts, valid)
         if not metadata.all_greedy:
             probs = _target_probs(logits, metadata)
             out_random = _verify_random(probs, flat, drafts, valid, nd, generators, draft_probs)
-        is_greedy = _row_is_greedy(metadata, starts, r)
+        is_greedy = _row_is_greedy(metadata, starts, len(num_draft))
         return _to_lists(out_greedy, out_random, drafts, is_greedy)
+
+
+def _draft_layout(
+    draft_token_ids: list[list[int]], num_draft: list[int], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The drafts as padded tensors, K = max k_r::
+
+        starts [R] int64 (host)  flat index of request r's first position
+        nd     [R] int64 (host)  k_r
+        flat   [R, K + 1] int64  flat row of (r, position j), clamped to r's last position
+        valid  [R, K] bool       j < k_r
+        drafts [R, K] int64      d_j, 0 past k_r
+    """
+    r, k = len(num_draft), max(num_draft, default=0)
+    starts = _starts(num_draft)
+    nd = torch.tensor(num_draft, dtype=torch.int64)
+    pos = torch.arange(k + 1, dtype=torch.int64)
+    # Flat row of (request, position), clamped to the request's last position.
+    flat = (starts.unsqueeze(1) + torch.minimum(pos.unsqueeze(0), nd.unsqueeze(1))).to(device)
+    valid = (pos[:k].unsqueeze(0) < nd.unsqueeze(1)).to(device)  # [R, K]
+    drafts = torch.zeros(r, k, dtype=torch.int64)
+    for i, d in enumerate(draft_token_ids):
+        drafts[i, : len(d)] = torch.tensor(d, dtype=torch.int64)
+    return starts, nd, flat, valid, drafts.to(device)
+
+
+def _verify_argmax(
+    logits: torch.Tensor, flat: torch.Tensor, drafts: torch.Tensor, valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy rule: (argmax p_j per position [R, K + 1], accepted counts [R]), where d_j
+    is accepted while it equals argmax p_j."""
+    k = drafts.shape[1]
+    target = logits.argmax(dim=-1)[flat]  # [R, K + 1]
+    match = (drafts == target[:, :k]) & valid
+    accepted = match.to(torch.int64).cumprod(dim=1).sum(dim=1)
+    return target, accepted
 
 
 def _verify_greedy(draft_token_ids: list[list[int]], target_logits: torch.Tensor

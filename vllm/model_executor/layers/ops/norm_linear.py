@@ -63,6 +63,33 @@ def _row_chunk(
     return x
 
 
+@triton.jit
+def _dot_weight_tile(
+    acc, a, w_ptr, offs_n, offs_k, n_mask, k_mask, stride_w, FP32_IEEE: tl.constexpr
+):
+    """acc [M_PAD, BLOCK_N] fp32 + a [M_PAD, BLOCK_K] @ W[offs_n, offs_k]^T (W is [n_out, K])."""
+    w = tl.load(  # [BLOCK_K, BLOCK_N]
+        w_ptr + offs_n[None, :].to(tl.int64) * stride_w + offs_k[:, None],
+        mask=k_mask[:, None] & n_mask[None, :],
+        other=0.0,
+    )
+    if FP32_IEEE:
+        acc = tl.dot(a, w, acc=acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, w, acc=acc)
+    return acc
+
+
+@triton.jit
+def _store_tile(out_ptr, acc, offs_m, offs_n, m_mask, n_mask, n_out):
+    """out[offs_m, offs_n] = acc rounded once to out's dtype (out is [num_rows, n_out])."""
+    tl.store(
+        out_ptr + offs_m[:, None] * n_out + offs_n[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & n_mask[None, :],
+    )
+
+
 @triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_linear_kernel(
     x_ptr,  # [num_rows, K], last dim contiguous
@@ -113,22 +140,10 @@ def _rms_norm_linear_kernel(
         normed = (x.to(tl.float32) * rstd[:, None]).to(dtype)
         nw = tl.load(norm_w_ptr + offs_k, mask=k_mask, other=0.0)
         a = (normed.to(tl.float32) * nw.to(tl.float32)[None, :]).to(dtype)
-        w = tl.load(  # [BLOCK_K, BLOCK_N]
-            w_ptr + offs_n[None, :].to(tl.int64) * stride_w + offs_k[:, None],
-            mask=k_mask[:, None] & n_mask[None, :],
-            other=0.0,
-        )
-        if FP32_IEEE:
-            acc = tl.dot(a, w, acc=acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, w, acc=acc)
+        acc = _dot_weight_tile(acc, a, w_ptr, offs_n, offs_k, n_mask, k_mask, stride_w, FP32_IEEE)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(
-        out_ptr + offs_m[:, None] * n_out + offs_n[None, :],
-        acc.to(dtype),
-        mask=m_mask[:, None] & n_mask[None, :],
-    )
+    _store_tile(out_ptr, acc, offs_m, offs_n, m_mask, n_mask, n_out)
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -163,20 +178,8 @@ def _silu_and_mul_linear_kernel(
         # As ops/activation.py: silu in float32 (IEEE division), rounded; product rounded.
         silu = tl.math.div_rn(gate, 1.0 + tl.exp(-gate)).to(dtype).to(tl.float32)
         a = (silu * up).to(dtype)
-        w = tl.load(
-            w_ptr + offs_n[None, :].to(tl.int64) * stride_w + offs_k[:, None],
-            mask=k_mask[:, None] & n_mask[None, :],
-            other=0.0,
-        )
-        if FP32_IEEE:
-            acc = tl.dot(a, w, acc=acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, w, acc=acc)
-    tl.store(
-        out_ptr + offs_m[:, None] * n_out + offs_n[None, :],
-        acc.to(dtype),
-        mask=m_mask[:, None] & n_mask[None, :],
-    )
+        acc = _dot_weight_tile(acc, a, w_ptr, offs_n, offs_k, n_mask, k_mask, stride_w, FP32_IEEE)
+    _store_tile(out_ptr, acc, offs_m, offs_n, m_mask, n_mask, n_out)
 
 
 def rms_norm_linear(
@@ -202,18 +205,7 @@ def rms_norm_linear(
     Raises:
         ValueError: dtypes, shapes, strides, devices, or M > MAX_ROWS.
     """
-    op = "rms_norm_linear"
-    num_rows, k, n = _check(op, x, weight, x.shape[-1] if x.dim() == 2 else -1)
-    check_norm_inputs(op, x, residual, norm_weight, k)
-    tensors = dict(x=x, norm_weight=norm_weight, weight=weight)
-    if residual is not None:
-        tensors["residual"] = residual
-    if bias is not None:
-        if bias.shape != (n,) or bias.dtype != x.dtype:
-            raise ValueError(f"{op}: bias must be [{n}] {x.dtype}, got {tuple(bias.shape)}")
-        tensors["bias"] = bias
-    check_last_dim_contiguous(op, **tensors)
-    check_same_device(op, **tensors)
+    num_rows, k, n = _check_rms_norm_linear(x, residual, norm_weight, weight, bias)
     out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
     res_out = None
     if residual is not None:
@@ -284,6 +276,29 @@ def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         enable_fp_fusion=False,
     )
     return out
+
+
+def _check_rms_norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> tuple[int, int, int]:
+    """Validate `rms_norm_linear`'s inputs; returns (M, K, N)."""
+    op = "rms_norm_linear"
+    num_rows, k, n = _check(op, x, weight, x.shape[-1] if x.dim() == 2 else -1)
+    check_norm_inputs(op, x, residual, norm_weight, k)
+    tensors = dict(x=x, norm_weight=norm_weight, weight=weight)
+    if residual is not None:
+        tensors["residual"] = residual
+    if bias is not None:
+        if bias.shape != (n,) or bias.dtype != x.dtype:
+            raise ValueError(f"{op}: bias must be [{n}] {x.dtype}, got {tuple(bias.shape)}")
+        tensors["bias"] = bias
+    check_last_dim_contiguous(op, **tensors)
+    check_same_device(op, **tensors)
+    return num_rows, k, n
 
 
 def _check(op: str, x: torch.Tensor, weight: torch.Tensor, k: int) -> tuple[int, int, int]:

@@ -86,6 +86,63 @@ def _rope_heads(
 
 
 @triton.jit
+def _load_cos_sin(
+    positions_ptr,  # [num_tokens] int32/int64
+    cos_sin_ptr,  # [max_position, ROTARY_DIM] = cos | sin, last dim contiguous
+    out_ptr,  # the rotated output: its dtype is the one cos and sin are rounded to
+    token,  # int64 program's token
+    stride_pos,
+    stride_cache,
+    max_position,
+    ROTARY_DIM: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+):
+    """(cos, sin) [HALF_PAD] float32 of `token`'s position, rounded to the output dtype
+    first, as the reference's `.to(query.dtype)`; NaN for a position outside
+    [0, max_position) (no memory is read for it)."""
+    half = ROTARY_DIM // 2
+    pos = tl.load(positions_ptr + token * stride_pos).to(tl.int64)
+    offs_i = tl.arange(0, HALF_PAD)
+    # pos as a vector: the interpreter mishandles a scalar & a block mask.
+    pos_i = pos + tl.zeros([HALF_PAD], dtype=tl.int64)
+    cache_mask = (offs_i < half) & (pos_i >= 0) & (pos_i < max_position)
+    cache_row = cos_sin_ptr + pos * stride_cache
+    dtype = out_ptr.dtype.element_ty
+    cos = tl.load(cache_row + offs_i, mask=cache_mask, other=float("nan"))
+    sin = tl.load(cache_row + half + offs_i, mask=cache_mask, other=float("nan"))
+    return cos.to(dtype).to(tl.float32), sin.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _rope_query(
+    token,  # int64 program's token
+    positions_ptr,
+    cos_sin_ptr,
+    query_ptr,  # [num_tokens, NUM_Q_HEADS * HEAD_SIZE], last dim contiguous
+    query_out_ptr,  # [num_tokens, NUM_Q_HEADS * HEAD_SIZE] contiguous
+    stride_pos,
+    stride_q,
+    stride_cache,
+    max_position,
+    NUM_Q_HEADS: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    ROTARY_DIM: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    PASS_PAD: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+):
+    """The start of every RoPE kernel's program: load the token's cos and sin, write its
+    rotated query row; returns (cos, sin) for the key."""
+    cos, sin = _load_cos_sin(positions_ptr, cos_sin_ptr, query_out_ptr, token, stride_pos,
+                             stride_cache, max_position, ROTARY_DIM, HALF_PAD)
+    _rope_heads(query_ptr + token * stride_q, query_out_ptr + token * (NUM_Q_HEADS * HEAD_SIZE),
+                cos, sin, NUM_Q_HEADS, HEAD_SIZE, ROTARY_DIM, HALF_PAD, PASS_PAD, BLOCK_HQ,
+                IS_NEOX)
+    return cos, sin
+
+
+@triton.jit
 def _rotary_embedding_kernel(
     positions_ptr,  # [num_tokens] int32/int64
     query_ptr,  # [num_tokens, NUM_Q_HEADS * HEAD_SIZE], last dim contiguous
@@ -108,46 +165,13 @@ def _rotary_embedding_kernel(
     BLOCK_HK: tl.constexpr,
     IS_NEOX: tl.constexpr,
 ):
-    half = ROTARY_DIM // 2
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token * stride_pos).to(tl.int64)
-    offs_i = tl.arange(0, HALF_PAD)
-    # pos as a vector: the interpreter mishandles a scalar & a block mask.
-    pos_i = pos + tl.zeros([HALF_PAD], dtype=tl.int64)
-    cache_mask = (offs_i < half) & (pos_i >= 0) & (pos_i < max_position)
-    cache_row = cos_sin_ptr + pos * stride_cache
-    dtype = query_out_ptr.dtype.element_ty
-    # Rounded to the query dtype first, as the reference's `.to(query.dtype)`.
-    cos = tl.load(cache_row + offs_i, mask=cache_mask, other=float("nan"))
-    sin = tl.load(cache_row + half + offs_i, mask=cache_mask, other=float("nan"))
-    cos = cos.to(dtype).to(tl.float32)
-    sin = sin.to(dtype).to(tl.float32)
-    _rope_heads(
-        query_ptr + token * stride_q,
-        query_out_ptr + token * (NUM_Q_HEADS * HEAD_SIZE),
-        cos,
-        sin,
-        NUM_Q_HEADS,
-        HEAD_SIZE,
-        ROTARY_DIM,
-        HALF_PAD,
-        PASS_PAD,
-        BLOCK_HQ,
-        IS_NEOX,
-    )
-    _rope_heads(
-        key_ptr + token * stride_k,
-        key_out_ptr + token * (NUM_KV_HEADS * HEAD_SIZE),
-        cos,
-        sin,
-        NUM_KV_HEADS,
-        HEAD_SIZE,
-        ROTARY_DIM,
-        HALF_PAD,
-        PASS_PAD,
-        BLOCK_HK,
-        IS_NEOX,
-    )
+    cos, sin = _rope_query(token, positions_ptr, cos_sin_ptr, query_ptr, query_out_ptr,
+                           stride_pos, stride_q, stride_cache, max_position, NUM_Q_HEADS,
+                           HEAD_SIZE, ROTARY_DIM, HALF_PAD, PASS_PAD, BLOCK_HQ, IS_NEOX)
+    _rope_heads(key_ptr + token * stride_k, key_out_ptr + token * (NUM_KV_HEADS * HEAD_SIZE),
+                cos, sin, NUM_KV_HEADS, HEAD_SIZE, ROTARY_DIM, HALF_PAD, PASS_PAD, BLOCK_HK,
+                IS_NEOX)
 
 
 def rotary_embedding(
@@ -182,33 +206,35 @@ def rotary_embedding(
     if num_tokens == 0:
         return query_out, key_out
     num_heads, num_kv_heads = query.shape[1] // head_size, key.shape[1] // head_size
-    half_pad = triton.next_power_of_2(rotary_dim // 2)
-    heads_per_tile = max(1, _MAX_TILE_ELEMENTS // half_pad)
+    half_pad, pass_pad, block_hq, block_hk = rope_tiles(num_heads, num_kv_heads, head_size,
+                                                        rotary_dim)
     _rotary_embedding_kernel[(num_tokens,)](
-        positions,
-        query,
-        key,
-        cos_sin_cache,
-        query_out,
-        key_out,
-        positions.stride(0),
-        query.stride(0),
-        key.stride(0),
-        cos_sin_cache.stride(0),
+        positions, query, key, cos_sin_cache, query_out, key_out,
+        positions.stride(0), query.stride(0), key.stride(0), cos_sin_cache.stride(0),
         cos_sin_cache.shape[0],
-        NUM_Q_HEADS=num_heads,
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_SIZE=head_size,
-        ROTARY_DIM=rotary_dim,
-        HALF_PAD=half_pad,
-        PASS_PAD=triton.next_power_of_2(max(head_size - rotary_dim, 1)),
-        BLOCK_HQ=min(triton.next_power_of_2(num_heads), heads_per_tile),
-        BLOCK_HK=min(triton.next_power_of_2(num_kv_heads), heads_per_tile),
-        IS_NEOX=is_neox_style,
+        NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size,
+        ROTARY_DIM=rotary_dim, HALF_PAD=half_pad, PASS_PAD=pass_pad,
+        BLOCK_HQ=block_hq, BLOCK_HK=block_hk, IS_NEOX=is_neox_style,
         num_warps=4,
         enable_fp_fusion=False,  # no FMA contraction: round products where torch does
     )
     return query_out, key_out
+
+
+def rope_tiles(
+    num_heads: int, num_kv_heads: int, head_size: int, rotary_dim: int
+) -> tuple[int, int, int, int]:
+    """(HALF_PAD, PASS_PAD, BLOCK_HQ, BLOCK_HK) of a `_rope_heads` launch: the padded
+    rotated half, the padded pass-through part (1 if none) and the heads per tile of
+    query and key (a tile of heads x HALF_PAD stays within _MAX_TILE_ELEMENTS)."""
+    half_pad = triton.next_power_of_2(rotary_dim // 2)
+    heads_per_tile = max(1, _MAX_TILE_ELEMENTS // half_pad)
+    return (
+        half_pad,
+        triton.next_power_of_2(max(head_size - rotary_dim, 1)),
+        min(triton.next_power_of_2(num_heads), heads_per_tile),
+        min(triton.next_power_of_2(num_kv_heads), heads_per_tile),
+    )
 
 
 def _check_inputs(
@@ -220,12 +246,7 @@ def _check_inputs(
 ) -> int:
     """Validate; returns rotary_dim."""
     op = "rotary_embedding"
-    if positions.dim() != 1 or positions.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            f"{op}: positions must be [num_tokens] int32/int64, got {positions.dtype} "
-            f"{tuple(positions.shape)}"
-        )
-    num_tokens = positions.shape[0]
+    num_tokens = check_positions(op, positions)
     for name, t in (("query", query), ("key", key)):
         check_dtype(op, name, t)
         if t.dim() != 2 or t.shape[0] != num_tokens or t.shape[1] % head_size or not t.shape[1]:
@@ -236,6 +257,29 @@ def _check_inputs(
     check_last_dim_contiguous(op, query=query, key=key)
     if key.dtype != query.dtype:
         raise ValueError(f"{op}: key must have query's dtype {query.dtype}, got {key.dtype}")
+    rotary_dim = check_rotary_dim(op, cos_sin_cache, head_size)
+    if cos_sin_cache.stride(1) != 1:
+        raise ValueError(
+            f"{op}: cos_sin_cache must have a contiguous last dim, got strides "
+            f"{cos_sin_cache.stride()}"
+        )
+    check_same_device(op, positions=positions, query=query, key=key, cos_sin_cache=cos_sin_cache)
+    return rotary_dim
+
+
+def check_positions(op: str, positions: torch.Tensor) -> int:
+    """Raise ValueError unless positions is [num_tokens] int32/int64; returns num_tokens."""
+    if positions.dim() != 1 or positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"{op}: positions must be [num_tokens] int32/int64, got {positions.dtype} "
+            f"{tuple(positions.shape)}"
+        )
+    return positions.shape[0]
+
+
+def check_rotary_dim(op: str, cos_sin_cache: torch.Tensor, head_size: int) -> int:
+    """Raise ValueError unless cos_sin_cache is [max_position, rotary_dim] of a supported
+    dtype, rotary_dim even and <= head_size; returns rotary_dim (strides: the caller's)."""
     check_dtype(op, "cos_sin_cache", cos_sin_cache)
     rotary_dim = cos_sin_cache.shape[-1] if cos_sin_cache.dim() == 2 else -1
     if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_size:
@@ -243,10 +287,4 @@ def _check_inputs(
             f"{op}: cos_sin_cache must be [max_position, rotary_dim] with rotary_dim even and "
             f"<= head_size ({head_size}), got {tuple(cos_sin_cache.shape)}"
         )
-    if cos_sin_cache.stride(1) != 1:
-        raise ValueError(
-            f"{op}: cos_sin_cache must have a contiguous last dim, got strides "
-            f"{cos_sin_cache.stride()}"
-        )
-    check_same_device(op, positions=positions, query=query, key=key, cos_sin_cache=cos_sin_cache)
     return rotary_dim

@@ -18,6 +18,7 @@ same buffer, and graph replays read only device-side metadata.
 
 from __future__ import annotations
 
+import weakref
 from typing import ClassVar
 
 import torch
@@ -43,17 +44,24 @@ class TritonAttentionImpl(AttentionImpl):
     """One layer's attention on CUDA through the Triton kernels."""
 
     # Split-KV scratch shared by every layer with the same key: layers run one
-    # after another on one stream, so no two launches use it at once. Never
-    # freed or replaced, because captured CUDA graphs keep its address.
-    _workspaces: ClassVar[dict[tuple[torch.device, int, int], torch.Tensor]] = {}
+    # after another on one stream, so no two launches use it at once. Each layer
+    # holds its workspace, so it is never replaced while a model (and the CUDA
+    # graphs captured with it, which keep its address) lives; the map itself
+    # holds it weakly, so it is freed with the last model that uses it (an
+    # engine shut down in a process that builds another frees its scratch).
+    _workspaces: ClassVar[weakref.WeakValueDictionary] = weakref.WeakValueDictionary()
+    _workspace_tensor: torch.Tensor | None = None  # this layer's, once looked up
 
     def _workspace(self, device: torch.device) -> torch.Tensor:
-        key = (device, self.num_heads, self.head_size)
-        workspace = self._workspaces.get(key)
+        workspace = self._workspace_tensor
         if workspace is None:
-            numel = max_split_workspace_numel(self.num_heads, self.head_size)
-            workspace = torch.zeros(numel, dtype=torch.float32, device=device)
-            self._workspaces[key] = workspace
+            key = (device, self.num_heads, self.head_size)
+            workspace = self._workspaces.get(key)
+            if workspace is None:
+                numel = max_split_workspace_numel(self.num_heads, self.head_size)
+                workspace = torch.zeros(numel, dtype=torch.float32, device=device)
+                self._workspaces[key] = workspace
+            self._workspace_tensor = workspace
         return workspace
 
     def forward(

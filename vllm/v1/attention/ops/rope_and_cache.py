@@ -12,12 +12,12 @@ into its cache slot.
       kv_cache[slot // block_size, 0, slot % block_size] <- rope(key[t], c, s)
       kv_cache[slot // block_size, 1, slot % block_size] <- value[t]
 
-The rotation is `vllm/model_executor/layers/ops/rotary.py`'s `_rope_heads`
-(shared, so both kernels round alike: products rounded to the input dtype
-before the sum, no FMA contraction). The reference is the composition of the
-two references: `RotaryEmbedding.forward_native` then `reshape_and_cache_ref`
-(`rope_and_cache_ref` below); bf16/fp16/fp32 outputs equal it exactly where the
-device rounds as the CPU does.
+The cos/sin load and the rotation are `vllm/model_executor/layers/ops/rotary.py`'s
+`_rope_query` and `_rope_heads` (shared, so both kernels round alike: products
+rounded to the input dtype before the sum, no FMA contraction). The reference
+is the composition of the two references: `RotaryEmbedding.forward_native` then
+`reshape_and_cache_ref` (`rope_and_cache_ref` below); bf16/fp16/fp32 outputs
+equal it exactly where the device rounds as the CPU does.
 
 As `reshape_and_cache`, only slot -1 is skipped and no bound derived from the
 cache view is applied (see that module: a bound would be baked into captured
@@ -41,7 +41,13 @@ import triton
 import triton.language as tl
 
 from vllm.model_executor.layers.ops import check_dtype, check_last_dim_contiguous, check_same_device
-from vllm.model_executor.layers.ops.rotary import _MAX_TILE_ELEMENTS, _rope_heads
+from vllm.model_executor.layers.ops.rotary import (
+    _rope_heads,
+    _rope_query,
+    check_positions,
+    check_rotary_dim,
+    rope_tiles,
+)
 
 
 @triton.jit
@@ -77,62 +83,19 @@ def _rope_and_cache_kernel(
     IS_NEOX: tl.constexpr,
     WRITE_KEY: tl.constexpr,  # also store the rotated key rows into key_out
 ):
-    half = ROTARY_DIM // 2
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token * stride_pos).to(tl.int64)
-    offs_i = tl.arange(0, HALF_PAD)
-    # pos as a vector: the interpreter mishandles a scalar & a block mask.
-    pos_i = pos + tl.zeros([HALF_PAD], dtype=tl.int64)
-    cache_mask = (offs_i < half) & (pos_i >= 0) & (pos_i < max_position)
-    cache_row = cos_sin_ptr + pos * stride_cache
-    dtype = query_out_ptr.dtype.element_ty
-    cos = tl.load(cache_row + offs_i, mask=cache_mask, other=float("nan"))
-    sin = tl.load(cache_row + half + offs_i, mask=cache_mask, other=float("nan"))
-    cos = cos.to(dtype).to(tl.float32)
-    sin = sin.to(dtype).to(tl.float32)
-    _rope_heads(
-        query_ptr + token * stride_q,
-        query_out_ptr + token * (NUM_Q_HEADS * HEAD_SIZE),
-        cos,
-        sin,
-        NUM_Q_HEADS,
-        HEAD_SIZE,
-        ROTARY_DIM,
-        HALF_PAD,
-        PASS_PAD,
-        BLOCK_HQ,
-        IS_NEOX,
-    )
+    cos, sin = _rope_query(token, positions_ptr, cos_sin_ptr, query_ptr, query_out_ptr,
+                           stride_pos, stride_q, stride_cache, max_position, NUM_Q_HEADS,
+                           HEAD_SIZE, ROTARY_DIM, HALF_PAD, PASS_PAD, BLOCK_HQ, IS_NEOX)
     if WRITE_KEY:
-        _rope_heads(
-            key_ptr + token * stride_k,
-            key_out_ptr + token * (NUM_KV_HEADS * HEAD_SIZE),
-            cos,
-            sin,
-            NUM_KV_HEADS,
-            HEAD_SIZE,
-            ROTARY_DIM,
-            HALF_PAD,
-            PASS_PAD,
-            BLOCK_HK,
-            IS_NEOX,
-        )
+        _rope_heads(key_ptr + token * stride_k, key_out_ptr + token * (NUM_KV_HEADS * HEAD_SIZE),
+                    cos, sin, NUM_KV_HEADS, HEAD_SIZE, ROTARY_DIM, HALF_PAD, PASS_PAD, BLOCK_HK,
+                    IS_NEOX)
     slot = tl.load(slot_mapping_ptr + token)
     if slot >= 0:
         dst = kv_cache_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
-        _rope_heads(
-            key_ptr + token * stride_k,
-            dst,
-            cos,
-            sin,
-            NUM_KV_HEADS,
-            HEAD_SIZE,
-            ROTARY_DIM,
-            HALF_PAD,
-            PASS_PAD,
-            BLOCK_HK,
-            IS_NEOX,
-        )
+        _rope_heads(key_ptr + token * stride_k, dst, cos, sin, NUM_KV_HEADS, HEAD_SIZE,
+                    ROTARY_DIM, HALF_PAD, PASS_PAD, BLOCK_HK, IS_NEOX)
         offs_v = tl.arange(0, KV_PAD)
         v_mask = offs_v < NUM_KV_HEADS * HEAD_SIZE
         v = tl.load(value_ptr + token * stride_v + offs_v, mask=v_mask)
@@ -174,83 +137,38 @@ def rope_and_cache(
     Raises:
         ValueError: dtypes, shapes, strides or devices that do not fit (numbers given).
     """
-    if key_out is not None and (
-        key_out.shape != key.shape or key_out.dtype != key.dtype
-        or key_out.device != key.device or not key_out.is_contiguous()
-    ):
-        raise ValueError(
-            f"rope_and_cache: key_out must be contiguous {key.dtype} {tuple(key.shape)} on "
-            f"{key.device}, got {key_out.dtype} {tuple(key_out.shape)} on {key_out.device}"
-        )
     rotary_dim, head_size = _check_inputs(
-        positions, query, key, value, cos_sin_cache, kv_cache, slot_mapping
+        positions, query, key, value, cos_sin_cache, kv_cache, slot_mapping, key_out
     )
     num_tokens = positions.shape[0]
     query_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_tokens == 0:
         return query_out
     num_heads, num_kv_heads = query.shape[1] // head_size, key.shape[1] // head_size
-    half_pad = triton.next_power_of_2(rotary_dim // 2)
-    heads_per_tile = max(1, _MAX_TILE_ELEMENTS // half_pad)
+    half_pad, pass_pad, block_hq, block_hk = rope_tiles(num_heads, num_kv_heads, head_size,
+                                                        rotary_dim)
     _rope_and_cache_kernel[(num_tokens,)](
-        positions,
-        query,
-        key,
-        value,
-        cos_sin_cache,
-        kv_cache,
-        slot_mapping,
-        query_out,
+        positions, query, key, value, cos_sin_cache, kv_cache, slot_mapping, query_out,
         query_out if key_out is None else key_out,
-        positions.stride(0),
-        query.stride(0),
-        key.stride(0),
-        value.stride(0),
-        cos_sin_cache.stride(0),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.stride(2),
+        positions.stride(0), query.stride(0), key.stride(0), value.stride(0),
+        cos_sin_cache.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         cos_sin_cache.shape[0],
-        NUM_Q_HEADS=num_heads,
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_SIZE=head_size,
-        ROTARY_DIM=rotary_dim,
-        HALF_PAD=half_pad,
-        PASS_PAD=triton.next_power_of_2(max(head_size - rotary_dim, 1)),
-        KV_PAD=triton.next_power_of_2(num_kv_heads * head_size),
-        BLOCK_SIZE=kv_cache.shape[2],
-        BLOCK_HQ=min(triton.next_power_of_2(num_heads), heads_per_tile),
-        BLOCK_HK=min(triton.next_power_of_2(num_kv_heads), heads_per_tile),
-        IS_NEOX=is_neox_style,
-        WRITE_KEY=key_out is not None,
+        NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size,
+        ROTARY_DIM=rotary_dim, HALF_PAD=half_pad, PASS_PAD=pass_pad,
+        KV_PAD=triton.next_power_of_2(num_kv_heads * head_size), BLOCK_SIZE=kv_cache.shape[2],
+        BLOCK_HQ=block_hq, BLOCK_HK=block_hk, IS_NEOX=is_neox_style, WRITE_KEY=key_out is not None,
         num_warps=4,
         enable_fp_fusion=False,  # no FMA contraction: round products where torch does
     )
     return query_out
 
 
-def _check_inputs(positions, query, key, value, cos_sin_cache, kv_cache, slot_mapping):
+def _check_inputs(positions, query, key, value, cos_sin_cache, kv_cache, slot_mapping, key_out):
     """Validate; returns (rotary_dim, head_size)."""
     op = "rope_and_cache"
-    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
-        raise ValueError(
-            f"{op}: kv_cache must be [num_blocks, 2, block_size, num_kv_heads, head_size], "
-            f"got {tuple(kv_cache.shape)}"
-        )
-    block_size, num_kv_heads, head_size = kv_cache.shape[2:]
-    if block_size & (block_size - 1):
-        raise ValueError(f"{op}: kv_cache block_size must be a power of two, got {block_size}")
-    if kv_cache.stride(4) != 1 or kv_cache.stride(3) != head_size:
-        raise ValueError(
-            f"{op}: kv_cache must have contiguous [num_kv_heads, head_size] rows, got strides "
-            f"{kv_cache.stride()}"
-        )
-    if positions.dim() != 1 or positions.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            f"{op}: positions must be [num_tokens] int32/int64, got {positions.dtype} "
-            f"{tuple(positions.shape)}"
-        )
-    num_tokens = positions.shape[0]
+    _check_key_out(key, key_out)
+    num_kv_heads, head_size = _check_kv_cache(op, kv_cache)
+    num_tokens = check_positions(op, positions)
     for name, t, heads in (("query", query, None), ("key", key, num_kv_heads),
                            ("value", value, num_kv_heads)):
         check_dtype(op, name, t)
@@ -268,13 +186,7 @@ def _check_inputs(positions, query, key, value, cos_sin_cache, kv_cache, slot_ma
                 f"{op}: {name} must have the cache's dtype {kv_cache.dtype}, got {t.dtype}"
             )
     check_last_dim_contiguous(op, query=query, key=key, value=value)
-    check_dtype(op, "cos_sin_cache", cos_sin_cache)
-    rotary_dim = cos_sin_cache.shape[-1] if cos_sin_cache.dim() == 2 else -1
-    if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_size:
-        raise ValueError(
-            f"{op}: cos_sin_cache must be [max_position, rotary_dim] with rotary_dim even and "
-            f"<= head_size ({head_size}), got {tuple(cos_sin_cache.shape)}"
-        )
+    rotary_dim = check_rotary_dim(op, cos_sin_cache, head_size)
     if cos_sin_cache.stride(1) != 1:
         raise ValueError(f"{op}: cos_sin_cache must have a contiguous last dim")
     if slot_mapping.dtype != torch.int64 or tuple(slot_mapping.shape) != (num_tokens,) or (
@@ -289,6 +201,37 @@ def _check_inputs(positions, query, key, value, cos_sin_cache, kv_cache, slot_ma
         cos_sin_cache=cos_sin_cache, kv_cache=kv_cache, slot_mapping=slot_mapping,
     )
     return rotary_dim, head_size
+
+
+def _check_kv_cache(op: str, kv_cache: torch.Tensor) -> tuple[int, int]:
+    """[num_blocks, 2, block_size (a power of two), num_kv_heads, head_size] with contiguous
+    [num_kv_heads, head_size] rows; returns (num_kv_heads, head_size)."""
+    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+        raise ValueError(
+            f"{op}: kv_cache must be [num_blocks, 2, block_size, num_kv_heads, head_size], "
+            f"got {tuple(kv_cache.shape)}"
+        )
+    block_size, num_kv_heads, head_size = kv_cache.shape[2:]
+    if block_size & (block_size - 1):
+        raise ValueError(f"{op}: kv_cache block_size must be a power of two, got {block_size}")
+    if kv_cache.stride(4) != 1 or kv_cache.stride(3) != head_size:
+        raise ValueError(
+            f"{op}: kv_cache must have contiguous [num_kv_heads, head_size] rows, got strides "
+            f"{kv_cache.stride()}"
+        )
+    return num_kv_heads, head_size
+
+
+def _check_key_out(key: torch.Tensor, key_out: torch.Tensor | None) -> None:
+    """None, or a contiguous tensor of key's shape, dtype and device."""
+    if key_out is not None and (
+        key_out.shape != key.shape or key_out.dtype != key.dtype
+        or key_out.device != key.device or not key_out.is_contiguous()
+    ):
+        raise ValueError(
+            f"rope_and_cache: key_out must be contiguous {key.dtype} {tuple(key.shape)} on "
+            f"{key.device}, got {key_out.dtype} {tuple(key_out.shape)} on {key_out.device}"
+        )
 
 
 def rope_and_cache_ref(

@@ -63,6 +63,7 @@ Softmax runs in fp32 in base 2 (scores scaled by scale * log2(e)); rows whose
 causal range is empty produce zeros. Source of the online softmax and of the
 split-KV reduction: FlashAttention-2 (Dao, 2023, arXiv:2307.08691) and
 Flash-Decoding (Dao, Haziza, Massa, Sizov, PyTorch blog, October 2023).
+The launcher's host side (checks, tiles, grid, workspace): `unified_attention_launch.py`.
 
 Rejected alternatives:
   * separate prefill and decode kernels: two code paths to keep equal, and a
@@ -80,28 +81,28 @@ instead (122 registers: 4 programs of 32 KiB tiles per SM).
 
 from __future__ import annotations
 
-import os
-from dataclasses import replace
-
 import torch
 import triton
 import triton.language as tl
 
 from vllm.v1.attention.ops.attention_config import (
-    FUSED_REDUCE_MAX_SPLITS,
-    REQUEST_SCAN_BLOCK,
     AttentionKernelConfig,
-    check_config,
     head_pad,
-    num_sms,
-    select_config,
     split_counters_numel,
-    split_workspace_numel,
+)
+from vllm.v1.attention.ops.unified_attention_launch import (
+    INTERPRETED as _INTERPRETED,  # noqa: F401 (prefill_attention.py imports it from here)
+)
+from vllm.v1.attention.ops.unified_attention_launch import (
+    check_inputs,
+    choose_config,
+    fuses_reduce,
+    kernel_constexprs,
+    launch_grid,
+    split_workspace,
 )
 
-_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y")
 
 
 @triton.jit
@@ -497,221 +498,67 @@ def unified_attention(
         ValueError: dtypes, shapes, strides, devices or a workspace that do not
             fit (the message names the tensor and the numbers). No host sync.
     """
-    num_tokens, num_heads, head_size = _check_inputs(
+    num_tokens, num_heads, head_size = check_inputs(
         query, kv_cache, output, query_start_loc, seq_lens, block_table
     )
     num_reqs = seq_lens.shape[0]
-    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
     if num_tokens == 0:
         return output
     if num_reqs == 0:
         return output.zero_()
-    queries_per_kv = num_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(queries_per_kv)
-    auto = select_config(
-        num_tokens=num_tokens,
-        num_reqs=num_reqs,
-        num_kv_heads=num_kv_heads,
-        queries_per_kv=queries_per_kv,
-        head_size=head_size,
-        max_query_len=max_query_len,
-        max_seq_len=max_seq_len,
-        dtype=query.dtype,
-        sm_count=num_sms(query.device),
-    )
-    cfg = auto if config is None else config
-    if cfg.num_splits == 0:
-        cfg = replace(cfg, num_splits=auto.num_splits)
-    check_config(cfg, group_pad)
-    if cfg.decode and max_query_len > 1:
-        raise ValueError(
-            f"a decode config serves one query token per request; max_query_len is {max_query_len}"
-        )
-    hp = head_pad(head_size)
-    splits = cfg.num_splits
-    ws_acc = ws_ml = counters = output  # unused placeholders when splits == 1
-    if cfg.decode:  # program p: request p, and flat token p if it is padding
-        programs = max(num_tokens, num_reqs)
-    else:
-        programs = num_tokens // (cfg.block_m // group_pad) + num_reqs
-    grid = (programs * num_kv_heads, splits)
-    n_cnt = split_counters_numel(num_heads)
-    # Decode launches (the CUDA graphs') of 2..FUSED_REDUCE_MAX_SPLITS splits reduce in
-    # their last split; others launch _reduce_splits_kernel, as does a decode grid with
-    # more programs than counters (only a tile override can make one).
-    fuse_reduce = fuses_reduce(cfg) and grid[0] <= n_cnt
-    if splits > 1:
-        need = split_workspace_numel(splits, num_tokens, num_heads, head_size)
-        if workspace is None:
-            workspace = torch.zeros(need, dtype=torch.float32, device=query.device)
-        _check_workspace(workspace, need, query.device)
-        n_acc = splits * num_tokens * num_heads * hp
-        counters = workspace[:n_cnt].view(torch.int32)
-        ws_acc, ws_ml = workspace[n_cnt : n_cnt + n_acc], workspace[n_cnt + n_acc : need]
-    constexprs = kernel_constexprs(cfg, queries_per_kv, head_size, block_size, query.dtype,
-                                   fuse_reduce)
-    _unified_attention_kernel[grid](
-        query,
-        kv_cache,
-        output,
-        ws_acc,
-        ws_ml,
-        counters,
-        query_start_loc,
-        seq_lens,
-        block_table,
-        scale * _LOG2E,
-        num_tokens,
-        num_reqs,
-        num_heads,
-        num_kv_heads,
-        block_table.shape[1],
-        query.stride(0),
-        query.stride(1),
-        output.stride(0),
-        output.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.stride(2),
-        kv_cache.stride(3),
-        block_table.stride(0),
-        **constexprs,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
-    if splits > 1 and not fuse_reduce:
-        _reduce_splits_kernel[(num_tokens, num_heads)](
-            output,
-            ws_acc,
-            ws_ml,
-            query_start_loc,
-            num_tokens,
-            num_reqs,
-            num_heads,
-            output.stride(0),
-            output.stride(1),
-            HEAD_SIZE=head_size,
-            HEAD_PAD=hp,
-            NUM_SPLITS=splits,
-            SPLITS_PAD=triton.next_power_of_2(splits),
-            num_warps=4 if splits * hp >= 2048 else 2,
-        )
+    cfg = choose_config(query, kv_cache, num_reqs, max_query_len, max_seq_len, config)
+    counters, ws_acc, ws_ml = split_workspace(workspace, cfg.num_splits, output, head_size)
+    fuse_reduce = _launch_attention(query, kv_cache, output, ws_acc, ws_ml, counters,
+                                    query_start_loc, seq_lens, block_table, scale, cfg)
+    if cfg.num_splits > 1 and not fuse_reduce:
+        _launch_reduce(output, ws_acc, ws_ml, query_start_loc, num_reqs, cfg.num_splits,
+                       head_size)
     return output
 
 
-def fuses_reduce(cfg: AttentionKernelConfig) -> bool:
-    """Whether a launch with `cfg` combines its splits in its last split to finish:
-    decode configs of 2..FUSED_REDUCE_MAX_SPLITS splits."""
-    return cfg.decode and 1 < cfg.num_splits <= FUSED_REDUCE_MAX_SPLITS
-
-
-def kernel_constexprs(
-    cfg: AttentionKernelConfig, queries_per_kv: int, head_size: int, block_size: int,
-    dtype: torch.dtype, fuse_reduce: bool | None = None,
-) -> dict:
-    """The `_unified_attention_kernel` constexprs a launch with `cfg` passes (also what
-    benchmarks/kernel_resources.py compiles without a GPU). `fuse_reduce` None:
-    `fuses_reduce(cfg)` (what `unified_attention` does unless the grid outgrows the
-    workspace's counters)."""
-    if fuse_reduce is None:
-        fuse_reduce = fuses_reduce(cfg)
-    group_pad = triton.next_power_of_2(queries_per_kv)
-    return dict(
-        QUERIES_PER_KV=queries_per_kv,
-        GROUP_PAD=group_pad,
-        HEAD_SIZE=head_size,
-        HEAD_PAD=head_pad(head_size),
-        BLOCK_SIZE=block_size,
-        BLOCK_M=cfg.block_m,
-        BLOCK_Q=1 if cfg.decode else cfg.block_m // group_pad,
-        BLOCK_N=cfg.block_n,
-        BLOCK_R=REQUEST_SCAN_BLOCK,
-        NUM_SPLITS=cfg.num_splits,
-        SPLIT_MIN_TILES=cfg.min_tiles_per_split(),
-        DECODE=cfg.decode,
-        FP32_IEEE=dtype == torch.float32,
-        FUSE_REDUCE=fuse_reduce,
-    )
-
-
-def _check_inputs(query, kv_cache, output, query_start_loc, seq_lens, block_table):
-    if query.dim() != 3:
-        raise ValueError(
-            f"query must be [num_tokens, num_heads, head_size], got {tuple(query.shape)}"
-        )
+def _launch_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor, ws_acc: torch.Tensor,
+    ws_ml: torch.Tensor, counters: torch.Tensor, query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, cfg: AttentionKernelConfig,
+) -> bool:
+    """Launch `_unified_attention_kernel` with `cfg` over checked inputs; returns whether
+    the launch combines its splits itself (FUSE_REDUCE), else the caller reduces."""
     num_tokens, num_heads, head_size = query.shape
-    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2 or kv_cache.shape[4] != head_size:
-        raise ValueError(
-            f"kv_cache must be [num_blocks, 2, block_size, num_kv_heads, {head_size}], "
-            f"got {tuple(kv_cache.shape)}"
-        )
-    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
-    if num_kv_heads == 0 or num_heads % num_kv_heads:
-        raise ValueError(
-            f"query heads ({num_heads}) must be a multiple of kv_cache heads ({num_kv_heads})"
-        )
-    if block_size & (block_size - 1):
-        raise ValueError(f"kv_cache block_size must be a power of two, got {block_size}")
-    if output.shape != query.shape:
-        raise ValueError(f"output shape {tuple(output.shape)} != query shape {tuple(query.shape)}")
-    if query.dtype not in _SUPPORTED_DTYPES or {kv_cache.dtype, output.dtype} != {query.dtype}:
-        raise ValueError(
-            f"query, kv_cache and output must share one of {_SUPPORTED_DTYPES}, got query "
-            f"{query.dtype}, kv_cache {kv_cache.dtype}, output {output.dtype}"
-        )
-    for name, t in (("query", query), ("output", output), ("kv_cache", kv_cache)):
-        if t.numel() and t.stride(-1) != 1:
-            raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
-    num_reqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
-    for name, t, shape in (
-        ("seq_lens", seq_lens, (num_reqs,)),
-        ("query_start_loc", query_start_loc, (num_reqs + 1,)),
-    ):
-        if (
-            t.dtype != torch.int32
-            or tuple(t.shape) != shape
-            or (t.numel() > 1 and t.stride(0) != 1)
-        ):
-            raise ValueError(
-                f"{name} must be contiguous int32 of shape {shape} (num_reqs = seq_lens.shape[0]), "
-                f"got {t.dtype} {tuple(t.shape)}"
-            )
-    if (
-        block_table.dtype != torch.int32
-        or block_table.dim() != 2
-        or block_table.shape[0] < num_reqs
-        or (block_table.numel() and block_table.stride(1) != 1)
-    ):
-        raise ValueError(
-            f"block_table must be int32 [>= {num_reqs}, max_blocks_per_req] with a contiguous "
-            f"last dim, got {block_table.dtype} {tuple(block_table.shape)}"
-        )
-    tensors = (query, kv_cache, output, query_start_loc, seq_lens, block_table)
-    devices = {t.device for t in tensors}
-    if len(devices) != 1:
-        raise ValueError(f"attention tensors must be on one device, got {devices}")
-    if query.device.type != "cuda" and not _INTERPRETED:
-        raise ValueError(
-            f"the Triton attention kernel needs CUDA tensors (or TRITON_INTERPRET=1 set before "
-            f"triton is imported), got device {query.device}"
-        )
-    return num_tokens, num_heads, head_size
+    num_reqs, num_kv_heads = seq_lens.shape[0], kv_cache.shape[3]
+    grid = launch_grid(cfg, num_tokens, num_reqs, num_heads, num_kv_heads)
+    # Decode launches (the CUDA graphs') of 2..FUSED_REDUCE_MAX_SPLITS splits reduce in
+    # their last split; others launch _reduce_splits_kernel, as does a decode grid with
+    # more programs than counters (only a tile override can make one).
+    fuse_reduce = fuses_reduce(cfg) and grid[0] <= split_counters_numel(num_heads)
+    constexprs = kernel_constexprs(cfg, num_heads // num_kv_heads, head_size, kv_cache.shape[2],
+                                   query.dtype, fuse_reduce)
+    _unified_attention_kernel[grid](
+        query, kv_cache, output, ws_acc, ws_ml, counters, query_start_loc, seq_lens, block_table,
+        scale * _LOG2E, num_tokens, num_reqs, num_heads, num_kv_heads, block_table.shape[1],
+        query.stride(0), query.stride(1), output.stride(0), output.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_table.stride(0),
+        **constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return fuse_reduce
 
 
-def _check_workspace(workspace: torch.Tensor, need: int, device: torch.device) -> None:
-    if (
-        workspace.dtype != torch.float32
-        or workspace.device != device
-        or not workspace.is_contiguous()
-    ):
-        raise ValueError(
-            f"split-KV workspace must be contiguous float32 on {device}, got "
-            f"{workspace.dtype} on {workspace.device}"
-        )
-    if workspace.numel() < need:
-        raise ValueError(
-            f"split-KV workspace has {workspace.numel()} fp32 elements, this launch needs {need}"
-        )
+def _launch_reduce(
+    output: torch.Tensor, ws_acc: torch.Tensor, ws_ml: torch.Tensor,
+    query_start_loc: torch.Tensor, num_reqs: int, splits: int, head_size: int,
+) -> None:
+    """Launch `_reduce_splits_kernel`: one program per (token, head) combines the splits."""
+    num_tokens, num_heads = output.shape[0], output.shape[1]
+    hp = head_pad(head_size)
+    _reduce_splits_kernel[(num_tokens, num_heads)](
+        output, ws_acc, ws_ml, query_start_loc, num_tokens, num_reqs, num_heads,
+        output.stride(0), output.stride(1),
+        HEAD_SIZE=head_size,
+        HEAD_PAD=hp,
+        NUM_SPLITS=splits,
+        SPLITS_PAD=triton.next_power_of_2(splits),
+        num_warps=4 if splits * hp >= 2048 else 2,
+    )
 
 
 def unified_attention_ref(
