@@ -108,7 +108,8 @@ def run_mode(model: str | None, k: int, max_tokens: int, spec: bool) -> dict:
     result["decode_tokens_per_step"] = decode_tokens / max(decode_steps, 1)
     runner = engine.engine_core.worker.model_runner  # in-process (uni): graph replay counts
     result["decode_graph_replays"] = runner.cuda_graphs.num_replays
-    result["verify_graph_replays"] = runner.verify_graphs.num_replays
+    verify = runner.verify_rows  # None without speculative decoding
+    result["verify_graph_replays"] = verify.graphs.num_replays if verify is not None else 0
     engine.shutdown()
     return result
 

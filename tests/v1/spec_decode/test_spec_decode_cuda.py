@@ -28,10 +28,11 @@ def test_verify_graphs_and_greedy_equal(tmp_path):
         runner = llm.llm_engine.engine_core.worker.model_runner
         got = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         outs.append([o.outputs[0].token_ids for o in got])
-        runners.append((runner.verify_graphs.capture_sizes, runner.verify_graphs.num_replays,
-                        llm.llm_engine.get_scheduler_stats().spec_decoding_stats))
+        verify = runner.verify_rows  # None without speculative decoding
+        graphs = (verify.graphs.capture_sizes, verify.graphs.num_replays) if verify else ([], 0)
+        runners.append((*graphs, llm.llm_engine.get_scheduler_stats().spec_decoding_stats))
         llm.llm_engine.shutdown()
-        del llm, runner
+        del llm, runner, verify
         gc.collect()
         torch.cuda.empty_cache()
     sizes, replays, stats = runners[1]

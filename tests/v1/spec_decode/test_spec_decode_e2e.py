@@ -156,12 +156,13 @@ def test_short_drafts_run_as_verify_rows_with_identical_output(spec_llm, bundled
     the verify graph's layout, rows of k + 1 tokens with padding, instead of running
     eagerly; the greedy output is the same as without speculation."""
     runner = spec_llm.llm_engine.engine_core.worker.model_runner
-    q = runner.verify_query_len
+    verify_rows = runner.verify_rows
+    q = verify_rows.query_len
     # Every batch size "captured": padded requests (seq_len 0 with q query tokens) are
     # for the Triton kernel only; the CPU reference attention rejects them.
     graphs = _EagerGraphs(list(range(1, 9)), lambda size: runner._graph_forward(size, q))
     laid_out = []
-    lay_out = runner._lay_out_verify_rows
+    lay_out = verify_rows.lay_out
 
     def counting_lay_out(num_sched):
         laid_out.append(num_sched.tolist())
@@ -169,8 +170,8 @@ def test_short_drafts_run_as_verify_rows_with_identical_output(spec_llm, bundled
 
     monkeypatch.setattr(runner, "use_cuda_graph", True)
     monkeypatch.setattr(runner, "cuda_graphs", _EagerGraphs([], None))  # decode: eager
-    monkeypatch.setattr(runner, "verify_graphs", graphs)
-    monkeypatch.setattr(runner, "_lay_out_verify_rows", counting_lay_out)
+    monkeypatch.setattr(verify_rows, "graphs", graphs)
+    monkeypatch.setattr(verify_rows, "lay_out", counting_lay_out)
     ref = bundled_llm.generate(QUOTING, GREEDY, use_tqdm=False)
     out = spec_llm.generate(QUOTING, GREEDY, use_tqdm=False)
     assert _ids(out) == _ids(ref)

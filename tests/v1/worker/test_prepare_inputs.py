@@ -41,13 +41,13 @@ def _snapshot(runner, result) -> dict:
         "max_query_len": metadata.max_query_len,
         "max_seq_len": metadata.max_seq_len,
         "no_cached_context": metadata.no_cached_context,
-        "input_ids": runner.input_ids[:end].clone(),
-        "positions": runner.positions[:end].clone(),
+        "input_ids": runner.buffers.input_ids[:end].clone(),
+        "positions": runner.buffers.positions[:end].clone(),
         "slot_mapping": metadata.slot_mapping.clone(),
         "query_start_loc": metadata.query_start_loc.clone(),
         "seq_lens": metadata.seq_lens.clone(),
         "block_table": metadata.block_table[:n].clone(),
-        "logits_indices": runner.logits_indices[: len(rows)].clone(),
+        "logits_indices": runner.buffers.logits_indices[: len(rows)].clone(),
     }
 
 

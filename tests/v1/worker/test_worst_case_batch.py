@@ -26,7 +26,7 @@ def test_dummy_batches_fit_max_model_len(tmp_path, caplog):
         assert "a worst-case prefill of 64 tokens" in caplog.text
         runner = llm.llm_engine.engine_core.worker.model_runner
         with pytest.raises(ValueError, match="exceed max_model_len=32 per request"):
-            runner.dummy_run(512, 2, with_kv=True)
+            runner.warmup.dummy_run(512, 2, with_kv=True)
         params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
         outputs = llm.generate([{"prompt_token_ids": [0, 5, 6, 7]}] * 2, params, use_tqdm=False)
         assert [len(o.outputs[0].token_ids) for o in outputs] == [4, 4]
@@ -51,10 +51,10 @@ def test_warmup_adds_long_fresh_prompts_where_the_worst_case_has_none(
     from vllm.v1.worker.gpu_worker import Worker
 
     calls = []
-    runner = SimpleNamespace(
-        max_model_len=max_model_len,
+    warmup = SimpleNamespace(
         dummy_run=lambda tokens, reqs, with_kv: calls.append((tokens, reqs)),
     )
+    runner = SimpleNamespace(max_model_len=max_model_len, warmup=warmup)
     worker = object.__new__(Worker)
     worker.model_runner = runner
     worker._warm_up_long_prompts(num_tokens, num_reqs)

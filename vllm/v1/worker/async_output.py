@@ -222,10 +222,17 @@ class AsyncStepState:
             input_ids.index_copy_(0, dst, sampled.index_select(0, src).to(input_ids.dtype))
 
     def output(
-        self, output: ModelRunnerOutput, rows: np.ndarray, sampler_output: SamplerOutput,
+        self, output: ModelRunnerOutput, rows: np.ndarray, sampler_output: SamplerOutput | None,
         batch: InputBatch,
-    ) -> AsyncRunnerOutput:
-        """Leave placeholders on the host and start copying the sampled ids there."""
+    ) -> ModelRunnerOutput | AsyncRunnerOutput:
+        """Leave placeholders on the host and start copying the sampled ids there.
+
+        A step that sampled nothing (`sampler_output` None: only partial prefills)
+        returns `output` as it is, and the next step has no ids to take.
+        """
+        if sampler_output is None:
+            self.prev_sampled = None
+            return output
         states = [batch.states[r] for r in rows]
         for row, state in zip(rows.tolist(), states, strict=True):
             state.output_token_ids.append(PLACEHOLDER_TOKEN_ID)

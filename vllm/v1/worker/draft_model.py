@@ -39,6 +39,18 @@ def rename_draft_layers(model: torch.nn.Module) -> None:
         layer.layer_name = DRAFT_PREFIX + layer.layer_name
 
 
+def attention_layers(model: torch.nn.Module, draft: DraftModelProposer | None) -> dict:
+    """Attention layer name -> layer: the target's in layer order, then the draft's
+    (`draft.` names). These are the layers of one KV cache config: one layout, one
+    block id space, one sizing for both models."""
+    from vllm.model_executor.models.utils import get_attention_layers
+
+    layers = get_attention_layers(model)
+    if draft is not None:
+        layers.update(get_attention_layers(draft.model))
+    return layers
+
+
 class DraftModelProposer:
     """Runs the draft model: its KV for the step's tokens, then k proposals per row.
 

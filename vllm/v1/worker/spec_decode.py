@@ -10,6 +10,16 @@ One step of a request with k drafts (the scheduler counts 1 + k tokens)::
 
 The scheduler rolls num_computed_tokens back past the k - a rejected drafts,
 so their KV slots are rewritten next step; nothing here frees anything.
+
+The runner's `execute_model` calls, in this order:
+
+    write_drafts     the drafts into the batch rows (before the inputs are prepared)
+    (forward)        the target's; as rows of k + 1 when they fit (verify_rows.py)
+    forward_draft    the draft model's over the same flat tokens (draft_model.py)
+    verify_step      the rows with drafts: logits at their k + 1 positions ->
+                     RejectionSampler -> 1 .. k + 1 emitted tokens each
+    (sample)         the other rows, by the runner's sampler
+    propose          drafts for the next step
 """
 
 from __future__ import annotations
@@ -18,6 +28,9 @@ import numpy as np
 import torch
 
 from vllm.sampling_params import SamplingParams
+from vllm.v1.attention.backends.abstract import AttentionMetadata
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.sample.metadata import build_sampling_metadata
 from vllm.v1.sample.rejection_sampler import RejectionSampler
 from vllm.v1.spec_decode.ngram_proposer import NgramProposer
@@ -55,6 +68,49 @@ class SpecDecoder:
             row = batch.req_id_to_index[req_id]
             n = int(batch.num_tokens[row])
             batch.token_ids[row, n : n + len(drafts)] = drafts
+
+    def forward_draft(self, so: SchedulerOutput, input_ids: torch.Tensor,
+                      positions: torch.Tensor, metadata: AttentionMetadata) -> None:
+        """After the target's forward: the draft model's over the same flat tokens (its KV
+        for every computed token), once it forgot finished and preempted requests.
+        Nothing without a draft model (ngram).
+
+        Args:
+            input_ids, positions: [max_num_tokens] the runner's persistent buffers.
+        """
+        draft = self.draft
+        if draft is None:
+            return
+        draft.forget(so.finished_req_ids | so.preempted_req_ids)
+        total = metadata.num_actual_tokens
+        draft.forward_same_inputs(input_ids[:total], positions[:total], metadata)
+
+    def verify_step(
+        self, model: torch.nn.Module, hidden: torch.Tensor, batch: InputBatch,
+        sampling_rows: np.ndarray, num_sched: np.ndarray, spec: dict[str, list[int]],
+        output: ModelRunnerOutput,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Verify the drafts of the sampling rows that carry them; the emitted tokens go
+        into `output`, the request states and the batch rows.
+
+        Args:
+            sampling_rows: [n] the batch rows that sample this step.
+            spec: the step's drafts by request id (non-empty).
+
+        Returns:
+            ([m] the rows left to the sampler, [n] bool: which sampling rows verified).
+        """
+        is_verify = np.array([batch.req_ids[r] in spec for r in sampling_rows], dtype=bool)
+        rows = sampling_rows[~is_verify]
+        if is_verify.any():
+            verify_rows = sampling_rows[is_verify].tolist()
+            emitted = self.verify(model, hidden, batch, verify_rows, num_sched, spec)
+            for row, tokens in zip(verify_rows, emitted, strict=True):
+                output.sampled_token_ids[row] = tokens
+                batch.states[row].output_token_ids.extend(tokens)
+                for tok in tokens:
+                    batch.append_token(row, tok)
+        return rows, is_verify
 
     def verify(
         self, model: torch.nn.Module, hidden: torch.Tensor, batch: InputBatch,
