@@ -31,6 +31,7 @@ if str(ROOT) not in sys.path:
 
 from vllm.benchmarks.utils import positive_int  # noqa: E402
 from vllm.config import ParallelConfig  # noqa: E402
+from vllm.v1.worker.worker_base import rpc  # noqa: E402
 
 
 class EchoWorker:
@@ -39,6 +40,7 @@ class EchoWorker:
     def __init__(self, vllm_config, local_rank, rank, distributed_init_method, is_driver_worker):
         self.rank = rank
 
+    @rpc
     def execute_model(self, scheduler_output: dict) -> list[int] | None:
         return [len(r) for r in scheduler_output["req_ids"]] if self.rank == 0 else None
 
@@ -63,7 +65,8 @@ def measure(backend: str, world_size: int, num_reqs: int, calls: int) -> list[fl
         for step in range(calls + 20):
             payload = fake_scheduler_output(num_reqs, step)
             start = time.perf_counter()
-            executor.collective_rpc("execute_model", args=(payload,), unique_reply_rank=0)
+            executor.collective_rpc(EchoWorker.execute_model, args=(payload,),
+                                    unique_reply_rank=0)
             if step >= 20:  # warm-up calls are not counted
                 times.append((time.perf_counter() - start) * 1e6)
         return times

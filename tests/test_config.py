@@ -1,9 +1,8 @@
-"""VllmConfig resolution: dtype, max_model_len, the extensible tri-state, limits, graphs.
-
-The platform's VMM probe is replaced at the driver boundary (its `probe()`),
-the only external fact the config depends on.
+"""VllmConfig resolution: dtype, max_model_len, limits, graphs; frozen once built; the
+start-up plan (the extensible tri-state against every rank's VMM probe result).
 """
 
+import dataclasses
 import logging
 
 import pytest
@@ -21,6 +20,7 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.config.compilation import default_cudagraph_capture_sizes
+from vllm.config.startup import StartupPlan
 
 MODEL_MAX_LEN = 512
 
@@ -32,23 +32,6 @@ def tiny_model(tmp_path_factory) -> str:
                 num_attention_heads=4, num_key_value_heads=2,
                 max_position_embeddings=MODEL_MAX_LEN, dtype="bfloat16").save_pretrained(path)
     return str(path)
-
-
-@pytest.fixture
-def probe(monkeypatch):
-    """Set what the platform VMM driver's probe() answers; returns the call log."""
-    driver = platforms.current_platform.get_vmm_driver()
-    calls = []
-
-    def set_answer(reason):
-        def fake_probe(self):
-            calls.append(reason)
-            return reason
-
-        monkeypatch.setattr(type(driver), "probe", fake_probe)
-        return calls
-
-    return set_answer
 
 
 def make(tiny_model, **cache_kwargs) -> VllmConfig:
@@ -121,80 +104,91 @@ def test_bundled_model_when_none(monkeypatch, tiny_model):
     assert ModelConfig().model == tiny_model
 
 
-# ---- extensible tri-state (DESIGN.md section 5) ----
+# ---- the KV cache path: StartupPlan (docs/design.md, "Start-up") ----
 
-def test_explicit_true_with_failing_probe_fails_with_reason(tiny_model, probe):
-    probe("cuMemCreate not supported by this driver")
+def plan(**cache_kwargs) -> StartupPlan:
+    """The plan for these cache settings, every rank's probe passing."""
+    return StartupPlan.decide(CacheConfig(**cache_kwargs), [None])
+
+
+def test_explicit_true_with_failing_probe_fails_with_reason():
     with pytest.raises(ValueError, match="cannot be honoured: cuMemCreate not supported by this "
                                          "driver"):
-        make(tiny_model, enable_extensible_kv_cache=True)
+        StartupPlan.decide(CacheConfig(enable_extensible_kv_cache=True),
+                           ["cuMemCreate not supported by this driver"])
 
 
-def test_unset_with_failing_probe_falls_back_with_one_info_line(tiny_model, probe, caplog):
-    probe("no VMM here")
+def test_unset_with_failing_probe_falls_back_with_one_info_line(caplog):
     with caplog.at_level(logging.INFO, logger="vllm"):
-        cfg = make(tiny_model)
+        p = StartupPlan.decide(CacheConfig(), ["no VMM here"])
     lines = [r for r in caplog.records if "Extensible KV cache unavailable" in r.getMessage()]
     assert len(lines) == 1 and lines[0].levelno == logging.INFO
     assert "no VMM here" in lines[0].getMessage()
-    c = cfg.cache_config
-    assert c.enable_extensible_kv_cache is False and c.gpu_memory_utilization == 0.92
-    assert c.gpu_memory_utilization_explicit is False
-    assert c.extensible_kv_cache_unavailable_reason == "no VMM here"
+    assert p.extensible_kv_cache is False and p.gpu_memory_utilization == 0.92
+    assert p.gpu_memory_utilization_explicit is False and p.reason == "no VMM here"
+    assert "kv_cache=classic" in p.describe() and "0.92 (default)" in p.describe()
 
 
-def test_unset_with_passing_probe_is_extensible_at_full_utilization(tiny_model, probe, caplog):
-    probe(None)
+def test_unset_with_passing_probe_is_extensible_at_full_utilization(caplog):
     with caplog.at_level(logging.INFO, logger="vllm"):
-        c = make(tiny_model).cache_config
-    assert c.enable_extensible_kv_cache is True and c.gpu_memory_utilization == 1.0
+        p = plan()
+    assert p.extensible_kv_cache is True and p.gpu_memory_utilization == 1.0
+    assert p.reason is None
     assert not [r for r in caplog.records if "Extensible" in r.getMessage()]
 
 
-def test_a_rank_that_cannot_falls_everyone_back_to_classic(tiny_model, probe):
-    """The engine probes every rank's device; one failing rank means classic for all."""
-    probe(None)
-    c = make(tiny_model).cache_config  # the frontend's device could
-    c.fall_back_to_classic("rank 1: no VMM on cuda:1")
-    assert c.enable_extensible_kv_cache is False and c.gpu_memory_utilization == 0.92
-    assert c.extensible_kv_cache_unavailable_reason == "rank 1: no VMM on cuda:1"
-    explicit = make(tiny_model, gpu_memory_utilization=0.7).cache_config
-    explicit.fall_back_to_classic("rank 1: no VMM")
+def test_a_rank_that_cannot_puts_every_rank_on_the_classic_path():
+    """Every rank's device is probed; one failing rank means classic for all, named."""
+    p = StartupPlan.decide(CacheConfig(), [None, "no VMM on cuda:1"])
+    assert p.extensible_kv_cache is False and p.gpu_memory_utilization == 0.92
+    assert p.reason == "rank 1: no VMM on cuda:1"
+    explicit = StartupPlan.decide(CacheConfig(gpu_memory_utilization=0.7), [None, "no VMM"])
     assert explicit.gpu_memory_utilization == 0.7  # the user's value stays
-    required = make(tiny_model, enable_extensible_kv_cache=True).cache_config
     with pytest.raises(ValueError, match="cannot be honoured: rank 1: no VMM on cuda:1"):
-        required.fall_back_to_classic("rank 1: no VMM on cuda:1")
-    sleepy = make(tiny_model, enable_sleep_mode=True).cache_config
+        StartupPlan.decide(CacheConfig(enable_extensible_kv_cache=True),
+                           [None, "no VMM on cuda:1"])
     with pytest.raises(ValueError, match="enable_sleep_mode needs the extensible KV cache"):
-        sleepy.fall_back_to_classic("rank 1: no VMM")
+        StartupPlan.decide(CacheConfig(enable_sleep_mode=True), [None, "no VMM"])
 
 
-def test_explicit_false_never_probes(tiny_model, probe):
-    calls = probe("should not be asked")
-    c = make(tiny_model, enable_extensible_kv_cache=False).cache_config
-    assert calls == [] and c.enable_extensible_kv_cache is False
-    assert c.gpu_memory_utilization == 0.92
+def test_explicit_false_never_consults_the_probes():
+    p = StartupPlan.decide(CacheConfig(enable_extensible_kv_cache=False), ["not asked"])
+    assert p.extensible_kv_cache is False and p.reason is None
+    assert p.gpu_memory_utilization == 0.92
 
 
 @pytest.mark.parametrize("reason", [None, "no VMM"])
-def test_explicit_utilization_kept_on_both_paths(tiny_model, probe, reason):
-    probe(reason)
-    c = make(tiny_model, gpu_memory_utilization=0.6).cache_config
-    assert c.gpu_memory_utilization == 0.6 and c.gpu_memory_utilization_explicit is True
-    assert c.enable_extensible_kv_cache is (reason is None)
+def test_explicit_utilization_kept_on_both_paths(reason):
+    p = StartupPlan.decide(CacheConfig(gpu_memory_utilization=0.6), [reason])
+    assert p.gpu_memory_utilization == 0.6 and p.gpu_memory_utilization_explicit is True
+    assert p.extensible_kv_cache is (reason is None)
 
 
-def test_resolution_happens_once(tiny_model, probe):
-    calls = probe(None)
-    cfg = make(tiny_model)
-    VllmConfig(model_config=cfg.model_config, cache_config=cfg.cache_config)
-    assert calls == [None]
-
-
-def test_sleep_mode_needs_extensible(tiny_model, probe):
-    probe("no VMM")
+def test_sleep_mode_needs_extensible():
     with pytest.raises(ValueError, match=r"sleep_mode needs the extensible KV cache.*no VMM"):
-        make(tiny_model, enable_sleep_mode=True)
+        StartupPlan.decide(CacheConfig(enable_sleep_mode=True), ["no VMM"])
+    with pytest.raises(ValueError, match=r"enable_sleep_mode needs the extensible KV cache"):
+        CacheConfig(enable_sleep_mode=True, enable_extensible_kv_cache=False)
+
+
+def test_the_plan_gains_the_kv_cache_size():
+    p = plan().with_kv_cache(num_blocks=100, max_model_len=256)
+    assert (p.num_blocks, p.max_model_len, p.extensible_kv_cache) == (100, 256, True)
+    assert "num_blocks=100, max_model_len=256" in p.describe()
+
+
+def test_the_config_is_frozen_once_built(tiny_model):
+    """Nothing rewrites a built configuration (a fallback, a fitted length): it raises."""
+    cfg = make(tiny_model)
+    for part, name, value in ((cfg.cache_config, "gpu_memory_utilization", 0.5),
+                              (cfg.model_config, "max_model_len", 64),
+                              (cfg.scheduler_config, "max_num_seqs", 2),
+                              (cfg, "device_config", None)):
+        with pytest.raises(dataclasses.FrozenInstanceError, match="read-only once built"):
+            setattr(part, name, value)
+    loose = CacheConfig()  # not part of an engine's config yet
+    loose.block_size = 32
+    assert loose.block_size == 32
 
 
 # ---- CacheConfig ranges ----
@@ -217,8 +211,7 @@ def test_cache_config_ranges(kwargs, message):
     assert message in str(e.value)
 
 
-def test_kv_cache_memory_bytes_kept(tiny_model, probe):
-    probe(None)
+def test_kv_cache_memory_bytes_kept(tiny_model):
     assert make(tiny_model, kv_cache_memory_bytes=2**30).cache_config.kv_cache_memory_bytes == 2**30
 
 
@@ -282,46 +275,32 @@ def test_partial_prefill_flags_reach_the_config():
             sched.long_prefill_token_threshold) == (3, 2, 1000)
 
 
-def test_async_scheduling_default_fallback_and_flags(tiny_model, probe, caplog):
-    from types import SimpleNamespace
-
+def test_async_scheduling_default_fallback_and_flags(tiny_model, caplog):
+    from vllm.config.vllm import resolve_async_scheduling
     from vllm.engine.arg_utils import EngineArgs
     from vllm.entrypoints.cli.main import make_parser
 
-    probe(None)
     assert make(tiny_model).scheduler_config.async_scheduling is False  # CPU: nothing to overlap
     on = VllmConfig(model_config=ModelConfig(tiny_model),
                     scheduler_config=SchedulerConfig(async_scheduling=True))
     assert on.scheduler_config.async_scheduling is True
+
+    def resolve(asked, backend="uni", speculative=False, kv_connector=None):
+        return resolve_async_scheduling(asked, backend, speculative=speculative,
+                                        kv_connector=kv_connector, cuda_alike=True)
+
     # Unset: on for a CUDA-like device with the uni executor, off with another executor.
-    cuda = SimpleNamespace(is_cuda_alike=lambda: True)
-    on.scheduler_config.async_scheduling = None
-    on._resolve_async_scheduling(cuda)
-    assert on.scheduler_config.async_scheduling is True
-    on.scheduler_config.async_scheduling = None
-    on.parallel_config.distributed_executor_backend = "mp"
-    on._resolve_async_scheduling(cuda)
-    assert on.scheduler_config.async_scheduling is False
+    assert resolve(None) is True and resolve(None, "mp") is False
     # Asked for where it is unsupported: one warning, synchronous scheduling.
-    on.scheduler_config.async_scheduling = True
     with caplog.at_level(logging.WARNING, logger="vllm"):
-        on._resolve_async_scheduling(cuda)
-    assert on.scheduler_config.async_scheduling is False
+        assert resolve(True, "mp") is False
     assert "async scheduling is not supported with the 'mp' executor" in caplog.text
-    on.parallel_config.distributed_executor_backend = "uni"
-    for field, value, words in (
-        ("speculative_config", SimpleNamespace(), "speculative decoding"),
-        ("kv_transfer_config", SimpleNamespace(kv_connector="NixlConnector"),
-         "a KV connector (NixlConnector)"),
-    ):
-        setattr(on, field, value)
-        on.scheduler_config.async_scheduling = True
+    for kwargs, words in (({"speculative": True}, "speculative decoding"),
+                          ({"kv_connector": "NixlConnector"}, "a KV connector (NixlConnector)")):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="vllm"):
-            on._resolve_async_scheduling(cuda)
-        assert on.scheduler_config.async_scheduling is False
+            assert resolve(True, **kwargs) is False
         assert f"async scheduling is not supported with {words}" in caplog.text
-        setattr(on, field, None)
     with pytest.raises(ValueError, match="async_scheduling must be a bool, got 'yes'"):
         SchedulerConfig(async_scheduling="yes")
     for argv, expected in (([], None), (["--async-scheduling"], True),
@@ -386,8 +365,7 @@ def test_kv_transfer_config():
     assert KVTransferConfig.from_cli('{"kv_role": "kv_both"}').kv_connector is None
 
 
-def test_kv_connector_refused_with_tp_and_allowed_with_sleep(tiny_model, probe):
-    probe(None)
+def test_kv_connector_refused_with_tp_and_allowed_with_sleep(tiny_model):
     # A role without a connector would transfer nothing: refused, not ignored.
     with pytest.raises(ValueError, match="sets kv_role 'kv_both' but names no kv_connector"):
         VllmConfig(model_config=ModelConfig(tiny_model),
@@ -416,8 +394,7 @@ def test_cudagraph_default_sizes():
     assert sizes[-4:] == [256, 272, 288, 300]
 
 
-def test_cudagraph_sizes_resolution(tiny_model, probe):
-    probe(None)
+def test_cudagraph_sizes_resolution(tiny_model):
     cfg = VllmConfig(model_config=ModelConfig(tiny_model),
                      scheduler_config=SchedulerConfig(max_num_seqs=8),
                      compilation_config=CompilationConfig(cudagraph_capture_sizes=[16, 4, 1, 4]))
@@ -430,20 +407,20 @@ def test_cudagraph_sizes_resolution(tiny_model, probe):
         CompilationConfig(cudagraph_capture_sizes=[0, 2])
 
 
-def test_summary_mentions_resolved_path(tiny_model, probe):
-    probe("no VMM")
+def test_summary_says_what_was_asked(tiny_model):
     line = make(tiny_model).summary()
-    assert "kv_cache=classic" in line and "gpu_memory_utilization=0.92" in line
+    assert "kv_cache=auto" in line and "gpu_memory_utilization=None" in line
+    line = make(tiny_model, enable_extensible_kv_cache=False,
+                gpu_memory_utilization=0.5).summary()
+    assert "kv_cache=classic" in line and "gpu_memory_utilization=0.5" in line
 
 
-def test_elastic_implies_and_requires_the_extensible_cache(tiny_model, probe):
-    probe(None)
-    cache = make(tiny_model, enable_elastic_kv_cache=True).cache_config
-    assert cache.enable_elastic_kv_cache and cache.enable_extensible_kv_cache is True
+def test_elastic_requires_the_extensible_cache():
+    assert plan(enable_elastic_kv_cache=True).elastic_kv_cache is True
     with pytest.raises(ValueError, match="drop --no-enable-extensible-kv-cache"):
         CacheConfig(enable_elastic_kv_cache=True, enable_extensible_kv_cache=False)
     with pytest.raises(ValueError, match="enable_elastic_kv_cache must be a bool"):
         CacheConfig(enable_elastic_kv_cache="yes")
-    probe("no VMM here")
-    with pytest.raises(ValueError, match="cannot be honoured: no VMM here"):
-        make(tiny_model, enable_elastic_kv_cache=True)
+    with pytest.raises(ValueError, match="needs the extensible KV cache, which cannot be "
+                                         "honoured here: no VMM here"):
+        StartupPlan.decide(CacheConfig(enable_elastic_kv_cache=True), ["no VMM here"])

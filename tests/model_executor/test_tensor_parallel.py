@@ -48,7 +48,7 @@ def tp1():
 @pytest.fixture(scope="module")
 def tp2():
     executor = MultiprocExecutor(make_config(2, "mp", worker="ModelWorker"))
-    executor.collective_rpc("init_device")
+    executor.collective_rpc(ModelWorker.init_device)
     yield executor
     executor.shutdown()
 
@@ -58,7 +58,7 @@ def test_tp2_matches_tp1(name, checkpoints, tp1, tp2):
     path = checkpoints[name]
     config_path = checkpoints["uneven"] if name == GGUF else None
     reference = tp1.forward_logits(path, config_path)
-    ranks = tp2.collective_rpc("forward_logits", args=(path, config_path))
+    ranks = tp2.collective_rpc(ModelWorker.forward_logits, args=(path, config_path))
     for got in ranks:
         assert got.keys() == reference.keys()
         for key, logits in reference.items():

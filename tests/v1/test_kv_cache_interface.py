@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from vllm.attention.layer import Attention
+from vllm.device_allocator.host_vmm import HostVmmDriver
+from vllm.utils.extensible_tensor import ExtensibleReserve, ExtensibleTensor
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
-    KVCacheLayout,
     bind_kv_cache,
-    bytes_per_block,
     get_kv_cache_config,
     reshape_kv_cache,
 )
@@ -29,12 +29,11 @@ def test_page_size_counts_k_and_v():
     assert SPEC.page_size_bytes == 2 * 16 * 2 * 8 * 2 == 1024
     fp32 = FullAttentionSpec(block_size=32, num_kv_heads=8, head_size=128, dtype=torch.float32)
     assert fp32.page_size_bytes == 2 * 32 * 8 * 128 * 4
-    assert bytes_per_block(_specs()) == 3 * 1024
+    assert get_kv_cache_config(_specs(), 1).bytes_per_block == 3 * 1024
 
 
 def test_layer_outermost_placement():
     config = get_kv_cache_config(_specs(), num_blocks=10)
-    assert config.layout is KVCacheLayout.LAYER_OUTERMOST
     assert config.block_stride == 1024
     assert config.layer_stride == 10 * 1024
     assert [t.offset for t in config.kv_cache_tensors] == [0, 10240, 20480]
@@ -43,16 +42,6 @@ def test_layer_outermost_placement():
     assert config.segment_size_bytes == 10 * 1024
     assert config.num_segments == 3
     assert config.segment_bytes_for_blocks(4) == 4 * 1024
-
-
-def test_block_outermost_placement():
-    config = get_kv_cache_config(_specs(), num_blocks=10, layout=KVCacheLayout.BLOCK_OUTERMOST)
-    assert config.block_stride == 3 * 1024
-    assert config.layer_stride == 1024
-    assert [t.offset for t in config.kv_cache_tensors] == [0, 1024, 2048]
-    assert config.size_bytes == 3 * 10 * 1024
-    assert config.num_segments == 1
-    assert config.segment_bytes_for_blocks(4) == 4 * 3 * 1024
 
 
 def test_bytes_and_blocks_helpers():
@@ -67,22 +56,18 @@ def test_bytes_and_blocks_helpers():
         config.tensor("nope")
 
 
-@pytest.mark.parametrize("layout", list(KVCacheLayout))
-def test_views_cover_committed_prefix_and_alias_backing(layout):
-    config = get_kv_cache_config(_specs(), num_blocks=10, layout=layout)
+def test_views_cover_committed_prefix_and_alias_backing():
+    config = get_kv_cache_config(_specs(), num_blocks=10)
     backing = torch.zeros(config.size_bytes, dtype=torch.uint8)
     views = reshape_kv_cache(config, backing, num_blocks=4)
     base = backing.data_ptr()
-    committed_end = {  # first byte past each layer's committed prefix
-        KVCacheLayout.LAYER_OUTERMOST: [i * 10240 + 4 * 1024 for i in range(3)],
-        KVCacheLayout.BLOCK_OUTERMOST: [4 * 3072] * 3,
-    }[layout]
+    committed_end = [i * 10240 + 4 * 1024 for i in range(3)]  # past each committed prefix
     for i, name in enumerate(LAYERS):
         view = views[name]
         assert view.shape == (4, 2, 16, 2, 8)
         assert view.dtype == torch.bfloat16
         assert view.data_ptr() == base + config.tensor(name).offset
-        assert view.is_contiguous() == (layout is KVCacheLayout.LAYER_OUTERMOST)
+        assert view.is_contiguous()
         last = view[-1, -1, -1, -1, -1:]  # highest address the view reaches
         assert last.data_ptr() + 2 <= base + committed_end[i]
         assert view.stride(0) * 2 == config.block_stride
@@ -96,7 +81,7 @@ def test_views_cover_committed_prefix_and_alias_backing(layout):
 
 
 def test_layer_views_do_not_overlap():
-    config = get_kv_cache_config(_specs(), num_blocks=5, layout=KVCacheLayout.BLOCK_OUTERMOST)
+    config = get_kv_cache_config(_specs(), num_blocks=5)
     backing = torch.zeros(config.size_bytes, dtype=torch.uint8)
     views = reshape_kv_cache(config, backing, num_blocks=5)
     for i, name in enumerate(LAYERS):
@@ -109,7 +94,9 @@ def test_layer_views_do_not_overlap():
 
 def test_default_allocation_is_zeroed_and_full_size():
     config = get_kv_cache_config(_specs(), num_blocks=6)
-    views = allocate_and_reshape_kv_cache(config, "cpu")
+    allocation = allocate_and_reshape_kv_cache(config, "cpu")
+    views = allocation.views
+    assert allocation.backing.numel() == config.size_bytes  # what holds the memory, too
     assert set(views) == set(LAYERS)
     for view in views.values():
         assert view.shape == (6, 2, 16, 2, 8)
@@ -119,20 +106,27 @@ def test_default_allocation_is_zeroed_and_full_size():
     assert all(v.untyped_storage().data_ptr() == storage.data_ptr() for v in views.values())
 
 
-@pytest.mark.parametrize("layout", list(KVCacheLayout))
-def test_reserve_hook_called_with_size_and_segments(layout):
-    config = get_kv_cache_config(_specs(), num_blocks=8, layout=layout)
+def test_reserve_hook_called_with_size_and_segments():
+    config = get_kv_cache_config(_specs(), num_blocks=8)
     calls = []
 
-    def reserve(size: int, num_segments: int) -> torch.Tensor:
-        calls.append((size, num_segments))
-        return torch.full((size,), 0xAB, dtype=torch.uint8)
+    driver = HostVmmDriver()
+    prefix = 3 * config.block_stride
 
-    views = allocate_and_reshape_kv_cache(config, "cpu", reserve=reserve, num_blocks=3)
-    assert calls == [(3 * 8 * 1024, 3 if layout is KVCacheLayout.LAYER_OUTERMOST else 1)]
+    def reserve(size: int, num_segments: int) -> ExtensibleTensor:
+        calls.append((size, num_segments))
+        return ExtensibleReserve(driver, prefix)(size, num_segments)
+
+    allocation = allocate_and_reshape_kv_cache(config, "cpu", reserve=reserve, num_blocks=3)
+    assert calls == [(3 * 8 * 1024, 3)]  # one segment per layer
+    views, reservation = allocation.views, allocation.backing
+    assert isinstance(reservation, ExtensibleTensor)  # handed back, not left in the hook
     assert views[LAYERS[0]].shape[0] == 3
-    # the views alias what the hook returned (its 0xAB bytes), not a fresh allocation
-    assert bool((views[LAYERS[1]].view(torch.uint8) == 0xAB).all())
+    # the views alias the reservation's committed prefixes (its zeroed pages)
+    views[LAYERS[1]].view(torch.uint8).fill_(0xAB)
+    segment = reservation.segment_view(1)
+    assert int((segment == 0xAB).sum()) == 3 * 1024
+    reservation.free()
 
 
 def test_errors_name_the_numbers():
@@ -156,7 +150,7 @@ def test_errors_name_the_numbers():
         reshape_kv_cache(config, torch.zeros(config.size_bytes), 4)
     with pytest.raises(ValueError, match=r"num_blocks must be in \[1, 4\].*got 5"):
         reshape_kv_cache(config, torch.zeros(config.size_bytes, dtype=torch.uint8), 5)
-    with pytest.raises(ValueError, match="returned NoneType"):
+    with pytest.raises(ValueError, match="returned NoneType, expected a reservation"):
         allocate_and_reshape_kv_cache(config, "cpu", reserve=lambda size, segments: None)
 
 
@@ -165,7 +159,7 @@ def test_bind_kv_cache_sets_each_layer():
     config = get_kv_cache_config(
         {n: layer.get_kv_cache_spec(16, torch.bfloat16) for n, layer in layers.items()}, 5
     )
-    views = allocate_and_reshape_kv_cache(config, "cpu")
+    views = allocate_and_reshape_kv_cache(config, "cpu").views
     bind_kv_cache(views, layers)
     for name, layer in layers.items():
         assert layer.kv_cache is views[name]

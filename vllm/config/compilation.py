@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vllm.config.frozen import FrozenConfig
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -25,7 +26,7 @@ def default_cudagraph_capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 @dataclass
-class CompilationConfig:
+class CompilationConfig(FrozenConfig):
     """Whether and at which decode batch sizes CUDA graphs are captured.
 
     Attributes:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vllm.config.frozen import FrozenConfig
+
 
 @dataclass
-class DeviceConfig:
+class DeviceConfig(FrozenConfig):
     """The device type the engine runs on.
 
     Attributes:

@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from vllm.config.frozen import FrozenConfig
+
 # Connectors this engine implements (their classes: kv_connector/factory.py); any
 # other name is rejected rather than silently ignored.
 KNOWN_KV_CONNECTORS: tuple[str, ...] = ("OffloadingConnector", "NixlConnector")
@@ -18,7 +20,7 @@ KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
 
 @dataclass
-class KVTransferConfig:
+class KVTransferConfig(FrozenConfig):
     """The KV connector and its role (vLLM's `--kv-transfer-config` keys).
 
     Attributes:

@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from vllm.config.frozen import FrozenConfig
+
 if TYPE_CHECKING:
     import torch
 
@@ -52,7 +54,7 @@ def _to_torch_dtype(value: Any) -> torch.dtype | None:
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(FrozenConfig):
     """The model and how it is loaded.
 
     Attributes:

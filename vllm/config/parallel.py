@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vllm.config.frozen import FrozenConfig
+
 # --distributed-executor-backend choices (vLLM's names; "external_launcher" is not built).
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 DEFAULT_WORKER_CLS = "vllm.v1.worker.gpu_worker.Worker"
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(FrozenConfig):
     """How the model is split across devices.
 
     Attributes:

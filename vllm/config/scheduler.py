@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vllm.config.frozen import FrozenConfig
+
 # Defaults when left unset: (max_num_seqs, max_num_batched_tokens) per device type.
 # CUDA: vLLM V1's serving defaults (256 sequences; 8192 tokens, its API-server
 # budget, also used for the offline LLM here so both size the cache alike).
@@ -35,7 +37,7 @@ def _check_positive_int(name: str, value: object) -> None:
 
 
 @dataclass
-class SchedulerConfig:
+class SchedulerConfig(FrozenConfig):
     """Scheduling limits.
 
     Attributes:

@@ -15,6 +15,8 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
+from vllm.config.frozen import FrozenConfig
+
 SPEC_METHODS = ("ngram", "draft_model")
 # Methods this engine runs; a known method missing here is rejected by name.
 IMPLEMENTED_SPEC_METHODS = ("ngram", "draft_model")
@@ -31,7 +33,7 @@ class SpeculativeConfigError(ValueError):
 
 
 @dataclass
-class SpeculativeConfig:
+class SpeculativeConfig(FrozenConfig):
     """How drafts are proposed and how many the target verifies per step.
 
     Attributes:

@@ -14,9 +14,12 @@ EngineArgs --create_engine_config()--> VllmConfig
 
 Each sub-config checks its own ranges when built; `__post_init__` here does
 what needs several of them or the platform: scheduler defaults (device, context
-length), CUDA graph sizes (max_num_seqs), the KV cache path (VMM probe),
-which fixes the default gpu_memory_utilization, and the executor backend
-(ranks vs local devices) with the check that the model splits over the ranks.
+length), CUDA graph sizes (max_num_seqs), the executor backend (ranks vs local
+devices) with the check that the model splits over the ranks, one seed for
+every rank, async scheduling. Then the whole configuration is frozen
+(frozen.py): what start-up decides from the devices (the KV cache path, the
+default gpu_memory_utilization it implies, the fitted max_model_len) is the
+engine core's `StartupPlan` (startup.py), not a rewrite of this.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from dataclasses import dataclass, field
 from vllm.config.cache import CacheConfig
 from vllm.config.compilation import CompilationConfig
 from vllm.config.device import DeviceConfig
+from vllm.config.frozen import FrozenConfig
 from vllm.config.kv_transfer import KNOWN_KV_CONNECTORS, KVTransferConfig
 from vllm.config.model import ModelConfig
 from vllm.config.parallel import ParallelConfig
@@ -37,12 +41,11 @@ logger = init_logger(__name__)
 
 
 @dataclass
-class VllmConfig:
+class VllmConfig(FrozenConfig):
     """All of one engine's configuration; leaf classes take plain values from it.
 
     Raises:
-        ValueError: cross-field conflicts, or the extensible KV cache required
-            where the platform's VMM probe fails (see `CacheConfig.resolve_kv_cache_path`).
+        ValueError: cross-field conflicts.
     """
 
     model_config: ModelConfig
@@ -64,7 +67,6 @@ class VllmConfig:
             self.scheduler_config.max_num_seqs, graphs_supported=platform.is_cuda_alike()
         )
         self._check_kv_connector_named()
-        self.cache_config.resolve_kv_cache_path(lambda: platform.get_vmm_driver().probe())
         self._resolve_parallel(platform)
         spec = self.speculative_config
         if spec is not None and spec.num_speculative_tokens >= self.model_config.max_model_len:
@@ -82,6 +84,16 @@ class VllmConfig:
             )
         self._check_kv_transfer()
         self._resolve_async_scheduling(platform)
+        self._freeze_all()
+
+    def _freeze_all(self) -> None:
+        """Nothing rewrites the configuration once it is built (frozen.py)."""
+        for part in (self.model_config, self.cache_config, self.scheduler_config,
+                     self.parallel_config, self.compilation_config, self.device_config,
+                     self.kv_transfer_config, self.speculative_config):
+            if part is not None:
+                part.freeze()
+        self.freeze()
 
     def _check_kv_connector_named(self) -> None:
         """An empty kv_transfer_config means no connector (as in vLLM); one that sets
@@ -137,36 +149,19 @@ class VllmConfig:
             self.model_config.seed = random.SystemRandom().randrange(2**31)
 
     def _resolve_async_scheduling(self, platform) -> None:
-        """Async scheduling on where it is correct and pays; off, with a log line, elsewhere.
-
-        It needs the worker in the engine process (the uni executor: the
-        sampled ids stay on the device between steps, and the output of a step
-        is a handle that is resolved later, which no RPC can carry). Not built
-        yet with speculative decoding (the drafts are proposed from the step's
-        accepted tokens on the host) or a KV connector (it saves and loads
-        around each step's finished requests). On the CPU nothing runs while
-        Python prepares the next step, so it only costs.
-        """
-        sched = self.scheduler_config
-        backend = self.parallel_config.distributed_executor_backend
-        unsupported = None
-        if backend != "uni":
-            unsupported = f"the {backend!r} executor (it needs 'uni': one rank, in-process)"
-        elif self.speculative_config is not None:
-            unsupported = "speculative decoding (speculative_config)"
-        elif self.kv_transfer_config is not None:
-            unsupported = f"a KV connector ({self.kv_transfer_config.kv_connector})"
-        if sched.async_scheduling is None:
-            sched.async_scheduling = unsupported is None and platform.is_cuda_alike()
-        elif sched.async_scheduling and unsupported is not None:
-            logger.warning("async scheduling is not supported with %s; "
-                           "falling back to synchronous scheduling", unsupported)
-            sched.async_scheduling = False
+        sched, kv = self.scheduler_config, self.kv_transfer_config
+        sched.async_scheduling = resolve_async_scheduling(
+            sched.async_scheduling, self.parallel_config.distributed_executor_backend,
+            speculative=self.speculative_config is not None,
+            kv_connector=None if kv is None else kv.kv_connector,
+            cuda_alike=platform.is_cuda_alike(),
+        )
 
     def summary(self) -> str:
         """One line for the engine's start-up log."""
         m, c, s = self.model_config, self.cache_config, self.scheduler_config
-        kv_path = "extensible" if c.enable_extensible_kv_cache else "classic"
+        kv_path = {None: "auto", True: "extensible", False: "classic"}[
+            c.enable_extensible_kv_cache]
         return (
             f"model={m.model!r}, dtype={m.dtype}, max_model_len={m.max_model_len}, "
             f"load_format={m.load_format}, seed={m.seed}, device={self.device_config.device_type}, "
@@ -184,3 +179,40 @@ class VllmConfig:
             f"tensor_parallel_size={self.parallel_config.tensor_parallel_size}, "
             f"distributed_executor_backend={self.parallel_config.distributed_executor_backend}"
         )
+
+
+def resolve_async_scheduling(
+    asked: bool | None, backend: str, *, speculative: bool, kv_connector: str | None,
+    cuda_alike: bool,
+) -> bool:
+    """Async scheduling on where it is correct and pays; off, with a log line, elsewhere.
+
+    It needs the worker in the engine process (the uni executor: the
+    sampled ids stay on the device between steps, and the output of a step
+    is a handle that is resolved later, which no RPC can carry). Not built
+    yet with speculative decoding (the drafts are proposed from the step's
+    accepted tokens on the host) or a KV connector (it saves and loads
+    around each step's finished requests). On the CPU nothing runs while
+    Python prepares the next step, so it only costs.
+
+    Args:
+        asked: the user's `async_scheduling` (None: the default).
+        backend: the resolved executor backend.
+        speculative: speculative decoding is configured.
+        kv_connector: the configured KV connector's name, if any.
+        cuda_alike: the platform is CUDA or ROCm.
+    """
+    unsupported = None
+    if backend != "uni":
+        unsupported = f"the {backend!r} executor (it needs 'uni': one rank, in-process)"
+    elif speculative:
+        unsupported = "speculative decoding (speculative_config)"
+    elif kv_connector is not None:
+        unsupported = f"a KV connector ({kv_connector})"
+    if asked is None:
+        return unsupported is None and cuda_alike
+    if asked and unsupported is not None:
+        logger.warning("async scheduling is not supported with %s; "
+                       "falling back to synchronous scheduling", unsupported)
+        return False
+    return bool(asked)

@@ -71,6 +71,10 @@ class CudaAlikePlatform(Platform):
         if settings is not None and torch.cuda.is_initialized():
             settings("expandable_segments:True")
 
+    def init_device(self, device: torch.device) -> None:
+        torch.cuda.set_device(device)
+        torch.cuda.init()
+
     def synchronize(self) -> None:
         torch.cuda.synchronize()
 

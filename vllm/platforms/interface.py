@@ -117,6 +117,9 @@ class Platform:
     def configure_threads(self) -> None:
         """Choose (and log) the host threads that compute, before the model loads."""
 
+    def init_device(self, device: torch.device) -> None:
+        """Make `device` this process's current device and create its context (if any)."""
+
     def synchronize(self) -> None:
         pass
 

@@ -483,8 +483,8 @@ class ExtensibleReserve:
     Passed down, once, to an allocator that would otherwise `torch.zeros` its
     backing (`allocate_and_reshape_kv_cache(..., reserve=...)`): calling it
     reserves `size` bytes as `num_segments` equal segments, commits the first
-    `prefix_bytes` of every segment (zeroed), and returns `full_view()`. The
-    reservation is then `self.tensor`, for the owner to grow, release and free.
+    `prefix_bytes` of every segment (zeroed), and returns the `ExtensibleTensor`,
+    which the allocator hands back to its caller to grow, release and free.
     Nothing here knows what the bytes hold.
 
     Args:
@@ -495,25 +495,21 @@ class ExtensibleReserve:
     def __init__(self, driver: VmmDriver, prefix_bytes: int) -> None:
         self.driver = driver
         self.prefix_bytes = _as_size("prefix_bytes", None, prefix_bytes)
-        self.tensor: ExtensibleTensor | None = None
 
-    def __call__(self, size: int, num_segments: int) -> torch.Tensor:
-        """uint8 tensor `[size]` over the new reservation; its data_ptr() is the base.
+    def __call__(self, size: int, num_segments: int) -> ExtensibleTensor:
+        """A new reservation of `size` bytes in `num_segments`, each prefix committed.
 
         Raises:
-            RuntimeError: called twice (one hook, one reservation).
-            ValueError / VmmError: as `ExtensibleTensor.from_capacity` and `grow_segments_`.
+            ValueError / VmmError: as `ExtensibleTensor.from_capacity` and `grow_segments_`
+                (nothing stays reserved then).
         """
-        if self.tensor is not None:
-            raise RuntimeError("ExtensibleReserve already reserved its tensor")
         tensor = ExtensibleTensor.from_capacity(size, num_segments, self.driver)
         try:
             tensor.grow_segments_([self.prefix_bytes] * num_segments)
         except BaseException:
             tensor.free()
             raise
-        self.tensor = tensor
-        return tensor.full_view()
+        return tensor
 
 
 # ------------------------------------------------------------------ helpers

@@ -8,56 +8,42 @@ allocation itself is the worker's (`vllm/v1/worker/kv_cache.py`,
 `allocate_and_reshape_kv_cache`); this module only places blocks and builds
 views over a given backing (`reshape_kv_cache`).
 
-Layouts (P = page_size_bytes of one block of one layer, N = num_blocks,
-L = number of layers):
+The layout (P = page_size_bytes of one block of one layer, N = num_blocks,
+L = number of layers): layers outermost, one segment per layer
 
-    LAYER_OUTERMOST (default): one segment per layer
     base
     |<----------- segment 0: layer 0 ----------->|<----------- segment 1: layer 1 ----------->| ...
     | blk 0 | blk 1 | blk 2 |  ...  | blk N-1   | blk 0 | blk 1 | blk 2 |  ...  | blk N-1   |
     block_stride = P             layer_stride = N * P             offset(layer l) = l * N * P
 
-    BLOCK_OUTERMOST: one segment in total
-    base
-    |<-------------------------------- segment 0 -------------------------------->|
-    | blk 0: L0 L1 .. L(L-1) | blk 1: L0 L1 .. L(L-1) |  ...  | blk N-1: L0 .. L(L-1) |
-    block_stride = L * P         layer_stride = P                 offset(layer l) = l * P
-
     byte address of (layer l, block b) = base + offset(l) + b * block_stride
-    num_segments = size_bytes / (N * block_stride)       (L, or 1)
+    num_segments = size_bytes / (N * block_stride)       (L)
 
 A *segment* is a contiguous run of N blocks. With the extensible cache only a
 prefix of every segment is committed: the first n blocks of each segment,
 `n * block_stride` bytes each. Per-layer views built by `reshape_kv_cache`
 therefore cover exactly blocks [0, n) of their layer and never touch the
-uncommitted rest. LAYER_OUTERMOST is the default because its per-layer views
-are contiguous tensors (what kernels and connectors like best); BLOCK_OUTERMOST
-keeps all layers of a block together (one segment, one registration) at the
-price of views strided in the block dimension.
+uncommitted rest. Layers are outermost because per-layer views are then
+contiguous tensors (what kernels and connectors like best). (Blocks outermost,
+one segment with all layers of a block together, was built and tested once and
+never used: it is gone; `num_segments` is still derived from the strides, so
+the extensible tensor serves any layout.)
 
 Block 0 is the null block: the block pool never hands it to a request, so it
 never holds real tokens. Padding tokens write nothing (slot -1 in the slot
 mapping), and padded block-table entries point at block 0, so reads through
 them stay inside the committed prefix.
 
-Per-layer view shape: [num_blocks, 2, block_size, num_kv_heads, head_size]
-(`AttentionBackend.get_kv_cache_shape`): index 0 of dim 1 is K, index 1 is V.
+Per-layer view shape: [num_blocks, 2, block_size, num_kv_heads, head_size]:
+index 0 of dim 1 is K, index 1 is V (what the attention backends read).
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-
-
-class KVCacheLayout(enum.Enum):
-    """Which index is outermost in the backing allocation (see the module docstring)."""
-
-    LAYER_OUTERMOST = "layer_outermost"
-    BLOCK_OUTERMOST = "block_outermost"
 
 
 @dataclass(frozen=True)
@@ -135,14 +121,12 @@ class KVCacheConfig:
         kv_cache_tensors: one entry per layer, in layer order.
         block_stride: bytes from block b to block b+1 of one layer.
         layer_stride: bytes from layer l's block 0 to layer l+1's block 0.
-        layout: which index is outermost.
     """
 
     num_blocks: int
     kv_cache_tensors: tuple[KVCacheTensor, ...]
     block_stride: int
     layer_stride: int
-    layout: KVCacheLayout
 
     def __post_init__(self) -> None:
         if not self.kv_cache_tensors:
@@ -169,7 +153,8 @@ class KVCacheConfig:
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes one block id costs across all layers."""
+        """Bytes one block id costs across all layers: the one statement of it (sizing
+        takes `block_stride x num_segments`, the same number, from here)."""
         return self.num_layers * self.page_size_bytes
 
     @property
@@ -216,22 +201,15 @@ class KVCacheConfig:
         raise KeyError(f"no KV cache tensor for layer {layer_name!r}; layers: {known}")
 
 
-def bytes_per_block(kv_cache_specs: Mapping[str, KVCacheSpec]) -> int:
-    """Bytes one block id costs across all layers (page sizes summed)."""
-    return sum(spec.page_size_bytes for spec in kv_cache_specs.values())
-
-
 def get_kv_cache_config(
     kv_cache_specs: Mapping[str, KVCacheSpec],
     num_blocks: int,
-    layout: KVCacheLayout = KVCacheLayout.LAYER_OUTERMOST,
 ) -> KVCacheConfig:
     """Place every layer's `num_blocks` blocks in one allocation.
 
     Args:
         kv_cache_specs: layer name -> spec, in layer order (dict order is kept).
         num_blocks: blocks per layer, counting the null block; >= 1.
-        layout: LAYER_OUTERMOST (one segment per layer) or BLOCK_OUTERMOST (one segment).
 
     All layers must share block_size and page size: with a single block
     stride, a block id means the same tokens in every layer and the segments
@@ -249,16 +227,10 @@ def get_kv_cache_config(
         raise ValueError(
             f"num_blocks must be an int >= 1 (block 0 is the null block), got {num_blocks!r}"
         )
-    if not isinstance(layout, KVCacheLayout):
-        raise ValueError(f"layout must be a KVCacheLayout, got {layout!r}")
     _check_uniform(kv_cache_specs, "block_size", lambda s: s.block_size)
     _check_uniform(kv_cache_specs, "page size (bytes)", lambda s: s.page_size_bytes)
     page = next(iter(kv_cache_specs.values())).page_size_bytes
-    num_layers = len(kv_cache_specs)
-    if layout is KVCacheLayout.LAYER_OUTERMOST:
-        block_stride, layer_stride = page, num_blocks * page
-    else:
-        block_stride, layer_stride = num_layers * page, page
+    block_stride, layer_stride = page, num_blocks * page  # layers outermost
     tensors = tuple(
         KVCacheTensor(layer_name=name, spec=spec, offset=i * layer_stride)
         for i, (name, spec) in enumerate(kv_cache_specs.items())
@@ -268,7 +240,6 @@ def get_kv_cache_config(
         kv_cache_tensors=tensors,
         block_stride=block_stride,
         layer_stride=layer_stride,
-        layout=layout,
     )
 
 
@@ -298,8 +269,7 @@ def reshape_kv_cache(
 
     Returns:
         layer name -> view of dtype spec.dtype, shape [num_blocks, 2, block_size,
-        num_kv_heads, head_size], aliasing `backing` (contiguous for
-        LAYER_OUTERMOST, strided in dim 0 for BLOCK_OUTERMOST).
+        num_kv_heads, head_size], aliasing `backing` (contiguous).
 
     Raises:
         ValueError: backing of the wrong dtype/rank/size, num_blocks out of range,

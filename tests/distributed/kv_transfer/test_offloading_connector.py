@@ -88,7 +88,7 @@ def test_sleep_forgets_the_host_copies_and_the_woken_engine_offloads_again(offlo
     llm = offload_llm
     reference = [o.outputs[0].text for o in bundled_llm.generate([LONG_A, LONG_B], GREEDY)]
     llm.generate([LONG_A], GREEDY)
-    connector = llm.llm_engine.engine_core.scheduler.connector
+    connector = llm.llm_engine.engine_core.connector  # the scheduler-side connector
     assert connector.host_index
     llm.sleep(level=1)
     assert not connector.host_index

@@ -26,6 +26,7 @@ import os
 
 from vllm.device_allocator.vmm import VmmError
 from vllm.v1.worker.gpu_worker import Worker
+from vllm.v1.worker.worker_base import rpc
 
 
 def _take_fault(prefix: str) -> str | None:
@@ -43,6 +44,7 @@ def _take_fault(prefix: str) -> str | None:
 
 
 class FaultInjectingWorker(Worker):
+    @rpc
     def wake_up(self, tags=None):
         kind = _take_fault("wake_map:")
         if kind is None:
@@ -62,6 +64,7 @@ class FaultInjectingWorker(Worker):
         finally:
             del driver.map  # the instance attribute goes; the class's method is back
 
+    @rpc
     def execute_model(self, scheduler_output):
         kind = _take_fault("")
         if kind is None:

@@ -39,7 +39,7 @@ def tree(server: RemoteServer) -> list[psutil.Process]:
 def engine_and_workers(server: RemoteServer) -> tuple[psutil.Process, list[psutil.Process]]:
     """The engine core process (the child that has children) and its worker processes,
     in rank order (the executor logs their pids by rank; psutil lists them by pid)."""
-    started = re.search(r"Started \d+ worker processes \(pids ([\d, ]+)\)", server.log())
+    started = re.search(r"Started \d+ worker processes \(\w+; pids ([\d, ]+)\)", server.log())
     assert started, "the executor did not log its workers' pids"
     by_rank = [int(pid) for pid in started.group(1).split(",")]
     for child in psutil.Process(server.proc.pid).children():

@@ -201,7 +201,7 @@ def test_shrink_evicts_cached_tail_blocks_and_prefer_below_empties_the_tail():
     pool.free_blocks(pool.get_new_blocks(3))  # 5, 4, 3 taken and freed (evicted)
     assert _free_ids(pool) == [2, 1, 6, 7, 8, 5, 4, 3]
     # Prefer ids below 6: 6, 7, 8 are passed over (to the tail) while lower ones are free.
-    pool.prefer_below = 6
+    pool.prefer_blocks_below(6)
     assert _ids(pool.get_new_blocks(4)) == [2, 1, 5, 4]
     assert _free_ids(pool) == [3, 6, 7, 8]
     assert _ids(pool.get_new_blocks(2)) == [3, 6]  # then higher ones, when lower run out

@@ -9,6 +9,7 @@ from tests.v1.core.fake_runner import (
     run_until_done,
     step,
 )
+from vllm.v1.core.elastic import ElasticKVPolicy
 from vllm.v1.outputs import FinishReason
 from vllm.v1.request import RequestStatus
 
@@ -317,9 +318,29 @@ def test_requests_are_checked_against_the_elastic_limit_not_the_committed_blocks
     sched = make_scheduler(num_blocks=4)  # 3 usable blocks of 4 tokens
     with pytest.raises(ValueError, match="can never fit"):
         sched.add_request(make_request("long", _prompt(20, 1000), max_tokens=4))
-    sched.max_num_blocks = 16  # the elastic cache may grow to 16 blocks
-    sched.add_request(make_request("long", _prompt(20, 1000), max_tokens=4))
-    assert sched.get_num_unfinished_requests() == 1
+    # The elastic cache holds 4 blocks and may grow to 16.
+    policy = ElasticKVPolicy(committed=4, floor=4, limit=16, chunk=4)
+    elastic = make_scheduler(num_blocks=4, elastic=policy)
+    assert elastic.max_num_blocks == 16 and elastic.num_blocks == 4
+    elastic.add_request(make_request("long", _prompt(20, 1000), max_tokens=4))
+    assert elastic.get_num_unfinished_requests() == 1
+
+
+def test_the_elastic_policy_drives_the_pool_through_one_verb():
+    """The scheduler says what count its policy wants; resize_kv_cache adopts a count
+    (the pool and the policy together); a shrink target never drops a block in use."""
+    policy = ElasticKVPolicy(committed=4, floor=4, limit=16, chunk=4, shrink_delay_s=0.0)
+    sched = make_scheduler(num_blocks=4, elastic=policy)
+    runner = FakeRunner(block_size=4)
+    sched.add_request(make_request("a", _prompt(20, 1000), max_tokens=4))
+    assert sched.kv_cache_target() == 8  # 3 free blocks, 5 wanted: grow by a chunk
+    sched.resize_kv_cache(8)
+    assert (sched.num_blocks, policy.committed, sched.kv_cache_resizes()) == (8, 8, (1, 0))
+    run_until_done(sched, runner)
+    assert sched.kv_cache_target() == 4  # all free again: back to the floor
+    sched.resize_kv_cache(4)
+    assert (sched.num_blocks, sched.kv_cache_resizes()) == (4, (1, 1))
+    assert sched.kv_cache_target() is None
 
 
 def test_constructor_rejects_bad_sizes():

@@ -9,6 +9,7 @@ max_model_len request: 17 blocks, filling one granule per layer = 85 blocks,
 
 from __future__ import annotations
 
+import functools
 import gc
 
 import pytest
@@ -48,21 +49,22 @@ def _texts(llm: LLM) -> list[str]:
 
 def _idle_until_floor(llm: LLM, core) -> None:
     for _ in range(20):
-        llm.llm_engine.adjust_kv_cache()
-        if core.num_blocks == core.elastic.policy.floor:
+        llm.llm_engine.engine_core.adjust_kv_cache()
+        if core.num_blocks == core.scheduler.elastic.floor:
             return
 
 
 def test_committed_bytes_and_rss_follow_the_load_up_and_down(elastic_llm, offline_llm):
     core = elastic_llm.llm_engine.engine_core
     kv_cache = core.worker.kv_cache
-    floor = core.elastic.policy.floor
+    floor = core.scheduler.elastic.floor
     assert floor == kv_cache.committed_blocks == core.num_blocks == 85
     assert kv_cache.committed_bytes == 60 * MiB
     # Record every resize on the worker: (blocks, bytes, RSS) before and after.
     worker, trace = core.worker, []
 
     def traced(fn):
+        @functools.wraps(fn)  # keeps its @rpc mark: the engine may still call it
         def call(num_blocks):
             before = (kv_cache.committed_blocks, kv_cache.committed_bytes, _rss())
             out = fn(num_blocks)
@@ -84,20 +86,20 @@ def test_committed_bytes_and_rss_follow_the_load_up_and_down(elastic_llm, offlin
     core.scheduler.resize_kv_cache = traced_resize
     # No shrink during the burst, so the blocks above the floor end it holding
     # cached prompt blocks (the shrink after it must evict them).
-    core.elastic.policy.shrink_delay_s = 1e9
+    core.scheduler.elastic.shrink_delay_s = 1e9
     texts = _texts(elastic_llm)  # 16 prompts of ~120 tokens: ~150 blocks in flight, 84 committed
     grows = [(a, b) for a, b in trace if b[0] > a[0]]
-    assert grows and core.elastic.policy.num_grows == len(grows)
+    assert grows and core.scheduler.elastic.num_grows == len(grows)
     assert max(b[0] for _, b in grows) > floor
     for a, b in grows:  # host commits are resident at once
         assert b[2] - a[2] >= 0.8 * (b[1] - a[1])
     assert texts == _texts(offline_llm)  # identical to the non-elastic engine (greedy, fp32)
 
-    core.elastic.policy.shrink_delay_s = 0.0
+    core.scheduler.elastic.shrink_delay_s = 0.0
     _idle_until_floor(elastic_llm, core)
     assert core.num_blocks == kv_cache.committed_blocks == floor
     assert kv_cache.committed_bytes == 60 * MiB
-    assert core.elastic.policy.num_shrinks >= 1
+    assert core.scheduler.elastic.num_shrinks >= 1
     shrinks = [(a, b) for a, b in trace if b[0] < a[0]]
     assert sum(a[1] - b[1] for a, b in shrinks) > 0
     for a, b in shrinks:  # the pages really left
@@ -141,11 +143,11 @@ def test_wake_under_pressure_commits_the_floor_and_grows_later(elastic_llm, monk
                                                               use_tqdm=False)]
     assert core.num_blocks == 85  # served from the floor (queued, never grown)
     monkeypatch.undo()  # the memory came back: the next burst grows again
-    grows = core.elastic.policy.num_grows
+    grows = core.scheduler.elastic.num_grows
     assert [o.outputs[0].text for o in elastic_llm.generate(PROMPTS[:2], GREEDY,
                                                              use_tqdm=False)] == texts
     elastic_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert core.elastic.policy.num_grows > grows
+    assert core.scheduler.elastic.num_grows > grows
 
 
 def test_async_scheduling_grows_while_a_step_is_in_flight(offline_llm, monkeypatch):
@@ -159,9 +161,9 @@ def test_async_scheduling_grows_while_a_step_is_in_flight(offline_llm, monkeypat
     try:
         core = llm.llm_engine.engine_core
         assert core.async_scheduling
-        floor = core.elastic.policy.floor
+        floor = core.scheduler.elastic.floor
         assert _texts(llm) == _texts(offline_llm)
-        assert core.elastic.policy.num_grows >= 1
+        assert core.scheduler.elastic.num_grows >= 1
         _idle_until_floor(llm, core)
         assert core.num_blocks == core.worker.kv_cache.committed_blocks == floor
     finally:

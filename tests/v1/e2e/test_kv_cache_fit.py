@@ -33,7 +33,10 @@ def test_explicit_size_within_one_granule_and_max_model_len_fitted(small_cache_l
     worker = small_cache_llm.llm_engine.engine_core.worker
     assert worker.kv_cache.committed_blocks == 85
     assert worker.kv_cache.committed_bytes == 60 * MiB  # the old rule committed 120 MiB
-    assert small_cache_llm.llm_engine.vllm_config.model_config.max_model_len == 1344
+    # The fitted length is the plan's; the configuration keeps what was asked.
+    assert small_cache_llm.llm_engine.max_model_len == 1344
+    assert small_cache_llm.llm_engine.engine_core.plan.max_model_len == 1344
+    assert small_cache_llm.llm_engine.vllm_config.model_config.max_model_len == 2048
     # A request up to the fitted length is served; one past it is refused up front.
     prompt = {"prompt_token_ids": [28] * 1340}  # prefill in six steps, then four tokens
     out = small_cache_llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0,

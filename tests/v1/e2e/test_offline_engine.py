@@ -114,7 +114,7 @@ def test_seeded_sampling_is_reproducible(llm):
 
 def test_extensible_cache_grows_after_warmup_and_matches_classic(llm, other_llm, reference):
     worker = llm.llm_engine.engine_core.worker
-    assert llm.llm_engine.vllm_config.cache_config.enable_extensible_kv_cache
+    assert llm.llm_engine.engine_core.plan.extensible_kv_cache  # the start-up plan says so
     ext = worker.kv_cache
     assert isinstance(ext, ExtensibleKVCacheBuffers)
     # Warmup ran against the null block + one block; the cache grew after it.
@@ -169,11 +169,11 @@ def test_cpu_threads_follow_vllm_cpu_rules(llm):
     import torch
 
     from vllm.platforms import current_platform
-    from vllm.platforms.cpu_threads import plan_cpu_threads
+    from vllm.platforms.cpu_threads import plan_cpu_threads_from_env
 
     if current_platform.device_type != "cpu":
         pytest.skip("host threads are chosen on the CPU platform only")
-    expected = plan_cpu_threads().num_threads
+    expected = plan_cpu_threads_from_env().num_threads
     assert expected is not None and torch.get_num_threads() == expected
 
 

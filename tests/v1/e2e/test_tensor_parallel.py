@@ -10,6 +10,7 @@ import pytest
 from tests.conftest import TP_PROMPTS
 from tests.v1.e2e.tp_workers import kv_cache_state
 from vllm import LLM, SamplingParams
+from vllm.v1.worker.gpu_worker import Worker
 
 pytestmark = pytest.mark.slow
 
@@ -29,10 +30,10 @@ def reference_ids(tp_reference) -> dict[str, list[int]]:
 def check_agreement(llm: LLM) -> list[int]:
     """Both ranks hold the engine's block count, the minimum of what each could hold."""
     core = llm.llm_engine.engine_core
-    agreements = core.model_executor.collective_rpc("kv_cache_agreement")
+    agreements = core.model_executor.collective_rpc(Worker.kv_cache_agreement)
     assert agreements[0] == agreements[1]  # every rank saw every rank's count
     proposals = agreements[0]
-    memory = core.model_executor.collective_rpc("kv_cache_memory")
+    memory = core.model_executor.collective_rpc(Worker.kv_cache_memory)
     assert [m.num_blocks for m in memory] == [core.num_blocks] * 2
     assert core.num_blocks == min(proposals)
     return proposals
@@ -85,13 +86,13 @@ def test_mp_tp2_elastic_ranks_agree_at_start_after_growth_and_after_shrink(tp_re
     try:
         core = llm.llm_engine.engine_core
         run = core.model_executor.collective_rpc
-        policy = core.elastic.policy
+        policy = core.scheduler.elastic
 
         def committed() -> int:
             """The count every rank holds (asserting they hold the engine's)."""
-            counts = [m.num_blocks for m in run("kv_cache_memory")]
+            counts = [m.num_blocks for m in run(Worker.kv_cache_memory)]
             assert counts == [core.num_blocks] * 2, counts
-            bounds = run("elastic_kv_cache_bounds")
+            bounds = run(Worker.elastic_kv_cache_bounds)
             assert bounds[0] == bounds[1], bounds  # floor, limit, max_limit, chunk
             return counts[0]
 
@@ -107,7 +108,7 @@ def test_mp_tp2_elastic_ranks_agree_at_start_after_growth_and_after_shrink(tp_re
 
         policy.shrink_delay_s = 0.0
         for _ in range(20):
-            llm.llm_engine.adjust_kv_cache()
+            llm.llm_engine.engine_core.adjust_kv_cache()
             if core.num_blocks == floor:
                 break
         assert policy.num_shrinks >= 1
@@ -116,9 +117,9 @@ def test_mp_tp2_elastic_ranks_agree_at_start_after_growth_and_after_shrink(tp_re
         # 90 MiB: one granule per segment on either rank, 128 blocks on rank 0
         # and 256 on rank 1; the ranks agree on 128.
         assert llm.llm_engine.set_kv_cache_limit(90 * MiB) == 128
-        assert [b.limit for b in run("elastic_kv_cache_bounds")] == [128, 128]
+        assert [b.limit for b in run(Worker.elastic_kv_cache_bounds)] == [128, 128]
         limit = llm.llm_engine.set_kv_cache_limit(None)
-        assert [b.limit for b in run("elastic_kv_cache_bounds")] == [limit, limit]
+        assert [b.limit for b in run(Worker.elastic_kv_cache_bounds)] == [limit, limit]
         assert committed() == floor
         assert greedy_ids(llm) == reference_ids(tp_reference)
     finally:

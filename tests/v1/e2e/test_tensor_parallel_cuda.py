@@ -18,6 +18,7 @@ import torch
 
 from tests.model_dirs import llama_config, make_model_dir
 from vllm import LLM, SamplingParams
+from vllm.v1.worker.gpu_worker import Worker
 
 pytestmark = pytest.mark.cuda
 
@@ -124,7 +125,7 @@ def test_unequal_memory_both_ranks_take_the_minimum(model_dir):
               **{**COMMON, "gpu_memory_utilization": 0.9, "max_num_seqs": 2048})
     try:
         executor = llm.llm_engine.engine_core.model_executor
-        proposals = executor.collective_rpc("kv_cache_agreement")[0]
+        proposals = executor.collective_rpc(Worker.kv_cache_agreement)[0]
         assert proposals[1] < proposals[0]
         blocks = [i["blocks"] for i in executor.collective_rpc(rank_info)]
         assert blocks == [min(proposals)] * 2
@@ -158,12 +159,13 @@ def _free_bytes(worker) -> int:
 @needs_two_gpus
 def test_nccl_all_reduce_inside_a_cuda_graph():
     from tests.v1.executor.conftest import make_config
+    from tests.v1.executor.workers import NcclGraphWorker
     from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
     executor = MultiprocExecutor(make_config(2, "mp", worker="NcclGraphWorker"))
     try:
-        executor.collective_rpc("init_device")
-        assert executor.collective_rpc("all_reduce_in_graph") == [[3.0, 3.0, 3.0]] * 2
+        executor.collective_rpc(NcclGraphWorker.init_device)
+        assert executor.collective_rpc(NcclGraphWorker.all_reduce_in_graph) == [[3.0, 3.0, 3.0]] * 2
     finally:
         executor.shutdown()
 

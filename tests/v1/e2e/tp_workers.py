@@ -13,9 +13,11 @@ import os
 import torch
 
 from vllm.v1.worker.gpu_worker import Worker
+from vllm.v1.worker.worker_base import rpc
 
 
 class LimitedMemoryWorker(Worker):
+    @rpc
     def init_device(self) -> None:
         super().init_device()
         limits = os.environ.get("VLLM_TEST_FREE_BYTES")
@@ -32,6 +34,7 @@ class ForeignMemoryWorker(Worker):
     before it measures anything; as another process's memory would, it shrinks what
     that rank can give the KV cache."""
 
+    @rpc
     def init_device(self) -> None:
         if self.rank == 1:
             torch.cuda.set_device(self.local_rank)
@@ -45,6 +48,7 @@ class NoVmmOnRank1Worker(LimitedMemoryWorker):
     """Rank 1's device "cannot" hold the extensible cache: its VMM probe reports a reason
     (the device boundary; as a GPU whose driver lacks cuMem* would)."""
 
+    @rpc
     def probe_kv_cache_path(self) -> str | None:
         if self.rank == 1:
             return "VMM unsupported on this device (test)"

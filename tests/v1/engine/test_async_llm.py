@@ -1,12 +1,15 @@
 """AsyncLLM over the real engine on the bundled model (CPU): outputs, admission errors,
-aborts that free blocks, the engine thread, step failures, death and shutdown.
+aborts that free blocks, the engine core's own process, step failures, death and shutdown.
 
-Faults are injected at the device boundary only: the worker's `execute_model`.
+Faults are injected at the device boundary only: the worker's `execute_model`
+(`FaultInjectingWorker`, which runs in the engine core's process and reads the
+fault file named by $VLLM_TEST_FAULT_FILE before every step).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 
 import pytest
@@ -27,15 +30,32 @@ MAX_MODEL_LEN = 256
 PROMPT = "The capital of France is"
 
 
+FAULTY_WORKER = "tests.entrypoints.openai.fault_injection_serve.FaultInjectingWorker"
+
+
 def _args() -> EngineArgs:
     # A small token budget and KV size keep start-up short on CPU (profiling and warmup
     # run a worst-case batch).
     return EngineArgs(max_model_len=MAX_MODEL_LEN, max_num_seqs=16, max_num_batched_tokens=128,
-                      kv_cache_memory_bytes=64 * 2**20, disable_log_stats=True)
+                      kv_cache_memory_bytes=64 * 2**20, disable_log_stats=True,
+                      worker_cls=FAULTY_WORKER)
 
 
 @pytest.fixture(scope="module")
-def engine():
+def fault_file(tmp_path_factory):
+    """The file the engine core's worker reads before every step ("step", "cuda")."""
+    path = tmp_path_factory.mktemp("faults") / "fault"
+    before = os.environ.get("VLLM_TEST_FAULT_FILE")
+    os.environ["VLLM_TEST_FAULT_FILE"] = str(path)  # inherited by the engine core process
+    yield path
+    if before is None:
+        del os.environ["VLLM_TEST_FAULT_FILE"]
+    else:
+        os.environ["VLLM_TEST_FAULT_FILE"] = before
+
+
+@pytest.fixture(scope="module")
+def engine(fault_file):
     llm = AsyncLLM.from_engine_args(_args())
     yield llm
     llm.shutdown()
@@ -52,26 +72,23 @@ async def _collect(engine: AsyncLLM, request_id: str, params: SamplingParams,
 
 
 def _idle(engine: AsyncLLM) -> bool:
-    """On the engine thread: nothing unfinished and no KV block held."""
-
-    def check() -> bool:
-        core = engine.engine
-        return (not core.has_unfinished_requests()
-                and core.engine_core.get_stats().kv_cache_usage == 0)
-
-    return asyncio.run(engine.run_in_engine_thread(check))
+    """In the engine core: nothing running or waiting and no KV block held (the stats
+    call is queued behind every abort sent before it)."""
+    stats = asyncio.run(engine.get_scheduler_stats())
+    return (stats.num_running_reqs == stats.num_waiting_reqs == 0
+            and stats.kv_cache_usage == 0)
 
 
-def test_engine_calls_run_on_the_engine_thread(engine):
+def test_the_engine_core_steps_in_its_own_process(engine):
     async def main():
-        name = await engine.run_in_engine_thread(lambda: threading.current_thread().name)
         ids = await engine.tokenize(PROMPT)
         text = await engine.detokenize(ids, skip_special_tokens=True)
-        return name, ids, text
+        return ids, text
 
-    name, ids, text = asyncio.run(main())
-    assert name == "vllm-engine" != threading.current_thread().name
+    ids, text = asyncio.run(main())
+    assert engine.client.process.pid != os.getpid() and engine.client.process.is_alive()
     assert ids and text == PROMPT
+    assert engine.max_model_len == MAX_MODEL_LEN  # the plan the core reported
 
 
 def test_output_kinds_agree(engine):
@@ -149,8 +166,7 @@ def test_closing_the_stream_aborts_and_frees_blocks(engine):
     async def main():
         gen = engine.generate(PROMPT, _params(RequestOutputKind.DELTA, max_tokens=200), "drop")
         first = [await anext(gen), await anext(gen)]
-        held = await engine.run_in_engine_thread(
-            lambda: engine.engine.engine_core.get_stats().kv_cache_usage)
+        held = (await engine.get_scheduler_stats()).kv_cache_usage
         await gen.aclose()
         return first, held
 
@@ -198,10 +214,8 @@ def test_stat_loggers_see_every_step(engine):
     engine.add_stat_logger(recorder)
 
     async def main():
+        # A step's figures are recorded in the same pass that delivers its outputs.
         await _collect(engine, "stats", _params(max_tokens=7))
-        # Outputs reach the caller inside the step; its stats are recorded right after
-        # it, before the engine thread takes the next command: wait for one.
-        await engine.run_in_engine_thread(lambda: None)
 
     asyncio.run(main())
     assert recorder.generation_tokens == 7
@@ -217,21 +231,10 @@ def test_sleep_needs_sleep_mode(engine):
     assert asyncio.run(main()) is False
 
 
-def test_step_failure_fails_that_step_only(engine):
-    worker = engine.engine.engine_core.worker
-
-    def fail_once():
-        real = worker.execute_model
-
-        def execute_model(scheduler_output):
-            worker.execute_model = real
-            raise RuntimeError("injected step failure")
-
-        worker.execute_model = execute_model
-
+def test_step_failure_fails_that_step_only(engine, fault_file):
     async def main():
         reference = (await _collect(engine, "before", _params()))[-1].outputs[0].text
-        await engine.run_in_engine_thread(fail_once)
+        fault_file.write_text("step")
         with pytest.raises(EngineGenerateError, match="injected step failure"):
             await _collect(engine, "failed", _params())
         after = (await _collect(engine, "after", _params()))[-1].outputs[0].text
@@ -296,22 +299,18 @@ def test_shutdown_ends_inflight_requests(engine):
             await engine.add_request("late", PROMPT, _params())
 
     asyncio.run(main())
-    assert engine.engine is None  # the LLMEngine (weights, KV cache) is released
+    assert engine.client.process.exitcode == 0  # its weights and KV cache are gone with it
     assert not engine.is_running
     assert not engine.errored
 
 
-def test_device_error_kills_the_engine():
+def test_device_error_kills_the_engine(fault_file):
     engine = AsyncLLM.from_engine_args(_args())
     died = threading.Event()
     engine.add_dead_callback(lambda error: died.set())
-    worker = engine.engine.engine_core.worker
-
-    def device_fault(scheduler_output):
-        raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     async def main():
-        await engine.run_in_engine_thread(setattr, worker, "execute_model", device_fault)
+        fault_file.write_text("cuda")
         with pytest.raises(EngineDeadError, match="CUDA error"):
             await _collect(engine, "doomed", _params())
         with pytest.raises(EngineDeadError):
@@ -323,7 +322,8 @@ def test_device_error_kills_the_engine():
         asyncio.run(main())
         assert died.wait(10)
         assert engine.errored and isinstance(engine.dead_error, EngineDeadError)
-        assert engine.engine is None
+        engine.client.process.join(30)
+        assert engine.client.process.exitcode == 1  # the core process exited with it
     finally:
         engine.shutdown()
 

@@ -17,7 +17,8 @@ from vllm.platforms import current_platform
 from vllm.v1.engine import core_proc
 
 MESSAGE = ("another process holds memory on cuda:0 (pid 4242 trainer (3.0 GiB)) and "
-           "--gpu-memory-utilization was left to its default 1.0")
+           "--gpu-memory-utilization was left to its default (all of the device on the "
+           "extensible path)")
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from tests.v1.executor.conftest import gone, make_config
+from tests.v1.executor.workers import DistWorker
 from vllm.v1.executor import Executor, WorkerDiedError, WorkerError
 
 ray = pytest.importorskip("ray")
@@ -39,7 +40,7 @@ def executor(two_node_cluster):
     from vllm.v1.executor.ray_executor import RayDistributedExecutor
 
     executor = RayDistributedExecutor(make_config(2, "ray"))
-    assert executor.collective_rpc("init_device") == [0, 1]
+    assert executor.collective_rpc(DistWorker.init_device) == [0, 1]
     yield executor
     executor.shutdown()
 
@@ -67,34 +68,36 @@ def test_one_rank_per_node(executor):
     assert len({node_id for node_id, _, _ in nodes}) == 2  # 1 CPU per node: one bundle each
     # The driver's node holds rank 0 (its address is the rendezvous).
     assert nodes[0][0] == ray.get_runtime_context().get_node_id()
-    ranks = executor.collective_rpc("whoami")
+    ranks = executor.collective_rpc(DistWorker.whoami)
     assert [(rank, driver) for rank, _, driver in ranks] == [(0, True), (1, False)]
-    assert executor.collective_rpc("all_reduce", args=(2.0,)) == [5.0, 5.0]
-    assert executor.collective_rpc("whoami", unique_reply_rank=1) == [ranks[1]]
+    assert executor.collective_rpc(DistWorker.all_reduce, args=(2.0,)) == [5.0, 5.0]
+    assert executor.collective_rpc(DistWorker.whoami, unique_reply_rank=1) == [ranks[1]]
     # The actors import this checkout's vllm and see the engine's VLLM_* variables.
-    assert executor.collective_rpc("env", args=("PYTHONPATH",))[0].split(os.pathsep)[0] == \
+    (pythonpath,) = executor.collective_rpc(DistWorker.env, args=("PYTHONPATH",),
+                                            unique_reply_rank=0)
+    assert pythonpath.split(os.pathsep)[0] == \
         os.path.dirname(os.path.dirname(os.path.abspath(__import__("vllm").__file__)))
 
 
 def test_errors_name_the_rank(executor):
     with pytest.raises(WorkerError, match=r"rank 1 failed in fail_on: ValueError: bad value") as e:
-        executor.collective_rpc("fail_on", args=(1,))
+        executor.collective_rpc(DistWorker.fail_on, args=(1,))
     assert e.value.rank == 1
     with pytest.raises(TimeoutError, match=r"nap did not finish within 0.2 s"):
-        executor.collective_rpc("nap", args=(1.0,), timeout=0.2)
-    assert executor.collective_rpc("nap", args=(0.0,)) == [0, 1]
+        executor.collective_rpc(DistWorker.nap, args=(1.0,), timeout=0.2)
+    assert executor.collective_rpc(DistWorker.nap, args=(0.0,)) == [0, 1]
 
 
 def test_actor_death_is_reported(two_node_cluster, executor):
     failures = []
     fired = threading.Event()
     executor.register_failure_callback(lambda e: (failures.append(e), fired.set()))
-    pids = [pid for _, pid, _ in executor.collective_rpc("whoami")]
+    pids = [pid for _, pid, _ in executor.collective_rpc(DistWorker.whoami)]
     os.kill(pids[1], signal.SIGKILL)
     assert fired.wait(20), "the monitor did not report the killed actor"
     assert isinstance(failures[0], WorkerDiedError) and failures[0].rank == 1
     with pytest.raises(WorkerDiedError):
-        executor.collective_rpc("whoami")
+        executor.collective_rpc(DistWorker.whoami)
     executor.shutdown()
     assert gone(pids, timeout=20)
 
@@ -116,10 +119,9 @@ def test_llm_tp2_across_two_nodes(two_node_cluster, tp_reference, limited_memory
         assert executor.uses_ray
         nodes = ray.get([w.get_node_and_device.remote() for w in executor.workers])
         assert len({node_id for node_id, _, _ in nodes}) == 2
-        cache = llm.llm_engine.vllm_config.cache_config
-        assert cache.enable_extensible_kv_cache is False  # the frontend's probe passed
-        assert cache.extensible_kv_cache_unavailable_reason == (
-            "rank 1: VMM unsupported on this device (test)")
+        plan = llm.llm_engine.engine_core.plan  # every rank's probe decided it
+        assert plan.extensible_kv_cache is False
+        assert plan.reason == "rank 1: VMM unsupported on this device (test)"
         assert greedy_ids(llm) == {p: ids for p, (ids, _) in tp_reference.items()}
         proposals = check_agreement(llm)
         assert proposals[1] < proposals[0], proposals

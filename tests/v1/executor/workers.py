@@ -2,7 +2,8 @@
 
 An executor builds `worker_cls(vllm_config=..., local_rank=..., rank=...,
 distributed_init_method=..., is_driver_worker=...)` in every rank's process;
-these classes take the same arguments as the engine's Worker.
+these classes take the same arguments as the engine's Worker, and mark what the
+tests call with `@rpc`, as the engine's Worker does.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from vllm.distributed import (
     init_distributed_environment,
     initialize_model_parallel,
 )
+from vllm.v1.worker.worker_base import rpc
 
 
 class DistWorker:
@@ -32,41 +34,53 @@ class DistWorker:
         if rank in getattr(vllm_config, "fail_ranks", ()):
             raise ValueError(f"rank {rank} refuses to start (test)")
 
+    @rpc
     def init_device(self) -> int:
         torch.set_num_threads(1)
         init_distributed_environment(self.world_size, self.rank, self.init_method, backend="gloo")
         initialize_model_parallel(self.world_size)
         return get_tp_group().rank_in_group
 
+    @rpc
     def all_reduce(self, value: float) -> float:
         """Sum of `value + rank` over the ranks (a real gloo all-reduce)."""
         x = torch.tensor([value + self.rank], dtype=torch.float64)
         return float(get_tp_group().all_reduce(x).item())
 
+    @rpc
     def whoami(self) -> tuple[int, int, bool]:
         return self.rank, os.getpid(), self.is_driver_worker
 
+    @rpc
     def fail_on(self, rank: int) -> int:
         if self.rank == rank:
             raise ValueError(f"bad value on rank {rank}")
         return self.rank
 
+    @rpc
     def nap(self, seconds: float) -> int:
         time.sleep(seconds)
         return self.rank
 
+    @rpc
     def env(self, key: str) -> str | None:
         return os.environ.get(key)
 
+    @rpc
     def fail_before_collective(self, rank: int) -> float:
         """`rank` raises; the others wait in an all-reduce it never joins."""
         if self.rank == rank:
             raise RuntimeError(f"rank {rank} gave up before the all-reduce")
         return self.all_reduce(0.0)
 
+    @rpc
     def unpicklable(self):
         return lambda: None  # lambdas do not pickle: the call must fail, not hang
 
+    def not_offered(self) -> None:
+        """Not marked @rpc: the engine may not call it."""
+
+    @rpc
     def die(self, rank: int) -> int:
         if self.rank == rank:
             os._exit(3)
@@ -76,6 +90,7 @@ class DistWorker:
 class ModelWorker(DistWorker):
     """Loads a model sharded over the ranks and runs the shared test schedule through it."""
 
+    @rpc
     def forward_logits(self, path: str, config_path: str | None = None) -> dict[str, torch.Tensor]:
         """Per request of the schedule, its logits; `config_path` holds the HF config
         when `path` is a GGUF file written without one."""
@@ -98,6 +113,7 @@ def pid_of(worker: DistWorker) -> int:
 class NcclGraphWorker(DistWorker):
     """On CUDA: an NCCL all-reduce captured in a CUDA graph, then replayed."""
 
+    @rpc
     def init_device(self) -> int:
         torch.cuda.set_device(self.local_rank)
         init_distributed_environment(
@@ -106,6 +122,7 @@ class NcclGraphWorker(DistWorker):
         initialize_model_parallel(self.world_size)
         return get_tp_group().rank_in_group
 
+    @rpc
     def all_reduce_in_graph(self) -> list[float]:
         group = get_tp_group()
         x = torch.zeros(3, device="cuda")

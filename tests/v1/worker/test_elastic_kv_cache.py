@@ -17,7 +17,7 @@ import torch
 from vllm.device_allocator.host_vmm import HostVmmDriver
 from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_cache_config
 from vllm.v1.worker import kv_cache_sizing as sizing
-from vllm.v1.worker.elastic_kv_cache import ElasticBounds, ElasticKVCache
+from vllm.v1.worker.elastic_kv_cache import ElasticBounds, ElasticKVCache, elastic_floor_blocks
 from vllm.v1.worker.kv_cache import ExtensibleKVCacheBuffers
 
 MiB = 1 << 20
@@ -70,7 +70,7 @@ def _on_both_ranks(fn):
 def test_ranks_with_different_block_sizes_agree_on_floor_chunk_and_limit():
     caches = [_cache(2), _cache(1)]
     try:
-        own = [sizing.elastic_floor_blocks(LIMIT, PER_REQUEST, kv.config.block_stride,
+        own = [elastic_floor_blocks(LIMIT, PER_REQUEST, kv.config.block_stride,
                                            kv.config.num_segments, kv.granularity)
                for kv in caches]
         assert own == [128, 256]  # each rank's floor fills its own granules

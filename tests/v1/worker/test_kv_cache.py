@@ -12,7 +12,7 @@ import torch
 
 from vllm.device_allocator.host_vmm import HostVmmDriver
 from vllm.utils.extensible_tensor import ExtensibleReserve
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheLayout, get_kv_cache_config
+from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_cache_config
 from vllm.v1.outputs import KVCacheMemory
 from vllm.v1.worker.kv_cache import (
     ClassicKVCacheBuffers,
@@ -30,8 +30,8 @@ SPEC = FullAttentionSpec(block_size=16, num_kv_heads=4, head_size=64, dtype=torc
 PAGE = SPEC.page_size_bytes
 
 
-def _config(num_blocks: int, layout: KVCacheLayout = KVCacheLayout.LAYER_OUTERMOST):
-    return get_kv_cache_config({name: SPEC for name in LAYERS}, num_blocks, layout)
+def _config(num_blocks: int):
+    return get_kv_cache_config({name: SPEC for name in LAYERS}, num_blocks)
 
 
 @pytest.fixture
@@ -85,14 +85,6 @@ def test_extensible_grows_under_the_same_base_with_views_over_committed_blocks(d
     assert driver.num_reservations == 0 and driver.num_mappings == 0
 
 
-def test_extensible_block_outermost_is_one_span(driver):
-    kv = ExtensibleKVCacheBuffers(_config(128, KVCacheLayout.BLOCK_OUTERMOST), driver, CPU)
-    kv.allocate(2)
-    kv.extend_kv_cache(40)
-    assert kv.committed_spans() == [(kv.tensor.base, 40 * 3 * PAGE)]
-    kv.free()
-
-
 def test_extensible_release_and_recommit_keep_addresses(driver):
     kv = ExtensibleKVCacheBuffers(_config(128), driver, CPU)
     kv.allocate(2)
@@ -111,17 +103,15 @@ def test_extensible_release_and_recommit_keep_addresses(driver):
     kv.free()
 
 
-@pytest.mark.parametrize("layout", list(KVCacheLayout))
-def test_a_views_storage_is_the_committed_bytes_and_its_address_fixed(driver, layout):
+def test_a_views_storage_is_the_committed_bytes_and_its_address_fixed(driver):
     # Issue #16 item 1: upstream's contract. Before: every view's storage spanned
     # the whole reservation (3 x 1024 blocks), whatever was committed.
-    kv = ExtensibleKVCacheBuffers(_config(1024, layout), driver, CPU)
+    kv = ExtensibleKVCacheBuffers(_config(1024), driver, CPU)
     kv.allocate(2)
-    per_segment = 2 * PAGE * (3 if layout == KVCacheLayout.BLOCK_OUTERMOST else 1)
+    per_segment = 2 * PAGE
     view = kv.views[LAYERS[1]]
     ptr = view.data_ptr()
-    assert view.untyped_storage().nbytes() == per_segment == (
-        196608 if layout == KVCacheLayout.BLOCK_OUTERMOST else 65536)
+    assert view.untyped_storage().nbytes() == per_segment == 65536
     grown = kv.extend_kv_cache(40)[LAYERS[1]]
     assert grown.data_ptr() == ptr  # the same address after growth
     assert grown.untyped_storage().nbytes() == 20 * per_segment
@@ -135,12 +125,13 @@ def test_a_views_storage_is_the_committed_bytes_and_its_address_fixed(driver, la
 
 def test_extensible_reserve_hook_commits_a_prefix_per_segment(driver):
     reserve = ExtensibleReserve(driver, 3 * MiB)
-    backing = reserve(16 * MiB, 2)
-    assert backing.data_ptr() == reserve.tensor.base and backing.numel() == 16 * MiB
-    assert reserve.tensor.segment_sizes == (3 * MiB, 3 * MiB)
-    with pytest.raises(RuntimeError, match="already reserved"):
-        reserve(16 * MiB, 2)
-    reserve.tensor.free()
+    tensor = reserve(16 * MiB, 2)  # returned to the caller, nothing kept in the hook
+    assert tensor.segment_sizes == (3 * MiB, 3 * MiB)
+    assert tensor.full_view().numel() == 16 * MiB
+    again = reserve(16 * MiB, 2)  # one hook, any number of reservations
+    assert again.base != tensor.base
+    tensor.free()
+    again.free()
 
 
 @pytest.mark.cuda

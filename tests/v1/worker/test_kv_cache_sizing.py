@@ -10,6 +10,12 @@ import re
 
 import pytest
 
+from vllm.v1.worker.elastic_kv_cache import (
+    elastic_chunk_blocks,
+    elastic_floor_blocks,
+    elastic_growth_blocks,
+    elastic_headroom_bytes,
+)
 from vllm.v1.worker.kv_cache_sizing import (
     WARMUP_NUM_BLOCKS,
     GiB,
@@ -24,10 +30,6 @@ from vllm.v1.worker.kv_cache_sizing import (
     classic_num_blocks,
     committed_bytes_for_blocks,
     describe_parts,
-    elastic_chunk_blocks,
-    elastic_floor_blocks,
-    elastic_growth_blocks,
-    elastic_headroom_bytes,
     extensible_kv_cache_bytes,
     final_num_blocks,
     max_useful_blocks,

@@ -98,12 +98,12 @@ def build_app(engine_client: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     `args` is the `vllm serve` namespace; read here: served_model_name, model,
     api_key, chat_template (all optional).
     """
-    model_config = engine_client.model_config
-    models = ServedModels(served_model_names(args), root=model_config.model,
-                          max_model_len=model_config.max_model_len)
+    models = ServedModels(served_model_names(args), root=engine_client.model_config.model,
+                          max_model_len=engine_client.max_model_len)
     metrics = PrometheusStatLogger(
-        models.default_name, max_model_len=model_config.max_model_len,
-        cache_config_info=cache_config_info(engine_client.vllm_config.cache_config))
+        models.default_name, max_model_len=engine_client.max_model_len,
+        cache_config_info=cache_config_info(engine_client.vllm_config.cache_config,
+                                            engine_client.plan))
     engine_client.add_stat_logger(metrics)
     chat_template = load_chat_template(getattr(args, "chat_template", None))
 
@@ -407,7 +407,6 @@ def _start_engine(vllm_config: VllmConfig, args: argparse.Namespace) -> AsyncLLM
             vllm_config,
             log_stats=not getattr(args, "disable_log_stats", False),
             log_requests=bool(getattr(args, "enable_log_requests", False)),
-            multiprocess_mode=True,  # the engine core steps in a process of its own
         )
 
 

@@ -1,4 +1,4 @@
-"""POST /tokenize and POST /detokenize (vLLM's extra endpoints), on the engine thread."""
+"""POST /tokenize and POST /detokenize (vLLM's extra endpoints), on the tokenizer thread."""
 
 from __future__ import annotations
 

@@ -99,7 +99,7 @@ class BlockPool:
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         # Elastic cache: hand out ids below this first, so the tail can be released.
-        self.prefer_below: int | None = None
+        self._prefer_below: int | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -141,22 +141,26 @@ class BlockPool:
             block.ref_cnt = 1
         return blocks
 
-    def _pop_free(self, n: int) -> list[KVCacheBlock]:
-        """`n` blocks from the free queue's head; with `prefer_below`, ids below it first.
+    def prefer_blocks_below(self, num_blocks: int | None) -> None:
+        """Hand out ids below `num_blocks` first (None: plain LRU order).
 
-        The elastic cache sets `prefer_below` to the block count it would like
-        to shrink to, so the tail empties: free blocks at or above it are
-        passed over (moved to the queue's tail, where they are evicted last)
-        while enough lower ones are free. Without it: vLLM's LRU order.
+        The elastic cache asks for the block count it would like to shrink to,
+        so the tail empties: free blocks at or above it are passed over (moved
+        to the queue's tail, where they are evicted last) while enough lower
+        ones are free.
         """
-        if self.prefer_below is None:
+        self._prefer_below = num_blocks
+
+    def _pop_free(self, n: int) -> list[KVCacheBlock]:
+        """`n` blocks from the free queue's head; ids below the preferred count first."""
+        if self._prefer_below is None:
             return self.free_block_queue.popleft_n(n)
         queue, taken, passed = self.free_block_queue, [], []
         for _ in range(len(queue)):
             if len(taken) == n:
                 break
             block = queue.popleft()
-            (taken if block.block_id < self.prefer_below else passed).append(block)
+            (taken if block.block_id < self._prefer_below else passed).append(block)
         need = n - len(taken)
         taken += passed[:need]
         queue.append_n(passed[need:])
@@ -286,8 +290,8 @@ class BlockPool:
             self.free_block_queue.remove(block)
             self._evict_cached_block(block)
         del self.blocks[num_blocks:]
-        if self.prefer_below is not None and self.prefer_below >= num_blocks:
-            self.prefer_below = None
+        if self._prefer_below is not None and self._prefer_below >= num_blocks:
+            self._prefer_below = None
 
     def _evict_cached_block(self, block: KVCacheBlock) -> None:
         """Drop `block`'s prefix-cache entry, if it has one."""

@@ -1,8 +1,10 @@
 """The elastic KV cache's policy: when to commit more blocks and when to return some.
 
-Torch-free; the engine core asks it between steps (and every idle poll) and
-carries out its answer on the workers (`ElasticKVCache.grow` / `.shrink`) and
-on the block pool (`Scheduler.resize_kv_cache`). Numbers are block counts
+Torch-free; a component of the `Scheduler` (its `elastic` field): between
+steps (and at every idle poll) the engine core asks the scheduler what count
+the policy wants (`Scheduler.kv_cache_target`), carries it out on the workers
+(`Worker.grow_kv_cache` / `shrink_kv_cache`) and has the scheduler adopt it
+(`Scheduler.resize_kv_cache`, which calls `adopt`). Numbers are block counts
 counting the null block.
 
     grow    when the free blocks run below a low-water mark (a quarter chunk
@@ -17,7 +19,7 @@ counting the null block.
             mark free: back to b (the growth's driver allocations are released
             whole). Also when a runtime limit is set below what is committed.
     prefer  while a shrink is possible, allocation prefers ids below b
-            (`BlockPool.prefer_below`), so the tail empties.
+            (`BlockPool.prefer_blocks_below`), so the tail empties.
 
 Sources: kvcached (elastic KV memory for co-located LLMs, github.com/ovg-project/kvcached)
 shrinks idle tail pages the same way; the thresholds here are ours.
@@ -28,6 +30,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
 
 DEFAULT_SHRINK_DELAY_S = 10.0
 
@@ -122,6 +128,28 @@ class ElasticKVPolicy:
         if over_limit or now - self._tail_free_since >= self.shrink_delay_s:
             return ElasticDecision("shrink", target)
         return None
+
+    def target(self, kv: KVCacheManager, blocks_wanted: int, allow_shrink: bool) -> int | None:
+        """The block count to resize to now, or None, from the KV cache manager's pool.
+
+        A shrink target never drops a block in use (it stops at the last one).
+        While a shrink is possible (or wanted but not allowed now: a step in
+        flight may still write a freed block), allocation prefers the ids
+        below it, so the tail empties.
+        """
+        decision = self.decide(kv.get_num_free_blocks(), kv.num_free_tail_blocks(),
+                               blocks_wanted)
+        if decision is None or (decision.action == "shrink" and not allow_shrink):
+            kv.prefer_blocks_below(self.shrink_target())
+            return None
+        if decision.action == "grow":
+            return decision.num_blocks
+        return max(decision.num_blocks, self.lowest_now(kv))
+
+    def lowest_now(self, kv: KVCacheManager) -> int:
+        """The fewest blocks the pool can shrink to now: the floor, or more while
+        tail blocks are in use."""
+        return max(self.floor, kv.num_blocks - kv.num_free_tail_blocks())
 
     def adopt(self, num_blocks: int) -> None:
         """Record the count the workers reached (after a grow or a shrink)."""

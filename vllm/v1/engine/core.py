@@ -1,4 +1,14 @@
-"""EngineCore: the step loop. schedule -> execute -> update, and nothing else.
+"""EngineCore: one engine's start-up and its step. schedule -> execute -> update.
+
+```
+ step():  resize the KV cache if the elastic policy asks (between steps only)
+          schedule -> execute on every rank -> update_from_output -> outputs
+```
+
+The step never waits on anything but the model: what takes unknown time runs
+in the background and completes at a step boundary (docs/design.md, "One step
+loop"). The loop that calls `step()` while serving is the engine core
+process's (core_proc.py); the offline `LLMEngine` calls it from its caller.
 
 With async scheduling (`SchedulerConfig.async_scheduling`) one step is in
 flight while the next is scheduled and launched::
@@ -16,11 +26,13 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+from vllm import envs
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
+from vllm.v1.core.elastic import ElasticKVPolicy
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler, SchedulerStats
-from vllm.v1.engine.elastic_kv import ElasticKVController
+from vllm.v1.engine.startup import start_workers
 from vllm.v1.executor import Executor
 from vllm.v1.outputs import (
     AsyncModelRunnerOutput,
@@ -29,7 +41,8 @@ from vllm.v1.outputs import (
     ModelRunnerOutput,
 )
 from vllm.v1.request import Request, RequestStatus
-from vllm.v1.worker.kv_cache_sizing import fit_max_model_len
+from vllm.v1.worker.elastic_kv_cache import ElasticBounds
+from vllm.v1.worker.gpu_worker import Worker
 from vllm.version import __version__
 
 logger = init_logger(__name__)
@@ -39,147 +52,99 @@ class EngineCore:
     """Owns the scheduler and the executor (one worker per rank) of one engine.
 
     Every call to the workers goes through `model_executor.collective_rpc`
-    (uni: in this process; mp / ray: one process or actor per rank), so the
-    same code drives one rank or several. Start-up follows DESIGN.md section 4
-    on every rank: load the model, size the KV cache
-    (classic: final size; extensible: a small committed prefix), warm up and
-    capture CUDA graphs, then (extensible) measure and extend, run the hooks
-    that need the final cache (KV connectors), and only then build the
-    scheduler, once, with the final block count.
+    with a `Worker` method (uni: in this process; mp / ray: one process or
+    actor per rank), so the same code drives one rank or several. Start-up
+    (`startup.start_workers`) decides the `StartupPlan`, sizes and warms up
+    every rank, and only then is the scheduler built, once, with the final
+    block count.
 
-    What the frontend needs from here comes as return values (`get_stats`,
-    `kv_cache_memory`, `scheduled_request_ids`, `wake_up`, `is_sleeping`),
-    never by reaching into the scheduler or the worker.
+    It implements `EngineCoreUtilities` (protocol.py): what a frontend asks
+    besides the request flow comes back as return values, never by reaching
+    into the scheduler or the worker.
+
+    Attributes:
+        plan: the start-up decisions (KV cache path, utilization, final block
+            count, fitted max_model_len).
     """
 
     def __init__(self, vllm_config: VllmConfig) -> None:
-        # vLLM's start-up line: the settings in use (async scheduling on or off,
+        # vLLM's start-up line: the settings asked for (async scheduling on or off,
         # the KV cache path, ...), once per engine (the core is one per engine,
         # in the server's engine core process or in the offline LLM's process).
         logger.info("Initializing a V1 LLM engine (v%s) with config: %s", __version__,
                     vllm_config.summary())
         self.vllm_config = vllm_config
-        sched = vllm_config.scheduler_config
-        cache = vllm_config.cache_config
         self.model_executor = Executor.get_class(vllm_config)(vllm_config)
         self.connector = None
         try:
-            num_blocks = self._start_workers()
+            self.plan, bounds = start_workers(self.model_executor, vllm_config)
             if vllm_config.kv_transfer_config is not None:
-                self.connector = self._create_scheduler_connector(num_blocks)
+                self.connector = self._create_scheduler_connector()
         except BaseException:
             self.model_executor.shutdown()  # no rank keeps its memory after a failed start
             raise
-        bounds = None
-        if cache.enable_elastic_kv_cache:
-            bounds = self.model_executor.collective_rpc("elastic_kv_cache_bounds")[0]
-        # Elastic: a request may use what the cache can grow to, not what it holds now.
-        self.max_model_len = self._fit_max_model_len(bounds.limit if bounds else num_blocks)
-        self.scheduler = Scheduler(
+        self.scheduler = self._make_scheduler(bounds)
+        self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
+        # Async scheduling: steps launched whose outputs are not yet applied (at most 2).
+        self._batch_queue: deque[tuple[SchedulerOutput, Any]] = deque()
+        self._scheduled_req_ids: list[str] = []  # of the last (possibly failed) step
+        self._kv_memory: KVCacheMemory | None = None  # cached; None = read it again
+        self._sleeping: bool | None = False
+        self._blocks_before_sleep = 0  # elastic: what a wake grows back towards
+
+    def _make_scheduler(self, bounds: ElasticBounds | None) -> Scheduler:
+        """The scheduler, built once with the final block count (and the elastic policy)."""
+        config = self.vllm_config
+        sched, cache, spec = config.scheduler_config, config.cache_config, config.speculative_config
+        elastic = None
+        if bounds is not None:
+            elastic = ElasticKVPolicy(
+                committed=self.plan.num_blocks, floor=bounds.floor, limit=bounds.limit,
+                chunk=bounds.chunk, shrink_delay_s=envs.VLLM_ELASTIC_KV_SHRINK_DELAY_S)
+        scheduler = Scheduler(
             max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
+            max_model_len=self.plan.max_model_len,
             block_size=cache.block_size,
-            num_blocks=num_blocks,
+            num_blocks=self.plan.num_blocks,
             enable_prefix_caching=cache.enable_prefix_caching,
             enable_chunked_prefill=sched.enable_chunked_prefill,
             long_prefill_token_threshold=sched.long_prefill_token_threshold,
             max_num_partial_prefills=sched.max_num_partial_prefills,
             max_long_partial_prefills=sched.max_long_partial_prefills,
             connector=self.connector,
-            num_speculative_tokens=(
-                vllm_config.speculative_config.num_speculative_tokens
-                if vllm_config.speculative_config else 0
-            ),
-            num_lookahead_tokens=(
-                vllm_config.speculative_config.num_lookahead_slots
-                if vllm_config.speculative_config else 0
-            ),
+            num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+            num_lookahead_tokens=spec.num_lookahead_slots if spec else 0,
             async_scheduling=bool(sched.async_scheduling),
+            elastic=elastic,
         )
-        self.async_scheduling = bool(sched.async_scheduling)
-        # Async scheduling: steps launched whose outputs are not yet applied (at most 2).
-        self._batch_queue: deque[tuple[SchedulerOutput, Any]] = deque()
-        self._scheduled_req_ids: list[str] = []  # of the last (possibly failed) step
-        self.elastic = (
-            None if bounds is None
-            else ElasticKVController(self.model_executor, self.scheduler, bounds)
-        )
-        policy = self.scheduler.prefill_policy
-        if policy.concurrent:
-            logger.info(
-                "Concurrent partial prefills: max_num_partial_prefills=%d, "
-                "max_long_partial_prefills=%d, prompts over %d tokens count as long%s",
-                policy.max_num_partial_prefills, policy.max_long_partial_prefills,
-                policy.long_threshold,
-                f" and compute at most {policy.cap} tokens a step" if policy.cap else "",
-            )
-        self._kv_memory: KVCacheMemory | None = None  # cached; None = read it again
-        self._sleeping: bool | None = False
+        scheduler.prefill_policy.log()
+        return scheduler
 
-    def _start_workers(self) -> int:
-        """Every rank through start-up; returns the block count they agreed on.
-
-        Raises:
-            WorkerError: a rank failed a stage (the message names it; uni:
-                the worker's own exception).
-            ValueError: the extensible cache was required and a rank cannot hold it.
-        """
-        run = self.model_executor.collective_rpc
-        run("init_device")
-        self._agree_on_kv_cache_path()
-        run("load_model")
-        run("initialize_kv_cache")
-        counts = run("compile_or_warm_up_model")
-        if len(set(counts)) != 1:  # the workers' agreement makes this impossible
-            raise RuntimeError(f"the ranks ended with different block counts: {counts}")
-        run("run_post_kv_cache_hooks")
-        return counts[0]
-
-    def _create_scheduler_connector(self, num_blocks: int):
+    def _create_scheduler_connector(self):
         """The scheduler side of the configured KV connector (after the workers' side exists)."""
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
         connector = KVConnectorFactory.create_connector(self.vllm_config, KVConnectorRole.SCHEDULER)
-        (handshake,) = self.model_executor.collective_rpc(
-            "kv_connector_handshake", unique_reply_rank=0
-        )
-        connector.set_xfer_handshake_metadata(handshake)
+        connector.set_xfer_handshake_metadata(self._connector_handshake())
         logger.info("KV connector %s (scheduler side), %d KV blocks",
-                    type(connector).__name__, num_blocks)
+                    type(connector).__name__, self.plan.num_blocks)
         return connector
 
-    def _fit_max_model_len(self, num_blocks: int) -> int:
-        """max_model_len, lowered (with a warning) to what the final KV cache holds."""
-        configured = self.vllm_config.model_config.max_model_len
-        block_size = self.vllm_config.cache_config.block_size
-        fitted = fit_max_model_len(configured, num_blocks, block_size)
-        if fitted < configured:
-            logger.warning(
-                "max_model_len %d does not fit the KV cache: %d blocks of %d tokens hold "
-                "%d tokens for one sequence; serving with max_model_len %d (raise "
-                "--kv-cache-memory-bytes or --gpu-memory-utilization, or lower "
-                "--max-model-len, to silence this)",
-                configured, num_blocks - 1, block_size, fitted, fitted,
-            )
-        return fitted
-
-    def _agree_on_kv_cache_path(self) -> None:
-        """One rank that cannot hold the extensible cache puts every rank on the classic path."""
-        cache = self.vllm_config.cache_config
-        if not cache.enable_extensible_kv_cache or self.model_executor.world_size == 1:
-            return  # one rank: VllmConfig resolution probed its device already
-        reasons = self.model_executor.collective_rpc("probe_kv_cache_path")
-        failed = [f"rank {r}: {reason}" for r, reason in enumerate(reasons) if reason]
-        if failed:
-            reason = "; ".join(failed)
-            cache.fall_back_to_classic(reason)  # raises when it was required
-            self.model_executor.collective_rpc("use_classic_kv_cache", args=(reason,))
+    def _connector_handshake(self) -> dict | None:
+        (handshake,) = self.model_executor.collective_rpc(
+            Worker.kv_connector_handshake, unique_reply_rank=0)
+        return handshake
 
     @property
     def num_blocks(self) -> int:
         return self.scheduler.num_blocks
+
+    @property
+    def max_model_len(self) -> int:
+        """Tokens one request may hold (the plan's, fitted to the KV cache)."""
+        return self.plan.max_model_len
 
     @property
     def worker(self) -> Any:
@@ -191,6 +156,7 @@ class EngineCore:
         driver = getattr(self.model_executor, "driver", None)
         return None if driver is None else driver.worker
 
+    # -------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
         """Queue a request; raises ValueError if it can never fit."""
         self.scheduler.add_request(request)
@@ -208,14 +174,19 @@ class EngineCore:
 
     def has_pending_kv_sends(self) -> bool:
         """Finished requests whose blocks a KV connector still sends (steps poll for them)."""
-        return bool(self.scheduler.sending)
+        return self.scheduler.has_pending_kv_sends()
 
+    def scheduled_request_ids(self) -> list[str]:
+        """Ids of the requests the last `step()` scheduled (also when it raised)."""
+        return list(self._scheduled_req_ids)
+
+    # ------------------------------------------------------------------ step
     def step(self) -> list[EngineCoreOutput]:
         if self.async_scheduling:
             return self._step_async()
         self._scheduled_req_ids = []
         self.adjust_kv_cache()
-        if not (self.scheduler.has_unfinished_requests() or self.scheduler.sending):
+        if not (self.scheduler.has_unfinished_requests() or self.scheduler.has_pending_kv_sends()):
             return []
         scheduler_output = self.scheduler.schedule()
         self._scheduled_req_ids = list(scheduler_output.num_scheduled_tokens)
@@ -224,8 +195,7 @@ class EngineCore:
 
     def _execute(self, scheduler_output: SchedulerOutput) -> Any:
         (runner_output,) = self.model_executor.collective_rpc(
-            "execute_model", args=(scheduler_output,), unique_reply_rank=0
-        )
+            Worker.execute_model, args=(scheduler_output,), unique_reply_rank=0)
         return runner_output
 
     def _step_async(self) -> list[EngineCoreOutput]:
@@ -253,8 +223,7 @@ class EngineCore:
                 return []  # nothing was in flight: launch the next step before waiting
             scheduler_output, runner_output = queue[0]
             outputs = self.scheduler.update_from_output(
-                scheduler_output, _resolve(runner_output)
-            )
+                scheduler_output, _resolve(runner_output))
             queue.popleft()
             return outputs
         except BaseException:
@@ -269,40 +238,72 @@ class EngineCore:
             scheduler_output, runner_output = self._batch_queue.popleft()
             self.scheduler.update_from_output(scheduler_output, _resolve(runner_output))
 
+    # ------------------------------------------------------ the elastic cache
     def adjust_kv_cache(self) -> bool:
-        """The elastic cache grows or shrinks here, between steps (a no-op otherwise).
+        """Grow or shrink the elastic cache as its policy asks (a no-op otherwise).
 
-        Called before every step and at every idle poll of the engine loops.
-        With async scheduling a shrink waits until no step is in flight (a
-        block freed after a step was launched can be one that step writes).
+        Called before every step and at every idle poll of the engine loop.
+        Growth: the workers commit first (each as far as its free memory
+        allows; the ranks agree on the smallest count), then the scheduler
+        adopts the count. Shrink: the scheduler's block pool drops the free
+        tail first (evicting prefix-cache entries there), then the workers
+        release the pages. With async scheduling a shrink waits until no step
+        is in flight (a block freed after a step was launched can be one that
+        step writes).
 
         Returns:
             True when the committed block count changed.
         """
-        if (self.elastic is not None and not self.is_sleeping()
-                and self.elastic.adjust(allow_shrink=not self._batch_queue)):
+        if not self.scheduler.is_elastic or self.is_sleeping():
+            return False
+        target = self.scheduler.kv_cache_target(allow_shrink=not self._batch_queue)
+        if target is None:
+            return False
+        changed = (self._grow_kv_cache(target) if target > self.scheduler.num_blocks
+                   else self._shrink_kv_cache(target))
+        if changed:
             self._kv_memory = None
-            return True
-        return False
+        return changed
+
+    def _grow_kv_cache(self, num_blocks: int) -> bool:
+        run = self.model_executor.collective_rpc
+        reached = min(run(Worker.grow_kv_cache, args=(num_blocks,)))
+        # A rank that reached more gives the excess back: every rank holds the same count.
+        reached = min(run(Worker.shrink_kv_cache, args=(reached,)))
+        if reached <= self.scheduler.num_blocks:
+            return False
+        self.scheduler.resize_kv_cache(reached)
+        return True
+
+    def _shrink_kv_cache(self, num_blocks: int) -> bool:
+        if num_blocks >= self.scheduler.num_blocks:
+            return False
+        self.scheduler.resize_kv_cache(num_blocks)  # only free tail blocks go
+        self.model_executor.collective_rpc(Worker.shrink_kv_cache, args=(num_blocks,))
+        return True
 
     def set_kv_cache_limit(self, limit_bytes: int | None) -> int:
         """A runtime ceiling for the elastic cache in bytes (None: the start-up limit).
 
+        Blocks above it are released as soon as they are free (now, if they are).
+
         Returns:
-            the limit in blocks (floor <= limit <= the start-up limit).
+            the limit in blocks (floor <= limit <= the start-up limit; with
+            several ranks the smallest any rank's bytes hold).
 
         Raises:
             RuntimeError: the elastic cache is off.
+            ValueError: a negative limit.
         """
-        if self.elastic is None:
+        if not self.scheduler.is_elastic:
             raise RuntimeError("a KV cache limit needs --enable-elastic-kv-cache")
-        limit = self.elastic.set_limit(limit_bytes)
+        bounds = self.model_executor.collective_rpc(
+            Worker.set_kv_cache_limit, args=(limit_bytes,))
+        limit = min(b.limit for b in bounds)
+        self.scheduler.set_kv_cache_limit(limit)
+        self.adjust_kv_cache()
         self._kv_memory = None
         return limit
-
-    def scheduled_request_ids(self) -> list[str]:
-        """Ids of the requests the last `step()` scheduled (also when it raised)."""
-        return list(self._scheduled_req_ids)
 
     # ----------------------------------------------------------------- sleep
     def sleep(self, level: int = 1) -> None:
@@ -312,16 +313,14 @@ class EngineCore:
         are about to be discarded. The prefix cache is emptied with them.
         """
         self._drain_batch_queue()  # no step may still write into the cache
-        self.abort_requests(list(self.scheduler.requests))
-        if self.scheduler.connector is not None:
-            self.scheduler.kv_connector_sleep()  # before the workers deregister and release
+        # Every request aborted, blocks held for remote readers freed (before the
+        # workers deregister and release), the prefix cache emptied.
+        self.scheduler.prepare_for_sleep()
         self._kv_memory = self._sleeping = None
-        if self.elastic is not None:  # wake commits the floor, then grows what fits
+        if self.scheduler.is_elastic:  # wake commits the floor, then grows what fits
             self._blocks_before_sleep = self.scheduler.num_blocks
-            self.scheduler.reset_prefix_cache()
-            self.elastic.shrink_to_floor()
-        self.model_executor.collective_rpc("sleep", args=(level,))
-        self.scheduler.reset_prefix_cache()
+            self._shrink_kv_cache(self.scheduler.elastic_floor())
+        self.model_executor.collective_rpc(Worker.sleep, args=(level,))
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
         """Map memory back ("weights", "kv_cache", or both).
@@ -331,32 +330,30 @@ class EngineCore:
             sleep) on any rank; see `Worker.wake_up`.
         """
         self._kv_memory = self._sleeping = None
-        connector = self.scheduler.connector
-        kv_was_asleep = connector is not None and self._kv_cache_asleep()
-        reload = any(self.model_executor.collective_rpc("wake_up", args=(tags,)))
+        kv_was_asleep = self.connector is not None and self._kv_cache_asleep()
+        reload = any(self.model_executor.collective_rpc(Worker.wake_up, args=(tags,)))
         if kv_was_asleep and not self._kv_cache_asleep():
             # The workers registered the woken KV memory again: new transfer metadata.
-            (handshake,) = self.model_executor.collective_rpc(
-                "kv_connector_handshake", unique_reply_rank=0)
-            connector.set_xfer_handshake_metadata(handshake)
-        if self.elastic is not None and not self.is_sleeping():
-            self.elastic.regrow(getattr(self, "_blocks_before_sleep", 0))
+            self.connector.set_xfer_handshake_metadata(self._connector_handshake())
+        if self.scheduler.is_elastic and not self.is_sleeping():
+            self._grow_kv_cache(self._blocks_before_sleep)
             self._kv_memory = None
         return reload
 
     def _kv_cache_asleep(self) -> bool:
-        return any("kv_cache" in tags for tags in self.model_executor.collective_rpc(
-            "sleeping_tags"))
+        return any("kv_cache" in tags
+                   for tags in self.model_executor.collective_rpc(Worker.sleeping_tags))
 
     def is_sleeping(self) -> bool:
         """Whether any rank has weights or KV cache asleep (cached between sleep and wake)."""
         if self._sleeping is None:
-            self._sleeping = any(self.model_executor.collective_rpc("sleeping_tags"))
+            self._sleeping = any(self.model_executor.collective_rpc(Worker.sleeping_tags))
         return self._sleeping
 
     def reload_weights(self) -> None:
-        self.model_executor.collective_rpc("reload_weights")
+        self.model_executor.collective_rpc(Worker.reload_weights)
 
+    # --------------------------------------------------------------- figures
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()
 
@@ -364,23 +361,20 @@ class EngineCore:
         """Committed / reserved bytes (summed over the ranks) and committed blocks.
 
         Read from the workers only when it can have changed (start-up, sleep,
-        wake): the frontend asks after every step, and with worker processes
-        each read is a round trip.
+        wake, a resize): the frontend asks after every step, and with worker
+        processes each read is a round trip.
         """
         if self._kv_memory is None:
-            self._kv_memory = self._read_kv_cache_memory()
+            per_rank = self.model_executor.collective_rpc(Worker.kv_cache_memory)
+            num_grows, num_shrinks = self.scheduler.kv_cache_resizes()
+            self._kv_memory = KVCacheMemory(
+                committed_bytes=sum(m.committed_bytes for m in per_rank),
+                reserved_bytes=sum(m.reserved_bytes for m in per_rank),
+                num_blocks=per_rank[0].num_blocks,
+                num_grows=num_grows,
+                num_shrinks=num_shrinks,
+            )
         return self._kv_memory
-
-    def _read_kv_cache_memory(self) -> KVCacheMemory:
-        per_rank = self.model_executor.collective_rpc("kv_cache_memory")
-        policy = None if self.elastic is None else self.elastic.policy
-        return KVCacheMemory(
-            committed_bytes=sum(m.committed_bytes for m in per_rank),
-            reserved_bytes=sum(m.reserved_bytes for m in per_rank),
-            num_blocks=per_rank[0].num_blocks,
-            num_grows=0 if policy is None else policy.num_grows,
-            num_shrinks=0 if policy is None else policy.num_shrinks,
-        )
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()

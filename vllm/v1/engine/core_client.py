@@ -1,27 +1,24 @@
-"""`MPEngineCoreClient`: the frontend's handle on an `EngineCoreProc` (core_proc.py).
+"""`AsyncMPClient`: the server frontend's handle on an `EngineCoreProc` (core_proc.py).
 
-It offers the methods of `EngineCore` that the frontend uses, so `LLMEngine`
-runs unchanged over either (`LLMEngine(..., multiprocess_mode=True)`):
+```
+ AsyncLLM (event loop)                              engine core process
+   send(ADD | ABORT | FINISH_STOPPED, ...)  --PUSH-->  input thread -> the step loop
+   await call(EngineCoreUtilities.x, *args) --PUSH-->  EngineCore.x(*args)
+   await recv() (the output handler task)   <--PULL--  OUTPUTS batches, RESULTs
+   monitor thread: the process and its status pipe -> dead callbacks
+```
 
-    add_request / abort_requests / finish_requests_stopped   -> one message, no wait
-    step()          the next outputs the engine process sent (waits at most
-                    `step_timeout`; [] when none yet); raises StepFailedError
-                    when the engine failed a step's requests, EngineDeadError
-                    when the process is dead
-    sleep / wake_up / is_sleeping / reload_weights / reset_prefix_cache
-                    a call: one message, wait for its result (outputs that
-                    arrive meanwhile are kept for the next step())
-    get_stats / kv_cache_memory   the figures sent with the latest outputs
-
-Only one thread may use a client (ZMQ sockets are not thread-safe); the
-monitor thread it starts only watches the process and its status pipe, and
-runs the dead callbacks, so an idle server learns of a dead engine (or a dead
-worker, which kills the engine) within a second.
+The messages are `protocol.py`'s. `send` may be called from any thread (a
+lock serialises the socket; a shutdown comes from a worker thread); `recv`
+and `call` belong to the event loop that runs the frontend's output handler,
+which hands every RESULT back through `resolve`. Start-up blocks: the
+constructor returns once the engine core reports ready (model loaded, KV
+cache sized) or raises what it failed with.
 """
 
 from __future__ import annotations
 
-import collections
+import asyncio
 import contextlib
 import itertools
 import multiprocessing
@@ -31,37 +28,37 @@ import threading
 import weakref
 from collections.abc import Callable
 from multiprocessing.connection import wait
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from vllm.logger import init_logger
 from vllm.v1.engine.core_launcher import take_launcher
-from vllm.v1.engine.core_proc import EngineCoreOutputs
 from vllm.v1.engine.exceptions import EngineDeadError
+from vllm.v1.engine.protocol import (
+    EngineCoreReplyType,
+    EngineCoreRequestType,
+    utility_name,
+)
 from vllm.v1.executor.multiproc_executor import describe_exit, reap
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 logger = init_logger(__name__)
+T = TypeVar("T")
 
 # Seconds the engine process gets to stop (it shuts its workers down) before SIGKILL.
 _SHUTDOWN_GRACE_S = 30.0
 
 
-class StepFailedError(RuntimeError):
-    """The engine process failed a step; `request_ids` were aborted there."""
-
-    def __init__(self, message: str, request_ids: list[str]) -> None:
-        super().__init__(message)
-        self.request_ids = request_ids
-
-
-class MPEngineCoreClient:
+class AsyncMPClient:
     """Starts the engine core process and talks to it (see the module docstring).
 
     Args:
         vllm_config: the validated configuration (sent to the process).
-        step_timeout: the longest `step()` waits for outputs (seconds).
+
+    Attributes:
+        ready: what the engine core reported at start-up (`EngineCoreProc.ready_info`:
+            num_blocks, max_model_len fitted to the KV cache, first figures).
 
     Raises:
         whatever the engine raised while starting (its own type when it
@@ -69,24 +66,19 @@ class MPEngineCoreClient:
         the process died before it was ready.
     """
 
-    def __init__(self, vllm_config: VllmConfig, step_timeout: float = 0.02) -> None:
+    def __init__(self, vllm_config: VllmConfig) -> None:
         import zmq
+        import zmq.asyncio
 
-        self.step_timeout = step_timeout
         self._zmq = zmq.Context()
+        self._azmq = zmq.asyncio.Context()
         self._ids = itertools.count()
-        self._pending: collections.deque[EngineCoreOutputs] = collections.deque()
-        self._unfinished: set[str] = set()
-        # Abort / finish messages the engine has not acknowledged yet: until it has, the
-        # frontend keeps stepping, so the figures after them (freed blocks) are recorded.
-        self._unacked = 0
-        self._kv_sends_pending = False  # see EngineCoreOutputs.kv_sends_pending
-        self._failed_ids: list[str] = []
-        self._sleeping: bool | None = False
+        self._calls: dict[int, asyncio.Future] = {}
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the dead state and the callbacks
+        self._reap_lock = threading.Lock()  # see multiproc_executor.reap
         self._dead_reason: str | None = None
         self._dead_callbacks: list[Callable[[EngineDeadError], None]] = []
-        self._lock = threading.Lock()
-        self._reap_lock = threading.Lock()  # see multiproc_executor.reap
         self._closing = False
         launcher = take_launcher()
         self.process, self._status, self._paths = launcher.process, launcher.status, launcher.paths
@@ -95,7 +87,7 @@ class MPEngineCoreClient:
             self, _stop_process, self.process, self._reap_lock, self._paths, self._stop_state
         )
         self._input = self._zmq.socket(zmq.PUSH)
-        self._output = self._zmq.socket(zmq.PULL)
+        self._output = self._azmq.socket(zmq.PULL)
         try:
             self._input.bind(launcher.addresses[0])
             self._output.bind(launcher.addresses[1])
@@ -104,14 +96,10 @@ class MPEngineCoreClient:
                 launcher.send_config(vllm_config)
             logger.info("Started the engine core process (pid %d); it loads the model, "
                         "profiles and warms up before serving ...", self.process.pid)
-            info = self._wait_ready()
+            self.ready: dict[str, Any] = self._wait_ready()
         except BaseException:
             self.shutdown()
             raise
-        self.num_blocks = info["num_blocks"]
-        self.max_model_len = info["max_model_len"]  # fitted to the KV cache
-        self._scheduler_stats = info["scheduler_stats"]
-        self._kv_memory = info["kv_memory"]
         self._monitor_thread = threading.Thread(
             target=self._monitor, name="vllm-core-monitor", daemon=True
         )
@@ -184,7 +172,8 @@ class MPEngineCoreClient:
         if reason is not None:
             callback(EngineDeadError(reason))
 
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
+        """Raises EngineDeadError when the engine core process is dead."""
         if self._dead_reason is not None:
             raise EngineDeadError(self._dead_reason)
         if reap(self.process, self._reap_lock, 0) is not None:
@@ -195,145 +184,56 @@ class MPEngineCoreClient:
                 f"the engine is dead: the engine core process died ({self._exit_detail()})"
             )
 
-    # ---------------------------------------------------------------- requests
-    def _send(self, kind: str, payload: Any) -> None:
-        self._check_alive()
-        self._input.send(pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL))
+    # -------------------------------------------------------------- messages
+    def send(self, kind: EngineCoreRequestType, payload: Any = None) -> None:
+        """Send one request message (any thread). Raises EngineDeadError once dead."""
+        self.check_alive()
+        data = pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL)
+        with self._send_lock:
+            self._input.send(data)
 
-    def add_request(self, request: Any) -> None:
-        self._send("add", request)
-        self._unfinished.add(request.request_id)
+    async def recv(self) -> tuple[EngineCoreReplyType, Any]:
+        """The next message from the engine core (the output handler's only wait)."""
+        return pickle.loads(await self._output.recv())
 
-    def abort_requests(self, request_ids: list[str]) -> None:
-        ids = [rid for rid in request_ids if rid in self._unfinished]
-        if ids:
-            self._send("abort", ids)
-            self._unfinished.difference_update(ids)
-            self._unacked += 1
+    async def call(self, method: Callable[..., T], *args: Any) -> T:
+        """Run an `EngineCoreUtilities` method in the engine core and return its result.
 
-    def finish_requests_stopped(self, request_ids: list[str]) -> None:
-        ids = [rid for rid in request_ids if rid in self._unfinished]
-        if ids:
-            self._send("finish_stopped", ids)
-            self._unfinished.difference_update(ids)
-            self._unacked += 1
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self._unfinished) or self._unacked > 0 or self._kv_sends_pending
-
-    def step(self) -> list[Any]:
-        """The outputs of the next step the engine finished (waits up to `step_timeout`)."""
-        if not self._pending:
-            message = self._receive(self.step_timeout)
-            if message is not None:
-                self._keep(message)
-        if not self._pending:
-            return []
-        return self._consume(self._pending.popleft())
-
-    def _consume(self, batch: EngineCoreOutputs) -> list[Any]:
-        if batch.scheduler_stats is not None:
-            self._scheduler_stats = batch.scheduler_stats
-            self._kv_memory = batch.kv_memory
-        self._unacked = max(self._unacked - batch.acked, 0)
-        self._kv_sends_pending = batch.kv_sends_pending
-        for output in batch.outputs:
-            if output.finished:
-                self._unfinished.discard(output.request_id)
-        if batch.failed:
-            self._unfinished.difference_update(batch.failed)
-            self._failed_ids = list(batch.failed)
-            raise StepFailedError(batch.error or "the engine step failed", list(batch.failed))
-        return batch.outputs
-
-    def scheduled_request_ids(self) -> list[str]:
-        """The requests of the last failed step (what `EngineCore.scheduled_request_ids` says)."""
-        return list(self._failed_ids)
-
-    def _receive(self, timeout: float | None) -> tuple[str, Any] | None:
-        """The next message from the engine, or None after `timeout` seconds."""
-        import zmq
-
-        self._check_alive()
-        if not self._output.poll(None if timeout is None else int(timeout * 1000), zmq.POLLIN):
-            return None
-        return pickle.loads(self._output.recv())
-
-    def _keep(self, message: tuple[str, Any]) -> None:
-        kind, value = message
-        if kind == "outputs":
-            self._pending.append(value)
-            if value.scheduler_stats is not None:  # the newest figures, e.g. after a call
-                self._scheduler_stats = value.scheduler_stats
-                self._kv_memory = value.kv_memory
-        else:
-            logger.warning("engine core: unexpected message %r", kind)
-
-    def poll_idle(self) -> bool:
-        """While no request runs: take the figures the engine process sent meanwhile
-        (its elastic cache shrinks while idle); True when new ones came."""
-        if self._dead_reason is not None or reap(self.process, self._reap_lock, 0) is not None:
-            return False  # the monitor reports the death
-        received = False
-        while (message := self._receive(0)) is not None:
-            self._keep(message)
-            received = True
-        return received
-
-    # ---------------------------------------------------------------- utility
-    def call(self, method: str, *args: Any) -> Any:
-        """Run an engine method in the engine process and return its result.
+        The output handler must be running on this loop (it delivers the result).
 
         Raises:
             the method's own exception when it pickles (else RuntimeError with
-            its message); EngineDeadError when the process dies meanwhile.
+            its message); EngineDeadError when the process dies meanwhile;
+            ValueError: `method` is not an `EngineCoreUtilities` method.
         """
+        name = utility_name(method)
         call_id = next(self._ids)
-        self._send("call", (call_id, method, args))
-        while True:
-            message = self._receive(1.0)
-            if message is None:
-                continue
-            kind, value = message
-            if kind == "result" and value[0] == call_id:
-                _, ok, result = value
-                if ok:
-                    return result
-                if result.exception is not None:
-                    raise result.exception
-                raise RuntimeError(result.reason)
-            self._keep(message)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = future
+        try:
+            self.send(EngineCoreRequestType.UTILITY, (call_id, name, args))
+            return await future
+        finally:
+            self._calls.pop(call_id, None)
 
-    def sleep(self, level: int = 1) -> None:
-        self._sleeping = None
-        self.call("sleep", level)
-        self._unfinished.clear()  # the engine aborted everything it held
-        self._unacked = 0
+    def resolve(self, reply: tuple[int, bool, Any]) -> None:
+        """Hand a RESULT to the `call` waiting for it (on the event loop)."""
+        call_id, ok, result = reply
+        future = self._calls.get(call_id)
+        if future is None or future.done():
+            return
+        if ok:
+            future.set_result(result)
+        elif result.exception is not None:
+            future.set_exception(result.exception)
+        else:
+            future.set_exception(RuntimeError(result.reason))
 
-    def wake_up(self, tags: list[str] | None = None) -> bool:
-        self._sleeping = None
-        return self.call("wake_up", tags)
-
-    def is_sleeping(self) -> bool:
-        """Asked of the engine only after a sleep or wake (every admission asks)."""
-        if self._sleeping is None:
-            self._sleeping = self.call("is_sleeping")
-        return self._sleeping
-
-    def reload_weights(self) -> None:
-        self.call("reload_weights")
-
-    def reset_prefix_cache(self) -> bool:
-        return self.call("reset_prefix_cache")
-
-    def set_kv_cache_limit(self, limit_bytes: int | None) -> int:
-        return self.call("set_kv_cache_limit", limit_bytes)
-
-    def get_stats(self) -> Any:
-        return self._scheduler_stats
-
-    def kv_cache_memory(self) -> Any:
-        return self._kv_memory
+    def fail_calls(self, error: BaseException) -> None:
+        """Every `call` still waiting raises `error` (on the event loop: dead or shut down)."""
+        for future in list(self._calls.values()):
+            if not future.done():
+                future.set_exception(error)
 
     # ---------------------------------------------------------------- shutdown
     def shutdown(self) -> None:
@@ -346,16 +246,19 @@ class MPEngineCoreClient:
             # Never blocking: a PUSH socket waits for a peer, and a process that is
             # ending (a failed start-up) has disconnected; the finalizer then
             # SIGTERMs it instead.
-            with contextlib.suppress(Exception):
-                self._input.send(pickle.dumps(("shutdown", None)), flags=zmq.NOBLOCK)
+            with contextlib.suppress(Exception), self._send_lock:
+                self._input.send(pickle.dumps((EngineCoreRequestType.SHUTDOWN, None)),
+                                 flags=zmq.NOBLOCK)
                 self._stop_state["asked"] = True
         self._finalizer()
         monitor = getattr(self, "_monitor_thread", None)  # absent after a failed start-up
         if monitor is not None and monitor is not threading.current_thread():
             monitor.join(5)  # it waits on the status pipe: close that only after it ends
-        for socket in (self._input, self._output):
-            socket.close(linger=0)
+        with self._send_lock:
+            self._input.close(linger=0)
+        self._output.close(linger=0)
         self._zmq.term()
+        self._azmq.term()
         self._status.close()
 
 

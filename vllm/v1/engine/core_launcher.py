@@ -4,7 +4,7 @@
 checked: the new process (`core_proc.run_engine_core` with no configuration)
 imports torch and the engine while the frontend imports the server and builds
 the configuration, the two overlapping on separate cores (~3 s of a ~15 s
-start on a 2-core host). `MPEngineCoreClient` takes the waiting process
+start on a 2-core host). `AsyncMPClient` takes the waiting process
 (`take_launcher`), binds its sockets and sends the configuration; if the
 frontend fails first, `cancel_prestarted_engine_core()` stops it. Offline
 `LLM` and every other client start one the same way and send the
@@ -22,6 +22,7 @@ import uuid
 from typing import TYPE_CHECKING
 
 from vllm.v1.engine.core_proc import run_engine_core
+from vllm.v1.executor import process_start
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -32,7 +33,7 @@ class EngineCoreLauncher:
 
     The process imports the engine's modules at once (a few seconds of CPU),
     so `vllm serve` starts it right after checking its flags and builds the
-    configuration meanwhile (`prestart_engine_core`); `MPEngineCoreClient`
+    configuration meanwhile (`prestart_engine_core`); `AsyncMPClient`
     then takes it over and sends the configuration. Without a prestarted one
     the client starts its own and sends the configuration straight away.
 
@@ -54,7 +55,7 @@ class EngineCoreLauncher:
             args=(None, *self.addresses, child_status, os.getpid(), child_config),
             daemon=False,  # it starts the worker processes itself
         )
-        self.process.start()
+        process_start.start(self.process)  # a guard-less script is not run again there
         child_status.close()
         child_config.close()
 
@@ -85,7 +86,7 @@ _prestarted: EngineCoreLauncher | None = None
 
 
 def prestart_engine_core() -> None:
-    """Start the next `MPEngineCoreClient`'s process now (see `EngineCoreLauncher`)."""
+    """Start the next `AsyncMPClient`'s process now (see `EngineCoreLauncher`)."""
     global _prestarted
     if _prestarted is None:
         _prestarted = EngineCoreLauncher()

@@ -3,9 +3,9 @@
 ```
  frontend process (AsyncLLM)                 engine core process (this module)
  ---------------------------                 ---------------------------------
- MPEngineCoreClient                           input thread:  PULL -> unpickle -> queue
-   PUSH  ("add" | "abort" | "call" ...) ---->  main thread:   queue -> EngineCore; step()
-   PULL  <---- ("outputs" | "result")  -----  output thread: queue -> pickle -> PUSH
+ AsyncMPClient                                input thread:  PULL -> unpickle -> queue
+   PUSH  (EngineCoreRequestType ...)  ---->  main thread:   THE STEP LOOP (run)
+   PULL  <---- (EngineCoreReplyType ...)  --  output thread: queue -> pickle -> PUSH
    status pipe <-- ready / startup_failed / dead (lifecycle, read by a monitor thread)
 ```
 
@@ -14,15 +14,14 @@ a GIL with HTTP parsing, tokenization and detokenization, so a slow client or
 a huge prompt in the frontend never delays a decode step. Why threads for the
 sockets: pickling and socket I/O overlap the model step instead of following it.
 
-Faults, decided here because the step runs here: a step that raises fails the
-requests it scheduled (they are aborted, the frontend gets their ids and the
-message) and the loop goes on; a device error, a dead worker (the executor's
-failure callback, also between steps) or `MAX_CONSECUTIVE_STEP_FAILURES`
-failures in a row make the engine dead: "dead" with the reason goes to the
-status pipe, the executor is shut down (no worker is left holding memory)
-and the process exits 1. The process ignores SIGINT (Ctrl-C reaches the
-whole process group; the frontend decides), stops on SIGTERM or a "shutdown"
-message, and exits by itself when the frontend process is gone.
+The loop (`run`) applies what arrived, steps while there is work, and blocks on
+its input when idle. What a failed step means is `faults.py`'s policy: the
+step's requests fail (the frontend gets their ids and the message) and the
+loop goes on, or the engine is dead: "dead" with the reason goes to the
+status pipe, the executor is shut down (no worker is left holding memory) and
+the process exits 1. The process ignores SIGINT (Ctrl-C reaches the whole
+process group; the frontend decides), stops on SIGTERM or a SHUTDOWN message,
+and exits by itself when the frontend process is gone.
 """
 
 from __future__ import annotations
@@ -33,13 +32,19 @@ import queue
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from vllm.exceptions import DeviceBusyError
 from vllm.logger import init_logger
-from vllm.v1.executor.worker_wrapper import RemoteFailure
+from vllm.v1.engine.faults import StepFailures
+from vllm.v1.engine.protocol import (
+    UTILITY_METHODS,
+    EngineCoreOutputs,
+    EngineCoreReplyType,
+    EngineCoreRequestType,
+)
+from vllm.v1.executor.worker_wrapper import RemoteFailure, WorkerDiedError
 from vllm.v1.worker.kv_cache_sizing import KVCacheSizingError
 
 if TYPE_CHECKING:
@@ -47,73 +52,14 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-# A step that fails this many times in a row means the engine is broken, not
-# one request: a transient fault (one bad request, one OOM) clears on the next
-# step, a persistent one would otherwise fail every request forever.
-MAX_CONSECUTIVE_STEP_FAILURES = 3
 # Idle: how long the main loop waits for input before looking again (seconds).
+# Pending KV sends (a prefill instance's blocks waiting to be read) and the
+# elastic cache's idle release are looked at once per wait.
 _IDLE_POLL_S = 1.0
 # How often the process checks that the frontend still exists (seconds).
 _PARENT_POLL_S = 1.0
-# Messages that mark a device fault (the CUDA / HIP context is unusable after them).
-_DEVICE_ERROR_MARKERS = (
-    "CUDA error",
-    "HIP error",
-    "CUBLAS_STATUS_",
-    "device-side assert",
-    "NCCL error",
-    "cudaError",
-)
-# Engine methods the frontend may call through "call" (the rest is add / abort / step).
-UTILITY_METHODS = frozenset(
-    {
-        "sleep",
-        "wake_up",
-        "is_sleeping",
-        "reload_weights",
-        "reset_prefix_cache",
-        "get_stats",
-        "kv_cache_memory",
-        "set_kv_cache_limit",
-    }
-)
-
-_READ_ONLY_METHODS = frozenset({"is_sleeping", "get_stats", "kv_cache_memory"})
-
-
-def is_device_error(error: BaseException) -> bool:
-    """True for errors after which the device context cannot be trusted (CUDA / HIP faults)."""
-    if type(error).__name__ == "AcceleratorError":
-        return True
-    text = str(error)
-    return any(marker in text for marker in _DEVICE_ERROR_MARKERS)
-
-
-@dataclass
-class EngineCoreOutputs:
-    """One step's results, as the frontend receives them.
-
-    Attributes:
-        outputs: the EngineCoreOutput of each request that produced something.
-        failed: ids of requests the step failed (aborted in the core), with `error`.
-        error: why they failed ("the engine step failed: ...").
-        scheduler_stats: the scheduler's figures after the step (for /metrics).
-        kv_memory: the KV cache's committed / reserved bytes after the step.
-        acked: abort / finish messages applied since the last batch. An abort can
-            leave the engine idle, so no step would report the freed blocks; this
-            batch does, and the client counts itself busy until it arrives.
-    """
-
-    outputs: list[Any] = field(default_factory=list)
-    failed: list[str] = field(default_factory=list)
-    error: str | None = None
-    scheduler_stats: Any = None
-    kv_memory: Any = None
-    acked: int = 0
-    # A KV connector still holds finished requests' blocks (a prefill instance waits
-    # for its decode instance to read them): the client keeps reading batches, so
-    # the freed blocks reach its metrics.
-    kv_sends_pending: bool = False
+# An input message that is not a request: the executor reported a dead worker.
+_EXECUTOR_FAILED = "executor_failed"
 
 
 class EngineCoreProc:
@@ -132,12 +78,11 @@ class EngineCoreProc:
         self.core = EngineCore(vllm_config)
         self._inputs: queue.Queue = queue.Queue()
         self._outputs: queue.Queue = queue.Queue()
-        self._consecutive_failures = 0
+        self._failures = StepFailures()
         self.dead_reason: str | None = None
         self._zmq = zmq.Context()
-        executor = getattr(self.core, "model_executor", None)
-        if executor is not None:
-            executor.register_failure_callback(lambda e: self._inputs.put(("executor_failed", e)))
+        self.core.model_executor.register_failure_callback(
+            lambda e: self._inputs.put((_EXECUTOR_FAILED, e)))
         threading.Thread(
             target=self._read_input, args=(input_address,), name="core-input", daemon=True
         ).start()
@@ -147,8 +92,9 @@ class EngineCoreProc:
         self._writer.start()
 
     def ready_info(self) -> dict[str, Any]:
-        """What the frontend learns at start-up (final block count, first statistics)."""
+        """What the frontend learns at start-up (the plan, first statistics)."""
         return {
+            "plan": self.core.plan,
             "num_blocks": self.core.num_blocks,
             "max_model_len": self.core.max_model_len,
             "scheduler_stats": self.core.get_stats(),
@@ -183,20 +129,26 @@ class EngineCoreProc:
         finally:
             socket.close(linger=1000)  # let the last messages (shutdown replies) leave
 
+    def _send_outputs(self, outputs: list | None = None, **fields: Any) -> None:
+        """One `EngineCoreOutputs` batch with the figures as they are now."""
+        core = self.core
+        batch = EngineCoreOutputs(outputs=outputs or [], scheduler_stats=core.get_stats(),
+                                  kv_memory=core.kv_cache_memory(), **fields)
+        self._outputs.put((EngineCoreReplyType.OUTPUTS, batch))
+
     # -------------------------------------------------------------- main loop
     def run(self) -> str | None:
-        """Serve until "shutdown" (returns None) or death (returns the reason)."""
+        """Serve until SHUTDOWN (returns None) or death (returns the reason)."""
+        core = self.core
         while True:
-            busy = self.core.has_unfinished_requests()
+            busy = core.has_unfinished_requests()
             if not self._drain_inputs(block=not busy):
                 return self.dead_reason
-            if not busy and self.core.adjust_kv_cache():  # the elastic cache shrinks while idle
-                self._outputs.put(("outputs", EngineCoreOutputs(
-                    outputs=[], scheduler_stats=self.core.get_stats(),
-                    kv_memory=self.core.kv_cache_memory())))
-            # Pending KV sends (a prefill instance's blocks waiting to be read) are
-            # polled once per idle wait: their blocks are freed within ~_IDLE_POLL_S.
-            if self.core.has_unfinished_requests() or self.core.has_pending_kv_sends():
+            if not busy and core.adjust_kv_cache():  # the elastic cache shrinks while idle
+                self._send_outputs()
+            # Pending KV sends are stepped once per idle wait: their blocks are
+            # freed within ~_IDLE_POLL_S of the reader's completion.
+            if core.has_unfinished_requests() or core.has_pending_kv_sends():
                 self._step()
                 if self.dead_reason is not None:
                     return self.dead_reason
@@ -215,46 +167,43 @@ class EngineCoreProc:
             except queue.Empty:
                 return True
 
-    def _handle(self, kind: str, payload: Any) -> bool:
+    def _handle(self, kind: EngineCoreRequestType | str, payload: Any) -> bool:
         core = self.core
-        if kind == "add":
+        if kind is EngineCoreRequestType.ADD:
             try:
                 core.add_request(payload)
             except Exception as e:  # the frontend validated it; report, do not die
-                self._outputs.put(("outputs", EngineCoreOutputs(
-                    failed=[payload.request_id], error=f"the engine refused the request: {e}")))
-        elif kind in ("abort", "finish_stopped"):
-            if kind == "abort":
-                core.abort_requests(payload)
-            else:
-                core.finish_requests_stopped(payload)
-            self._outputs.put(("outputs", EngineCoreOutputs(
-                acked=1, scheduler_stats=core.get_stats(), kv_memory=core.kv_cache_memory())))
-        elif kind == "call":
+                self._send_outputs(failed=[payload.request_id],
+                                   error=f"the engine refused the request: {e}")
+        elif kind is EngineCoreRequestType.ABORT:
+            core.abort_requests(payload)
+            self._send_outputs()  # an abort can leave the engine idle: the freed blocks
+        elif kind is EngineCoreRequestType.FINISH_STOPPED:
+            core.finish_requests_stopped(payload)
+            self._send_outputs()
+        elif kind is EngineCoreRequestType.UTILITY:
             self._call(*payload)
-        elif kind == "executor_failed":
+        elif kind == _EXECUTOR_FAILED:
             self.dead_reason = f"the executor failed: {payload}"
             return False
-        elif kind == "shutdown":
+        elif kind is EngineCoreRequestType.SHUTDOWN:
             return False
         else:
             logger.error("engine core: unknown message %r", kind)
         return True
 
     def _call(self, call_id: int, method: str, args: tuple) -> None:
+        """Run an `EngineCoreUtilities` method; its figures follow before its result."""
         try:
             if method not in UTILITY_METHODS:
-                raise ValueError(f"{method!r} is not an engine utility method")
+                raise ValueError(f"{method!r} is not an engine core utility method")
             reply = (call_id, True, getattr(self.core, method)(*args))
         except Exception as e:
             reply = (call_id, False, RemoteFailure.capture(e))
-        if method not in _READ_ONLY_METHODS:
-            # Sleep frees blocks, a wake or a limit changes the cache: the frontend's
-            # figures (/metrics) follow now, not at the next step.
-            self._outputs.put(("outputs", EngineCoreOutputs(
-                outputs=[], scheduler_stats=self.core.get_stats(),
-                kv_memory=self.core.kv_cache_memory())))
-        self._outputs.put(("result", reply))
+        # Sleep frees blocks, a wake or a limit changes the cache: the frontend's
+        # figures (/metrics) follow now, not at the next step.
+        self._send_outputs()
+        self._outputs.put((EngineCoreReplyType.RESULT, reply))
 
     def _step(self) -> None:
         core = self.core
@@ -263,27 +212,19 @@ class EngineCoreProc:
         except Exception as e:
             self._step_failed(e)
             return
-        self._consecutive_failures = 0
-        self._outputs.put(("outputs", EngineCoreOutputs(
-            outputs=outputs, scheduler_stats=core.get_stats(), kv_memory=core.kv_cache_memory(),
-            kv_sends_pending=core.has_pending_kv_sends())))
+        self._failures.succeeded()
+        self._send_outputs(outputs)
 
     def _step_failed(self, error: Exception) -> None:
-        from vllm.v1.executor.worker_wrapper import WorkerDiedError
-
-        self._consecutive_failures += 1
-        executor = getattr(self.core, "model_executor", None)
-        if (
-            is_device_error(error)
-            or isinstance(error, WorkerDiedError)
-            or (executor is not None and executor.is_failed)
-            or self._consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES
-        ):
-            if isinstance(error, WorkerDiedError):  # its message says which rank and how
-                logger.error("engine step failed: %s; the engine is dead", error)
+        """Fail the step's requests, or mark the engine dead (faults.py decides)."""
+        executor_failed = self.core.model_executor.is_failed
+        dead = self._failures.failed(error, executor_failed=executor_failed)
+        if dead is not None:
+            if executor_failed or isinstance(error, WorkerDiedError):
+                logger.error("engine step failed: %s; the engine is dead", error)  # says all
             else:
                 logger.exception("engine step failed unrecoverably; the engine is dead")
-            self.dead_reason = f"the engine step failed unrecoverably: {error!r}"
+            self.dead_reason = dead
             return
         failed = self.core.scheduled_request_ids()
         logger.exception("engine step failed; failing its %d request(s)", len(failed))
@@ -291,9 +232,7 @@ class EngineCoreProc:
             self.core.abort_requests(failed)
         except Exception:
             logger.exception("aborting the failed requests raised")
-        self._outputs.put(("outputs", EngineCoreOutputs(
-            failed=failed, error=f"the engine step failed: {error!r}",
-            scheduler_stats=self.core.get_stats(), kv_memory=self.core.kv_cache_memory())))
+        self._send_outputs(failed=failed, error=f"the engine step failed: {error!r}")
 
     def shutdown(self) -> None:
         """Stop the sockets' threads and the core (its executor's workers are reaped)."""
@@ -324,7 +263,7 @@ def run_engine_core(
     """The engine core process: build the core, report ready (or why not), serve.
 
     With `vllm_config` None the process was started before the frontend had
-    a configuration (`core_client.EngineCoreLauncher`): it imports the
+    a configuration (`core_launcher.EngineCoreLauncher`): it imports the
     engine's modules, then waits for the configuration on `config_pipe`, and
     exits quietly (status 0) if the frontend closes the pipe instead.
     """

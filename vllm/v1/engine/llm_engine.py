@@ -1,4 +1,18 @@
-"""LLMEngine: the offline engine. Tokenize, add, step, detokenize, in one thread."""
+"""LLMEngine: the offline frontend. Tokenize, add, step, detokenize, in the caller's thread.
+
+```
+ LLM.generate -> LLMEngine.add_request   Processor (validate, tokenize, n > 1 fan-out)
+                                         OutputProcessor.add_request, EngineCore.add_request
+              -> LLMEngine.step()        EngineCore.step() in this process
+                                         OutputProcessor.process_outputs -> RequestOutputs
+```
+
+The engine core runs in this process: its caller steps it synchronously
+(`generate` returns when the batch is done), so there is no frontend work to
+overlap with a step, and a second process would only add a copy of every
+output. A failed step raises to the caller. The server's frontend is
+`AsyncLLM` (async_llm.py), whose core steps in a process of its own.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +26,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.tokenizer import get_tokenizer
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.engine.exceptions import EngineSleepingError
-from vllm.v1.engine.output_processor import OutputProcessor, ParentRequest
+from vllm.v1.engine.output_processor import OutputProcessor
 from vllm.v1.engine.processor import Processor
 from vllm.v1.metrics.stats import IterationStats
 
@@ -28,69 +42,27 @@ logger = init_logger(__name__)
 
 
 class LLMEngine:
-    """Tokenize, add, step, detokenize, over an engine core in this process or its own.
+    """Tokenize, add, step, detokenize, over an `EngineCore` in this process.
 
     Args:
         vllm_config: the validated configuration.
-        multiprocess_mode: run the engine core in a process of its own
-            (`EngineCoreProc` behind `MPEngineCoreClient`: the server's choice,
-            so nothing in the frontend delays a step); False keeps it in this
-            process (the offline `LLM`: its caller steps it synchronously, so a
-            second process would only add a copy of every output).
+
+    Attributes:
+        engine_core: the `EngineCore` (its `EngineCoreUtilities` methods are
+            the calls besides the request flow: sleep, wake_up, ...).
+        max_model_len: tokens a request may hold, fitted to the KV cache.
     """
 
-    def __init__(self, vllm_config: VllmConfig, multiprocess_mode: bool = False) -> None:
+    def __init__(self, vllm_config: VllmConfig) -> None:
         self.vllm_config = vllm_config
-        model_config = vllm_config.model_config
-        self.tokenizer: PreTrainedTokenizerBase = get_tokenizer(model_config.tokenizer)
-        self.processor = Processor(
-            self.tokenizer,
-            model_config.max_model_len,
-            model_config.get_vocab_size(),
-            vllm_config.scheduler_config.max_num_seqs,
-            model_config.try_get_generation_config(),
-            model_config.max_logprobs,
-            kv_connector=(vllm_config.kv_transfer_config.kv_connector
-                          if vllm_config.kv_transfer_config else None),
-        )
+        self.tokenizer: PreTrainedTokenizerBase = get_tokenizer(
+            vllm_config.model_config.tokenizer)
+        self.engine_core = EngineCore(vllm_config)
+        self.max_model_len = self.engine_core.max_model_len
+        self.processor = Processor.from_config(vllm_config, self.tokenizer, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
-        if multiprocess_mode:
-            from vllm.v1.engine.core_client import MPEngineCoreClient
-
-            self.engine_core: EngineCore | MPEngineCoreClient = MPEngineCoreClient(vllm_config)
-        else:
-            self.engine_core = EngineCore(vllm_config)
-        # The core fits max_model_len to the final KV cache; everything the
-        # frontend advertises or checks (/v1/models, the processor) reads this.
-        model_config.max_model_len = self.processor.max_model_len = self.engine_core.max_model_len
         # What the last step produced (timings, token counts), for metrics.
         self.last_iteration_stats: IterationStats | None = None
-
-    def adjust_kv_cache(self) -> bool:
-        """Let the elastic KV cache grow or shrink now (idle loops call this).
-
-        An engine core in its own process does this in its own loop; here its
-        figures since the last step are taken in (so /metrics follow a shrink
-        while idle).
-
-        Returns:
-            True when the committed block count (or, with the core in its own
-            process, the figures) changed.
-        """
-        if isinstance(self.engine_core, EngineCore):
-            return self.engine_core.adjust_kv_cache()
-        return self.engine_core.poll_idle()
-
-    def set_kv_cache_limit(self, limit_bytes: int | None) -> int:
-        """A runtime ceiling for the elastic KV cache, bytes (None: the start-up limit).
-
-        Returns:
-            the limit in blocks.
-
-        Raises:
-            RuntimeError: the elastic cache is off.
-        """
-        return self.engine_core.set_kv_cache_limit(limit_bytes)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -105,7 +77,6 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams,
         arrival_time: float | None = None,
-        queue=None,
     ) -> None:
         """Validate and queue a request (n > 1 fans out into n child requests).
 
@@ -113,46 +84,22 @@ class LLMEngine:
             ValueError: invalid prompt, n > max_num_seqs, prompt + max_tokens
                 beyond max_model_len, or a request the KV cache can never hold.
                 Nothing is queued then.
+            EngineSleepingError: the engine is asleep.
         """
         if self.engine_core.is_sleeping():
             raise EngineSleepingError(
                 "the engine is asleep (sleep mode): call wake_up() before adding requests"
             )
-        self.processor.validate_params(params)
-        text, prompt_token_ids = self.processor.tokenize(prompt)
+        processed = self.processor.process_inputs(request_id, prompt, params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        if params.n == 1:
-            children = [(request_id, params, None, 0)]
-        else:
-            parent = ParentRequest(request_id, params.n)
-            children = [
-                (
-                    ParentRequest.child_id(i, request_id),
-                    ParentRequest.child_params(params, i),
-                    parent,
-                    i,
-                )
-                for i in range(params.n)
-            ]
-        # Validate every child before queueing any, so a rejection loses nothing.
-        requests = [
-            self.processor.make_request(cid, prompt_token_ids, cparams)
-            for cid, cparams, _, _ in children
-        ]
         added: list[str] = []
         try:
-            for request, (cid, _, parent, index) in zip(requests, children, strict=True):
+            for request, parent, index in processed.children:
                 self.engine_core.add_request(request)
-                added.append(cid)
+                added.append(request.request_id)
                 self.output_processor.add_request(
-                    cid,
-                    text,
-                    prompt_token_ids,
-                    request.sampling_params,
-                    arrival,
-                    parent,
-                    index,
-                    queue,
+                    request.request_id, processed.text, processed.prompt_token_ids,
+                    request.sampling_params, arrival, parent, index,
                 )
         except Exception:
             self.engine_core.abort_requests(added)
@@ -194,8 +141,7 @@ class LLMEngine:
         Returns:
             True while the weights hold nothing since a level-2 sleep (this
             call or an earlier, failed one woke them): the caller must call
-            `reload_weights()` before generating. The server (`AsyncLLM`) does so itself; the
-            offline `LLM` leaves it to its caller. False otherwise.
+            `reload_weights()` before generating. False otherwise.
 
         Raises:
             DeviceMemoryError: not enough device memory now (names the bytes
@@ -211,6 +157,17 @@ class LLMEngine:
         """Load the checkpoint into the model again (after a level-2 sleep)."""
         self.engine_core.reload_weights()
 
+    def set_kv_cache_limit(self, limit_bytes: int | None) -> int:
+        """A runtime ceiling for the elastic KV cache, bytes (None: the start-up limit).
+
+        Returns:
+            the limit in blocks.
+
+        Raises:
+            RuntimeError: the elastic cache is off.
+        """
+        return self.engine_core.set_kv_cache_limit(limit_bytes)
+
     # ------------------------------------------------------------ figures
     def get_scheduler_stats(self) -> SchedulerStats:
         """Running / waiting requests, KV usage, prefix-cache and preemption counts."""
@@ -219,10 +176,6 @@ class LLMEngine:
     def get_kv_cache_memory(self) -> KVCacheMemory:
         """Committed / reserved bytes and committed blocks of the KV cache."""
         return self.engine_core.kv_cache_memory()
-
-    def get_scheduled_request_ids(self) -> list[str]:
-        """Ids of the (child) requests the last step scheduled, also when it raised."""
-        return self.engine_core.scheduled_request_ids()
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

@@ -7,18 +7,37 @@ reject exactly the same inputs with the same messages.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_transfer_params import check_kv_transfer_params
 from vllm.exceptions import VLLMValidationError
 from vllm.inputs import check_unicode_text
 from vllm.sampling_params import MAX_LOGPROBS, SamplingParams, validate_request_lengths
+from vllm.v1.engine.output_processor import ParentRequest
 from vllm.v1.request import Request
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from vllm.config import VllmConfig
     from vllm.inputs import PromptType
+
+
+@dataclass
+class ProcessedRequest:
+    """A validated request, fanned out into the core requests that compute it.
+
+    Attributes:
+        text: the prompt text (None for token ids alone).
+        prompt_token_ids: the prompt.
+        children: (core Request, its ParentRequest or None, its index) for each
+            of the `n` samples (one, with no parent, when n == 1).
+    """
+
+    text: str | None
+    prompt_token_ids: list[int]
+    children: list[tuple[Request, ParentRequest | None, int]]
 
 
 class Processor:
@@ -55,6 +74,47 @@ class Processor:
         self.eos_token_id = tokenizer.eos_token_id
         self.generation_config = generation_config or {}
         self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
+
+    @classmethod
+    def from_config(
+        cls, vllm_config: VllmConfig, tokenizer: PreTrainedTokenizerBase, max_model_len: int
+    ) -> Processor:
+        """The processor of an engine whose KV cache holds `max_model_len` tokens a request."""
+        model_config = vllm_config.model_config
+        kv = vllm_config.kv_transfer_config
+        return cls(
+            tokenizer,
+            max_model_len,
+            model_config.get_vocab_size(),
+            vllm_config.scheduler_config.max_num_seqs,
+            model_config.try_get_generation_config(),
+            model_config.max_logprobs,
+            kv_connector=kv.kv_connector if kv else None,
+        )
+
+    def process_inputs(
+        self, request_id: str, prompt: PromptType, params: SamplingParams
+    ) -> ProcessedRequest:
+        """Validate and tokenize a request; n > 1 fans out into n child requests.
+
+        Every child is validated before any is returned, so a rejection queues
+        nothing.
+
+        Raises:
+            VLLMValidationError: see `validate_params`, `tokenize`, `make_request`.
+        """
+        self.validate_params(params)
+        text, prompt_token_ids = self.tokenize(prompt)
+        if params.n == 1:
+            request = self.make_request(request_id, prompt_token_ids, params)
+            return ProcessedRequest(text, prompt_token_ids, [(request, None, 0)])
+        parent = ParentRequest(request_id, params.n)
+        children = [
+            (self.make_request(ParentRequest.child_id(i, request_id), prompt_token_ids,
+                               ParentRequest.child_params(params, i)), parent, i)
+            for i in range(params.n)
+        ]
+        return ProcessedRequest(text, prompt_token_ids, children)
 
     def validate_params(self, params: SamplingParams) -> None:
         """Engine limits SamplingParams cannot know: `n` <= max_num_seqs, logprobs <= max.

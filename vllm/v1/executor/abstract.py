@@ -1,6 +1,6 @@
 """`Executor`: how the engine core reaches its workers, one per rank, through one seam.
 
-    EngineCore ---- executor.collective_rpc(method, args, kwargs, timeout) ----+
+    EngineCore ---- executor.collective_rpc(Worker.method, args, kwargs, timeout) ---+
                                                                                |
         uni   UniProcExecutor     the worker in this process (one rank)        |
         mp    MultiprocExecutor   one process per rank on this node, pipes     |
@@ -8,13 +8,13 @@
                                                                                v
                          [rank 0 result, rank 1 result, ...]  (or rank `unique_reply_rank`'s)
 
-Every stage of a worker's life goes through `collective_rpc` with the worker
-method's name: init_device, load_model, profile, reserve, warmup, extend,
-execute_model, sleep, wake_up. A method that raises on any rank raises
-`WorkerError` naming the rank and reason; a worker process that dies raises
-`WorkerDiedError` (naming the rank) from the call in flight, and runs the
-callbacks of `register_failure_callback` even when no call is in flight, so
-the engine can report it at once.
+Every stage of a worker's life goes through `collective_rpc` with the worker's
+`@rpc` method itself (v1/worker/worker_base.py): init_device, load_model,
+initialize_kv_cache, compile_or_warm_up_model, execute_model, sleep, wake_up.
+A method that raises on any rank raises `WorkerError` naming the rank and
+reason; a worker process that dies raises `WorkerDiedError` (naming the rank)
+from the call in flight, and runs the callbacks of `register_failure_callback`
+even when no call is in flight, so the engine can report it at once.
 
 Which executor: `ParallelConfig.distributed_executor_backend` (vLLM's rule:
 "uni" for one rank, "mp" for several on one node, "ray" when asked, when Ray
@@ -26,15 +26,21 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from vllm.logger import init_logger
-from vllm.v1.executor.worker_wrapper import WorkerDiedError, WorkerError, resolve_class
+from vllm.v1.executor.worker_wrapper import (
+    WorkerDiedError,
+    WorkerError,
+    check_method,
+    resolve_class,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 logger = init_logger(__name__)
+T = TypeVar("T")
 
 __all__ = ["Executor", "WorkerDiedError", "WorkerError"]
 
@@ -83,19 +89,20 @@ class Executor(ABC):
     def _init_executor(self) -> None:
         """Start the workers (processes / actors) and build every rank's worker."""
 
-    @abstractmethod
     def collective_rpc(
         self,
-        method: str | Callable[..., Any],
+        method: Callable[..., T],
         timeout: float | None = None,
         args: tuple = (),
         kwargs: dict[str, Any] | None = None,
         unique_reply_rank: int | None = None,
-    ) -> list[Any]:
+    ) -> list[T]:
         """Call `method` on every rank's worker and wait for all of them.
 
         Args:
-            method: a worker method name, or a module-level function called as
+            method: a worker method marked `@rpc` (`Worker.load_model`: the
+                method itself, not its name; each rank calls its own worker's
+                method of that name), or a module-level function called as
                 `fn(worker, *args, **kwargs)` (it must pickle by reference).
             timeout: seconds to wait for all ranks; None waits as long as they live.
             args, kwargs: the arguments, the same on every rank.
@@ -107,10 +114,24 @@ class Executor(ABC):
             each rank's return value, in rank order (or the one of `unique_reply_rank`).
 
         Raises:
+            TypeError: `method` is a name, not the method.
             WorkerError: the method raised on a rank (the lowest failing rank is named).
             WorkerDiedError: a rank's process died before replying.
             TimeoutError: `timeout` passed (naming the ranks that did not reply).
         """
+        check_method(method)
+        return self._collective_rpc(method, timeout, args, kwargs or {}, unique_reply_rank)
+
+    @abstractmethod
+    def _collective_rpc(
+        self,
+        method: Callable[..., Any],
+        timeout: float | None,
+        args: tuple,
+        kwargs: dict[str, Any],
+        unique_reply_rank: int | None,
+    ) -> list[Any]:
+        """`collective_rpc` with its arguments checked (each executor's transport)."""
 
     def check_health(self) -> None:
         """Raise the failure that broke the executor (e.g. `WorkerDiedError`), if any."""

@@ -7,6 +7,11 @@
     wait(pipes + process sentinels) <-----------  (seq, ok, result | RemoteFailure)
     monitor thread: wait(sentinels) -> a rank died -> failure callbacks (engine reports it)
 
+How a worker process starts (process_start.py): spawned, a fresh interpreter
+that does not import the user's main script again, so a script without an
+`if __name__ == "__main__":` guard works (VLLM_WORKER_MULTIPROC_METHOD=fork
+forks instead).
+
 Why pipes and sentinels: `multiprocessing.connection.wait` blocks on the
 reply pipes and the processes' exit sentinels together, so a rank that dies
 mid-call is noticed at once (no polling, no hang), and a monitor thread that
@@ -35,8 +40,10 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from vllm import envs
 from vllm.distributed.utils import get_distributed_init_method, get_open_port
 from vllm.logger import init_logger
+from vllm.v1.executor import process_start
 from vllm.v1.executor.abstract import Executor, first_error
 from vllm.v1.executor.worker_wrapper import (
     RemoteFailure,
@@ -56,8 +63,6 @@ _PARENT_POLL_S = 1.0
 # After one rank failed a call: how long the others get to answer before the
 # executor counts them as stuck in a collective the failed rank never joined.
 ERROR_GRACE_S = 5.0
-# How long the workers may take to build their worker objects (imports, no model yet).
-_STARTUP_TIMEOUT_S = float(os.environ.get("VLLM_WORKER_STARTUP_TIMEOUT", "300"))
 # How long to wait for a worker whose pipe closed to be reaped, so its exit code (or
 # signal) can be named: the pipe closes before the process is gone.
 _EXIT_WAIT_S = 5.0
@@ -107,14 +112,15 @@ def describe_exit(exitcode: int | None) -> str:
 
 
 class MultiprocExecutor(Executor):
-    """One spawned process per rank; ranks meet over torch.distributed at `init_device`."""
+    """One process per rank; ranks meet over torch.distributed at `init_device`."""
 
     def _init_executor(self) -> None:
         self._rpc_lock = threading.Lock()
         self._seq = 0
         self._shutting_down = False
         self.workers: list[_WorkerHandle] = []
-        context = multiprocessing.get_context("spawn")  # fork is unsafe with CUDA and threads
+        self.start_method = process_start.start_method()
+        context = multiprocessing.get_context(self.start_method)
         init_method = get_distributed_init_method("127.0.0.1", get_open_port())
         self._stop_grace = [_SHUTDOWN_GRACE_S]
         self._finalizer = weakref.finalize(self, _stop_workers, self.workers, self._stop_grace)
@@ -130,8 +136,9 @@ class MultiprocExecutor(Executor):
         )
         self._monitor.start()
         logger.info(
-            "Started %d worker processes (pids %s)",
+            "Started %d worker processes (%s; pids %s)",
             self.world_size,
+            self.start_method,
             ", ".join(str(w.pid) for w in self.workers),
         )
 
@@ -150,13 +157,16 @@ class MultiprocExecutor(Executor):
             args=(rank, self.worker_cls, kwargs, child_conn, os.getpid()),
             daemon=True,
         )
-        process.start()
+        # A worker class defined in the user's script needs the script in the child.
+        process_start.start(process, needs_main=self.worker_cls.startswith("__main__."))
         child_conn.close()  # the child holds its end; EOF here means it is gone
         return _WorkerHandle(rank, process, parent_conn)
 
     def _wait_ready(self) -> None:
         """Each worker reports ("ready", pid) once its worker object exists, or its failure."""
-        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+        # How long the workers may take to build their worker objects (imports, no model).
+        timeout_s = envs.VLLM_WORKER_STARTUP_TIMEOUT
+        deadline = time.monotonic() + timeout_s
         errors: dict[int, BaseException] = {}
         for handle in self.workers:
             remaining = max(deadline - time.monotonic(), 0)
@@ -174,7 +184,7 @@ class MultiprocExecutor(Executor):
                     continue
             if not ready:
                 errors[handle.rank] = TimeoutError(
-                    f"worker rank {handle.rank} did not start within {_STARTUP_TIMEOUT_S:.0f} s"
+                    f"worker rank {handle.rank} did not start within {timeout_s:.0f} s"
                 )
                 continue
             errors[handle.rank] = WorkerDiedError(
@@ -184,13 +194,13 @@ class MultiprocExecutor(Executor):
             raise first_error(errors)
 
     # ------------------------------------------------------------------ calls
-    def collective_rpc(
+    def _collective_rpc(
         self,
-        method: str | Callable[..., Any],
-        timeout: float | None = None,
-        args: tuple = (),
-        kwargs: dict[str, Any] | None = None,
-        unique_reply_rank: int | None = None,
+        method: Callable[..., Any],
+        timeout: float | None,
+        args: tuple,
+        kwargs: dict[str, Any],
+        unique_reply_rank: int | None,
     ) -> list[Any]:
         name = method_name(method)
         with self._rpc_lock:

@@ -138,13 +138,13 @@ class RayDistributedExecutor(Executor):
         self._get(calls, "start-up", None)
 
     # ------------------------------------------------------------------ calls
-    def collective_rpc(
+    def _collective_rpc(
         self,
-        method: str | Callable[..., Any],
-        timeout: float | None = None,
-        args: tuple = (),
-        kwargs: dict[str, Any] | None = None,
-        unique_reply_rank: int | None = None,
+        method: Callable[..., Any],
+        timeout: float | None,
+        args: tuple,
+        kwargs: dict[str, Any],
+        unique_reply_rank: int | None,
     ) -> list[Any]:
         name = method_name(method)
         with self._lock:
@@ -152,7 +152,7 @@ class RayDistributedExecutor(Executor):
             if self._shutting_down:
                 raise RuntimeError(f"the executor is shut down; cannot call {name}")
             refs = [
-                worker.execute_method.remote(method, *args, **(kwargs or {}))
+                worker.execute_method.remote(method, *args, **kwargs)
                 for worker in self.workers
             ]
             results = self._get(refs, name, timeout)

@@ -34,15 +34,15 @@ class UniProcExecutor(Executor):
             },
         )
 
-    def collective_rpc(
+    def _collective_rpc(
         self,
-        method: str | Callable[..., Any],
-        timeout: float | None = None,
-        args: tuple = (),
-        kwargs: dict[str, Any] | None = None,
-        unique_reply_rank: int | None = None,
+        method: Callable[..., Any],
+        timeout: float | None,
+        args: tuple,
+        kwargs: dict[str, Any],
+        unique_reply_rank: int | None,
     ) -> list[Any]:
-        return [self.driver.execute_method(method, *args, **(kwargs or {}))]
+        return [self.driver.execute_method(method, *args, **kwargs)]
 
     def shutdown(self) -> None:
         driver = getattr(self, "driver", None)

@@ -1,9 +1,12 @@
-"""One rank's worker, built by name and called by method name (every executor's far end).
+"""One rank's worker, built by name and called through its `@rpc` methods (every
+executor's far end).
 
-    executor ---- collective_rpc("load_model") ----> WorkerWrapper.execute_method
+    executor ---- collective_rpc(Worker.load_model) ----> WorkerWrapper.execute_method
        uni: a direct call     mp: a pipe to a process     ray: an actor method
                                                             |
-                                                         Worker.load_model()
+                                                         worker.load_model()
+                                                         (an @rpc method; see
+                                                          v1/worker/worker_base.py)
 
 The wrapper exists so that the process (or Ray actor) can be started before
 the worker: environment variables (CUDA_VISIBLE_DEVICES on a Ray node) must
@@ -20,7 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from vllm import envs
 from vllm.logger import init_logger
+from vllm.v1.worker.worker_base import is_rpc
 
 logger = init_logger(__name__)
 
@@ -93,8 +98,27 @@ class RemoteFailure:
         return error
 
 
-def method_name(method: str | Callable[..., Any]) -> str:
-    return method if isinstance(method, str) else getattr(method, "__name__", repr(method))
+def method_name(method: Callable[..., Any]) -> str:
+    """The name a call is reported under ("load_model", a function's name)."""
+    return getattr(method, "__name__", repr(method))
+
+
+def check_method(method: Callable[..., Any]) -> None:
+    """Refuse what `collective_rpc` cannot call: a name instead of the method.
+
+    Raises:
+        TypeError: `method` is a string, not callable, or a method not marked `@rpc`.
+    """
+    if isinstance(method, str) or not callable(method):
+        raise TypeError(
+            f"collective_rpc takes the worker method itself (e.g. Worker.load_model, marked "
+            f"@rpc) or a function of the worker, not {method!r}"
+        )
+    qualname = getattr(method, "__qualname__", "")
+    if "." in qualname and "<locals>" not in qualname and not is_rpc(method):
+        raise TypeError(
+            f"{qualname} is not marked @rpc: a worker offers the engine only its @rpc methods"
+        )
 
 
 def resolve_class(qualname: str) -> type:
@@ -118,6 +142,7 @@ class WorkerWrapper:
         """Set variables before the worker (and torch's device context) exist."""
         for key, value in env.items():
             os.environ[key] = value
+        envs.reset()  # VLLM_* variables are read again from here on
 
     def init_worker(self, worker_cls: str, kwargs: dict[str, Any]) -> int:
         """Build `worker_cls(**kwargs)` (kwargs: vllm_config, local_rank, rank,
@@ -126,20 +151,23 @@ class WorkerWrapper:
         self.worker = resolve_class(worker_cls)(**kwargs)
         return os.getpid()
 
-    def execute_method(self, method: str | Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """`worker.method(*args, **kwargs)`, or `method(worker, *args, **kwargs)` for a function.
+    def execute_method(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`worker.<name>(*args, **kwargs)` for an `@rpc` method (the worker's own
+        attribute of that name, so a subclass's override runs), or
+        `method(worker, *args, **kwargs)` for a plain function.
 
         Raises:
-            RuntimeError: no worker yet, or it has no such method.
+            RuntimeError: no worker yet, or the worker has no `@rpc` method of that name.
         """
         if self.worker is None:
             raise RuntimeError(f"rank {self.rank}: the worker is not initialized")
-        if callable(method):
+        if not is_rpc(method):
             return method(self.worker, *args, **kwargs)
-        fn = getattr(self.worker, method, None)
-        if fn is None:
+        name = method_name(method)
+        fn = getattr(self.worker, name, None)
+        if fn is None or not is_rpc(fn):
             raise RuntimeError(
-                f"rank {self.rank}: {type(self.worker).__name__} has no method {method!r}"
+                f"rank {self.rank}: {type(self.worker).__name__} has no @rpc method {name!r}"
             )
         return fn(*args, **kwargs)
 

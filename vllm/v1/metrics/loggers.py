@@ -1,8 +1,9 @@
 """Stat loggers: receive the engine's statistics after every step (torch-free).
 
-`AsyncLLM` calls `record()` on the engine thread after every step (with that
-step's `IterationStats`) and after processing commands (with None), and
-`log()` periodically. The Prometheus logger of the OpenAI server lives in
+`AsyncLLM`'s output handler (v1/engine/output_stream.py) calls `record()` on
+the event loop for every batch from the engine core (a step's, with its
+`IterationStats`; start-up's and a new logger's first, with None), and `log()`
+periodically. The Prometheus logger of the OpenAI server lives in
 `vllm/entrypoints/openai/metrics.py`.
 """
 
@@ -23,7 +24,7 @@ logger = init_logger(__name__)
 
 
 class StatLoggerBase(Protocol):
-    """Receives engine statistics on the engine thread (must be thread-safe to read elsewhere)."""
+    """Receives engine statistics on the event loop (must be thread-safe to read elsewhere)."""
 
     def record(
         self,
@@ -31,10 +32,10 @@ class StatLoggerBase(Protocol):
         iteration_stats: IterationStats | None,
         kv_cache_memory: KVCacheMemory | None,
     ) -> None:
-        """After every step (with that step's IterationStats) and after commands (None)."""
+        """For every engine core batch (a step's IterationStats) and at start (None)."""
 
     def log(self) -> None:
-        """Periodically (every 10 s in AsyncLLM), on the engine thread."""
+        """Periodically (every 10 s in AsyncLLM), on the event loop."""
 
 
 class LoggingStatLogger:

@@ -1,8 +1,11 @@
 """The worker side of the elastic KV cache: commit and release blocks while serving.
 
-The policy (when to grow, when to shrink) lives in `vllm/v1/core/elastic.py`
-and runs in the engine core between steps; this module only does what it is
-asked, within what is true on this device now:
+The policy (when to grow, when to shrink) is the scheduler's `ElasticKVPolicy`
+(`vllm/v1/core/elastic.py`); the engine core carries its answer out between
+steps (`EngineCore.adjust_kv_cache`). `ElasticKVCache` is a component of the
+`Worker` (its `elastic` field) and only does what it is asked, within what is
+true on this device now; the arithmetic of its floor, chunk and growth is here
+too (the start-up sizing is kv_cache_sizing.py's):
 
     grow(n)    commit up to n blocks, but only into memory free at this moment
                less a headroom (`kv_cache_sizing.elastic_growth_blocks`) and
@@ -34,6 +37,76 @@ from vllm.v1.worker.memory import DeviceMemory
 
 logger = init_logger(__name__)
 GiB = sizing.GiB
+MiB = sizing.MiB
+
+# Elastic mode (docs/elastic_kv_cache.md). Growth goes only into memory that is
+# free at that moment less this headroom, left for everyone else on the device
+# (another engine's next step, a trainer's allocator, our own post-warmup
+# allocations): 2 % of the device with a 256 MiB floor (2.8 GiB on an H200,
+# ~0.5 GiB on a 24 GiB host). A guess to be measured by
+# benchmarks/benchmark_elastic.py, not a measured figure yet.
+ELASTIC_HEADROOM_FRACTION = 0.02
+ELASTIC_HEADROOM_FLOOR_BYTES = 256 * MiB
+
+# The range between the floor and the limit is committed in this many chunks
+# at most: one driver allocation per segment each (commit cost is per call,
+# ~0.1-0.4 ms for 1-8 GiB on the H200, so large chunks), and the unit a shrink
+# returns (a driver allocation is released whole).
+ELASTIC_NUM_CHUNKS = 8
+
+
+def elastic_headroom_bytes(total: int) -> int:
+    """Memory an elastic cache leaves free when it grows: max(2 % of total, 256 MiB)."""
+    return max(int(ELASTIC_HEADROOM_FRACTION * total), ELASTIC_HEADROOM_FLOOR_BYTES)
+
+
+def elastic_floor_blocks(
+    limit: int, max_blocks_per_request: int, block_stride: int, num_segments: int,
+    granularity: int,
+) -> int:
+    """Blocks an elastic cache commits at start-up and never releases.
+
+    One request of `max_model_len` tokens (plus the null block) fits without
+    growing, up to the end of the granules it occupies, and never more than
+    `limit`:
+
+        floor = min(limit, sizing.blocks_filling_granules(max_blocks_per_request + 1))
+
+    This is one rank's floor: a granule holds a different number of each
+    rank's blocks when tensor parallelism gives the ranks different shares of
+    the KV heads, so the worker passes it through the agreement across ranks
+    (the smallest, `min_across_ranks`) before committing it.
+    """
+    wanted = sizing.blocks_filling_granules(
+        max_blocks_per_request + 1, block_stride, num_segments, granularity
+    )
+    return max(min(limit, wanted), sizing.WARMUP_NUM_BLOCKS)
+
+
+def elastic_chunk_blocks(floor: int, limit: int) -> int:
+    """Blocks one growth adds at least: ceil((limit - floor) / ELASTIC_NUM_CHUNKS), >= 1."""
+    return max(-(-(limit - floor) // ELASTIC_NUM_CHUNKS), 1)
+
+
+def elastic_growth_blocks(
+    *, free: int, total: int, committed_bytes: int, block_stride: int, num_segments: int,
+    granularity: int,
+) -> int:
+    """The most blocks the cache may hold if it grows now into free memory less the headroom.
+
+        blocks = sizing.num_blocks_for_bytes(committed_bytes + free - headroom)
+
+    Args:
+        free: free device memory now, bytes.
+        total: device memory, bytes (sizes the headroom).
+        committed_bytes: bytes the cache holds now (granule-rounded).
+
+    Returns:
+        blocks (counting the null block); may be below what is committed when
+        memory is short (then the cache does not grow).
+    """
+    room = committed_bytes + free - elastic_headroom_bytes(total)
+    return sizing.num_blocks_for_bytes(room, block_stride, num_segments, granularity)
 
 
 @dataclass(frozen=True)
@@ -81,7 +154,7 @@ class ElasticKVCache:
         self.memory = memory
         self.agree = agree or _alone
         config = kv_cache.config
-        floor = sizing.elastic_floor_blocks(
+        floor = elastic_floor_blocks(
             max_limit, max_blocks_per_request, config.block_stride, config.num_segments,
             kv_cache.granularity,
         )
@@ -92,7 +165,7 @@ class ElasticKVCache:
         floor = self.agree(max(floor, kv_cache.committed_blocks))
         self.bounds = ElasticBounds(
             floor=floor, limit=max_limit, max_limit=max_limit,
-            chunk=sizing.elastic_chunk_blocks(floor, max_limit),
+            chunk=elastic_chunk_blocks(floor, max_limit),
         )
 
     def set_limit(self, limit_bytes: int | None) -> ElasticBounds:
@@ -128,7 +201,7 @@ class ElasticKVCache:
         """Commit up to `num_blocks` blocks where memory is free now; returns the count reached."""
         kv = self.kv_cache
         before = kv.committed_blocks
-        fits = sizing.elastic_growth_blocks(
+        fits = elastic_growth_blocks(
             free=self.memory.free_bytes(), total=self.memory.total,
             committed_bytes=kv.committed_bytes, block_stride=kv.config.block_stride,
             num_segments=kv.config.num_segments, granularity=kv.granularity,
@@ -170,51 +243,3 @@ def _change(before: int, after: int) -> str:
     if before == after:
         return f"{after / GiB:.2f} GiB unchanged: the blocks lie in granules already committed"
     return f"{before / GiB:.2f} -> {after / GiB:.2f} GiB"
-
-
-class ElasticWorkerMixin:
-    """The Worker's elastic-cache calls (reached through `collective_rpc`).
-
-    Expects the Worker's `config`, `kv_cache`, `memory`, `model_runner`,
-    `elastic`, `extend_kv_cache` and `agree_num_blocks` (every rank's bounds
-    are agreed through it: the engine core's policy reads rank 0's).
-    """
-
-    def _start_elastic(self, limit: int) -> int:
-        """Commit the elastic floor; `limit` (sized after warmup) bounds later growth."""
-        cache = self.config.cache_config
-        per_request = -(-self.config.model_config.max_model_len // cache.block_size)
-        self.elastic = ElasticKVCache(
-            self.kv_cache, self.memory, limit, per_request, agree=self.agree_num_blocks
-        )
-        floor = self.elastic.bounds.floor  # agreed across ranks
-        self.extend_kv_cache(floor)
-        logger.info(
-            "Elastic KV cache: committed %.2f GiB (%d blocks) at start-up; grows while serving "
-            "up to %d blocks, in chunks of %d blocks, into memory free at the time",
-            self.kv_cache.committed_bytes / GiB, floor, limit, self.elastic.bounds.chunk,
-        )
-        return floor
-
-    def elastic_kv_cache_bounds(self) -> ElasticBounds | None:
-        """Floor, limit and chunk of the elastic cache; None when it is off."""
-        return None if self.elastic is None else self.elastic.bounds
-
-    def grow_kv_cache(self, num_blocks: int) -> int:
-        """Commit up to `num_blocks` blocks where memory is free now; returns the count reached."""
-        reached = self.elastic.grow(num_blocks)
-        self.model_runner.bind_kv_cache(self.kv_cache.views)
-        return reached
-
-    def shrink_kv_cache(self, num_blocks: int) -> int:
-        """Release the (free) tail blocks `num_blocks..`; returns the count kept."""
-        self.memory.synchronize()
-        kept = self.elastic.shrink(num_blocks)
-        self.model_runner.bind_kv_cache(self.kv_cache.views)
-        return kept
-
-    def set_kv_cache_limit(self, limit_bytes: int | None) -> ElasticBounds:
-        """A runtime ceiling for the elastic cache, bytes (None: the start-up limit)."""
-        if self.elastic is None:
-            raise RuntimeError("a KV cache limit needs --enable-elastic-kv-cache")
-        return self.elastic.set_limit(limit_bytes)

@@ -1,13 +1,13 @@
 """The worker: one device's memory lifecycle around the model runner.
 
-    init_device     platform, seed, foreign processes, free memory at start
-    load_model      weights (bytes measured)
+    init_device          platform, process groups, seed, device fits and sharing
+    probe_kv_cache_path  this device's VMM probe (the engine decides the plan)
+    load_model(plan)     weights (bytes measured), draft model, the runner
     initialize_kv_cache
         profile     one worst-case forward + the sampler over max_num_seqs (+ the
                     worst-case spec-decode verify batch, as vLLM's profile run)
-        KV cache    the one place that picks the KV cache object:
-                      classic     final size from the profile; allocate it all
-                      extensible  reserve the capacity, commit the warmup blocks
+        KV cache    `KVCacheSetup.allocate`: classic: final size from the profile;
+                    extensible: reserve the capacity, commit the warmup blocks
     compile_or_warm_up_model
         warmup      worst-case prefill with the KV cache (on CUDA also as a few
                     long prompts: the fresh-prefill kernel's buffers), sampler,
@@ -15,54 +15,50 @@
         size        what is free now -> final block count (kv_cache_sizing.py),
                     agreed across ranks; a fully committed cache keeps its size
         extend      extend_kv_cache(final) under the same base, rebind the views
+                    (elastic: commit the floor; the rest comes while serving)
     run_post_kv_cache_hooks   (KV connectors: they see the final, committed cache)
     execute_model   one scheduled step
 
-Each stage logs one INFO line with its GiB figures. The worker holds one
-`KVCacheBuffers` (kv_cache.py) and never asks which kind it is after creating it.
-Three concerns live in mixins of their own: sleep / wake (sleep_mode.py), the
-speculative-decoding set-up (spec_decode_worker.py), the elastic cache's calls
-(elastic_kv_cache.py).
+Each stage logs one INFO line with its GiB figures. What the engine may call
+is exactly the `@rpc` methods (worker_base.py). The worker owns its parts as
+fields and never asks which kind its KV cache is after creating it:
+`kv_cache` (kv_cache.py), `kv_setup` (kv_cache_setup.py, start-up sizing),
+`sleep_state` (sleep_mode.py, with sleep mode), `elastic` (elastic_kv_cache.py,
+with the elastic cache), `kv_connector` (kv_connector.py, with a KV connector).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
 from vllm.config import VllmConfig
+from vllm.config.startup import StartupPlan
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.kv_cache_interface import KVCacheSpec, get_kv_cache_config
 from vllm.v1.outputs import AsyncModelRunnerOutput, KVCacheMemory, ModelRunnerOutput
 from vllm.v1.worker import kv_cache_sizing as sizing
 from vllm.v1.worker import ranks, sharing
-from vllm.v1.worker.elastic_kv_cache import ElasticKVCache, ElasticWorkerMixin
+from vllm.v1.worker import spec_decode_worker as spec_decode
+from vllm.v1.worker.elastic_kv_cache import ElasticBounds, ElasticKVCache
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-from vllm.v1.worker.kv_cache import (
-    ClassicKVCacheBuffers,
-    ExtensibleKVCacheBuffers,
-    KVCacheBuffers,
-)
+from vllm.v1.worker.kv_cache import KVCacheBuffers
+from vllm.v1.worker.kv_cache_setup import KVCacheSetup
+from vllm.v1.worker.kv_connector import WorkerKVConnector
 from vllm.v1.worker.memory import DeviceMemory
-from vllm.v1.worker.sleep_mode import SleepModeWorkerMixin
-from vllm.v1.worker.spec_decode_worker import SpecDecodeWorkerMixin
+from vllm.v1.worker.sleep_mode import SleepState
 from vllm.v1.worker.weight_arena import WeightArena
-
-if TYPE_CHECKING:
-    from vllm.v1.worker.kv_connector import WorkerKVConnector
+from vllm.v1.worker.worker_base import rpc
 
 logger = init_logger(__name__)
 GiB = sizing.GiB
 
 
-class Worker(SleepModeWorkerMixin, SpecDecodeWorkerMixin, ElasticWorkerMixin):
+class Worker:
     """Runs the model on one device (one rank) and owns its KV cache.
 
     Args:
@@ -98,44 +94,36 @@ class Worker(SleepModeWorkerMixin, SpecDecodeWorkerMixin, ElasticWorkerMixin):
         self.agree_num_blocks = agree_num_blocks or self._agree_across_ranks
         # Every rank's proposed block count at the last agreement (rank order).
         self.kv_cache_proposals: list[int] = []
-        self.model_runner: GPUModelRunner | None = None
-        self.kv_cache: KVCacheBuffers | None = None
+        self.plan: StartupPlan | None = None  # the engine's, from load_model
         self.memory: DeviceMemory | None = None
-        self.profile: sizing.MemoryProfile | None = None
+        self.model_runner: GPUModelRunner | None = None
         self.weights_bytes = 0
-        # Run once the KV cache has its final size (KV-transfer connectors
-        # register committed memory only, `KVCacheBuffers.committed_spans()`,
-        # so they must wait for the extension).
-        self.post_kv_cache_hooks: list[Callable[[KVCacheBuffers], None]] = []
-        self.startup_seconds: dict[str, float] = {}
-        self.weight_arena: WeightArena | None = None  # with enable_sleep_mode
-        self.kv_connector: WorkerKVConnector | None = None  # with kv_transfer_config
-        if vllm_config.kv_transfer_config is not None:
-            self.post_kv_cache_hooks.append(self._create_kv_connector)
+        self.profile: sizing.MemoryProfile | None = None
         self.spec_decode_peak = 0  # bytes: the profiled verify batch's peak (spec decode)
-
+        self.startup_seconds: dict[str, float] = {}
+        # The parts, as they come to exist:
+        self.kv_setup: KVCacheSetup | None = None
+        self.kv_cache: KVCacheBuffers | None = None
+        self.weight_arena: WeightArena | None = None  # with enable_sleep_mode
+        self.sleep_state: SleepState | None = None  # with enable_sleep_mode
         self.elastic: ElasticKVCache | None = None  # with enable_elastic_kv_cache
+        self.kv_connector: WorkerKVConnector | None = None  # with kv_transfer_config
 
     # ---------------------------------------------------------------- device
+    @rpc
     def init_device(self) -> None:
         t0 = time.perf_counter()
         self.platform.configure_torch_allocator()
         self.platform.configure_threads()
         # Before a context exists (on a device others filled, it would not fit).
         sharing.check_device_fits(self.platform, self.device)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-            torch.cuda.init()
+        self.platform.init_device(self.device)
         if self.distributed_init_method is not None:  # started by an mp / ray executor
             ranks.register_engine_process(self.platform)
         if self.world_size > 1:
             ranks.join_process_group(
-                self.world_size,
-                self.rank,
-                self.distributed_init_method,
-                self.local_rank,
-                self.config.parallel_config.tensor_parallel_size,
-                self.platform,
+                self.world_size, self.rank, self.distributed_init_method, self.local_rank,
+                self.config.parallel_config.tensor_parallel_size, self.platform,
             )
         if self.config.model_config.seed is not None:
             torch.manual_seed(self.config.model_config.seed)
@@ -143,60 +131,50 @@ class Worker(SleepModeWorkerMixin, SpecDecodeWorkerMixin, ElasticWorkerMixin):
         self.memory = DeviceMemory(self.platform, self.device)
         self.startup_seconds["init_device"] = time.perf_counter() - t0
 
+    @rpc
+    def probe_kv_cache_path(self) -> str | None:
+        """Why this rank's device cannot hold the extensible cache, or None if it can."""
+        return self.platform.get_vmm_driver(self.device.index or 0).probe()
+
     # ----------------------------------------------------------------- model
-    def load_model(self) -> None:
+    @rpc
+    def load_model(self, plan: StartupPlan) -> None:
+        """Load the weights (and a draft model) and build the runner, under `plan`."""
         from vllm.model_executor.model_loader import get_model
 
         t0 = time.perf_counter()
-        mc = self.config.model_config
-        sc = self.config.scheduler_config
+        self.plan = plan
+        mc, sc = self.config.model_config, self.config.scheduler_config
         before = self.memory.allocated()
         tp_rank, tp_size = ranks.tensor_parallel_rank(self.world_size)
         logger.info("Loading the model from %s (%s, %s) ...", mc.model_path, mc.load_format,
                     self.device)
-        model = get_model(
-            mc.model_path,
-            mc.hf_config,
-            dtype=mc.dtype,
-            device=self.device,
-            load_format=mc.load_format,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-        )
-        draft_model = self._load_draft_model()
+        model = get_model(mc.model_path, mc.hf_config, dtype=mc.dtype, device=self.device,
+                          load_format=mc.load_format, tp_rank=tp_rank, tp_size=tp_size)
+        spec = self.config.speculative_config
+        draft_model = spec_decode.load_draft_model(spec, mc, self.device)
         params = [*model.parameters(), *(draft_model.parameters() if draft_model else [])]
-        self.weights_bytes = max(
-            self.memory.allocated() - before,
-            sum(p.numel() * p.element_size() for p in params),
-        )
+        self.weights_bytes = max(self.memory.allocated() - before,
+                                 sum(p.numel() * p.element_size() for p in params))
         comp = self.config.compilation_config
         capture_sizes = [] if comp.enforce_eager else list(comp.cudagraph_capture_sizes or [])
         self.model_runner = GPUModelRunner(
-            model,
-            device=self.device,
-            dtype=mc.dtype,
-            vocab_size=mc.get_vocab_size(),
-            max_num_reqs=sc.max_num_seqs,
-            max_num_tokens=sc.max_num_batched_tokens,
-            max_model_len=mc.max_model_len,
-            block_size=self.config.cache_config.block_size,
+            model, device=self.device, dtype=mc.dtype, vocab_size=mc.get_vocab_size(),
+            max_num_reqs=sc.max_num_seqs, max_num_tokens=sc.max_num_batched_tokens,
+            max_model_len=mc.max_model_len, block_size=self.config.cache_config.block_size,
             cudagraph_capture_sizes=capture_sizes,
-            spec_decoder=self._spec_decoder(mc.get_vocab_size(), draft_model),
+            spec_decoder=spec_decode.make_spec_decoder(spec, mc.get_vocab_size(), self.device,
+                                                       draft_model),
             async_scheduling=bool(sc.async_scheduling),
         )
         if self.config.cache_config.enable_sleep_mode:
-            self._create_weight_arena(model)
+            driver = self.platform.get_vmm_driver(self.device.index or 0)
+            self.weight_arena = WeightArena(model, driver)
+            gc.collect()
+            self.platform.empty_cache()  # the parameters' old storage
         self.startup_seconds["load_model"] = time.perf_counter() - t0
-        logger.info(
-            "Model loaded: weights %.2f GiB (%s, %s) in %.1f s",
-            self.weights_bytes / GiB,
-            mc.dtype,
-            self.device,
-            self.startup_seconds["load_model"],
-        )
-
-    def _kv_cache_specs(self) -> dict[str, KVCacheSpec]:
-        return self.model_runner.get_kv_cache_specs(self.config.model_config.dtype)
+        logger.info("Model loaded: weights %.2f GiB (%s, %s) in %.1f s", self.weights_bytes / GiB,
+                    mc.dtype, self.device, self.startup_seconds["load_model"])
 
     # --------------------------------------------------------------- profile
     def _worst_case_batch(self) -> tuple[int, int]:
@@ -215,35 +193,33 @@ class Worker(SleepModeWorkerMixin, SpecDecodeWorkerMixin, ElasticWorkerMixin):
 
     def _profile(self) -> sizing.MemoryProfile:
         """Step 1: one worst-case forward and the sampler; the transient peak above steady state."""
-        sc = self.config.scheduler_config
+        max_num_seqs = self.config.scheduler_config.max_num_seqs
         runner = self.model_runner
         num_tokens, num_reqs = self._worst_case_batch()
         logger.info("Profiling memory: a worst-case forward of %d tokens and the sampler over "
-                    "%d sequences ...", num_tokens, sc.max_num_seqs)
+                    "%d sequences ...", num_tokens, max_num_seqs)
         with self.memory.measure_peak() as peak:
-            hidden = runner.dummy_run(num_tokens, num_reqs, with_kv=False)
-            runner.dummy_sampler_run(hidden, sc.max_num_seqs)
-        spec_peak = self._profile_verify(hidden)
-        activation_peak = max(peak.torch_peak, spec_peak.torch_peak)
+            hidden = runner.warmup.dummy_run(num_tokens, num_reqs, with_kv=False)
+            runner.warmup.dummy_sampler_run(hidden, max_num_seqs)
+        spec_peak = spec_decode.profile_verify(runner, self.memory, hidden, max_num_seqs,
+                                               self.config.speculative_config)
+        self.spec_decode_peak = spec_peak.torch_peak
         del hidden
         profile = sizing.MemoryProfile(
             total=self.memory.total,
             weights=self.weights_bytes,
-            activation_peak=activation_peak,
+            activation_peak=max(peak.torch_peak, spec_peak.torch_peak),
             non_torch=max(peak.non_torch_growth, spec_peak.non_torch_growth),
         )
         logger.info(
             "Memory profile: weights %.2f GiB, activation peak %.2f GiB, non-torch %.2f GiB "
-            "(%d tokens, %d sequences)",
-            profile.weights / GiB,
-            profile.activation_peak / GiB,
-            profile.non_torch / GiB,
-            num_tokens,
-            sc.max_num_seqs,
+            "(%d tokens, %d sequences)", profile.weights / GiB, profile.activation_peak / GiB,
+            profile.non_torch / GiB, num_tokens, max_num_seqs,
         )
         return profile
 
     # --------------------------------------------------------------- KV cache
+    @rpc
     def initialize_kv_cache(self) -> int:
         """Profile, then create and allocate the KV cache (classic: final; extensible: warmup).
 
@@ -252,134 +228,38 @@ class Worker(SleepModeWorkerMixin, SpecDecodeWorkerMixin, ElasticWorkerMixin):
         """
         t0 = time.perf_counter()
         self.profile = self._profile()
-        self.kv_cache = self._new_kv_cache(self._kv_cache_specs())
+        self.kv_setup = KVCacheSetup(self.config, self.plan, self.platform, self.device,
+                                     self.memory, self.world_size, self.agree_num_blocks)
+        specs = self.model_runner.get_kv_cache_specs(self.config.model_config.dtype)
+        self.kv_cache = self.kv_setup.allocate(specs, self.profile)
         self.model_runner.bind_kv_cache(self.kv_cache.views)
+        if self.weight_arena is not None:
+            self.sleep_state = SleepState(self.weight_arena, self.kv_cache, self.memory,
+                                          self.platform)
         self.startup_seconds["initialize_kv_cache"] = time.perf_counter() - t0
         return self.kv_cache.committed_blocks
 
-    def _new_kv_cache(self, specs: dict[str, KVCacheSpec]) -> KVCacheBuffers:
-        """The one place that picks the KV cache object; everything else asks it."""
-        if self.config.cache_config.enable_extensible_kv_cache:
-            return self._reserve_extensible(specs)
-        return self._allocate_classic(specs)
-
-    def _allocate_classic(self, specs: dict[str, KVCacheSpec]) -> KVCacheBuffers:
-        cache = self.config.cache_config
-        bytes_per_block = sum(s.page_size_bytes for s in specs.values())
-        cap = self._budget_cap()
-        size = ranks.on_every_rank(self.world_size, lambda: sizing.classic_num_blocks(
-            self.profile,
-            bytes_per_block,
-            gpu_memory_utilization=cache.gpu_memory_utilization,
-            explicit_bytes=cache.kv_cache_memory_bytes,
-            free=self.memory.free_bytes() if cap is not None else 0,
-            budget_cap=cap,
-            budget_cap_name=self.platform.default_kv_cache_cap_name(),
-        ))
-        num_blocks = self.agree_num_blocks(size.num_blocks)
-        kv_cache = ClassicKVCacheBuffers(get_kv_cache_config(specs, num_blocks), self.device)
-        kv_cache.allocate(num_blocks)
-        logger.info(
-            "KV cache (classic): %.2f GiB (budget %.2f GiB, limited by %s), %d blocks, "
-            "%d tokens of capacity",
-            kv_cache.config.size_bytes / GiB,
-            size.bytes.budget_bytes / GiB,
-            size.bytes.limited_by,
-            num_blocks,
-            (num_blocks - 1) * cache.block_size,
-        )
-        return kv_cache
-
     def _agree_across_ranks(self, num_blocks: int) -> int:
         agreed, self.kv_cache_proposals = ranks.agree_on_num_blocks(
-            self.world_size, self.rank, num_blocks
-        )
+            self.world_size, self.rank, num_blocks)
         return agreed
 
+    @rpc
     def kv_cache_agreement(self) -> list[int]:
         """Every rank's proposed block count at the last agreement, in rank order."""
         return list(self.kv_cache_proposals)
 
-    def probe_kv_cache_path(self) -> str | None:
-        """Why this rank's device cannot hold the extensible cache, or None if it can."""
-        return self.platform.get_vmm_driver(self.device.index or 0).probe()
-
-    def use_classic_kv_cache(self, reason: str) -> None:
-        """Another rank cannot hold the extensible cache: this one takes the classic path too."""
-        self.config.cache_config.fall_back_to_classic(reason)
-
-    def _budget_cap(self) -> int | None:
-        """The platform's bound on a KV cache of unspecified size (CPU), if it has one."""
-        if self.config.cache_config.kv_cache_memory_bytes is not None:
-            return None  # an explicit size needs no default bound
-        return self.platform.default_kv_cache_bytes_cap()
-
-    def _reserve_extensible(self, specs: dict[str, KVCacheSpec]) -> KVCacheBuffers:
-        driver = self.platform.get_vmm_driver(self.device.index or 0)
-        probe = driver.probe()
-        if probe is not None:  # config resolution already checked; the device may differ
-            raise RuntimeError(f"extensible KV cache unavailable on {self.device}: {probe}")
-        kv_transfer = self.config.kv_transfer_config
-        if kv_transfer is not None and kv_transfer.kv_connector == "NixlConnector":
-            # NIXL reads these pages from another process: UCX's CUDA IPC exports
-            # VMM allocations as POSIX file descriptors, and a NIC needs them
-            # GPUDirect-RDMA capable (both probed by the driver; host VMM: no-op).
-            enable = getattr(driver, "enable_transfer_flags", None)
-            if enable is not None:
-                enable()
-        layout = get_kv_cache_config(specs, 1)
-        capacity = sizing.capacity_blocks(
-            self.memory.total, layout.block_stride, layout.num_segments, driver.granularity,
-            max_blocks=self._max_useful_blocks(),
-        )
-        kv_cache = ExtensibleKVCacheBuffers(
-            get_kv_cache_config(specs, capacity), driver, self.device
-        )
-        kv_cache.allocate(sizing.WARMUP_NUM_BLOCKS)
-        logger.info(
-            "KV cache (extensible): reserved %.2f GiB for %d blocks, committed %.3f GiB "
-            "(%d blocks) for warmup",
-            kv_cache.reserved_bytes / GiB,
-            capacity,
-            kv_cache.committed_bytes / GiB,
-            sizing.WARMUP_NUM_BLOCKS,
-        )
-        return kv_cache
-
     # ----------------------------------------------------------------- warmup
+    @rpc
     def compile_or_warm_up_model(self) -> int:
         """Warm up (worst-case prefill with KV, sampler), capture CUDA graphs, size, extend.
 
         Returns:
             the final number of KV blocks (counting the null block), the same on
-            every rank.
+            every rank (the elastic cache: its floor).
         """
         t0 = time.perf_counter()
-        runner = self.model_runner
-        num_tokens, num_reqs = self._worst_case_batch()
-        logger.info("Warming up: a worst-case prefill of %d tokens with the KV cache, the "
-                    "sampler%s ...", num_tokens,
-                    f", then CUDA graph capture of {len(runner.cuda_graphs.capture_sizes)} decode "
-                    "sizes" if runner.use_cuda_graph else "")
-        self._warmup_batch(num_tokens, num_reqs)
-        # Every attention variant a request can select, compiled now rather
-        # than while a user waits (issue 10).
-        launches = runner.warm_up_kernels()
-        # A one-token step: the small-batch kernels (norm / SiLU fused into the
-        # projections, layers/fused_linear.py) that the worst case above does
-        # not reach; CUDA-graph capture would compile them too, eager mode not.
-        hidden = runner.dummy_run(1, 1, with_kv=True)
-        runner.warm_up_logits(hidden, self.config.scheduler_config.max_num_seqs)
-        del hidden
-        if launches:
-            logger.info("Attention kernels warmed up: %d variants", launches)
-        if runner.use_cuda_graph:
-            runner.capture_model()
-            # torch.cuda.graph empties torch's cache when capture begins, so the
-            # activation pool is gone; run the worst case once more so the pool
-            # holds it again, in runtime's allocation pattern, before measuring.
-            self._warmup_batch(num_tokens, num_reqs)
-        self.memory.synchronize()
+        self._warm_up()
         self.startup_seconds["warmup"] = time.perf_counter() - t0
         ranks.resync_random_state(self.world_size, self.config.model_config.seed)
         kv_cache = self.kv_cache
@@ -389,15 +269,43 @@ class Worker(SleepModeWorkerMixin, SpecDecodeWorkerMixin, ElasticWorkerMixin):
             self._warm_up_last_step()
             return kv_cache.committed_blocks
         t0 = time.perf_counter()
-        snapshot, size, num_blocks = self._size_after_warmup()
-        if self.config.cache_config.enable_elastic_kv_cache:
+        snapshot, size, num_blocks = self.kv_setup.size_after_warmup(kv_cache, self.profile)
+        if self.plan.elastic_kv_cache:
             num_blocks = self._start_elastic(num_blocks)
         else:
             self.extend_kv_cache(num_blocks)
         self._warm_up_last_step()
         self.startup_seconds["extend"] = time.perf_counter() - t0
-        self._log_final_size(snapshot, size, num_blocks)
+        self.kv_setup.log_final_size(snapshot, size, num_blocks, kv_cache, self._held_parts())
         return num_blocks
+
+    def _warm_up(self) -> None:
+        """Every shape and kernel serving will run, then graph capture (see the module doc)."""
+        runner = self.model_runner
+        num_tokens, num_reqs = self._worst_case_batch()
+        logger.info("Warming up: a worst-case prefill of %d tokens with the KV cache, the "
+                    "sampler%s ...", num_tokens,
+                    f", then CUDA graph capture of {len(runner.cuda_graphs.capture_sizes)} decode "
+                    "sizes" if runner.use_cuda_graph else "")
+        self._warmup_batch(num_tokens, num_reqs)
+        # Every attention variant a request can select, compiled now rather
+        # than while a user waits (issue 10).
+        launches = runner.warmup.warm_up_kernels()
+        # A one-token step: the small-batch kernels (norm / SiLU fused into the
+        # projections, layers/fused_linear.py) that the worst case above does
+        # not reach; CUDA-graph capture would compile them too, eager mode not.
+        hidden = runner.warmup.dummy_run(1, 1, with_kv=True)
+        runner.warmup.warm_up_logits(hidden, self.config.scheduler_config.max_num_seqs)
+        del hidden
+        if launches:
+            logger.info("Attention kernels warmed up: %d variants", launches)
+        if runner.use_cuda_graph:
+            runner.warmup.capture_model()
+            # torch.cuda.graph empties torch's cache when capture begins, so the
+            # activation pool is gone; run the worst case once more so the pool
+            # holds it again, in runtime's allocation pattern, before measuring.
+            self._warmup_batch(num_tokens, num_reqs)
+        self.memory.synchronize()
 
     def _warm_up_last_step(self) -> None:
         """One small step, the last thing before serving (CUDA only).
@@ -407,18 +315,19 @@ class Worker(SleepModeWorkerMixin, SpecDecodeWorkerMixin, ElasticWorkerMixin):
         the engine's first request paid it (SmolLM2 shape, issue 10). The cause
         inside CUDA is not known; a step here, on the final cache, removes it.
         """
-        if self.device.type == "cuda":
+        if self.platform.is_cuda_alike():
             runner = self.model_runner
-            runner.warm_up_logits(runner.dummy_run(1, 1, with_kv=True), 1)
+            runner.warmup.warm_up_logits(runner.warmup.dummy_run(1, 1, with_kv=True), 1)
 
     def _warmup_batch(self, num_tokens: int, num_reqs: int) -> None:
         """Worst-case prefill with the KV cache, the sampler, the worst-case verify batch."""
         runner = self.model_runner
-        hidden = runner.dummy_run(num_tokens, num_reqs, with_kv=True)
-        runner.dummy_sampler_run(hidden, self.config.scheduler_config.max_num_seqs)
-        if self.device.type == "cuda":
+        max_num_seqs = self.config.scheduler_config.max_num_seqs
+        hidden = runner.warmup.dummy_run(num_tokens, num_reqs, with_kv=True)
+        runner.warmup.dummy_sampler_run(hidden, max_num_seqs)
+        if self.platform.is_cuda_alike():
             self._warm_up_long_prompts(num_tokens, num_reqs)
-        positions = self._verify_positions()
+        positions = spec_decode.verify_positions(runner, max_num_seqs)
         if positions:
             runner.spec_decoder.dummy_verify_run(runner.model, hidden, positions)
         del hidden
@@ -436,70 +345,22 @@ class Worker(SleepModeWorkerMixin, SpecDecodeWorkerMixin, ElasticWorkerMixin):
         runner = self.model_runner
         long_reqs = -(-num_tokens // runner.max_model_len)
         if num_tokens // num_reqs < FRESH_PREFILL_MIN_QUERY_LEN <= num_tokens // long_reqs:
-            runner.dummy_run(num_tokens, long_reqs, with_kv=True)
+            runner.warmup.dummy_run(num_tokens, long_reqs, with_kv=True)
 
-    def _size_after_warmup(self) -> tuple[sizing.MemorySnapshot, sizing.KVCacheSize, int]:
-        """This rank's measured size, and the block count agreed across ranks."""
-        cache = self.config.cache_config
-        kv_cache = self.kv_cache
-        gc.collect()
-        snapshot = self.memory.snapshot(kv_cache.committed_bytes, self.profile.activation_peak)
-        sized = snapshot
-        if cache.enable_elastic_kv_cache:
-            # The limit is what the engine may ever hold (gpu_memory_utilization
-            # x total, the use cap); what is free is checked at every growth.
-            sized = dataclasses.replace(snapshot, free=snapshot.total)
-        size = ranks.on_every_rank(self.world_size, lambda: sizing.final_num_blocks(
-            sized,
-            activation_peak=self.profile.activation_peak,
-            gpu_memory_utilization=cache.gpu_memory_utilization,
-            block_stride=kv_cache.config.block_stride,
-            num_segments=kv_cache.config.num_segments,
-            granularity=kv_cache.granularity,
-            capacity=kv_cache.capacity_blocks,
-            explicit_bytes=cache.kv_cache_memory_bytes,
-            budget_cap=self._budget_cap(),
-            budget_cap_name=self.platform.default_kv_cache_cap_name(),
-            max_blocks=self._max_useful_blocks(),
-        ))
-        return snapshot, size, self.agree_num_blocks(size.num_blocks)
-
-    def _max_useful_blocks(self) -> int:
-        """Blocks `max_num_seqs x max_model_len` can address (the extensible cache's cap)."""
-        return sizing.max_useful_blocks(
-            self.config.scheduler_config.max_num_seqs,
-            self.config.model_config.max_model_len,
-            self.config.cache_config.block_size,
-        )
-
-    def _log_final_size(
-        self, snapshot: sizing.MemorySnapshot, size: sizing.KVCacheSize, num_blocks: int
-    ) -> None:
+    def _held_parts(self) -> list[tuple[str, int]]:
+        """What this rank holds besides the KV cache, for the sizing log line."""
         graphs = self.model_runner.cuda_graphs
         parts = [("weights", self.weights_bytes), ("activation peak", self.profile.activation_peak)]
         # The graph pool exists only where graphs were captured (not on CPU, not eager).
         if graphs.captured:
             parts.append(("CUDA graph pool", graphs.pool_bytes))
-        logger.info(
-            "KV cache sized after warmup: budget %.2f GiB, limited by %s; free %.2f GiB, "
-            "held besides KV %s, buffer %.2f GiB; "
-            "KV committed %.2f GiB of %.2f GiB reserved: %d blocks, %d tokens of capacity",
-            size.bytes.budget_bytes / GiB,
-            size.bytes.limited_by,
-            snapshot.free / GiB,
-            sizing.describe_parts(snapshot.held_non_kv, parts),
-            size.bytes.buffer_bytes / GiB,
-            self.kv_cache.committed_bytes / GiB,
-            self.kv_cache.reserved_bytes / GiB,
-            num_blocks,
-            (num_blocks - 1) * self.config.cache_config.block_size,
-        )
+        return parts
 
     def extend_kv_cache(self, num_blocks: int) -> None:
         """Commit the cache to `num_blocks` blocks under the same base and rebind the views.
 
         Grow-only; equal counts are a no-op. CUDA graphs captured before stay
-        valid (same addresses). The elastic cache will call this while serving.
+        valid (same addresses).
 
         Raises:
             ValueError: past the capacity, below what is committed, or any
@@ -507,21 +368,67 @@ class Worker(SleepModeWorkerMixin, SpecDecodeWorkerMixin, ElasticWorkerMixin):
         """
         self.model_runner.bind_kv_cache(self.kv_cache.extend_kv_cache(num_blocks))
 
-    def run_post_kv_cache_hooks(self) -> None:
-        """Call each hook with the KV cache at its final size (connectors register here)."""
-        for hook in self.post_kv_cache_hooks:
-            hook(self.kv_cache)
+    # ----------------------------------------------------- the elastic cache
+    def _start_elastic(self, limit: int) -> int:
+        """Commit the elastic floor; `limit` (sized after warmup) bounds later growth."""
+        block_size = self.config.cache_config.block_size
+        per_request = -(-self.config.model_config.max_model_len // block_size)
+        self.elastic = ElasticKVCache(self.kv_cache, self.memory, limit, per_request,
+                                      agree=self.agree_num_blocks)
+        floor = self.elastic.bounds.floor  # agreed across ranks
+        self.extend_kv_cache(floor)
+        logger.info(
+            "Elastic KV cache: committed %.2f GiB (%d blocks) at start-up; grows while serving "
+            "up to %d blocks, in chunks of %d blocks, into memory free at the time",
+            self.kv_cache.committed_bytes / GiB, floor, limit, self.elastic.bounds.chunk,
+        )
+        return floor
 
+    @rpc
+    def elastic_kv_cache_bounds(self) -> ElasticBounds | None:
+        """Floor, limit and chunk of the elastic cache; None when it is off."""
+        return None if self.elastic is None else self.elastic.bounds
+
+    @rpc
+    def grow_kv_cache(self, num_blocks: int) -> int:
+        """Commit up to `num_blocks` blocks where memory is free now; returns the count reached."""
+        reached = self.elastic.grow(num_blocks)
+        self.model_runner.bind_kv_cache(self.kv_cache.views)
+        return reached
+
+    @rpc
+    def shrink_kv_cache(self, num_blocks: int) -> int:
+        """Release the (free) tail blocks `num_blocks..`; returns the count kept."""
+        self.memory.synchronize()
+        kept = self.elastic.shrink(num_blocks)
+        self.model_runner.bind_kv_cache(self.kv_cache.views)
+        return kept
+
+    @rpc
+    def set_kv_cache_limit(self, limit_bytes: int | None) -> ElasticBounds:
+        """A runtime ceiling for the elastic cache, bytes (None: the start-up limit).
+
+        Raises:
+            RuntimeError: the elastic cache is off. ValueError: a negative limit.
+        """
+        if self.elastic is None:
+            raise RuntimeError("a KV cache limit needs --enable-elastic-kv-cache")
+        return self.elastic.set_limit(limit_bytes)
+
+    # ------------------------------------------------------------- connectors
+    @rpc
+    def run_post_kv_cache_hooks(self) -> None:
+        """The parts that need the final, committed cache: the KV connector registers it."""
+        if self.config.kv_transfer_config is not None:
+            self.kv_connector = WorkerKVConnector.create(self.config, self.kv_cache)
+
+    @rpc
     def kv_connector_handshake(self) -> dict | None:
         """The worker-side connector's handshake metadata for its scheduler side."""
         return None if self.kv_connector is None else self.kv_connector.handshake()
 
-    def _create_kv_connector(self, kv_cache: KVCacheBuffers) -> None:
-        from vllm.v1.worker.kv_connector import WorkerKVConnector
-
-        self.kv_connector = WorkerKVConnector.create(self.config, kv_cache)
-
     # ------------------------------------------------------------------ step
+    @rpc
     def execute_model(
         self, scheduler_output: SchedulerOutput
     ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
@@ -529,12 +436,51 @@ class Worker(SleepModeWorkerMixin, SpecDecodeWorkerMixin, ElasticWorkerMixin):
             return self.kv_connector.execute(scheduler_output, self.model_runner.execute_model)
         return self.model_runner.execute_model(scheduler_output)
 
+    @rpc
     def kv_cache_memory(self) -> KVCacheMemory:
         """Bytes committed and reserved, and committed blocks, for metrics."""
         if self.kv_cache is None:
             return KVCacheMemory(0, 0, 0)
         return self.kv_cache.memory()
 
+    # ----------------------------------------------------------------- sleep
+    @rpc
+    def sleep(self, level: int) -> None:
+        """Release weights' and KV cache's pages, keeping every address (see SleepState).
+
+        Raises:
+            RuntimeError: sleep mode is off. ValueError: a level other than 1 or 2.
+        """
+        if self.sleep_state is None:
+            raise RuntimeError("sleep needs enable_sleep_mode=True and the extensible KV cache")
+        self.sleep_state.sleep(level, self.kv_connector)
+
+    @rpc
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Map fresh pages for "weights" and/or "kv_cache"; True when the weights must be
+        reloaded (after a level-2 sleep). See `SleepState.wake_up` for the errors."""
+        if self.sleep_state is None:
+            raise RuntimeError("wake_up needs enable_sleep_mode=True")
+        return self.sleep_state.wake_up(tags, self.kv_connector)
+
+    @rpc
+    def sleeping_tags(self) -> list[str]:
+        """Which of "weights" / "kv_cache" are asleep now ([] without sleep mode)."""
+        return [] if self.sleep_state is None else self.sleep_state.sleeping_tags()
+
+    @rpc
+    def reload_weights(self) -> None:
+        """Load the checkpoint again into the (awake) parameters, in place."""
+        from vllm.model_executor.model_loader import get_model_loader
+
+        mc = self.config.model_config
+        loader = get_model_loader(mc.load_format, mc.model_path)
+        with torch.inference_mode(False), torch.no_grad():
+            loader.load_weights(self.model_runner.model, mc.model_path)
+        if self.weight_arena is not None:
+            self.weight_arena.mark_loaded()
+
+    # -------------------------------------------------------------- shutdown
     def shutdown(self) -> None:
         if self.kv_connector is not None:
             self.kv_connector.shutdown()  # deregister before the memory goes

@@ -15,7 +15,9 @@ Allocation walks strictly downward, through the one seam:
       -> allocate_and_reshape_kv_cache(kv_cache_config, device, reserve=None | ExtensibleReserve)
            -> reserve(size, num_segments)          (vllm/utils/extensible_tensor.py)
                 -> ExtensibleTensor -> VmmDriver   (vllm/device_allocator)
-           -> reshape_kv_cache(config, backing, n) (vllm/v1/kv_cache_interface.py)
+           -> reshape_kv_cache(_segments)(config, backing | its segments, n)
+                                                   (vllm/v1/kv_cache_interface.py)
+      <- KVCacheAllocation(backing, views)         the object keeps both
 
 Extensible growth maps new pages at the end of every segment under the same
 addresses (a block keeps its address for the engine's life), rebuilds the
@@ -33,6 +35,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -41,9 +45,33 @@ from vllm.utils.extensible_tensor import ExtensibleReserve, ExtensibleTensor
 from vllm.v1.kv_cache_interface import KVCacheConfig, reshape_kv_cache, reshape_kv_cache_segments
 from vllm.v1.outputs import KVCacheMemory
 
-# reserve(size_bytes, num_segments) -> uint8 tensor spanning size_bytes whose
-# data_ptr() is the base of the allocation (`ExtensibleReserve`).
-ReserveFn = Callable[[int, int], torch.Tensor]
+
+class Reservation(Protocol):
+    """What a `reserve` hook returns: an address range cut into equal segments, each
+    backed by a committed prefix (`ExtensibleTensor`)."""
+
+    def segment_view(self, index: int) -> torch.Tensor:
+        """uint8 view of segment `index` whose storage is its committed prefix."""
+
+
+# reserve(size_bytes, num_segments) -> the reservation (`ExtensibleReserve`).
+ReserveFn = Callable[[int, int], Reservation]
+
+
+@dataclass(frozen=True)
+class KVCacheAllocation:
+    """What the allocation seam returns: the memory and the per-layer views over it.
+
+    Attributes:
+        backing: the zeroed uint8 tensor [size_bytes] (no `reserve`), or the
+            reservation `reserve` returned; its owner keeps it to grow,
+            release and free it.
+        views: layer name -> view [num_blocks, 2, block_size, num_kv_heads,
+            head_size] over the first `num_blocks` blocks.
+    """
+
+    backing: torch.Tensor | Reservation
+    views: dict[str, torch.Tensor]
 
 
 def allocate_and_reshape_kv_cache(
@@ -52,44 +80,44 @@ def allocate_and_reshape_kv_cache(
     reserve: ReserveFn | None = None,
     *,
     num_blocks: int | None = None,
-) -> dict[str, torch.Tensor]:
-    """Allocate the one backing range and return the per-layer views over it.
+) -> KVCacheAllocation:
+    """Allocate the one backing range; return it with the per-layer views over it.
 
     The single allocation seam of the KV cache: the classic cache passes no
     `reserve` (a zeroed `torch.zeros`), the extensible one an
     `ExtensibleReserve` hook, so the strategy is handed down once and nothing
-    below calls back up.
+    below calls back up; the caller gets back both what holds the memory and
+    the views, so it rebuilds nothing.
 
     Args:
         kv_cache_config: the placement; the allocation spans `size_bytes`.
         device: where the default allocation goes.
-        reserve: `reserve(size_bytes, num_segments) -> uint8 tensor` spanning
-            size_bytes with data_ptr() at the base. None: a plain zeroed
-            `torch.zeros(size_bytes, dtype=uint8)`.
+        reserve: `reserve(size_bytes, num_segments) -> Reservation`, whose
+            segment views cover each segment's committed prefix. None: a
+            plain zeroed `torch.zeros(size_bytes, dtype=uint8)`.
         num_blocks: committed blocks per layer the views cover (default: all
             `kv_cache_config.num_blocks`); with `reserve` only this prefix of
             each segment may be backed, so views must not reach past it.
 
-    Returns:
-        layer name -> view [num_blocks, 2, block_size, num_kv_heads, head_size].
-
     Raises:
-        ValueError: `reserve` returned something that does not span the
-            allocation, or num_blocks is out of range (see `reshape_kv_cache`).
+        ValueError: `reserve` returned no reservation, or num_blocks is out of
+            range (see `reshape_kv_cache`).
     """
     size = kv_cache_config.size_bytes
+    n = kv_cache_config.num_blocks if num_blocks is None else num_blocks
     if reserve is None:
         backing = torch.zeros(size, dtype=torch.uint8, device=device)
-    else:
-        backing = reserve(size, kv_cache_config.num_segments)
-        if not isinstance(backing, torch.Tensor):
-            raise ValueError(
-                f"reserve({size}, {kv_cache_config.num_segments}) returned "
-                f"{type(backing).__name__}, expected a uint8 torch.Tensor"
-            )
-    return reshape_kv_cache(
-        kv_cache_config, backing, kv_cache_config.num_blocks if num_blocks is None else num_blocks
-    )
+        return KVCacheAllocation(backing, reshape_kv_cache(kv_cache_config, backing, n))
+    num_segments = kv_cache_config.num_segments
+    reservation = reserve(size, num_segments)
+    if not callable(getattr(reservation, "segment_view", None)):
+        raise ValueError(
+            f"reserve({size}, {num_segments}) returned {type(reservation).__name__}, "
+            "expected a reservation with segment_view(index)"
+        )
+    segments = [reservation.segment_view(i) for i in range(num_segments)]
+    return KVCacheAllocation(reservation,
+                             reshape_kv_cache_segments(kv_cache_config, segments, n))
 
 
 def spans_of_views(views: dict[str, torch.Tensor]) -> list[tuple[int, int]]:
@@ -261,7 +289,7 @@ class ClassicKVCacheBuffers(KVCacheBuffers):
                 f"the classic KV cache allocates its whole layout: {num_blocks} blocks asked, "
                 f"the layout has {self.capacity_blocks}"
             )
-        self.views = allocate_and_reshape_kv_cache(self.config, self.device)
+        self.views = allocate_and_reshape_kv_cache(self.config, self.device).views
         self.committed_blocks = num_blocks
         return self.views
 
@@ -345,10 +373,11 @@ class ExtensibleKVCacheBuffers(KVCacheBuffers):
             raise RuntimeError("the KV cache reservation already exists")
         self._check_range(num_blocks)
         reserve = ExtensibleReserve(self.driver, num_blocks * self.block_stride)
-        allocate_and_reshape_kv_cache(self.config, self.device, reserve, num_blocks=num_blocks)
-        self.tensor = reserve.tensor
+        allocation = allocate_and_reshape_kv_cache(self.config, self.device, reserve,
+                                                   num_blocks=num_blocks)
+        self.tensor = allocation.backing
         self.committed_blocks = num_blocks
-        self.views = self._committed_views()
+        self.views = allocation.views
         return self.views
 
     def extend_kv_cache(self, num_blocks: int) -> dict[str, torch.Tensor]:

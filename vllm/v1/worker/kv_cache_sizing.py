@@ -90,22 +90,6 @@ POST_WARMUP_FRACTION = 0.001
 WARMUP_NUM_BLOCKS = 2
 
 
-# Elastic mode (docs/elastic_kv_cache.md). Growth goes only into memory that is
-# free at that moment less this headroom, left for everyone else on the device
-# (another engine's next step, a trainer's allocator, our own post-warmup
-# allocations): 2 % of the device with a 256 MiB floor (2.8 GiB on an H200,
-# ~0.5 GiB on a 24 GiB host). A guess to be measured by
-# benchmarks/benchmark_elastic.py, not a measured figure yet.
-ELASTIC_HEADROOM_FRACTION = 0.02
-ELASTIC_HEADROOM_FLOOR_BYTES = 256 * MiB
-
-# The range between the floor and the limit is committed in this many chunks
-# at most: one driver allocation per segment each (commit cost is per call,
-# ~0.1-0.4 ms for 1-8 GiB on the H200, so large chunks), and the unit a shrink
-# returns (a driver allocation is released whole).
-ELASTIC_NUM_CHUNKS = 8
-
-
 class KVCacheSizingError(RuntimeError):
     """The device cannot hold the KV cache asked for (message has the numbers)."""
 
@@ -236,7 +220,7 @@ def classic_kv_cache_bytes(profile: MemoryProfile, gpu_memory_utilization: float
 def extensible_kv_cache_bytes(
     *,
     total: int,
-    free: int,
+    free: int | None,
     kv_committed: int,
     held_non_kv: int,
     activation_peak: int,
@@ -248,7 +232,8 @@ def extensible_kv_cache_bytes(
 
     Args:
         total: device memory.
-        free: free device memory now.
+        free: free device memory now; None: the budget is not bounded by it
+            (the elastic cache's limit: it checks what is free at every growth).
         kv_committed: bytes already committed to the KV cache (counted as available).
         held_non_kv: what this process holds now besides the KV cache (weights,
             torch's pool incl. the activation peak and graph pools, workspaces).
@@ -261,9 +246,10 @@ def extensible_kv_cache_bytes(
         KVCacheSizingError: the buffer leaves nothing for the KV cache; the
             message says what was available and what was held back.
     """
-    physical = free + kv_committed
     cap = int(gpu_memory_utilization * total) - held_non_kv
-    limits = [(LIMIT_FREE, physical), (limit_utilization(gpu_memory_utilization), cap)]
+    limits = [(limit_utilization(gpu_memory_utilization), cap)]
+    if free is not None:
+        limits.insert(0, (LIMIT_FREE, free + kv_committed))
     if budget_cap is not None:
         limits.append((budget_cap_name, budget_cap))
     limited_by, budget = _smallest(limits)
@@ -272,9 +258,11 @@ def extensible_kv_cache_bytes(
     buffer += int(POST_WARMUP_FRACTION * max(budget, 0))
     kv = budget - buffer
     if kv <= 0:
+        available = "" if free is None else (
+            f"{_gib(free + kv_committed)} available ({_gib(free)} free + "
+            f"{_gib(kv_committed)} already committed), ")
         raise KVCacheSizingError(
-            f"no memory left for the KV cache after warmup: {_gib(physical)} available "
-            f"({_gib(free)} free + {_gib(kv_committed)} already committed), capped at "
+            f"no memory left for the KV cache after warmup: {available}capped at "
             f"{_gib(cap)} by gpu_memory_utilization {gpu_memory_utilization}; the buffer "
             f"for post-warmup allocations needs {_gib(buffer)}"
         )
@@ -445,57 +433,37 @@ def final_num_blocks(
     budget_cap: int | None = None,
     budget_cap_name: str = "the platform's cap",
     max_blocks: int | None = None,
+    bound_by_free: bool = True,
 ) -> KVCacheSize:
     """The extensible path's block count after warmup, from what is really free.
 
     A measured budget (`extensible_kv_cache_bytes`) is a hard limit: its blocks
     are rounded down to whole granules per segment (`num_blocks_for_bytes`).
     An explicit `kv_cache_memory_bytes` is honoured within one granule in
-    total: the committed bytes (every segment rounded up to the granularity)
-    never exceed `explicit_bytes + granularity`, so with many segments the
-    count is rounded *down* to whole granules per segment (fewer blocks, never
-    one extra granule per segment: 64 MiB asked on 30 segments of 2 MiB
-    granules commits 60 MiB, not 120 MiB); below one granule per segment (the
-    smallest commit) it is `explicit_bytes // bytes_per_block` blocks in that
-    one granule each. Either way at most `capacity`
-    blocks, and at most the blocks that fill the granules `max_blocks` commit
+    total (`_explicit_num_blocks`). Either way at most `capacity` blocks, and
+    at most the blocks that fill the granules `max_blocks` commit
     (`blocks_filling_granules`: what the engine can use costs no more memory).
 
-    Args:
-        snapshot: memory after warmup.
-        activation_peak: the profiled transient peak (sizes the buffer).
-        gpu_memory_utilization: the share of total the engine may hold.
-        block_stride / num_segments: the layout (`KVCacheConfig`).
-        granularity: the VMM commit unit, bytes.
-        capacity: blocks the reservation holds.
-        explicit_bytes: `kv_cache_memory_bytes`, if given.
-        budget_cap: the platform's bound on the KV cache (CPU), if any.
-        budget_cap_name: what `budget_cap` is, for `SizingResult.limited_by`.
-        max_blocks: `max_useful_blocks(...)`, if the count is to be bounded by use.
+    Args: `snapshot` (memory after warmup), `activation_peak` (sizes the
+    buffer), `gpu_memory_utilization`, the layout's `block_stride` and
+    `num_segments`, `granularity` (the VMM commit unit, bytes), `capacity`
+    (blocks the reservation holds), `explicit_bytes` (kv_cache_memory_bytes),
+    the platform's `budget_cap` (CPU) and its name, `max_blocks`
+    (`max_useful_blocks`), and `bound_by_free` (False for the elastic cache's
+    limit: what it may ever hold, not what is free now; each growth checks that).
 
     Raises:
         KVCacheSizingError: the explicit size exceeds what is available, the
             buffer leaves nothing, or fewer than two blocks fit.
     """
-    available = snapshot.available + snapshot.kv_committed
-    bytes_per_block = block_stride * num_segments
     if explicit_bytes is not None:
-        if explicit_bytes > available:
-            raise KVCacheSizingError(
-                f"kv_cache_memory_bytes={explicit_bytes} exceeds the "
-                f"{available / GiB:.2f} GiB available after warmup"
-            )
-        result = SizingResult(explicit_bytes, explicit_bytes, 0, LIMIT_EXPLICIT)
-        num_blocks = num_blocks_for_bytes(
-            explicit_bytes + granularity, block_stride, num_segments, granularity
-        )
-        if num_blocks == 0:  # under one granule per segment: the smallest commit
-            num_blocks = explicit_bytes // bytes_per_block
-        num_blocks = min(num_blocks, explicit_bytes // bytes_per_block)
+        result, num_blocks = _explicit_num_blocks(
+            explicit_bytes, snapshot if bound_by_free else None, block_stride, num_segments,
+            granularity)
     else:
         result = extensible_kv_cache_bytes(
             total=snapshot.total,
-            free=snapshot.available,
+            free=snapshot.available if bound_by_free else None,
             kv_committed=snapshot.kv_committed,
             held_non_kv=snapshot.held_non_kv,
             activation_peak=activation_peak,
@@ -508,8 +476,42 @@ def final_num_blocks(
     if max_blocks is not None:
         cap = blocks_filling_granules(max_blocks, block_stride, num_segments, granularity)
         num_blocks = min(num_blocks, cap)
-    check_min_blocks(num_blocks, result.kv_bytes, bytes_per_block)
+    check_min_blocks(num_blocks, result.kv_bytes, block_stride * num_segments)
     return KVCacheSize(num_blocks, result)
+
+
+def _explicit_num_blocks(
+    explicit_bytes: int, snapshot: MemorySnapshot | None, block_stride: int,
+    num_segments: int, granularity: int,
+) -> tuple[SizingResult, int]:
+    """`kv_cache_memory_bytes` as blocks, honoured within one granule in total.
+
+    The committed bytes (every segment rounded up to the granularity) never
+    exceed `explicit_bytes + granularity`, so with many segments the count is
+    rounded *down* to whole granules per segment (fewer blocks, never one
+    extra granule per segment: 64 MiB asked on 30 segments of 2 MiB granules
+    commits 60 MiB, not 120 MiB); below one granule per segment (the smallest
+    commit) it is `explicit_bytes // bytes_per_block` blocks in that one
+    granule each.
+
+    Raises:
+        KVCacheSizingError: more than is available after warmup (`snapshot`;
+            None: not checked).
+    """
+    if snapshot is not None:
+        available = snapshot.available + snapshot.kv_committed
+        if explicit_bytes > available:
+            raise KVCacheSizingError(
+                f"kv_cache_memory_bytes={explicit_bytes} exceeds the "
+                f"{available / GiB:.2f} GiB available after warmup"
+            )
+    bytes_per_block = block_stride * num_segments
+    num_blocks = num_blocks_for_bytes(
+        explicit_bytes + granularity, block_stride, num_segments, granularity)
+    if num_blocks == 0:  # under one granule per segment: the smallest commit
+        num_blocks = explicit_bytes // bytes_per_block
+    num_blocks = min(num_blocks, explicit_bytes // bytes_per_block)
+    return SizingResult(explicit_bytes, explicit_bytes, 0, LIMIT_EXPLICIT), num_blocks
 
 
 def fit_max_model_len(max_model_len: int, num_blocks: int, block_size: int) -> int:
@@ -525,60 +527,6 @@ def fit_max_model_len(max_model_len: int, num_blocks: int, block_size: int) -> i
         min(max_model_len, (num_blocks - 1) x block_size), tokens.
     """
     return min(max_model_len, (num_blocks - 1) * block_size)
-
-
-def elastic_headroom_bytes(total: int) -> int:
-    """Memory an elastic cache leaves free when it grows: max(2 % of total, 256 MiB)."""
-    return max(int(ELASTIC_HEADROOM_FRACTION * total), ELASTIC_HEADROOM_FLOOR_BYTES)
-
-
-def elastic_floor_blocks(
-    limit: int, max_blocks_per_request: int, block_stride: int, num_segments: int,
-    granularity: int,
-) -> int:
-    """Blocks an elastic cache commits at start-up and never releases.
-
-    One request of `max_model_len` tokens (plus the null block) fits without
-    growing, up to the end of the granules it occupies, and never more than
-    `limit`:
-
-        floor = min(limit, blocks_filling_granules(max_blocks_per_request + 1))
-
-    This is one rank's floor: a granule holds a different number of each
-    rank's blocks when tensor parallelism gives the ranks different shares of
-    the KV heads, so the worker passes it through the agreement across ranks
-    (the smallest, `min_across_ranks`) before committing it.
-    """
-    wanted = blocks_filling_granules(
-        max_blocks_per_request + 1, block_stride, num_segments, granularity
-    )
-    return max(min(limit, wanted), WARMUP_NUM_BLOCKS)
-
-
-def elastic_chunk_blocks(floor: int, limit: int) -> int:
-    """Blocks one growth adds at least: ceil((limit - floor) / ELASTIC_NUM_CHUNKS), >= 1."""
-    return max(-(-(limit - floor) // ELASTIC_NUM_CHUNKS), 1)
-
-
-def elastic_growth_blocks(
-    *, free: int, total: int, committed_bytes: int, block_stride: int, num_segments: int,
-    granularity: int,
-) -> int:
-    """The most blocks the cache may hold if it grows now into free memory less the headroom.
-
-        blocks = num_blocks_for_bytes(committed_bytes + free - headroom)
-
-    Args:
-        free: free device memory now, bytes.
-        total: device memory, bytes (sizes the headroom).
-        committed_bytes: bytes the cache holds now (granule-rounded).
-
-    Returns:
-        blocks (counting the null block); may be below what is committed when
-        memory is short (then the cache does not grow).
-    """
-    room = committed_bytes + free - elastic_headroom_bytes(total)
-    return num_blocks_for_bytes(room, block_stride, num_segments, granularity)
 
 
 def min_across_ranks(num_blocks_per_rank: Iterable[int]) -> int:

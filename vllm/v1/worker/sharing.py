@@ -71,8 +71,8 @@ def check_sharing(platform: Platform, device: torch.device, cache: CacheConfig) 
     if not cache.gpu_memory_utilization_explicit:
         raise DeviceBusyError(
             f"another process holds memory on {device} ({desc}) and "
-            f"--gpu-memory-utilization was left to its default "
-            f"{cache.gpu_memory_utilization}: set --gpu-memory-utilization to the share "
+            f"--gpu-memory-utilization was left to its default (all of the device on the "
+            f"extensible path): set --gpu-memory-utilization to the share "
             f"of the device this engine may use, or start every engine on the device "
             f"with --enable-elastic-kv-cache"
         )

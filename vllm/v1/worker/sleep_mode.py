@@ -1,68 +1,77 @@
-"""The Worker's sleep mode: release and map again the weights' and KV cache's pages.
+"""`SleepState`: release and map again the weights' and the KV cache's pages (sleep mode).
 
     sleep(level)      level 1: weights copied to host, level 2: discarded; KV
                       contents discarded at both; every address is kept
     wake_up(tags)     fresh pages for "weights" and/or "kv_cache"; True when the
-                      weights must be reloaded (`reload_weights`) after level 2
+                      weights must be reloaded (`Worker.reload_weights`) after level 2
     sleeping_tags()   which parts are asleep now
 
-The weights live in a `WeightArena` (weight_arena.py, created at load time with
-enable_sleep_mode); the KV cache releases and recommits itself
-(`KVCacheBuffers.release` / `recommit`, the extensible cache only).
+A component of the `Worker` (its `sleep_state` field, with enable_sleep_mode):
+it holds the weights' `WeightArena` (weight_arena.py, created at load time)
+and the KV cache object, which releases and recommits itself
+(`KVCacheBuffers.release` / `recommit`, the extensible cache only). The KV
+connector, created later, is handed to each call: it deregisters before the
+pages go and registers again once they are back.
 """
 
 from __future__ import annotations
 
 import gc
 import time
-
-import torch
+from typing import TYPE_CHECKING
 
 from vllm.device_allocator.vmm import VmmError
 from vllm.exceptions import DeviceMemoryError
 from vllm.logger import init_logger
 from vllm.v1.worker.kv_cache_sizing import GiB
-from vllm.v1.worker.weight_arena import WeightArena
+
+if TYPE_CHECKING:
+    from vllm.platforms.interface import Platform
+    from vllm.v1.worker.kv_cache import KVCacheBuffers
+    from vllm.v1.worker.kv_connector import WorkerKVConnector
+    from vllm.v1.worker.memory import DeviceMemory
+    from vllm.v1.worker.weight_arena import WeightArena
 
 logger = init_logger(__name__)
 
+TAGS = ("weights", "kv_cache")
 
-class SleepModeWorkerMixin:
-    """The Worker's sleep / wake calls (reached through `collective_rpc`).
 
-    Expects the Worker's `config`, `platform`, `device`, `kv_cache`, `memory`,
-    `model_runner`, `weight_arena` and `kv_connector` (deregistered before the KV
-    pages go, registered again once they are back).
+class SleepState:
+    """Sleep and wake of one rank's weights and KV cache (see the module docstring).
+
+    Args:
+        weight_arena: the parameters' reservation.
+        kv_cache: the KV cache object (extensible: it can release its pages).
+        memory: the worker's device-memory reader (figures for the log and errors).
+        platform: the current platform (synchronize, empty its allocator's cache).
     """
 
-    def _create_weight_arena(self, model: torch.nn.Module) -> None:
-        """Move the parameters into one reservation that can sleep (enable_sleep_mode)."""
-        driver = self.platform.get_vmm_driver(self.device.index or 0)
-        self.weight_arena = WeightArena(model, driver)
-        gc.collect()
-        self.platform.empty_cache()  # the parameters' old storage
+    def __init__(self, weight_arena: WeightArena, kv_cache: KVCacheBuffers,
+                 memory: DeviceMemory, platform: Platform) -> None:
+        self.weight_arena = weight_arena
+        self.kv_cache = kv_cache
+        self.memory = memory
+        self.platform = platform
 
-    def sleep(self, level: int) -> None:
+    def sleep(self, level: int, connector: WorkerKVConnector | None) -> None:
         """Release weights' and KV cache's pages, keeping every address.
 
         Level 1 keeps a host copy of the weights; level 2 keeps nothing (reload
-        with `reload_weights` after waking). KV contents are discarded at both.
-        torch's cached (unused) memory is returned too.
+        after waking). KV contents are discarded at both. torch's cached
+        (unused) memory is returned too.
 
         Raises:
             ValueError: a level other than 1 or 2.
-            RuntimeError: sleep mode is off (no weight arena), or the KV cache
-                cannot release its memory (the classic cache).
+            RuntimeError: the KV cache cannot release its memory (the classic cache).
         """
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
-        if self.weight_arena is None:
-            raise RuntimeError("sleep needs enable_sleep_mode=True and the extensible KV cache")
         start = time.monotonic()
         weights, kv = self.weight_arena.physical_bytes, self.kv_cache.committed_bytes
         self.memory.synchronize()
-        if self.kv_connector is not None and not self.kv_cache.is_released:
-            self.kv_connector.sleep()  # deregister before the pages go
+        if connector is not None and not self.kv_cache.is_released:
+            connector.sleep()  # deregister before the pages go
         self.kv_cache.release()
         self.weight_arena.sleep(keep_on_host=level == 1)
         gc.collect()
@@ -74,13 +83,13 @@ class SleepModeWorkerMixin:
             time.monotonic() - start, self.memory.free_bytes() / GiB,
         )
 
-    def wake_up(self, tags: list[str] | None = None) -> bool:
+    def wake_up(self, tags: list[str] | None, connector: WorkerKVConnector | None) -> bool:
         """Map fresh pages for "weights" and/or "kv_cache" (both when tags is None).
 
         Returns:
             True when the woken weights are empty (after a level-2 sleep) and
-            must be reloaded (`reload_weights`) before generating; False
-            otherwise. The same meaning at every layer up to `LLMEngine.wake_up`.
+            must be reloaded before generating; False otherwise. The same
+            meaning at every layer up to `LLMEngine.wake_up`.
 
         A call that fails part-way (the weights mapped, the KV cache not) keeps
         what it mapped; the retry maps the rest and still returns True when the
@@ -92,8 +101,8 @@ class SleepModeWorkerMixin:
                 bytes still to map and the bytes free); what could not be
                 mapped stays asleep and a later call can retry.
         """
-        tags = ["weights", "kv_cache"] if tags is None else list(dict.fromkeys(tags))
-        unknown = set(tags) - {"weights", "kv_cache"}
+        tags = list(TAGS) if tags is None else list(dict.fromkeys(tags))
+        unknown = set(tags) - set(TAGS)
         if unknown:
             raise ValueError(f"unknown wake_up tags {sorted(unknown)}; use 'weights', 'kv_cache'")
         asleep = [t for t in tags if t in self.sleeping_tags()]
@@ -103,8 +112,8 @@ class SleepModeWorkerMixin:
             needs_reload = self.weight_arena.wake_up() if "weights" in tags else False
             if "kv_cache" in asleep:
                 self.kv_cache.recommit()
-                if self.kv_connector is not None:
-                    self.kv_connector.wake_up(self.kv_cache)
+                if connector is not None:
+                    connector.wake_up(self.kv_cache)
         except VmmError as e:
             raise DeviceMemoryError(
                 f"wake_up could not map the {', '.join(asleep)} memory: it needs "
@@ -126,20 +135,8 @@ class SleepModeWorkerMixin:
     def sleeping_tags(self) -> list[str]:
         """Which of "weights" / "kv_cache" are asleep now."""
         tags = []
-        if self.weight_arena is not None and self.weight_arena.is_sleeping:
+        if self.weight_arena.is_sleeping:
             tags.append("weights")
-        if self.kv_cache is not None and self.kv_cache.is_released:
+        if self.kv_cache.is_released:
             tags.append("kv_cache")
         return tags
-
-    def reload_weights(self) -> None:
-        """Load the checkpoint again into the (awake) parameters, in place."""
-        from vllm.model_executor.model_loader import get_model_loader
-
-        mc = self.config.model_config
-        loader = get_model_loader(mc.load_format, mc.model_path)
-        with torch.inference_mode(False), torch.no_grad():
-            loader.load_weights(self.model_runner.model, mc.model_path)
-        if self.weight_arena is not None:
-            self.weight_arena.mark_loaded()
-

@@ -115,9 +115,3 @@ class AttentionBackend(ABC):
     @abstractmethod
     def get_impl_cls() -> type[AttentionImpl]: ...
 
-    @staticmethod
-    def get_kv_cache_shape(
-        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
-    ) -> tuple[int, ...]:
-        """Per-layer cache shape: a block holds its K and V, so a layer's blocks are contiguous."""
-        return (num_blocks, 2, block_size, num_kv_heads, head_size)

@@ -1,50 +1,121 @@
 """The scheduler side of a KV connector: external hits, held blocks, failed loads (torch-free).
 
     schedule()            waiting request W: hits = prefix cache, then
-                          ext = connector.get_num_new_matched_tokens(W, hits),
-                          capped so W's last token is still computed; after the
-                          allocation connector.update_state_after_alloc(W, ...)
-    update_from_output()  kv_connector_output: blocks the connector finished
-                          sending are freed; requests whose load failed finish
-                          with an error (their blocks never entered the prefix cache)
-    kv_connector_sleep()  sleep: blocks held for remote readers are freed
+                          ext = external_tokens(W, hits) (the connector's match,
+                          capped so W's last token is still computed); after the
+                          allocation note_allocated(W, hits, ext)
+    update_from_output()  update(kv_connector_output): blocks the connector
+                          finished sending are freed; the requests whose load
+                          failed are returned for the scheduler to finish with
+                          an error (their blocks never entered the prefix cache)
+    finished request      request_finished(R): the connector may hold R's blocks
+                          until a remote reader took them (`sending`)
+    sleep()               blocks held for remote readers are freed
 
-The connector itself (`KVConnectorBase_V1`) lives in
-`vllm/distributed/kv_transfer`; this module only calls it.
+`SchedulerKVConnector` is a component of the `Scheduler` (its `connector`
+field): it owns the connector, the blocks held for sending and the external
+hit counters, and never touches the scheduler's queues. The connectors
+themselves (`KVConnectorBase_V1` and its subclasses) live in
+`vllm/distributed/kv_transfer`, a layer above the core: the core names only
+what it calls on one, `KVConnectorScheduler` below (tests/test_layers.py).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, Protocol
+
 from vllm.logger import init_logger
-from vllm.v1.outputs import EngineCoreOutput, FinishReason, KVConnectorOutput
-from vllm.v1.request import Request, RequestStatus
+from vllm.v1.outputs import KVConnectorOutput
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
 
 logger = init_logger(__name__)
 
 
-class KVConnectorSchedulerMixin:
-    """The Scheduler's calls into its KV connector.
+class KVConnectorScheduler(Protocol):
+    """What the scheduler calls on a KV connector's scheduler side (`KVConnectorBase_V1`
+    in the scheduler role implements it; see its docstrings for the contract)."""
 
-    Expects the Scheduler's `connector`, `kv_cache_manager`, `requests`,
-    `running`, `sending`, `finished_req_ids`, `external_queries` and
-    `external_hits`.
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int) -> tuple[int, bool]: ...
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: list[KVCacheBlock], num_external_tokens: int) -> None: ...
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any: ...
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]: ...
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None: ...
+
+    def sleep(self) -> None: ...
+
+
+class SchedulerKVConnector:
+    """A KV connector's scheduler side, as the scheduler uses it.
+
+    Args:
+        connector: the connector's scheduler-role instance.
+        kv_cache_manager: the scheduler's (blocks are freed and looked up here).
+
+    Attributes:
+        sending: finished requests whose blocks the connector still sends.
+        external_queries, external_hits: tokens asked of / loaded by the
+            connector, cumulative (first admissions only).
     """
 
-    def _external_tokens(self, request: Request, num_hit_tokens: int) -> int:
+    def __init__(self, connector: KVConnectorScheduler, kv_cache_manager: KVCacheManager) -> None:
+        self.connector = connector
+        self.kv_cache_manager = kv_cache_manager
+        self.sending: dict[str, Request] = {}
+        self.external_queries = 0
+        self.external_hits = 0
+
+    def external_tokens(self, request: Request, num_hit_tokens: int) -> int:
         """Tokens after the prefix-cache hit the connector loads (one token is left to compute)."""
-        if self.connector is None or request.sampling_params.prompt_logprobs is not None:
+        if request.sampling_params.prompt_logprobs is not None:
             return 0
         num_external, _ = self.connector.get_num_new_matched_tokens(request, num_hit_tokens)
         return max(0, min(num_external, request.num_tokens - 1 - num_hit_tokens))
 
-    def _note_external(self, request: Request, num_hit_tokens: int, num_external: int) -> None:
+    def note_allocated(self, request: Request, num_hit_tokens: int, num_external: int) -> None:
+        """The request got its blocks: count its external hit, tell the connector."""
         if request.num_preemptions == 0:
             self.external_queries += request.num_tokens - num_hit_tokens
             self.external_hits += num_external
         blocks = self.kv_cache_manager.get_blocks(request.request_id)
         self.connector.update_state_after_alloc(request, blocks, num_external)
 
-    def kv_connector_sleep(self) -> None:
+    def build_meta(self, scheduler_output: Any) -> Any:
+        """The connector's metadata for this step's workers."""
+        return self.connector.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        """(whether the connector holds the request's blocks, its kv_transfer_params).
+
+        Held blocks stay allocated (in `sending`) until `update` reports them sent.
+        """
+        block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+        delay_free, params = self.connector.request_finished(request, block_ids)
+        if delay_free:
+            self.sending[request.request_id] = request
+        return delay_free, params
+
+    def update(self, kv_output: KVConnectorOutput) -> dict[str, str]:
+        """Free the blocks sent since the last step; returns the failed loads (id -> reason)."""
+        self.connector.update_connector_output(kv_output)
+        for req_id in kv_output.finished_sending:
+            request = self.sending.pop(req_id, None)
+            if request is not None:
+                self.kv_cache_manager.free(request)
+        return dict(kv_output.failed_recving)
+
+    def sleep(self) -> None:
         """Before the engine sleeps (every request already aborted): free the blocks held
         for remote readers, whose contents are about to go, and let the connector
         forget what referred to KV contents."""
@@ -55,36 +126,3 @@ class KVConnectorSchedulerMixin:
                         "took yet", len(self.sending))
         self.sending.clear()
         self.connector.sleep()
-
-    def _update_from_kv_connector(self, kv_output: KVConnectorOutput) -> list[EngineCoreOutput]:
-        """Free blocks the connector finished sending; fail requests whose load failed.
-
-        A failed request's blocks were never registered in the prefix cache
-        (`allocate_slots` delays that for loaded blocks), so freeing them
-        leaves no wrong KV behind. Its output carries the reason as `error`.
-        """
-        self.connector.update_connector_output(kv_output)
-        for req_id in kv_output.finished_sending:
-            request = self.sending.pop(req_id, None)
-            if request is not None:
-                self.kv_cache_manager.free(request)
-        outputs = []
-        failed = set()
-        for req_id, reason in kv_output.failed_recving.items():
-            request = self.requests.get(req_id)
-            if request is None or request.is_finished():
-                continue
-            logger.warning("request %s failed: its KV transfer failed: %s", req_id, reason)
-            request.status = RequestStatus.FINISHED_ABORTED
-            failed.add(request)
-            self.kv_cache_manager.free(request)
-            del self.requests[req_id]
-            self.finished_req_ids.add(req_id)
-            outputs.append(EngineCoreOutput(
-                request_id=req_id, new_token_ids=[], finish_reason=FinishReason.ABORT,
-                error=f"the KV transfer of request {req_id!r} failed: {reason}",
-            ))
-        if failed:
-            self.running = [r for r in self.running if r not in failed]
-        return outputs
-

@@ -35,7 +35,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from vllm.logger import init_logger
 from vllm.v1.request import Request
+
+logger = init_logger(__name__)
 
 # vLLM's long-prompt threshold when concurrent partial prefills are on and none
 # was given: 4 % of max_model_len (vLLM's SchedulerConfig).
@@ -75,6 +78,17 @@ class PartialPrefills:
         self.long_threshold = long_prefill_token_threshold  # tokens; 0 = nothing is long
         if max_num_partial_prefills > 1 and long_prefill_token_threshold == 0:
             self.long_threshold = int(max_model_len * DEFAULT_LONG_PREFILL_FRACTION)
+
+    def log(self) -> None:
+        """One INFO line when concurrent partial prefills are on (nothing otherwise)."""
+        if self.concurrent:
+            logger.info(
+                "Concurrent partial prefills: max_num_partial_prefills=%d, "
+                "max_long_partial_prefills=%d, prompts over %d tokens count as long%s",
+                self.max_num_partial_prefills, self.max_long_partial_prefills,
+                self.long_threshold,
+                f" and compute at most {self.cap} tokens a step" if self.cap else "",
+            )
 
     @property
     def concurrent(self) -> bool:

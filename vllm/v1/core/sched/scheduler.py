@@ -7,8 +7,9 @@ One step::
 `schedule()` decides how many tokens each request computes this step and
 which KV blocks they go to; `update_from_output()` appends the sampled
 tokens, applies the stop checks and frees finished requests' blocks. Helpers
-in modules of their own: step.py (the plan, its packaging), kv_connector.py and
-spec_decode.py (mixins: a KV connector's calls, drafts).
+in modules of their own: step.py (the plan, its packaging), spec_decode.py (the
+rules for drafts); components held as fields: `connector`
+(`SchedulerKVConnector`, kv_connector.py), `prefill_policy` (partial_prefills.py).
 """
 
 from __future__ import annotations
@@ -18,30 +19,30 @@ from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from vllm.exceptions import VLLMValidationError
 from vllm.logger import init_logger
+from vllm.v1.core.elastic import ElasticKVPolicy
 from vllm.v1.core.kv_cache_manager import KVCacheManager, cdiv
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
-from vllm.v1.core.sched.kv_connector import KVConnectorSchedulerMixin
+from vllm.v1.core.sched.kv_connector import SchedulerKVConnector
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.partial_prefills import PartialPrefills
-from vllm.v1.core.sched.spec_decode import SpecDecodeSchedulerMixin
+from vllm.v1.core.sched.spec_decode import drafts_to_verify, settle_drafts
 from vllm.v1.core.sched.stats import SchedulerStats
 from vllm.v1.core.sched.step import StepPlan, make_engine_core_output, package_plan
-from vllm.v1.core.sched.utils import check_stop
-from vllm.v1.outputs import EngineCoreOutput, ModelRunnerOutput
+from vllm.v1.core.sched.utils import check_fits_cache, check_prompt, check_stop
+from vllm.v1.outputs import EngineCoreOutput, FinishReason, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
 if TYPE_CHECKING:
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    from vllm.v1.core.sched.kv_connector import KVConnectorScheduler
 
 logger = init_logger(__name__)
 
 __all__ = ["Scheduler", "SchedulerStats"]
 
 
-class Scheduler(KVConnectorSchedulerMixin, SpecDecodeSchedulerMixin):
+class Scheduler:
     """FCFS continuous-batching scheduler with chunked prefill and preemption by recompute.
 
     Args (plain ints, no config objects):
@@ -57,9 +58,10 @@ class Scheduler(KVConnectorSchedulerMixin, SpecDecodeSchedulerMixin):
         long_prefill_token_threshold, max_num_partial_prefills,
             max_long_partial_prefills: vLLM's concurrent partial prefills, see
             `partial_prefills.py` (defaults: vLLM V1's one partial prefill).
-        connector: the scheduler side of a KV connector (`KVConnectorBase_V1`),
-            or None. It may supply tokens beyond the prefix-cache hit
-            (loaded into the request's new blocks in the same step), sees every
+        connector: the scheduler side of a KV connector (`KVConnectorScheduler`:
+            a `KVConnectorBase_V1` in the scheduler role), or None. It may
+            supply tokens beyond the prefix-cache hit (loaded into the
+            request's new blocks in the same step), sees every
             step's plan, and may keep a finished request's blocks until its
             worker side has sent them.
         num_speculative_tokens: k of speculative decoding (0 = off): a decoding
@@ -76,6 +78,11 @@ class Scheduler(KVConnectorSchedulerMixin, SpecDecodeSchedulerMixin):
             already reach max_tokens or max_model_len is not scheduled again.
             A request that stops (EOS, stop token, stop string, abort) at step
             N may already be in step N+1: that step's output for it is dropped.
+        elastic: the elastic KV cache's policy (`ElasticKVPolicy`), or None
+            for a fixed cache. With one, `kv_cache_target()` says what block
+            count the policy wants, `resize_kv_cache()` adopts what the workers
+            committed, and requests are admitted against what the cache may
+            grow to (`max_num_blocks`), not what it holds now.
 
     Raises:
         ValueError: a value is out of range or the combination can never work.
@@ -94,10 +101,11 @@ class Scheduler(KVConnectorSchedulerMixin, SpecDecodeSchedulerMixin):
         long_prefill_token_threshold: int = 0,
         max_num_partial_prefills: int = 1,
         max_long_partial_prefills: int = 1,
-        connector: KVConnectorBase_V1 | None = None,
+        connector: KVConnectorScheduler | None = None,
         num_speculative_tokens: int = 0,
         num_lookahead_tokens: int = 0,
         async_scheduling: bool = False,
+        elastic: ElasticKVPolicy | None = None,
     ) -> None:
         _check_positive(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
         if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
@@ -118,12 +126,8 @@ class Scheduler(KVConnectorSchedulerMixin, SpecDecodeSchedulerMixin):
         self.enable_chunked_prefill = enable_chunked_prefill
         self.async_scheduling = async_scheduling
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, block_size, enable_prefix_caching, max_model_len
-        )
-        # The elastic cache: the most blocks it may grow to (requests are
-        # checked against it, not against what is committed now). None: fixed.
-        self.max_num_blocks: int | None = None
-
+            num_blocks, block_size, enable_prefix_caching, max_model_len)
+        self.elastic = elastic
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()  # FCFS; preempted requests go to the front
         # Admission order: arrival order, except that with concurrent partial prefills a
@@ -133,10 +137,8 @@ class Scheduler(KVConnectorSchedulerMixin, SpecDecodeSchedulerMixin):
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # finished since the last schedule()
         self.num_preemptions = 0  # cumulative
-        self.connector = connector
-        # Finished requests whose blocks the connector still sends (req id -> request).
-        self.sending: dict[str, Request] = {}
-        self.external_queries = self.external_hits = 0  # tokens, cumulative
+        self.connector = (None if connector is None
+                          else SchedulerKVConnector(connector, self.kv_cache_manager))
         self.prompt_tokens_by_source = {
             "local_compute": 0, "local_cache_hit": 0, "external_kv_transfer": 0}
         self.num_speculative_tokens = num_speculative_tokens
@@ -159,18 +161,9 @@ class Scheduler(KVConnectorSchedulerMixin, SpecDecodeSchedulerMixin):
         """
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in the scheduler")
-        if request.num_prompt_tokens == 0:
-            raise VLLMValidationError(
-                f"request {request.request_id!r} has an empty prompt", parameter="prompt"
-            )
-        if request.num_prompt_tokens > self.max_model_len:
-            raise VLLMValidationError(
-                f"the prompt of request {request.request_id!r} is "
-                f"{request.num_prompt_tokens} tokens long, longer than the maximum model "
-                f"length max_model_len={self.max_model_len}",
-                parameter="prompt",
-            )
-        self._check_fits_cache(request, self.max_num_blocks or self.num_blocks)
+        check_prompt(request, self.max_model_len)
+        check_fits_cache(request, self.max_num_blocks, self.block_size, self.max_model_len,
+                         self.num_lookahead_tokens)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -241,7 +234,8 @@ class Scheduler(KVConnectorSchedulerMixin, SpecDecodeSchedulerMixin):
         stopped: set[Request] = set()
         mro = model_runner_output
         if mro.kv_connector_output is not None:
-            outputs.extend(self._update_from_kv_connector(mro.kv_connector_output))
+            failed = self.connector.update(mro.kv_connector_output)
+            outputs.extend(self._finish_failed_loads(failed))
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
@@ -254,7 +248,8 @@ class Scheduler(KVConnectorSchedulerMixin, SpecDecodeSchedulerMixin):
             # Async scheduling: a request preempted after this step was scheduled
             # still gets the step's token; it waits (PREEMPTED) and may stop here.
             waiting = request.status == RequestStatus.PREEMPTED
-            self._settle_drafts(request, scheduler_output.scheduled_spec_decode_tokens, sampled)
+            settle_drafts(request, scheduler_output.scheduled_spec_decode_tokens, sampled,
+                          self.spec_decoding_stats)
             new_token_ids, finished = self._append_sampled(request, sampled)
             if mro.spec_token_ids is not None and not finished:
                 request.spec_token_ids = mro.spec_token_ids[index]
@@ -286,7 +281,7 @@ class Scheduler(KVConnectorSchedulerMixin, SpecDecodeSchedulerMixin):
             if num_new == 0:
                 req_index += 1
                 continue
-            drafts = self._drafts_to_verify(request, to_compute, plan.token_budget)
+            drafts = drafts_to_verify(request, to_compute, plan.token_budget, self.max_model_len)
             num_new += len(drafts)
             new_blocks = self._allocate_or_preempt(request, num_new, plan)
             if new_blocks is None:
@@ -362,7 +357,8 @@ class Scheduler(KVConnectorSchedulerMixin, SpecDecodeSchedulerMixin):
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             hits, num_hit_tokens = kv.get_computed_blocks(request)
-            num_external = self._external_tokens(request, num_hit_tokens)
+            num_external = (0 if self.connector is None
+                            else self.connector.external_tokens(request, num_hit_tokens))
             to_compute = request.num_tokens - num_hit_tokens - num_external
             num_new = policy.num_new_tokens(to_compute, plan.prefills)
             if num_new > plan.token_budget:
@@ -381,7 +377,7 @@ class Scheduler(KVConnectorSchedulerMixin, SpecDecodeSchedulerMixin):
                 break
             self.waiting.popleft()
             if self.connector is not None:
-                self._note_external(request, num_hit_tokens, num_external)
+                self.connector.note_allocated(request, num_hit_tokens, num_external)
             if request.num_preemptions == 0:
                 self._count_prompt_sources(request, num_hit_tokens, num_external)
             self._admit(request, num_hit_tokens + num_external, plan)
@@ -419,7 +415,7 @@ class Scheduler(KVConnectorSchedulerMixin, SpecDecodeSchedulerMixin):
                 request.num_output_placeholders += 1  # this step samples its next token
         self.finished_req_ids = set()
         if self.connector is not None:
-            output.kv_connector_metadata = self.connector.build_connector_meta(output)
+            output.kv_connector_metadata = self.connector.build_meta(output)
         return output
 
     # ---- update_from_output() helpers ----
@@ -442,15 +438,38 @@ class Scheduler(KVConnectorSchedulerMixin, SpecDecodeSchedulerMixin):
         kv_transfer_params = None
         delay_free = False
         if self.connector is not None:
-            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
-            delay_free, kv_transfer_params = self.connector.request_finished(request, block_ids)
-        if delay_free:
-            self.sending[request.request_id] = request
-        else:
+            delay_free, kv_transfer_params = self.connector.request_finished(request)
+        if not delay_free:
             self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
         return kv_transfer_params
+
+    def _finish_failed_loads(self, failed: dict[str, str]) -> list[EngineCoreOutput]:
+        """Finish the requests whose KV load failed, with the reason as their error.
+
+        Their blocks were never registered in the prefix cache (`allocate_slots`
+        delays that for loaded blocks), so freeing them leaves no wrong KV behind.
+        """
+        outputs = []
+        finished = set()
+        for req_id, reason in failed.items():
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            logger.warning("request %s failed: its KV transfer failed: %s", req_id, reason)
+            request.status = RequestStatus.FINISHED_ABORTED
+            finished.add(request)
+            self.kv_cache_manager.free(request)
+            del self.requests[req_id]
+            self.finished_req_ids.add(req_id)
+            outputs.append(EngineCoreOutput(
+                request_id=req_id, new_token_ids=[], finish_reason=FinishReason.ABORT,
+                error=f"the KV transfer of request {req_id!r} failed: {reason}",
+            ))
+        if finished:
+            self.running = [r for r in self.running if r not in finished]
+        return outputs
 
     def _count_prompt_sources(self, request: Request, num_hit: int, num_external: int) -> None:
         by_source = self.prompt_tokens_by_source
@@ -465,6 +484,18 @@ class Scheduler(KVConnectorSchedulerMixin, SpecDecodeSchedulerMixin):
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
+
+    def has_pending_kv_sends(self) -> bool:
+        """Finished requests whose blocks the KV connector still sends (steps poll them)."""
+        return self.connector is not None and bool(self.connector.sending)
+
+    def prepare_for_sleep(self) -> None:
+        """Before the engine sleeps: abort every request, free the blocks held for remote
+        readers, forget the prefix cache (the KV contents are about to go)."""
+        self.finish_requests(list(self.requests), RequestStatus.FINISHED_ABORTED)
+        if self.connector is not None:
+            self.connector.sleep()
+        self.reset_prefix_cache()
 
     def has_finished_requests(self) -> bool:
         """Finished ids not yet sent to the runner (a step is still needed to drop them)."""
@@ -483,8 +514,8 @@ class Scheduler(KVConnectorSchedulerMixin, SpecDecodeSchedulerMixin):
             prefix_cache_hits=kv.prefix_cache_stats.hits,
             num_preemptions=self.num_preemptions,
             num_blocks=kv.num_blocks,
-            external_prefix_cache_queries=self.external_queries,
-            external_prefix_cache_hits=self.external_hits,
+            external_prefix_cache_queries=self.connector.external_queries if self.connector else 0,
+            external_prefix_cache_hits=self.connector.external_hits if self.connector else 0,
             prompt_tokens_by_source=dict(self.prompt_tokens_by_source),
             spec_decoding_stats=(
                 self.spec_decoding_stats.copy() if self.spec_decoding_stats else None
@@ -497,18 +528,51 @@ class Scheduler(KVConnectorSchedulerMixin, SpecDecodeSchedulerMixin):
         """KV cache blocks including the null block."""
         return self.kv_cache_manager.num_blocks
 
+    @property
+    def max_num_blocks(self) -> int:
+        """Blocks a request is admitted against: what the elastic cache may grow to
+        (its limit), else the blocks there are."""
+        return self.elastic.limit if self.elastic is not None else self.num_blocks
+
+    @property
+    def is_elastic(self) -> bool:
+        return self.elastic is not None
+
     def resize_kv_cache(self, num_blocks: int) -> None:
         """Adopt a new KV block count: the worker committed more, or free tail blocks go.
 
-        The engine builds the scheduler once, with the final count; this is
-        the seam for the elastic cache, which commits and releases blocks
-        while serving. See `BlockPool.resize`: a shrink must only drop free
-        tail blocks (cached ones are evicted); live blocks never move.
+        The one way the pool's size changes after start-up (the elastic cache
+        commits and releases blocks while serving). See `BlockPool.resize`: a
+        shrink must only drop free tail blocks (cached ones are evicted); live
+        blocks never move. The elastic policy records the new count.
 
         Raises:
             ValueError: a shrink over a block in use.
         """
         self.kv_cache_manager.resize(num_blocks)
+        if self.elastic is not None:
+            self.elastic.adopt(num_blocks)
+
+    def kv_cache_target(self, allow_shrink: bool = True) -> int | None:
+        """The block count the elastic policy wants now (None: keep the count);
+        see `ElasticKVPolicy.target`."""
+        return self.elastic.target(self.kv_cache_manager, self.kv_blocks_wanted(), allow_shrink)
+
+    def elastic_floor(self) -> int:
+        """The fewest blocks the elastic cache can shrink to now (its floor, or more
+        while tail blocks are in use)."""
+        return self.elastic.lowest_now(self.kv_cache_manager)
+
+    def set_kv_cache_limit(self, limit: int) -> None:
+        """The elastic cache's runtime ceiling, blocks (growth stops at it; blocks above
+        it go once free)."""
+        self.elastic.set_limit(limit)
+
+    def kv_cache_resizes(self) -> tuple[int, int]:
+        """(growths, shrinks) of the elastic cache so far; (0, 0) for a fixed cache."""
+        if self.elastic is None:
+            return 0, 0
+        return self.elastic.num_grows, self.elastic.num_shrinks
 
     def kv_blocks_wanted(self) -> int:
         """Blocks the requests ask for next (the elastic policy's demand signal).
@@ -524,31 +588,6 @@ class Scheduler(KVConnectorSchedulerMixin, SpecDecodeSchedulerMixin):
     def reset_prefix_cache(self) -> bool:
         """Forget all cached blocks; False while any request holds blocks."""
         return self.kv_cache_manager.reset_prefix_cache()
-
-    def _check_fits_cache(self, request: Request, num_blocks: int) -> None:
-        """Raise unless the request's longest possible sequence fits `num_blocks`.
-
-        KV slots are needed for every token but the last one sampled: a
-        request stopping at L tokens needs max(prompt, L - 1) slots, with L =
-        min(prompt + max_tokens, max_model_len).
-        """
-        max_tokens = request.max_tokens
-        max_len = self.max_model_len
-        if max_tokens is not None:
-            max_len = min(request.num_prompt_tokens + max_tokens, max_len)
-        num_slots = min(max(request.num_prompt_tokens, max_len - 1) + self.num_lookahead_tokens,
-                        self.max_model_len)
-        blocks_needed = cdiv(num_slots, self.block_size)
-        usable = num_blocks - 1
-        if blocks_needed > usable:
-            raise VLLMValidationError(
-                f"request {request.request_id!r} can never fit in the KV cache: its "
-                f"{request.num_prompt_tokens} prompt tokens and up to {max_len} tokens in total "
-                f"need {blocks_needed} blocks of {self.block_size} tokens, but the cache has "
-                f"only {usable} usable blocks (num_blocks={num_blocks}, block 0 is reserved); "
-                "lower max_tokens or max_model_len, or give the KV cache more memory",
-                parameter="max_tokens",
-            )
 
 
 def _check_positive(**values: int) -> None:

@@ -13,7 +13,7 @@
 
 The scheduler side never touches a tensor (this module imports no torch at
 run time, so `v1/core` may hold a connector). The worker side is created only
-after the KV cache has its final, committed size (`Worker.post_kv_cache_hooks`,
+after the KV cache has its final, committed size (`Worker.run_post_kv_cache_hooks`,
 after `extend_kv_cache`), and registers exactly what `register_kv_caches`
 documents below.
 
@@ -61,10 +61,15 @@ class KVConnectorMetadata:
 class KVConnectorBase_V1(ABC):
     """Base class of every KV connector; one instance per role and process.
 
-    Class attribute `needs_one_allocation_per_segment`: the worker
-    defragments the KV cache (`KVCacheBuffers.defragment`) before
-    `register_kv_caches`, because the transport cannot register or transfer a
-    range that spans several physical allocations (UCX and `cuMemCreate`).
+    Class attributes (what the worker prepares before the connector exists):
+        needs_one_allocation_per_segment: the worker defragments the KV cache
+            (`KVCacheBuffers.defragment`) before `register_kv_caches`, because
+            the transport cannot register or transfer a range that spans
+            several physical allocations (UCX and `cuMemCreate`).
+        reads_pages_from_other_processes: another process (a peer instance, a
+            NIC) reads the KV pages, so the extensible cache creates them
+            exportable (POSIX file descriptors, GPUDirect-RDMA capable where
+            the driver allows; `VmmDriver.enable_transfer_flags`).
 
     Args:
         vllm_config: the engine's validated configuration (its
@@ -73,6 +78,7 @@ class KVConnectorBase_V1(ABC):
     """
 
     needs_one_allocation_per_segment = False
+    reads_pages_from_other_processes = False
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole) -> None:
         self.vllm_config = vllm_config
