@@ -1,18 +1,27 @@
-"""The import order of DESIGN.md section 2, enforced: dependencies point downward only.
+"""The layers of docs/design.md ("The layers"), enforced: dependencies point downward only.
 
 Reads every module under vllm/ with `ast` (nothing is imported) and collects
-its imports of vllm modules: module level, inside functions, and under
-`if TYPE_CHECKING:` (a type-only import still couples two layers and, both
-ways round, is a cycle). Then:
+its imports of vllm modules (and of torch): module level, inside functions,
+and under `if TYPE_CHECKING:`. A type-only import counts like any other: it
+still couples two layers and, both ways round, is a cycle. Then:
 
-- every module belongs to exactly one layer of `LAYERS`;
-- a module imports only from its own layer or a layer below;
+- every module belongs to exactly one layer of `LAYERS` (longest prefix wins),
+  and every prefix there names a module that exists;
+- a module imports only from its own layer or a layer below (`upward_imports`);
+- `NEVER_PAIRS`, the couplings that broke the design before, are refused
+  whatever the layers say (`never_pair_imports`): among them core and worker
+  never import each other, with the one way across that `ALLOWED` names: the
+  worker reads the scheduler's output types, vllm/v1/core/sched/output.py;
 - the modules form no import cycle (between modules, any layer);
-- vllm/v1/core imports no torch, not even through what it imports (runtime
-  imports only: a TYPE_CHECKING import of a torch type costs nothing).
+- vllm/v1/core reaches no torch through what it imports (runtime imports
+  only: a TYPE_CHECKING import of a torch type loads nothing; importing torch
+  directly, even for types, is a never-pair).
 
-A failure names the file, the line and both layers, so the fix is clear:
-move the class down (or the import up), or pass the value in from above.
+A failure names the file, the line, both modules and the rule, so the fix is
+clear: move the class down (or the import up), or pass the value in from
+above. The tests at the end plant imports (in a temporary tree, or as extra
+records in the real import graph; nothing under vllm/ is written) to show
+that each check can fail.
 """
 
 from __future__ import annotations
@@ -21,44 +30,87 @@ import ast
 import pathlib
 from dataclasses import dataclass
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "vllm"
 
+CORE = ("vllm.v1.core", "vllm.v1.request")
+WORKER = ("vllm.v1.worker",)
+CONNECTORS = ("vllm.distributed.kv_transfer",)
+MEMORY = ("vllm.utils.extensible_tensor", "vllm.utils.vmm_reservation")
+
 # Top to bottom. A module may import its own layer and any layer *below* it.
 # Prefixes match a module and its submodules ("vllm.v1.core" matches
-# "vllm.v1.core.sched.scheduler"); the longest matching prefix wins.
+# "vllm.v1.core.sched.scheduler"); the longest matching prefix wins, so
+# "vllm.distributed.kv_transfer" is connectors although "vllm.distributed" is
+# allocator, and "vllm.utils.extensible_tensor" is memory although "vllm.utils"
+# is utils.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("package", ("vllm",)),  # vllm/__init__.py: lazy public names, nothing imports it
     ("entrypoints", ("vllm.entrypoints", "vllm.benchmarks")),
     ("engine", ("vllm.engine", "vllm.v1.engine", "vllm.v1.metrics", "vllm.v1.executor")),
-    ("core/worker", (
-        "vllm.v1.core", "vllm.v1.request", "vllm.v1.worker", "vllm.v1.spec_decode",
-        "vllm.distributed.kv_transfer",
-    )),
+    ("worker", WORKER),  # the worker, the model runner, the KV cache object, sizing
+    # A KV connector has a scheduler side (it reads the core's requests and
+    # blocks) and a worker side (the worker holds it): below the worker, above
+    # the core, which names only the protocol it calls (sched/kv_connector.py).
+    ("connectors", CONNECTORS),
+    ("core", CORE),  # torch-free: the scheduler, the KV cache manager, the block pool
+    # Used by both core and worker, so below both: torch-free (numpy at most).
+    ("spec_decode", ("vllm.v1.spec_decode",)),
     ("config", ("vllm.config",)),  # resolved from the platform; read by engine and worker
-    ("model_executor/attention", (
+    ("model", (
         "vllm.model_executor", "vllm.attention", "vllm.v1.attention", "vllm.v1.sample",
         "vllm.forward_context", "vllm.v1.kv_cache_interface",
     )),
-    ("device_allocator/platforms", (
-        "vllm.device_allocator", "vllm.platforms", "vllm.utils", "vllm.distributed",
-    )),
+    ("memory", MEMORY),  # reservations: ExtensibleTensor and what it stands on
+    ("allocator", ("vllm.device_allocator", "vllm.platforms", "vllm.distributed")),
+    ("utils", ("vllm.utils",)),  # generic helpers: dlpack, argparse, byte ranges
     # Shared leaves: torch-free types and helpers every layer may use.
     ("foundation", (
-        "vllm.logger", "vllm.version", "vllm.exceptions", "vllm.inputs", "vllm.outputs",
-        "vllm.logprobs", "vllm.sampling_params", "vllm.transformers_utils", "vllm.v1.outputs",
+        "vllm.envs", "vllm.logger", "vllm.version", "vllm.exceptions", "vllm.inputs",
+        "vllm.outputs", "vllm.logprobs", "vllm.sampling_params", "vllm.transformers_utils",
+        "vllm.v1.outputs",
         "vllm.v1",  # the bare namespace package vllm/v1/__init__.py
     )),
+]
+
+# (importer prefix, imported prefix, why): the only imports the never-pairs let through.
+ALLOWED: list[tuple[str, str, str]] = [
+    (worker, "vllm.v1.core.sched.output",
+     "SchedulerOutput goes down: the one module of the core the worker reads")
+    for worker in WORKER
+]
+
+# (importer prefix, imported prefix, why): refused whatever the layers say.
+NEVER_PAIRS: list[tuple[str, str, str]] = [
+    *((core, worker, "the core never sees the worker: it hands SchedulerOutput down and "
+       "gets ModelRunnerOutput back through the engine")
+      for core in CORE for worker in (*WORKER, *CONNECTORS)),
+    *((worker, core, "the worker never sees the scheduler: it reads only "
+       "vllm.v1.core.sched.output") for worker in WORKER for core in CORE),
+    *((core, "torch", "the scheduler never touches a tensor: v1/core imports no torch, "
+       "not even for a type") for core in CORE),
+    *(("vllm.device_allocator", memory, "the VMM driver knows nothing about tensors, "
+       "segments or reservations: they stand on it") for memory in MEMORY),
+    *((lower, "vllm.v1", "a platform or driver answers device questions; the engine asks, "
+       "never the reverse") for lower in ("vllm.platforms", "vllm.device_allocator")),
+    ("vllm.v1.kv_cache_interface", "vllm.v1.worker", "allocation once climbed back up "
+     "into the worker's helpers: pass the strategy down (reserve=...)"),
 ]
 
 
 @dataclass(frozen=True)
 class Import:
     importer: str  # module name
-    imported: str  # module name
+    imported: str  # module name, or "torch"
     path: pathlib.Path  # relative to the tree's root
     line: int
     type_only: bool  # under `if TYPE_CHECKING:`
+
+    def where(self) -> str:
+        return f"{self.path}:{self.line}: {self.importer} imports {self.imported}" + (
+            " (type-only)" if self.type_only else "")
 
 
 def module_name(path: pathlib.Path, root: pathlib.Path) -> str:
@@ -127,16 +179,23 @@ def _targets(node, importer: str, is_package: bool, modules: set[str], package: 
     return out
 
 
+def _matches(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
 def layer_of(module: str) -> int | None:
+    """The index in LAYERS of the module's layer (longest prefix), None if it has none."""
     best, best_len = None, -1
-    for rank, (_, prefixes) in enumerate(LAYERS):
+    for index, (_, prefixes) in enumerate(LAYERS):
         for prefix in prefixes:
-            matches = module == prefix or module.startswith(prefix + ".")
-            if prefix == "vllm":
-                matches = module == "vllm"  # the package itself only
+            matches = module == "vllm" if prefix == "vllm" else _matches(module, prefix)
             if matches and len(prefix) > best_len:
-                best, best_len = rank, len(prefix)
+                best, best_len = index, len(prefix)
     return best
+
+
+def _allowed(imp: Import) -> bool:
+    return any(_matches(imp.importer, a) and _matches(imp.imported, b) for a, b, _ in ALLOWED)
 
 
 def upward_imports(imports: list[Import]) -> list[str]:
@@ -148,10 +207,22 @@ def upward_imports(imports: list[Import]) -> list[str]:
         low, high = layer_of(imp.importer), layer_of(imp.imported)
         if low is not None and high is not None and high < low:
             problems.append(
-                f"{imp.path}:{imp.line}: {imp.importer} "
-                f"({LAYERS[low][0]}) imports {imp.imported} ({LAYERS[high][0]}), a layer "
-                f"above it{' (type-only)' if imp.type_only else ''}"
+                f"{imp.path}:{imp.line}: {imp.importer} ({LAYERS[low][0]}) imports "
+                f"{imp.imported} ({LAYERS[high][0]}), a layer above it"
+                f"{' (type-only)' if imp.type_only else ''}"
             )
+    return problems
+
+
+def never_pair_imports(imports: list[Import]) -> list[str]:
+    """One message per import that NEVER_PAIRS refuses (and ALLOWED does not name)."""
+    problems = []
+    for imp in imports:
+        if _allowed(imp):
+            continue
+        for importer, imported, why in NEVER_PAIRS:
+            if _matches(imp.importer, importer) and _matches(imp.imported, imported):
+                problems.append(f"{imp.where()}: never-pair {importer} -> {imported}: {why}")
     return problems
 
 
@@ -223,6 +294,7 @@ def torch_reachable_from(imports: list[Import], roots: set[str]) -> dict[str, li
     return found
 
 
+
 # ---------------------------------------------------------------- the checks
 
 MODULES, IMPORTS = collect_imports(ROOT)
@@ -233,9 +305,26 @@ def test_every_module_has_a_layer():
     assert not unplaced, f"add these modules to a layer in tests/test_layers.py: {unplaced}"
 
 
+def test_every_layer_prefix_names_a_module():
+    stale = [(name, prefix) for name, prefixes in LAYERS for prefix in prefixes
+             if not any(_matches(m, prefix) for m in MODULES)]
+    assert not stale, f"prefixes in LAYERS that match no module (remove them): {stale}"
+
+
+def test_exceptions_and_never_pairs_name_real_modules():
+    for importer, imported, _ in ALLOWED + NEVER_PAIRS:
+        for prefix in (importer, imported):
+            assert prefix == "torch" or any(_matches(m, prefix) for m in MODULES), prefix
+
+
 def test_imports_point_downward():
     problems = upward_imports(IMPORTS)
-    assert not problems, "upward imports (DESIGN.md section 2):\n" + "\n".join(problems)
+    assert not problems, "upward imports (docs/design.md, The layers):\n" + "\n".join(problems)
+
+
+def test_no_never_pairs():
+    problems = never_pair_imports(IMPORTS)
+    assert not problems, "never-pairs (tests/test_layers.py NEVER_PAIRS):\n" + "\n".join(problems)
 
 
 def test_no_import_cycles():
@@ -244,7 +333,7 @@ def test_no_import_cycles():
 
 
 def test_core_is_torch_free():
-    core = {m for m in MODULES if m.startswith("vllm.v1.core") or m == "vllm.v1.request"}
+    core = {m for m in MODULES if any(_matches(m, prefix) for prefix in CORE)}
     chains = torch_reachable_from(IMPORTS, core)
     assert not chains, "v1/core reaches torch:\n" + "\n".join(
         " -> ".join(chain) for chain in chains.values()
@@ -262,6 +351,62 @@ def _tree(tmp_path: pathlib.Path, files: dict[str, str]) -> tuple[set[str], list
     return collect_imports(tmp_path)
 
 
+def _every_problem(imports: list[Import]) -> set[str]:
+    return set(upward_imports(imports) + never_pair_imports(imports))
+
+
+def _plant(path: str, imported: str, type_only: bool) -> list[str]:
+    """What the checks newly report once `path` (a real file) imports `imported`."""
+    assert (ROOT / path).is_file() and imported in MODULES, (path, imported)
+    planted = Import(module_name(ROOT / path, ROOT), imported, pathlib.Path(path), 1, type_only)
+    return sorted(_every_problem(IMPORTS + [planted]) - _every_problem(IMPORTS))
+
+
+def test_checker_reports_the_worker_named_in_the_scheduler():
+    """Issue 44: `if TYPE_CHECKING: from vllm.v1.worker.gpu_worker import Worker` in the
+    scheduler passed the old check (core and worker were one layer)."""
+    problems = _plant("vllm/v1/core/sched/scheduler.py", "vllm.v1.worker.gpu_worker", True)
+    where = ("vllm/v1/core/sched/scheduler.py:1: vllm.v1.core.sched.scheduler imports "
+             "vllm.v1.worker.gpu_worker (type-only)")
+    assert problems == [
+        "vllm/v1/core/sched/scheduler.py:1: vllm.v1.core.sched.scheduler (core) imports "
+        "vllm.v1.worker.gpu_worker (worker), a layer above it (type-only)",
+        f"{where}: never-pair vllm.v1.core -> vllm.v1.worker: the core never sees the worker: "
+        "it hands SchedulerOutput down and gets ModelRunnerOutput back through the engine",
+    ]
+
+
+def test_checker_reports_a_reservation_in_the_vmm_driver():
+    """Issue 44: gpu_vmm.py importing vllm.utils.extensible_tensor passed the old check
+    (device_allocator and utils were one layer)."""
+    problems = _plant("vllm/device_allocator/gpu_vmm.py", "vllm.utils.extensible_tensor", False)
+    assert problems == [
+        "vllm/device_allocator/gpu_vmm.py:1: vllm.device_allocator.gpu_vmm (allocator) imports "
+        "vllm.utils.extensible_tensor (memory), a layer above it",
+        "vllm/device_allocator/gpu_vmm.py:1: vllm.device_allocator.gpu_vmm imports "
+        "vllm.utils.extensible_tensor: never-pair vllm.device_allocator -> "
+        "vllm.utils.extensible_tensor: the VMM driver knows nothing about tensors, segments "
+        "or reservations: they stand on it",
+    ]
+
+
+def test_the_allowed_module_crosses_and_nothing_beside_it():
+    assert _plant("vllm/v1/worker/gpu_model_runner.py", "vllm.v1.core.sched.output", False) == []
+    problems = _plant("vllm/v1/worker/gpu_model_runner.py", "vllm.v1.core.sched.utils", True)
+    assert len(problems) == 1
+    assert "never-pair vllm.v1.worker -> vllm.v1.core:" in problems[0]
+
+
+@pytest.mark.parametrize("pair", NEVER_PAIRS, ids=lambda p: f"{p[0]}->{p[1]}")
+def test_checker_reports_each_never_pair(pair):
+    importer, imported, why = pair
+    imp = Import(f"{importer}.planted", f"{imported}.planted", pathlib.Path("x.py"), 3, True)
+    assert never_pair_imports([imp]) == [
+        f"x.py:3: {importer}.planted imports {imported}.planted (type-only): "
+        f"never-pair {importer} -> {imported}: {why}"
+    ]
+
+
 def test_checker_reports_an_upward_import(tmp_path):
     _, imports = _tree(tmp_path, {
         "vllm/__init__.py": "",
@@ -272,7 +417,23 @@ def test_checker_reports_an_upward_import(tmp_path):
         "vllm/v1/core/block_pool.py": "from vllm.v1.engine.core import EngineCore\n",
     })
     (problem,) = upward_imports(imports)
-    assert "vllm.v1.core.block_pool (core/worker) imports vllm.v1.engine.core (engine)" in problem
+    assert "vllm.v1.core.block_pool (core) imports vllm.v1.engine.core (engine)" in problem
+
+
+def test_checker_reports_a_type_only_worker_to_core_import(tmp_path):
+    _, imports = _tree(tmp_path, {
+        "vllm/__init__.py": "",
+        "vllm/v1/worker/gpu_worker.py": (
+            "import typing\nif typing.TYPE_CHECKING:\n    from vllm.v1.request import Request\n"
+        ),
+        "vllm/v1/request.py": "class Request: ...\n",
+    })
+    (problem,) = never_pair_imports(imports)
+    assert problem.startswith(
+        "vllm/v1/worker/gpu_worker.py:3: vllm.v1.worker.gpu_worker imports vllm.v1.request "
+        "(type-only): never-pair vllm.v1.worker -> vllm.v1.request"
+    )
+    assert upward_imports(imports) == []  # the worker is above the core: only the pair says no
 
 
 def test_checker_reports_type_only_cycles_and_torch_reached_indirectly(tmp_path):
