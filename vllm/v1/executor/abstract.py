@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from vllm.logger import init_logger
 from vllm.v1.executor.worker_wrapper import (
+    WorkerCall,
     WorkerDiedError,
     WorkerError,
     check_method,
@@ -120,17 +121,12 @@ class Executor(ABC):
             TimeoutError: `timeout` passed (naming the ranks that did not reply).
         """
         check_method(method)
-        return self._collective_rpc(method, timeout, args, kwargs or {}, unique_reply_rank)
+        return self._collective_rpc(
+            WorkerCall(method, tuple(args), kwargs or {}, timeout, unique_reply_rank)
+        )
 
     @abstractmethod
-    def _collective_rpc(
-        self,
-        method: Callable[..., Any],
-        timeout: float | None,
-        args: tuple,
-        kwargs: dict[str, Any],
-        unique_reply_rank: int | None,
-    ) -> list[Any]:
+    def _collective_rpc(self, call: WorkerCall) -> list[Any]:
         """`collective_rpc` with its arguments checked (each executor's transport)."""
 
     def check_health(self) -> None:

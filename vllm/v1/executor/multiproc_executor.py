@@ -35,7 +35,6 @@ import signal
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -47,9 +46,9 @@ from vllm.v1.executor import process_start
 from vllm.v1.executor.abstract import Executor, first_error
 from vllm.v1.executor.worker_wrapper import (
     RemoteFailure,
+    WorkerCall,
     WorkerDiedError,
     WorkerWrapper,
-    method_name,
 )
 
 logger = init_logger(__name__)
@@ -194,31 +193,21 @@ class MultiprocExecutor(Executor):
             raise first_error(errors)
 
     # ------------------------------------------------------------------ calls
-    def _collective_rpc(
-        self,
-        method: Callable[..., Any],
-        timeout: float | None,
-        args: tuple,
-        kwargs: dict[str, Any],
-        unique_reply_rank: int | None,
-    ) -> list[Any]:
-        name = method_name(method)
+    def _collective_rpc(self, call: WorkerCall) -> list[Any]:
         with self._rpc_lock:
             self.check_health()
             if self._shutting_down:
-                raise RuntimeError(f"the executor is shut down; cannot call {name}")
+                raise RuntimeError(f"the executor is shut down; cannot call {call.name}")
             self._seq += 1
             seq = self._seq
-            message = (seq, method, args, kwargs or {}, unique_reply_rank)
+            message = (seq, call)
             payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
             for handle in self.workers:
                 # A dead rank's pipe is broken; its sentinel fires below, naming it.
                 with contextlib.suppress(BrokenPipeError, OSError):
                     handle.conn.send_bytes(payload)
-            results = self._gather(seq, name, timeout)
-        if unique_reply_rank is not None:
-            return [results[unique_reply_rank]]
-        return [results[rank] for rank in range(self.world_size)]
+            results = self._gather(seq, call.name, call.timeout)
+        return call.replies([results[rank] for rank in range(self.world_size)])
 
     def _gather(self, seq: int, name: str, timeout: float | None) -> dict[int, Any]:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -354,10 +343,10 @@ def _serve(wrapper: WorkerWrapper, rank: int, conn: Connection) -> None:
             return  # the engine closed its end
         if message == _SHUTDOWN:
             return
-        seq, method, args, kwargs, reply_rank = message
+        seq, call = message
         try:
-            result = wrapper.execute_method(method, *args, **kwargs)
-            reply = (seq, True, None if reply_rank not in (None, rank) else result)
+            result = call.run(wrapper)
+            reply = (seq, True, None if call.unique_reply_rank not in (None, rank) else result)
         except Exception as e:
             reply = (seq, False, RemoteFailure.capture(e))
         if not _send(conn, reply):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from vllm.logger import init_logger
@@ -30,7 +29,7 @@ from vllm.v1.executor.ray_utils import (
     initialize_ray_cluster,
     worker_env,
 )
-from vllm.v1.executor.worker_wrapper import WorkerDiedError, method_name
+from vllm.v1.executor.worker_wrapper import WorkerCall, WorkerDiedError
 
 logger = init_logger(__name__)
 
@@ -138,27 +137,17 @@ class RayDistributedExecutor(Executor):
         self._get(calls, "start-up", None)
 
     # ------------------------------------------------------------------ calls
-    def _collective_rpc(
-        self,
-        method: Callable[..., Any],
-        timeout: float | None,
-        args: tuple,
-        kwargs: dict[str, Any],
-        unique_reply_rank: int | None,
-    ) -> list[Any]:
-        name = method_name(method)
+    def _collective_rpc(self, call: WorkerCall) -> list[Any]:
         with self._lock:
             self.check_health()
             if self._shutting_down:
-                raise RuntimeError(f"the executor is shut down; cannot call {name}")
+                raise RuntimeError(f"the executor is shut down; cannot call {call.name}")
             refs = [
-                worker.execute_method.remote(method, *args, **kwargs)
+                worker.execute_method.remote(call.method, *call.args, **call.kwargs)
                 for worker in self.workers
             ]
-            results = self._get(refs, name, timeout)
-        if unique_reply_rank is not None:
-            return [results[unique_reply_rank]]
-        return results
+            results = self._get(refs, call.name, call.timeout)
+        return call.replies(results)
 
     def _get(self, refs: list[Any], name: str, timeout: float | None) -> list[Any]:
         """Results of one call per rank, in rank order; rank-named errors."""

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from vllm.v1.executor.abstract import Executor
-from vllm.v1.executor.worker_wrapper import WorkerWrapper
+from vllm.v1.executor.worker_wrapper import WorkerCall, WorkerWrapper
 
 
 class UniProcExecutor(Executor):
@@ -34,15 +33,8 @@ class UniProcExecutor(Executor):
             },
         )
 
-    def _collective_rpc(
-        self,
-        method: Callable[..., Any],
-        timeout: float | None,
-        args: tuple,
-        kwargs: dict[str, Any],
-        unique_reply_rank: int | None,
-    ) -> list[Any]:
-        return [self.driver.execute_method(method, *args, **kwargs)]
+    def _collective_rpc(self, call: WorkerCall) -> list[Any]:
+        return [call.run(self.driver)]
 
     def shutdown(self) -> None:
         driver = getattr(self, "driver", None)

@@ -16,6 +16,7 @@ only in the process that runs it.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import traceback
@@ -101,6 +102,38 @@ class RemoteFailure:
 def method_name(method: Callable[..., Any]) -> str:
     """The name a call is reported under ("load_model", a function's name)."""
     return getattr(method, "__name__", repr(method))
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerCall:
+    """One `collective_rpc` call as every transport carries it to the ranks.
+
+    Fields:
+        method: the worker's `@rpc` method, or a function called as `fn(worker, ...)`.
+        args, kwargs: its arguments, the same on every rank.
+        timeout: seconds to wait for all ranks; None waits as long as they live.
+        unique_reply_rank: only this rank's result comes back (None: every rank's).
+    """
+
+    method: Callable[..., Any]
+    args: tuple = ()
+    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    timeout: float | None = None
+    unique_reply_rank: int | None = None
+
+    @property
+    def name(self) -> str:
+        return method_name(self.method)
+
+    def run(self, wrapper: WorkerWrapper) -> Any:
+        """This rank's result (`wrapper.execute_method`)."""
+        return wrapper.execute_method(self.method, *self.args, **self.kwargs)
+
+    def replies(self, results: list[Any]) -> list[Any]:
+        """`results` (one per rank, in rank order) as `collective_rpc` returns them."""
+        if self.unique_reply_rank is not None:
+            return [results[self.unique_reply_rank]]
+        return results
 
 
 def check_method(method: Callable[..., Any]) -> None:
