@@ -24,6 +24,7 @@ engine core's `StartupPlan` (startup.py), not a rewrite of this.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from vllm.config.cache import CacheConfig
@@ -88,10 +89,9 @@ class VllmConfig(FrozenConfig):
 
     def _freeze_all(self) -> None:
         """Nothing rewrites the configuration once it is built (frozen.py)."""
-        for part in (self.model_config, self.cache_config, self.scheduler_config,
-                     self.parallel_config, self.compilation_config, self.device_config,
-                     self.kv_transfer_config, self.speculative_config):
-            if part is not None:
+        for f in dataclasses.fields(self):
+            part = getattr(self, f.name)
+            if isinstance(part, FrozenConfig):
                 part.freeze()
         self.freeze()
 

@@ -124,7 +124,6 @@ class AsyncLLM:
         self._lock = threading.Lock()  # guards _closed and the dead state
         self._closed = False
         self.dead_error: EngineDeadError | None = None
-        self._dead_callbacks: list[Callable[[EngineDeadError], None]] = []
         self._sleeping = False
         self._weights_stale = False  # woken after a level-2 sleep, reload not done yet
         self.client.add_dead_callback(self._on_dead)
@@ -173,13 +172,10 @@ class AsyncLLM:
         self.client.check_alive()
 
     def add_dead_callback(self, callback: Callable[[EngineDeadError], None]) -> None:
-        """`callback(error)` runs (on a monitor thread) when the engine dies."""
-        with self._lock:
-            error = self.dead_error
-            if error is None:
-                self._dead_callbacks.append(callback)
-        if error is not None:
-            callback(error)
+        """`callback(error)` runs (on the client's monitor thread) when the engine dies,
+        after every stream has been failed (at once if it is dead already); not once
+        `shutdown` has begun."""
+        self.client.add_dead_callback(lambda error: None if self._closed else callback(error))
 
     def add_stat_logger(self, stat_logger: StatLoggerBase) -> None:
         self._handler.add_stat_logger(stat_logger)
@@ -448,18 +444,12 @@ class AsyncLLM:
 
     # ---------------------------------------------------------- death, shutdown
     def _on_dead(self, error: EngineDeadError) -> None:
-        """The engine core died (monitor thread): fail everything, tell the callbacks."""
+        """The engine core died (the client's first dead callback): fail everything."""
         with self._lock:
             if self.dead_error is not None or self._closed:
                 return
             self.dead_error = error  # /health says so at once
-            callbacks = list(self._dead_callbacks)
         self._handler.fail_everything(error)
-        for callback in callbacks:
-            try:
-                callback(error)
-            except Exception:
-                logger.exception("dead-engine callback raised")
 
     def shutdown(self, timeout: float = 60.0) -> None:
         """Stop the engine (in-flight requests get EngineShutdownError); its process and

@@ -267,9 +267,11 @@ class EngineCore:
 
     def _grow_kv_cache(self, num_blocks: int) -> bool:
         run = self.model_executor.collective_rpc
-        reached = min(run(Worker.grow_kv_cache, args=(num_blocks,)))
-        # A rank that reached more gives the excess back: every rank holds the same count.
-        reached = min(run(Worker.shrink_kv_cache, args=(reached,)))
+        per_rank = run(Worker.grow_kv_cache, args=(num_blocks,))
+        reached = min(per_rank)
+        if max(per_rank) > reached:
+            # A rank that reached more gives the excess back: every rank holds the same count.
+            reached = min(run(Worker.shrink_kv_cache, args=(reached,)))
         if reached <= self.scheduler.num_blocks:
             return False
         self.scheduler.resize_kv_cache(reached)

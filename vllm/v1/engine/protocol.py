@@ -54,8 +54,6 @@ class EngineCoreOutputs:
         error: why they failed ("the engine step failed: ...").
         scheduler_stats: the scheduler's figures after the step (for /metrics).
         kv_memory: the KV cache's committed / reserved bytes after the step.
-        kv_sends_pending: a KV connector still holds finished requests' blocks
-            (a prefill instance waits for its decode instance to read them).
     """
 
     outputs: list[EngineCoreOutput] = field(default_factory=list)
@@ -63,7 +61,6 @@ class EngineCoreOutputs:
     error: str | None = None
     scheduler_stats: SchedulerStats | None = None
     kv_memory: KVCacheMemory | None = None
-    kv_sends_pending: bool = False
 
 
 class EngineCoreUtilities(Protocol):

@@ -302,12 +302,10 @@ class GPUModelRunner:
         `total` rows), None otherwise."""
         num_reqs = len(num_sched)
         total = metadata.num_actual_tokens
-        size = verify = None
-        if self.use_cuda_graph:
-            if total == num_reqs:
-                size = self.cuda_graphs.padded_size(num_reqs)  # padded by _prepare_inputs
-            elif self.verify_rows is not None:
-                verify = self.verify_rows.prepare(num_sched, total)  # laid out and padded
+        size = self._decode_graph_size(num_reqs, total)  # padded by _prepare_inputs
+        verify = None
+        if self.use_cuda_graph and total != num_reqs and self.verify_rows is not None:
+            verify = self.verify_rows.prepare(num_sched, total)  # laid out and padded
         if self.async_state is not None:
             self.async_state.record_inputs_copied()
         if size is not None:
