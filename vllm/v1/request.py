@@ -17,6 +17,10 @@ class RequestStatus(enum.IntEnum):
     """Where a request is. Members after PREEMPTED are the finished states."""
 
     WAITING = enum.auto()
+    # Its blocks are allocated and a KV connector loads its prompt's KV in the
+    # background (vLLM's state of the same name); it keeps its place in the waiting
+    # queue and is scheduled once the load is reported done.
+    WAITING_FOR_REMOTE_KVS = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Finished states, ordered after every unfinished one (see is_finished).

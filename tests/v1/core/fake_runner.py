@@ -264,7 +264,12 @@ def check_invariants(scheduler: Scheduler) -> None:
     assert 0 not in free and pool.null_block.ref_cnt == 0
     for block_hash, block in pool.cached_block_hash_to_block.items():
         assert block.block_hash == block_hash
-    assert set(kv.req_to_blocks) == {r.request_id for r in scheduler.running}
+    holders_ids = {r.request_id for r in scheduler.running}
+    if scheduler.connector is not None:  # loads in flight and blocks held for readers
+        c = scheduler.connector
+        holders_ids |= set(c.loading) | set(c.aborted_loads) | set(c.sending)
+        holders_ids |= {r.request_id for r in scheduler.waiting if r.num_computed_tokens}
+    assert set(kv.req_to_blocks) == holders_ids
     if not scheduler.prefill_policy.concurrent:  # else short prompts may jump ahead
         order = [r.arrival_time for r in scheduler.running]
         assert order == sorted(order), "running must stay in arrival order"

@@ -144,6 +144,14 @@ class PrometheusStatLogger:
             "vllm:num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_cache_usage = make.gauge(
             "vllm:kv_cache_usage_perc", "KV cache usage: fraction of usable blocks held, 0-1.")
+        self.num_requests_waiting_for_remote_kvs = make.gauge(
+            "vllm:num_requests_waiting_for_remote_kvs",
+            "Waiting requests whose KV a connector loads in the background (included in "
+            "vllm:num_requests_waiting).")
+        self.kv_transfer_held_blocks = make.gauge(
+            "vllm:kv_transfer_held_blocks",
+            "KV blocks of finished requests held for a KV transfer (a prefill instance's "
+            "blocks until a decode instance read them).")
         self.kv_cache_committed_bytes = make.gauge(
             "vllm:kv_cache_committed_bytes",
             "KV cache bytes backed by physical memory (committed pages).")
@@ -253,6 +261,8 @@ class PrometheusStatLogger:
         self.num_requests_running.set(s.num_running_reqs)
         self.num_requests_waiting.set(s.num_waiting_reqs)
         self.kv_cache_usage.set(s.kv_cache_usage)
+        self.num_requests_waiting_for_remote_kvs.set(s.num_waiting_for_remote_kvs)
+        self.kv_transfer_held_blocks.set(s.num_kv_transfer_held_blocks)
         self._last_preemptions = _advance(self.num_preemptions, s.num_preemptions,
                                           self._last_preemptions)
         self._last_prefix_queries = _advance(self.prefix_cache_queries, s.prefix_cache_queries,

@@ -172,9 +172,14 @@ class EngineCore:
         """Requests queued or running, or a launched step whose outputs are still due."""
         return self.scheduler.has_unfinished_requests() or bool(self._batch_queue)
 
-    def has_pending_kv_sends(self) -> bool:
-        """Finished requests whose blocks a KV connector still sends (steps poll for them)."""
-        return self.scheduler.has_pending_kv_sends()
+    def has_pending_kv_transfers(self) -> bool:
+        """Finished requests whose blocks a KV transfer still uses (steps poll for them)."""
+        return self.scheduler.has_pending_kv_transfers()
+
+    def waits_on_background_work(self) -> bool:
+        """The last step scheduled no token although requests are unfinished: they wait
+        for background work (a KV load) or for blocks; the loop may pause briefly."""
+        return not self._scheduled_req_ids
 
     def scheduled_request_ids(self) -> list[str]:
         """Ids of the requests the last `step()` scheduled (also when it raised)."""
@@ -186,7 +191,8 @@ class EngineCore:
             return self._step_async()
         self._scheduled_req_ids = []
         self.adjust_kv_cache()
-        if not (self.scheduler.has_unfinished_requests() or self.scheduler.has_pending_kv_sends()):
+        if not (self.scheduler.has_unfinished_requests()
+                or self.scheduler.has_pending_kv_transfers()):
             return []
         scheduler_output = self.scheduler.schedule()
         self._scheduled_req_ids = list(scheduler_output.num_scheduled_tokens)
@@ -212,13 +218,15 @@ class EngineCore:
         self.adjust_kv_cache()
         try:
             launched = False
-            if self.scheduler.has_unfinished_requests():
+            if (self.scheduler.has_unfinished_requests()
+                    or self.scheduler.has_pending_kv_transfers()):
                 scheduler_output = self.scheduler.schedule()
                 self._scheduled_req_ids = list(scheduler_output.num_scheduled_tokens)
                 runner_output = self._execute(scheduler_output)
-                if not scheduler_output.is_empty:
-                    queue.append((scheduler_output, runner_output))
-                    launched = True
+                # An empty step is queued too: its transfer report (loads done or
+                # failed, sends taken) is applied after the steps before it.
+                queue.append((scheduler_output, runner_output))
+                launched = True
             if not queue or (launched and len(queue) == 1):
                 return []  # nothing was in flight: launch the next step before waiting
             scheduler_output, runner_output = queue[0]
@@ -302,7 +310,7 @@ class EngineCore:
         bounds = self.model_executor.collective_rpc(
             Worker.set_kv_cache_limit, args=(limit_bytes,))
         limit = min(b.limit for b in bounds)
-        self.scheduler.set_kv_cache_limit(limit)
+        self.scheduler.elastic.set_limit(limit)
         self.adjust_kv_cache()
         self._kv_memory = None
         return limit
@@ -368,7 +376,8 @@ class EngineCore:
         """
         if self._kv_memory is None:
             per_rank = self.model_executor.collective_rpc(Worker.kv_cache_memory)
-            num_grows, num_shrinks = self.scheduler.kv_cache_resizes()
+            elastic = self.scheduler.elastic
+            num_grows, num_shrinks = (elastic.num_grows, elastic.num_shrinks) if elastic else (0, 0)
             self._kv_memory = KVCacheMemory(
                 committed_bytes=sum(m.committed_bytes for m in per_rank),
                 reserved_bytes=sum(m.reserved_bytes for m in per_rank),

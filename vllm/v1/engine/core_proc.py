@@ -53,9 +53,15 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 # Idle: how long the main loop waits for input before looking again (seconds).
-# Pending KV sends (a prefill instance's blocks waiting to be read) and the
-# elastic cache's idle release are looked at once per wait.
+# The elastic cache's idle release is looked at once per wait.
 _IDLE_POLL_S = 1.0
+# Requests wait only for background work (a KV load) or blocks (the last step
+# scheduled nothing): the loop waits this long for input between steps instead
+# of spinning (seconds). A load finished in the background is picked up within it.
+_BACKGROUND_POLL_S = 0.001
+# Only finished requests' blocks wait for a transfer (a prefill instance's blocks
+# for their reader): they are freed within this long of the reader's notification.
+_TRANSFER_POLL_S = 0.01
 # How often the process checks that the frontend still exists (seconds).
 _PARENT_POLL_S = 1.0
 # An input message that is not a request: the executor reported a dead worker.
@@ -142,21 +148,28 @@ class EngineCoreProc:
         core = self.core
         while True:
             busy = core.has_unfinished_requests()
-            if not self._drain_inputs(block=not busy):
+            if busy and not core.waits_on_background_work():
+                timeout = 0.0
+            elif busy:
+                timeout = _BACKGROUND_POLL_S
+            elif core.has_pending_kv_transfers():
+                timeout = _TRANSFER_POLL_S
+            else:
+                timeout = _IDLE_POLL_S
+            if not self._drain_inputs(timeout):
                 return self.dead_reason
             if not busy and core.adjust_kv_cache():  # the elastic cache shrinks while idle
                 self._send_outputs()
-            # Pending KV sends are stepped once per idle wait: their blocks are
-            # freed within ~_IDLE_POLL_S of the reader's completion.
-            if core.has_unfinished_requests() or core.has_pending_kv_sends():
+            if core.has_unfinished_requests() or core.has_pending_kv_transfers():
                 self._step()
                 if self.dead_reason is not None:
                     return self.dead_reason
 
-    def _drain_inputs(self, block: bool) -> bool:
-        """Apply every queued input; False when the loop must end."""
+    def _drain_inputs(self, timeout: float) -> bool:
+        """Apply every queued input, waiting up to `timeout` s for the first; False when
+        the loop must end."""
         try:
-            message = self._inputs.get(timeout=_IDLE_POLL_S) if block else self._inputs.get_nowait()
+            message = self._inputs.get(timeout=timeout) if timeout else self._inputs.get_nowait()
         except queue.Empty:
             return True
         while True:

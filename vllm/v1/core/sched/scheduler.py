@@ -60,10 +60,11 @@ class Scheduler:
             `partial_prefills.py` (defaults: vLLM V1's one partial prefill).
         connector: the scheduler side of a KV connector (`KVConnectorScheduler`:
             a `KVConnectorBase_V1` in the scheduler role), or None. It may
-            supply tokens beyond the prefix-cache hit (loaded into the
-            request's new blocks in the same step), sees every
-            step's plan, and may keep a finished request's blocks until its
-            worker side has sent them.
+            supply tokens beyond the prefix-cache hit, loaded into the
+            request's new blocks in the same step, or in the background while
+            the request waits in WAITING_FOR_REMOTE_KVS (other requests keep
+            stepping); it sees every step's plan, and may keep a finished
+            request's blocks until its worker side has sent them.
         num_speculative_tokens: k of speculative decoding (0 = off): a decoding
             request with drafts (`Request.spec_token_ids`, proposed by the
             runner) is scheduled for 1 + up to k tokens; the rejected drafts'
@@ -187,12 +188,15 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
                 continue
+            loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
             if request.status == RequestStatus.RUNNING:
                 removed_running.add(request)
             else:
                 self.waiting.remove(request)
             request.status = finished_status
-            self._free_request(request)
+            if loading:  # the load may still write into its blocks: they wait for its end
+                self.connector.abort_load(request)
+            self._free_request(request, free_blocks=not loading)
         if removed_running:
             self.running = [r for r in self.running if r not in removed_running]
 
@@ -234,8 +238,10 @@ class Scheduler:
         stopped: set[Request] = set()
         mro = model_runner_output
         if mro.kv_connector_output is not None:
-            failed = self.connector.update(mro.kv_connector_output)
-            outputs.extend(self._finish_failed_loads(failed))
+            update = self.connector.update(mro.kv_connector_output, self.requests)
+            for request in update.loaded:  # scheduled from its loaded prefix on
+                request.status = RequestStatus.WAITING
+            outputs.extend(self._finish_failed_loads(update.failed))
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
@@ -350,16 +356,27 @@ class Scheduler:
 
         With concurrent partial prefills, a request that would exceed
         max_long_partial_prefills or max_num_partial_prefills is skipped for
-        this step (it keeps its place) and the scan goes on.
+        this step (it keeps its place) and the scan goes on; so is a request
+        waiting for its KV (WAITING_FOR_REMOTE_KVS), and one whose KV the
+        connector starts loading in the background now.
         """
         kv, policy = self.kv_cache_manager, self.prefill_policy
         skipped: list[Request] = []
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            hits, num_hit_tokens = kv.get_computed_blocks(request)
-            num_external = (0 if self.connector is None
-                            else self.connector.external_tokens(request, num_hit_tokens))
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                skipped.append(self.waiting.popleft())
+                continue
+            hits, num_hit_tokens, num_external, load_async = self._lookup(request)
             to_compute = request.num_tokens - num_hit_tokens - num_external
+            if load_async:  # blocks for everything now; scheduled once the load is done
+                num_new_computed = num_hit_tokens - request.num_computed_tokens
+                if kv.allocate_slots(request, to_compute, num_new_computed, hits, num_external,
+                                     num_lookahead_tokens=self.num_lookahead_tokens) is None:
+                    break
+                self._start_load(request, num_hit_tokens, num_external)
+                skipped.append(self.waiting.popleft())
+                continue
             num_new = policy.num_new_tokens(to_compute, plan.prefills)
             if num_new > plan.token_budget:
                 if not self.enable_chunked_prefill:
@@ -370,20 +387,39 @@ class Scheduler:
                 skipped.append(self.waiting.popleft())
                 continue
             new_blocks = kv.allocate_slots(
-                request, num_new, num_hit_tokens, hits, num_external,
-                num_lookahead_tokens=self.num_lookahead_tokens,
+                request, num_new, num_hit_tokens - request.num_computed_tokens, hits,
+                num_external, num_lookahead_tokens=self.num_lookahead_tokens,
             )
             if new_blocks is None:
                 break
             self.waiting.popleft()
-            if self.connector is not None:
+            if self.connector is not None and not request.num_computed_tokens:
                 self.connector.note_allocated(request, num_hit_tokens, num_external)
-            if request.num_preemptions == 0:
+            if request.num_preemptions == 0 and not request.num_computed_tokens:
                 self._count_prompt_sources(request, num_hit_tokens, num_external)
             self._admit(request, num_hit_tokens + num_external, plan)
             plan.add(request, num_new)
             policy.note(plan.prefills, to_compute, num_new, long)
         self.waiting.extendleft(reversed(skipped))
+
+    def _lookup(self, request: Request) -> tuple[list[KVCacheBlock], int, int, bool]:
+        """(prefix-cache hits, their tokens, the connector's tokens after them, whether it
+        loads those in the background) for a waiting request. A request whose
+        background load finished holds its blocks: its loaded prefix is its hit."""
+        if request.num_computed_tokens:
+            return [], request.num_computed_tokens, 0, False
+        hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+        if self.connector is None:
+            return hits, num_hit_tokens, 0, False
+        return hits, num_hit_tokens, *self.connector.external_tokens(request, num_hit_tokens)
+
+    def _start_load(self, request: Request, num_hit_tokens: int, num_external: int) -> None:
+        """The request got its blocks; it waits while the connector loads its KV."""
+        self.connector.note_allocated(request, num_hit_tokens, num_external)
+        if request.num_preemptions == 0:
+            self._count_prompt_sources(request, num_hit_tokens, num_external)
+        self.connector.start_load(request, num_hit_tokens + num_external)
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
 
     def _admit(self, request: Request, num_hit_tokens: int, plan: StepPlan) -> None:
         """Move a request that got its blocks from waiting to running."""
@@ -430,8 +466,9 @@ class Scheduler:
                 return new_token_ids, True
         return new_token_ids, False
 
-    def _free_request(self, request: Request) -> dict[str, Any] | None:
-        """Free a finished request's blocks (or hand them to the connector to send first).
+    def _free_request(self, request: Request, free_blocks: bool = True) -> dict[str, Any] | None:
+        """Free a finished request's blocks (or hand them to the connector to send first;
+        `free_blocks=False`: the connector holds them already).
 
         Returns the connector's kv_transfer_params for the response, if any.
         """
@@ -439,7 +476,7 @@ class Scheduler:
         delay_free = False
         if self.connector is not None:
             delay_free, kv_transfer_params = self.connector.request_finished(request)
-        if not delay_free:
+        if free_blocks and not delay_free:
             self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
@@ -452,30 +489,24 @@ class Scheduler:
         delays that for loaded blocks), so freeing them leaves no wrong KV behind.
         """
         outputs = []
-        finished = set()
         for req_id, reason in failed.items():
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
                 continue
             logger.warning("request %s failed: its KV transfer failed: %s", req_id, reason)
-            request.status = RequestStatus.FINISHED_ABORTED
-            finished.add(request)
-            self.kv_cache_manager.free(request)
-            del self.requests[req_id]
-            self.finished_req_ids.add(req_id)
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                request.status = RequestStatus.WAITING  # its load is over: the blocks may go
+            self.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
             outputs.append(EngineCoreOutput(
                 request_id=req_id, new_token_ids=[], finish_reason=FinishReason.ABORT,
                 error=f"the KV transfer of request {req_id!r} failed: {reason}",
             ))
-        if finished:
-            self.running = [r for r in self.running if r not in finished]
         return outputs
 
     def _count_prompt_sources(self, request: Request, num_hit: int, num_external: int) -> None:
-        by_source = self.prompt_tokens_by_source
-        by_source["local_cache_hit"] += num_hit
-        by_source["external_kv_transfer"] += num_external
-        by_source["local_compute"] += request.num_prompt_tokens - num_hit - num_external
+        for source, n in (("local_cache_hit", num_hit), ("external_kv_transfer", num_external),
+                          ("local_compute", request.num_prompt_tokens - num_hit - num_external)):
+            self.prompt_tokens_by_source[source] += n
 
     # ---- queries and cache size ----
 
@@ -485,9 +516,9 @@ class Scheduler:
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def has_pending_kv_sends(self) -> bool:
-        """Finished requests whose blocks the KV connector still sends (steps poll them)."""
-        return self.connector is not None and bool(self.connector.sending)
+    def has_pending_kv_transfers(self) -> bool:
+        """Blocks of finished requests a KV transfer still uses (steps poll for them)."""
+        return self.connector is not None and self.connector.has_pending_transfers()
 
     def prepare_for_sleep(self) -> None:
         """Before the engine sleeps: abort every request, free the blocks held for remote
@@ -505,23 +536,7 @@ class Scheduler:
         return self.has_unfinished_requests() or self.has_finished_requests()
 
     def get_stats(self) -> SchedulerStats:
-        kv = self.kv_cache_manager
-        return SchedulerStats(
-            num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
-            kv_cache_usage=kv.usage,
-            prefix_cache_queries=kv.prefix_cache_stats.queries,
-            prefix_cache_hits=kv.prefix_cache_stats.hits,
-            num_preemptions=self.num_preemptions,
-            num_blocks=kv.num_blocks,
-            external_prefix_cache_queries=self.connector.external_queries if self.connector else 0,
-            external_prefix_cache_hits=self.connector.external_hits if self.connector else 0,
-            prompt_tokens_by_source=dict(self.prompt_tokens_by_source),
-            spec_decoding_stats=(
-                self.spec_decoding_stats.copy() if self.spec_decoding_stats else None
-            ),
-            num_prefill_tokens=self.num_prefill_tokens,
-        )
+        return SchedulerStats.of(self)
 
     @property
     def num_blocks(self) -> int:
@@ -562,17 +577,6 @@ class Scheduler:
         """The fewest blocks the elastic cache can shrink to now (its floor, or more
         while tail blocks are in use)."""
         return self.elastic.lowest_now(self.kv_cache_manager)
-
-    def set_kv_cache_limit(self, limit: int) -> None:
-        """The elastic cache's runtime ceiling, blocks (growth stops at it; blocks above
-        it go once free)."""
-        self.elastic.set_limit(limit)
-
-    def kv_cache_resizes(self) -> tuple[int, int]:
-        """(growths, shrinks) of the elastic cache so far; (0, 0) for a fixed cache."""
-        if self.elastic is None:
-            return 0, 0
-        return self.elastic.num_grows, self.elastic.num_shrinks
 
     def kv_blocks_wanted(self) -> int:
         """Blocks the requests ask for next (the elastic policy's demand signal).
