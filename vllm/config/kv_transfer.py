@@ -14,7 +14,8 @@ KNOWN_KV_CONNECTORS: tuple[str, ...] = ("OffloadingConnector", "NixlConnector")
 # kv_connector_extra_config keys each connector reads; others are rejected.
 EXTRA_CONFIG_KEYS: dict[str, tuple[str, ...]] = {
     "OffloadingConnector": ("cpu_bytes_to_use", "num_cpu_blocks"),
-    "NixlConnector": ("side_channel_host", "side_channel_port", "backends", "abort_timeout_s"),
+    "NixlConnector": ("side_channel_host", "side_channel_port", "backends", "abort_timeout_s",
+                      "transfer_timeout_s", "liveness_timeout_s"),
 }
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
@@ -71,6 +72,14 @@ class KVTransferConfig(FrozenConfig):
                                       or value < 1):
                 raise ValueError(
                     f"kv_connector_extra_config.{key} must be a positive integer, got {value!r}"
+                )
+        for key in ("abort_timeout_s", "transfer_timeout_s", "liveness_timeout_s"):
+            value = extra.get(key)
+            if value is not None and (isinstance(value, bool)
+                                      or not isinstance(value, (int, float)) or value <= 0):
+                raise ValueError(
+                    f"kv_connector_extra_config.{key} must be a number of seconds > 0, "
+                    f"got {value!r}"
                 )
         if self.kv_connector == "OffloadingConnector":
             if self.kv_role != "kv_both":

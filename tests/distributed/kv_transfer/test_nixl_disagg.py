@@ -1,15 +1,19 @@
-"""1P1D over real NIXL (UCX, DRAM on the CPU): two `vllm serve` instances and the proxy.
+"""1P1D and 1P2D over real NIXL (UCX, DRAM on the CPU): `vllm serve` instances and the proxy.
 
-The prefill instance (kv_producer) computes each prompt's KV; the decode
-instance (kv_consumer) reads the blocks over NIXL and generates. Greedy
-outputs must equal one engine's, the decode instance must compute only the
-last prompt token of each transferred prompt, and a dead prefill instance must
-give the client a clear error while the decode instance frees what it held.
+The prefill instance (kv_producer) computes each prompt's KV; a decode
+instance (kv_consumer) reads the blocks over NIXL in the background and
+generates. Greedy outputs must equal one engine's, a decode instance must
+compute only the last prompt token of each transferred prompt, a load held
+back (the prefill instance stopped with SIGSTOP: its UCX cannot answer) must
+not hold back the decode instance's other requests, and a prefill instance
+killed mid-load must fail that request alone, with its blocks freed.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -40,6 +44,8 @@ MAX_TOKENS = 6
 
 def _kv_args(role: str) -> list[str]:
     config = {"kv_connector": "NixlConnector", "kv_role": role}
+    if role == "kv_consumer":  # a held-back load (SIGSTOP below) must outlive the default 2 s
+        config["kv_connector_extra_config"] = {"liveness_timeout_s": 10}
     return [*DEFAULT_SERVER_ARGS, "--kv-transfer-config", json.dumps(config),
             "--enable-sleep-mode"]
 
@@ -51,18 +57,20 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def disagg():
-    """(prefill server, decode server, proxy URL); the two servers start in parallel."""
+def disagg_servers():
+    """{"kv_producer", "kv_consumer", "kv_consumer2"} -> server, started in parallel, and
+    the proxy's URL over the prefill and both decode instances (1P2D)."""
     servers: dict[str, RemoteServer] = {}
     errors: list[BaseException] = []
 
-    def start(role: str) -> None:
+    def start(name: str) -> None:
         try:
-            servers[role] = RemoteServer(_kv_args(role))
-        except BaseException as e:  # re-raised below, after both threads end
+            servers[name] = RemoteServer(_kv_args(name.rstrip("2")))
+        except BaseException as e:  # re-raised below, after every thread ends
             errors.append(e)
 
-    threads = [threading.Thread(target=start, args=(r,)) for r in ("kv_producer", "kv_consumer")]
+    names = ("kv_producer", "kv_consumer", "kv_consumer2")
+    threads = [threading.Thread(target=start, args=(n,)) for n in names]
     for t in threads:
         t.start()
     for t in threads:
@@ -74,17 +82,30 @@ def disagg():
         port = _free_port()
         proxy = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.disagg_proxy", "--port", str(port),
-             "--prefill", servers["kv_producer"].url, "--decode", servers["kv_consumer"].url],
+             "--prefill", servers["kv_producer"].url,
+             "--decode", servers["kv_consumer"].url, servers["kv_consumer2"].url],
             cwd=REPO_ROOT, env={"PYTHONPATH": str(REPO_ROOT), **_env()})
         url = f"http://127.0.0.1:{port}"
         _wait_healthy(url, proxy)
-        yield servers["kv_producer"], servers["kv_consumer"], url
+        yield servers, url
     finally:
         if proxy is not None:
             proxy.kill()
             proxy.wait(30)
         for server in servers.values():
             server.close()
+
+
+@pytest.fixture(scope="module")
+def disagg(disagg_servers):
+    """(prefill server, a decode server, proxy URL over both decode servers)."""
+    servers, url = disagg_servers
+    return servers["kv_producer"], servers["kv_consumer"], url
+
+
+def _decodes(disagg_servers) -> list[RemoteServer]:
+    servers, _ = disagg_servers
+    return [servers["kv_consumer"], servers["kv_consumer2"]]
 
 
 def _env() -> dict[str, str]:
@@ -124,21 +145,25 @@ def _complete(url: str, prompt: str, **extra) -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
 
 
-def test_1p1d_outputs_equal_one_instance(disagg, reference):
+def test_1p2d_outputs_equal_one_instance(disagg, disagg_servers, reference):
     prefill, decode, proxy = disagg
-    before = _by_source(decode)
+    decodes = _decodes(disagg_servers)
+    before = [_by_source(d) for d in decodes]
     texts = []
     for prompt in PROMPTS:
         r = _complete(proxy, prompt)
         assert r.status_code == 200, r.text
         texts.append(r.json()["choices"][0]["text"])
     assert texts == reference
-    after = _by_source(decode)
+    after = [_by_source(d) for d in decodes]
+    moved = {k: sum(a[k] - b[k] for a, b in zip(after, before, strict=True)) for k in after[0]}
     # Each prompt's KV but that of its last token came over NIXL: one token computed each.
-    assert after["local_compute"] - before["local_compute"] == len(PROMPTS)
+    assert moved["local_compute"] == len(PROMPTS)
     num_prompt_tokens = sum(len(decode_tokens(decode, p)) for p in PROMPTS)
-    assert (after["external_kv_transfer"] - before["external_kv_transfer"]
-            == num_prompt_tokens - len(PROMPTS))
+    assert moved["external_kv_transfer"] == num_prompt_tokens - len(PROMPTS)
+    # The proxy spread the requests over both decode instances.
+    assert all(a["external_kv_transfer"] > b["external_kv_transfer"]
+               for a, b in zip(after, before, strict=True))
     # The prefill instance freed every block once the decode instance had read it.
     _wait_for(lambda: scrape_metrics(prefill)["vllm:kv_cache_usage_perc"] == 0.0)
 
@@ -232,28 +257,87 @@ def test_blocks_held_across_a_sleep_are_freed_and_their_read_fails_clearly(disag
     _wait_for(lambda: scrape_metrics(decode)["vllm:kv_cache_usage_perc"] == 0.0)
 
 
-def test_dead_prefill_instance(disagg):
-    """Last in the module: it kills the shared prefill instance."""
-    prefill, decode, proxy = disagg
-    r = _complete(prefill.url, PROMPTS[0] + " and more", max_tokens=1,
-                  kv_transfer_params={"do_remote_decode": True})
+def _signal_instance(server: RemoteServer, sig: int) -> list[psutil.Process]:
+    """Send `sig` to the server and every process under it (engine core, worker)."""
+    procs = [psutil.Process(server.proc.pid), *psutil.Process(server.proc.pid).children(True)]
+    for proc in procs:
+        os.kill(proc.pid, sig)
+    return procs
+
+
+def _prefill_params(prefill: RemoteServer, prompt: str) -> dict:
+    r = _complete(prefill.url, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
     params = r.json()["kv_transfer_params"]
     assert params["do_remote_prefill"] is True and params["remote_block_ids"]
-    # The whole instance dies (server, engine core, worker), as in a crash; the blocks
-    # the decode instance would read are gone with it.
-    children = psutil.Process(prefill.proc.pid).children(recursive=True)
-    prefill.kill()
-    for child in children:
-        child.kill()
-    psutil.wait_procs(children, timeout=30)
+    return params
 
-    r = _complete(decode.url, PROMPTS[0] + " and more", kv_transfer_params=params)
+
+def _in_thread(fn, *args, **kwargs) -> tuple[threading.Thread, list]:
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(fn(*args, **kwargs)))
+    thread.start()
+    return thread, result
+
+
+def _stream_tokens(url: str, prompt: str, max_tokens: int, on_token) -> None:
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                on_token(json.loads(line[6:]))
+
+
+def test_a_held_back_load_does_not_hold_back_other_requests(disagg, reference):
+    """The prefill instance is stopped (SIGSTOP): the decode instance's READ cannot finish.
+    Meanwhile another request on the decode instance streams tokens; once the prefill
+    instance runs again the held request completes with the right text."""
+    prefill, decode, _ = disagg
+    params = _prefill_params(prefill, PROMPTS[3])
+    _signal_instance(prefill, signal.SIGSTOP)
+    try:
+        held, held_result = _in_thread(_complete, decode.url, PROMPTS[3],
+                                       kv_transfer_params=params)
+        _wait_for(lambda: scrape_metrics(decode)[
+            "vllm:num_requests_waiting_for_remote_kvs"] == 1.0)
+        tokens_while_held: list[int] = []
+
+        def on_token(chunk: dict) -> None:
+            if held.is_alive():
+                tokens_while_held.append(1)
+
+        _stream_tokens(decode.url, "Count: one two", 12, on_token)
+        assert held.is_alive() and len(tokens_while_held) == 12
+    finally:
+        _signal_instance(prefill, signal.SIGCONT)
+    held.join(60)
+    assert held_result[0].status_code == 200, held_result[0].text
+    assert held_result[0].json()["choices"][0]["text"] == reference[3]
+
+
+def test_dead_prefill_instance(disagg):
+    """Last in the module: it kills the shared prefill instance, mid-load."""
+    prefill, decode, proxy = disagg
+    prompt = PROMPTS[0] + " and more"
+    params = _prefill_params(prefill, prompt)
+    # The load starts while the prefill instance is stopped, then the whole instance
+    # dies (server, engine core, worker), as in a crash.
+    procs = _signal_instance(prefill, signal.SIGSTOP)
+    thread, result = _in_thread(_complete, decode.url, prompt, kv_transfer_params=params)
+    _wait_for(lambda: scrape_metrics(decode)["vllm:num_requests_waiting_for_remote_kvs"] == 1.0)
+    for proc in procs:
+        proc.kill()
+    psutil.wait_procs(procs, timeout=30)
+    thread.join(60)
+    r = result[0]
     assert r.status_code == 502, r.text
     message = error_of(r)["message"]
     assert "could not read its KV from the prefill instance" in message
     metrics = scrape_metrics(decode)
     assert metrics["vllm:kv_cache_usage_perc"] == 0.0  # its blocks were freed
     assert metrics["vllm:num_requests_running"] == 0.0
+    assert metrics["vllm:num_requests_waiting_for_remote_kvs"] == 0.0
     ok = _complete(decode.url, "Hello")  # and it still serves
     assert ok.status_code == 200
 

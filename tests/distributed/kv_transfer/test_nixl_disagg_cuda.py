@@ -50,7 +50,7 @@ def test_1p1d_on_one_gpu_equals_one_instance():
         reference = _greedy(single.url)
     with RemoteServer(_args("kv_producer")) as prefill, \
             RemoteServer(_args("kv_consumer")) as decode:
-        proxy, url = _start_proxy(prefill.url, decode.url)
+        proxy, url = _start_proxy([prefill.url], [decode.url])
         try:
             assert _greedy(url) == reference
         finally:

@@ -6,7 +6,12 @@ Keys, as vLLM's NixlConnector and its disaggregation proxy use them:
     from it / to the decode   {"do_remote_prefill": true, "do_remote_decode": false,
                                "remote_block_ids": [int, ...], "remote_engine_id": str,
                                "remote_host": str, "remote_port": int,
-                               "remote_request_id": str}
+                               "remote_request_id": str,
+                               "remote_epoch": int, "remote_expires_at": float}
+
+The last two are this engine's (optional for other producers): the producer's
+sleep count when it kept the blocks, and the wall-clock time (seconds since
+the epoch) until which it holds them for a reader (its abort timeout).
 
 `check_kv_transfer_params` is the one validation (the frontend calls it, so a
 malformed value is a 400 naming `kv_transfer_params`, never a silent recompute).
@@ -23,6 +28,8 @@ _REMOTE_KEYS: dict[str, type] = {
     "remote_block_ids": list, "remote_engine_id": str, "remote_host": str,
     "remote_port": int, "remote_request_id": str,
 }
+_OPTIONAL_REMOTE_KEYS: dict[str, tuple[type, ...]] = {
+    "remote_epoch": (int,), "remote_expires_at": (int, float)}
 _FLAGS = ("do_remote_decode", "do_remote_prefill")
 
 
@@ -35,6 +42,8 @@ class RemotePrefill:
     host: str
     port: int
     request_id: str
+    epoch: int | None = None  # the producer's sleep count when it kept the blocks
+    expires_at: float | None = None  # wall clock (s): it frees them then if nobody read
 
 
 def check_kv_transfer_params(params: Any, kv_connector: str | None) -> None:
@@ -51,10 +60,10 @@ def check_kv_transfer_params(params: Any, kv_connector: str | None) -> None:
               "(this one has no KV connector)")
     if not isinstance(params, dict):
         _fail(f"kv_transfer_params must be an object, got {type(params).__name__}")
-    unknown = sorted(set(params) - set(_FLAGS) - set(_REMOTE_KEYS))
+    known = [*_FLAGS, *_REMOTE_KEYS, *_OPTIONAL_REMOTE_KEYS]
+    unknown = sorted(set(params) - set(known))
     if unknown:
-        _fail(f"kv_transfer_params has unknown keys {unknown}; "
-              f"supported: {list(_FLAGS) + list(_REMOTE_KEYS)}")
+        _fail(f"kv_transfer_params has unknown keys {unknown}; supported: {known}")
     for flag in _FLAGS:
         if flag in params and not isinstance(params[flag], bool):
             _fail(f"kv_transfer_params.{flag} must be a boolean, got {params[flag]!r}")
@@ -64,6 +73,10 @@ def check_kv_transfer_params(params: Any, kv_connector: str | None) -> None:
             if not isinstance(value, kind) or isinstance(value, bool):
                 _fail(f"kv_transfer_params.{key} must be a {kind.__name__} with "
                       f"do_remote_prefill, got {value!r}")
+        for key, kinds in _OPTIONAL_REMOTE_KEYS.items():
+            value = params.get(key)
+            if value is not None and (not isinstance(value, kinds) or isinstance(value, bool)):
+                _fail(f"kv_transfer_params.{key} must be a number, got {value!r}")
         ids = params["remote_block_ids"]
         if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in ids):
             _fail("kv_transfer_params.remote_block_ids must be non-negative ints")
@@ -76,7 +89,8 @@ def parse_kv_transfer_params(extra_args: dict[str, Any] | None) -> RemotePrefill
         return None
     return RemotePrefill(
         list(params["remote_block_ids"]), params["remote_engine_id"], params["remote_host"],
-        params["remote_port"], params["remote_request_id"],
+        params["remote_port"], params["remote_request_id"], params.get("remote_epoch"),
+        params.get("remote_expires_at"),
     )
 
 

@@ -17,12 +17,17 @@ after the KV cache has its final, committed size (`Worker.run_post_kv_cache_hook
 after `extend_kv_cache`), and registers exactly what `register_kv_caches`
 documents below.
 
-Loads are synchronous in this engine: `start_load_kv` finishes its copies
-before returning, so the layerwise hooks have nothing to wait for and the
-runner does not call them (they stay part of the API for layerwise
-connectors). A connector whose load can fail (NIXL) reports the request in
-`KVConnectorOutput.failed_recving`; the scheduler then finishes it with an
-error and frees its blocks before any of them is cached.
+Loads come in two kinds, as in vLLM. Synchronous (`load_async` False from
+`get_num_new_matched_tokens`, OffloadingConnector): `start_load_kv` finishes
+its copies before returning and the request computes in the same step.
+Asynchronous (`load_async` True, NixlConnector): the request gets its blocks
+and waits in WAITING_FOR_REMOTE_KVS; `start_load_kv` only posts the transfer,
+`get_finished` reports it in `finished_recving` a later step, and the request
+is scheduled after that; no step waits for it. The layerwise hooks have
+nothing to wait for and the runner does not call them (they stay part of the
+API for layerwise connectors). A load that fails is reported in
+`KVConnectorOutput.failed_recving`; the scheduler then finishes that request
+with an error and frees its blocks before any of them is cached.
 """
 
 from __future__ import annotations
@@ -130,7 +135,8 @@ class KVConnectorBase_V1(ABC):
 
     @abstractmethod
     def start_load_kv(self, **kwargs: Any) -> None:
-        """Load this step's external KV into its planned blocks (before the forward)."""
+        """Load this step's external KV into its planned blocks (before the forward):
+        to the end for a synchronous load, only started for an asynchronous one."""
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Block until `layer_name`'s KV is loaded (no-op: loads here are synchronous)."""
@@ -149,7 +155,11 @@ class KVConnectorBase_V1(ABC):
     def get_finished(
         self, finished_req_ids: set[str]
     ) -> tuple[set[str] | None, set[str] | None]:
-        """(finished sending, finished receiving) request ids since the last call."""
+        """(finished sending, finished receiving) request ids since the last call.
+
+        Called after every step, also steps that schedule no token (the engine
+        steps while requests wait for asynchronous loads), so it must not block.
+        """
         return None, None
 
     def get_failed_recving(self) -> dict[str, str]:
@@ -194,8 +204,8 @@ class KVConnectorBase_V1(ABC):
         """Tokens beyond `num_computed_tokens` (the local prefix-cache hit) this connector can load.
 
         Returns:
-            (num_external_tokens, load_async). This engine loads synchronously,
-            so load_async is always False.
+            (num_external_tokens, load_async): load_async True makes the request
+            wait in WAITING_FOR_REMOTE_KVS until `get_finished` reports its load.
         """
 
     @abstractmethod

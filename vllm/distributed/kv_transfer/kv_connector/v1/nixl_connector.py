@@ -4,52 +4,56 @@
                        |  computes the prompt's KV       {"do_remote_decode": true}
                        |  finishes; keeps the blocks, answers kv_transfer_params =
                        |  {do_remote_prefill, remote_block_ids, remote_engine_id,
-                       |   remote_host, remote_port, remote_request_id}
+                       |   remote_host, remote_port, remote_request_id,
+                       |   remote_epoch, remote_expires_at}
                     -> decode instance (kv_consumer)        the same prompt + those params
-                          scheduler: the prompt (less its last token) is "external"
-                          worker:    side-channel handshake (once per remote engine):
-                                     the remote NIXL agent's metadata and layer addresses;
-                                     "held <engine> <request>?" (per request: the
-                                     producer still holds the blocks); one NIXL READ
-                                     of the remote blocks into the blocks just
-                                     allocated, with a notification
-                          the producer's worker sees the notification -> its blocks are freed
+                          scheduler: blocks for the prompt; the request waits in
+                                     WAITING_FOR_REMOTE_KVS, every other request steps on
+                          worker:    handshake once per producer (background thread):
+                                     its agent, its layers' descriptor list prepared
+                                     (`prep_xfer_dlist`), its heartbeat subscribed;
+                                     per request one READ by block indices
+                                     (`make_prepped_xfer`, NIXL merges neighbours),
+                                     posted and left running; each later step polls it
+                          promoted:  READ done, producer alive at the same epoch and the
+                                     lease not expired -> the request computes its last
+                                     prompt token; else it fails alone, blocks freed
+                          the producer's worker sees the READ's notification -> frees
 
-Memory: each side registers exactly `register_kv_caches`' regions (the
-committed spans; DRAM on the CPU platform, VRAM on CUDA). Transfers address
-block b of a layer as `view.data_ptr() + b * view.stride(0) * itemsize`, one
-descriptor per (layer, run of consecutive block ids on both sides) where both
-sides pack a layer's blocks back to back (stride == block bytes), else one per
-(layer, block): the layout of either side may differ in strides as long as the
-block shape is the same (`transfer_rows`).
+No step waits on a transfer: posting a READ and polling it and the heartbeat
+are non-blocking (`start_load_kv`, `get_finished`); the handshake runs on a
+thread; the engine core steps every ~1 ms while requests wait only for loads.
 
-The side channel (ZMQ REQ/REP, `side_channel_host`:`side_channel_port`, or
-VLLM_NIXL_SIDE_CHANNEL_HOST / _PORT, default 127.0.0.1 and a free port) runs in
-the producer's engine core process beside the scheduler, which knows at once
-which requests' blocks it holds.
+Memory: each side registers exactly `register_kv_caches`' regions (committed
+spans; DRAM on the CPU, VRAM on CUDA). Descriptor lists are prepared once (the
+local one at registration, a producer's at its handshake): one descriptor per
+(layer, block) at `base + block * stride`, index `layer * num_blocks + block`.
 
-Failures: a dead or unreachable producer makes the handshake, the "held"
-check or the READ fail; the request is reported in `failed_recving`, the scheduler frees its
-blocks (never cached) and the client gets a 502 that says so. A producer
-whose blocks are never read frees them after `abort_timeout_s` (default
+Liveness (nixl_side_channel.py): a producer beats every 50 ms with its engine
+id and epoch (sleep count); a READ is not posted, and a finished one not
+promoted, unless the newest beat is younger than `liveness_timeout_s`
+(default 2 s), from the same engine, at the epoch the blocks were kept in, and
+the request's lease (`remote_expires_at`, the producer's abort timeout) has
+1 s left. A producer that sleeps bumps its epoch and waits two beats before
+its pages go, so a reader learns of it before a READ could see them gone.
+
+Failures: an unreachable producer, a failed or timed-out READ
+(`transfer_timeout_s`, default 30 s), a stale heartbeat or an expired lease
+fail that request only (`failed_recving`); the scheduler frees its blocks
+(never cached) and the client gets a 502 naming the reason. A producer whose
+blocks are never read frees them after `abort_timeout_s` (default
 VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 120 s; vLLM waits 480 s).
 
-Sleep mode: either instance deregisters its KV memory before sleep releases the
-pages (a producer frees the blocks it held for readers: their contents go, so
-a decode request for them fails as a dead producer's would) and registers the
-same regions again after waking. A new registration changes the agent's
-metadata (UCX's remote keys), so the producer counts its registrations
-(`epoch`): the "held" answer carries it, and a consumer whose cached handshake
-has another epoch handshakes again before its READ.
+Sleep mode: an instance deregisters its KV memory before sleep releases the pages
+and registers it again after waking (new UCX keys: readers handshake again).
 """
 
 from __future__ import annotations
 
 import base64
-import json
-import threading
+import os
 import time
-import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -59,11 +63,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl_side_channel import (
+    HEARTBEAT_S,
+    HeartbeatMonitor,
+    SideChannel,
+    fetch_handshake,
+    log_ucx_endpoints,
+    ucx_lanes,
+)
 from vllm.distributed.kv_transfer.kv_transfer_params import RemotePrefill, parse_kv_transfer_params
 from vllm.logger import init_logger
-from vllm.v1.outputs import KVConnectorOutput
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
     from vllm.config import VllmConfig
@@ -73,8 +85,9 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-HANDSHAKE_TIMEOUT_S = 5.0
 TRANSFER_TIMEOUT_S = 30.0
+LIVENESS_TIMEOUT_S = 2.0
+LEASE_MARGIN_S = 1.0  # a lease with less left is treated as expired (clock skew, delivery)
 
 
 def import_nixl():
@@ -94,62 +107,30 @@ def import_nixl():
     )
 
 
+def strided_rows(layers: dict[str, tuple[int, int, int, int]], device_id: int) -> np.ndarray:
+    """Nx5 rows (address, block bytes, device, stride, num_blocks), one per layer in
+    name order: the prepared list whose index `layer * num_blocks + block` is that block."""
+    import numpy as np
+
+    return np.array([(base, page, device_id, stride, n)
+                     for _, (base, stride, page, n) in sorted(layers.items())], dtype=np.uint64)
+
+
+def block_indices(num_layers: int, num_blocks: int, block_ids: list[int]) -> np.ndarray:
+    """Indices into a `strided_rows` list for `block_ids` of every layer, layer-major
+    (int32, num_layers * len(block_ids))."""
+    import numpy as np
+
+    ids = np.asarray(block_ids, dtype=np.int64)
+    rows = np.arange(num_layers, dtype=np.int64)[:, None] * num_blocks + ids[None, :]
+    return rows.ravel().astype(np.int32)
+
+
 @dataclass
 class ReqLoad:
     local_block_ids: list[int]
     remote: RemotePrefill
     remote_block_ids: list[int]
-
-
-def block_runs(local_ids: list[int], remote_ids: list[int]) -> list[tuple[int, int, int]]:
-    """(local start, remote start, count) of the runs where both block ids go up by one."""
-    runs: list[list[int]] = []
-    for lb, rb in zip(local_ids, remote_ids, strict=True):
-        if runs and lb == runs[-1][0] + runs[-1][2] and rb == runs[-1][1] + runs[-1][2]:
-            runs[-1][2] += 1
-        else:
-            runs.append([lb, rb, 1])
-    return [(a, b, n) for a, b, n in runs]
-
-
-def transfer_rows(
-    local_layers: dict[str, tuple[int, int, int]],
-    remote_layers: dict[str, tuple[int, int, int]],
-    local_ids: list[int], remote_ids: list[int], local_device: int, remote_device: int,
-) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
-    """NIXL descriptor rows (address, bytes, device id) reading remote blocks into local ones.
-
-    Args:
-        local_layers / remote_layers: layer -> (base address, block stride, block
-            bytes), the same layer names on both sides.
-        local_ids / remote_ids: block ids, pairwise (local_ids[i] <- remote_ids[i]).
-
-    Returns:
-        (local rows, remote rows) of equal length: per layer, one row per run
-        of consecutive ids (`block_runs`) when both sides' stride equals the
-        block bytes, else one row per block. A fresh engine allocates runs, so
-        a 2,300-token prompt of the Llama-3-8B shape needs ~32 rows instead of
-        ~4,600 (one per block per layer), each UCX request then moving
-        megabytes rather than 64 KiB.
-
-    Raises:
-        ValueError: a layer's block bytes differ between the sides.
-    """
-    runs = block_runs(local_ids, remote_ids)
-    local_rows, remote_rows = [], []
-    for name, (base, stride, page) in local_layers.items():
-        rbase, rstride, rpage = remote_layers[name]
-        if rpage != page:
-            raise ValueError(f"layer {name}: remote blocks are {rpage} bytes, local {page}")
-        if stride == page and rstride == page:
-            for lb, rb, n in runs:
-                local_rows.append((base + lb * stride, n * page, local_device))
-                remote_rows.append((rbase + rb * rstride, n * page, remote_device))
-            continue
-        for lb, rb in zip(local_ids, remote_ids, strict=True):
-            local_rows.append((base + lb * stride, page, local_device))
-            remote_rows.append((rbase + rb * rstride, page, remote_device))
-    return local_rows, remote_rows
 
 
 @dataclass
@@ -161,9 +142,24 @@ class NixlConnectorMetadata(KVConnectorMetadata):
 @dataclass
 class _RemoteEngine:
     agent_name: str
-    layers: dict[str, tuple[int, int, int]]  # layer -> (base, block stride, page bytes)
-    device_id: int
+    layers: dict[str, tuple[int, int, int, int]]  # layer -> (base, stride, page, num_blocks)
     epoch: int  # its registration count when this handshake was made
+    dlist: Any  # its prepared descriptor list
+    heartbeat: HeartbeatMonitor
+    read_once: bool = False  # a READ from it finished (its transport is logged then)
+
+
+class _EngineFailure(RuntimeError):
+    """The producer itself failed (not just one request's blocks): every load from it fails."""
+
+
+@dataclass
+class _Load:
+    """A load in flight on the worker side."""
+
+    load: ReqLoad
+    deadline: float  # time.monotonic()
+    handle: Any = None  # the READ once posted
 
 
 class NixlConnector(KVConnectorBase_V1):
@@ -178,35 +174,44 @@ class NixlConnector(KVConnectorBase_V1):
         self.kv_role = self.kv_transfer_config.kv_role
         self.abort_timeout_s = float(extra.get("abort_timeout_s",
                                                envs.VLLM_NIXL_ABORT_REQUEST_TIMEOUT))
+        self.transfer_timeout_s = float(extra.get("transfer_timeout_s", TRANSFER_TIMEOUT_S))
+        self.liveness_timeout_s = float(extra.get("liveness_timeout_s", LIVENESS_TIMEOUT_S))
         self.host = extra.get("side_channel_host") or envs.VLLM_NIXL_SIDE_CHANNEL_HOST
         self.port = int(extra.get("side_channel_port") or envs.VLLM_NIXL_SIDE_CHANNEL_PORT)
         self.backends = list(extra.get("backends") or ["UCX"])
         self.engine_id = ""
+        self.epoch = 0  # sleeps (scheduler side) / registrations after the first (worker)
         # scheduler side
         self._loads: dict[str, ReqLoad] = {}
         self._sends: list[str] = []
         self._consumed: set[str] = set()
-        self._held: set[str] = set()  # finished requests whose blocks wait to be read
+        self._side_channel: SideChannel | None = None
+        self._handshake = b""  # what the side channel serves
         # worker side
         self.agent = None
         self.reg_descs = None
+        self.local_dlist = None
         self.registered_regions: list[tuple[int, int]] = []
-        self.layers: dict[str, tuple[int, int, int]] = {}
+        self.layers: dict[str, tuple[int, int, int, int]] = {}
         self.device_id = 0
         self.mem_type = "DRAM"
         self._remotes: dict[str, _RemoteEngine] = {}
-        self.epoch = 0  # registrations of this engine's memory since the first (sleep/wake)
+        self._handshakes: dict[str, Future] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: dict[str, _Load] = {}
         self._send_deadlines: dict[str, float] = {}
         self._recving: set[str] = set()
         self._failed: dict[str, str] = {}
-        self._side_channel: _SideChannel | None = None
-        self._handshake = b""  # scheduler side: what the side channel serves
+        self._ucx_log: str | None = None
 
     # ------------------------------------------------------------ worker side
     def register_kv_caches(
         self, kv_caches: dict[str, torch.Tensor], regions: list[tuple[int, int]]
     ) -> None:
-        """Create this engine's NIXL agent and register exactly `regions` with it."""
+        """Create this engine's NIXL agent, register exactly `regions` with it and
+        prepare the local descriptor list (every block of every layer)."""
+        import uuid
+
         nixl_agent, nixl_agent_config = import_nixl()
         self.engine_id = uuid.uuid4().hex
         first = next(iter(kv_caches.values()))
@@ -216,31 +221,44 @@ class NixlConnector(KVConnectorBase_V1):
             if not view[0].is_contiguous():
                 raise ValueError(f"NixlConnector needs contiguous blocks; layer {name} is not")
             self.layers[name] = (view.data_ptr(), view.stride(0) * view.element_size(),
-                                 view[0].nbytes)
+                                 view[0].nbytes, view.shape[0])
+        self._ucx_log = log_ucx_endpoints()
         self.agent = nixl_agent(self.engine_id, nixl_agent_config(backends=self.backends))
         self._register(regions)
-        logger.info("NIXL agent %s: %d %s region(s) registered",
-                    self.engine_id, len(regions), self.mem_type)
+        logger.info("NIXL agent %s: %d %s region(s) registered, %d descriptors prepared",
+                    self.engine_id, len(regions), self.mem_type,
+                    sum(n for *_, n in self.layers.values()))
 
     def _register(self, regions: list[tuple[int, int]]) -> None:
         self.reg_descs = self.agent.register_memory(
             [(base, length, self.device_id, "") for base, length in regions], self.mem_type)
         self.registered_regions = list(regions)
+        self.local_dlist = self.agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", strided_rows(self.layers, self.device_id), self.mem_type)
 
     def _deregister(self) -> None:
+        if self.local_dlist is not None:
+            self.agent.release_dlist_handle(self.local_dlist)
+            self.local_dlist = None
         if self.agent is not None and self.reg_descs is not None:
             self.agent.deregister_memory(self.reg_descs)
             self.reg_descs = None
 
     def sleep(self) -> None:
-        """Scheduler side: forget held requests (their blocks were freed). Worker side:
+        """Scheduler side: count the sleep (the heartbeat carries it) and wait two beats,
+        so readers know before the pages go. Worker side: drop loads in flight and
         deregister the KV memory before its pages go; sends still waiting are over."""
         if self.role == KVConnectorRole.SCHEDULER:
-            self._held.clear()
             self._sends, self._loads = [], {}
             self._consumed.clear()
+            self.epoch += 1
+            if self._side_channel is not None:
+                time.sleep(2 * HEARTBEAT_S + 0.02)
             return
-        self._deregister()
+        for pending in self._pending.values():  # their requests were aborted
+            self._release(pending)
+        self._pending.clear()
+        self._deregister()  # what it knows of producers stays valid
         self._send_deadlines.clear()
         self._recving.clear()
         self._failed.clear()
@@ -253,7 +271,7 @@ class NixlConnector(KVConnectorBase_V1):
             RuntimeError: the views or regions moved (they never do: sleep keeps
                 every address), which would invalidate what remote engines know.
         """
-        layers = {name: (v.data_ptr(), v.stride(0) * v.element_size(), v[0].nbytes)
+        layers = {name: (v.data_ptr(), v.stride(0) * v.element_size(), v[0].nbytes, v.shape[0])
                   for name, v in kv_caches.items()}
         if layers != self.layers or list(regions) != self.registered_regions:
             raise RuntimeError("the KV cache moved across sleep; NIXL cannot register it again")
@@ -272,104 +290,193 @@ class NixlConnector(KVConnectorBase_V1):
         }
 
     def start_load_kv(self, **kwargs: Any) -> None:
-        """Read every planned request's blocks (synchronously); failures go to `failed_recving`."""
+        """Note this step's sends, post this step's loads (or their handshakes); returns
+        at once. Loads finish in later steps (`get_finished`)."""
         meta: NixlConnectorMetadata = self._get_connector_metadata()
         now = time.monotonic()
         for req_id in meta.sends:
             self._send_deadlines[req_id] = now + self.abort_timeout_s
         for req_id, load in meta.loads.items():
+            self._pending[req_id] = _Load(load, now + self.transfer_timeout_s)
+        if meta.loads:
+            self._progress()
+
+    def _progress(self) -> None:
+        """Move every load in flight one stage on: handshake -> READ posted -> done."""
+        for req_id, pending in list(self._pending.items()):
+            if req_id not in self._pending:
+                continue  # failed with its engine meanwhile
+            remote = pending.load.remote
             try:
-                self._read(load)
-                self._recving.add(req_id)
-            except Exception as e:  # any failure fails this request only
-                r = load.remote
-                self._failed[req_id] = (
-                    f"could not read its KV from the prefill instance {r.engine_id} at "
-                    f"{r.host}:{r.port}: {e}")
-                self._forget_remote(r.engine_id)
+                if time.monotonic() > pending.deadline:
+                    raise TimeoutError(f"the transfer took over {self.transfer_timeout_s:.0f} s")
+                engine = self._remote_engine(remote)
+                if engine is None:
+                    continue  # its handshake runs
+                self._check_alive(engine, remote)
+                if pending.handle is None:
+                    pending.handle = self._post(engine, pending.load)
+                    if pending.handle is None:  # nothing to read: the hits covered it
+                        self._done(req_id)
+                    continue
+                state = self.agent.check_xfer_state(pending.handle)
+                if state == "DONE":
+                    self._done(req_id)
+                    if not engine.read_once:
+                        engine.read_once = True
+                        logger.info("NIXL: reads from engine %s go over %s", remote.engine_id,
+                                    ucx_lanes(self._ucx_log, self.engine_id))
+                elif state != "PROC":
+                    raise _EngineFailure(f"the NIXL READ ended in state {state}")
+            except Exception as e:  # fails this request, or every request of its producer
+                reason = (f"could not read its KV from the prefill instance "
+                          f"{remote.engine_id} at {remote.host}:{remote.port}: {e}")
+                if isinstance(e, _EngineFailure):
+                    self._fail_engine(remote.engine_id, reason)
+                else:
+                    self._fail(req_id, reason)
 
-    def _read(self, load: ReqLoad) -> None:
-        import numpy as np
-
-        epoch = self._check_held(load.remote)
-        remote = self._remote_engine(load.remote, epoch)
+    def _post(self, engine: _RemoteEngine, load: ReqLoad) -> Any:
         notif = load.remote.request_id.encode()
         if not load.local_block_ids:
-            self.agent.send_notif(remote.agent_name, notif)
-            return
-        local_rows, remote_rows = transfer_rows(
-            self.layers, remote.layers, load.local_block_ids, load.remote_block_ids,
-            self.device_id, remote.device_id)
-        local = self.agent.get_xfer_descs(np.array(local_rows, dtype=np.uint64), self.mem_type)
-        rdescs = self.agent.get_xfer_descs(np.array(remote_rows, dtype=np.uint64), self.mem_type)
-        handle = self.agent.initialize_xfer("READ", local, rdescs, remote.agent_name, notif)
-        try:
-            state = self.agent.transfer(handle)
-            deadline = time.monotonic() + TRANSFER_TIMEOUT_S
-            while state == "PROC" and time.monotonic() < deadline:
-                state = self.agent.check_xfer_state(handle)
-            if state != "DONE":
-                raise RuntimeError(f"NIXL READ ended in state {state}")
-        finally:
+            self.agent.send_notif(engine.agent_name, notif)
+            return None
+        num_layers = len(self.layers)
+        local = block_indices(num_layers, next(iter(self.layers.values()))[3],
+                              load.local_block_ids)
+        remote = block_indices(num_layers, next(iter(engine.layers.values()))[3],
+                               load.remote_block_ids)
+        handle = self.agent.make_prepped_xfer("READ", self.local_dlist, local, engine.dlist,
+                                              remote, notif)
+        state = self.agent.transfer(handle)
+        if state not in ("PROC", "DONE"):
             self.agent.release_xfer_handle(handle)
+            raise RuntimeError(f"posting the NIXL READ gave state {state}")
+        return handle
 
-    def _remote_engine(self, remote: RemotePrefill, epoch: int) -> _RemoteEngine:
-        """The remote engine's agent and layers, handshaking when not known at `epoch`."""
-        cached = self._remotes.get(remote.engine_id)
-        if cached is not None and cached.epoch == epoch:
-            return cached
-        if cached is not None:  # it slept and registered its memory again: new keys
+    def _check_alive(self, engine: _RemoteEngine, remote: RemotePrefill) -> None:
+        """Raise unless the producer beat recently, as the same engine, at the request's
+        epoch, with the request's lease not expired."""
+        beat = engine.heartbeat
+        beat.poll()
+        silent = time.monotonic() - beat.last_seen
+        if beat.engine_id not in (None, remote.engine_id):
+            raise _EngineFailure(f"another engine ({beat.engine_id}) answers there now "
+                                 "(the prefill instance restarted)")
+        if silent > self.liveness_timeout_s:
+            raise _EngineFailure(f"it sent no heartbeat for {silent:.1f} s (it died or hangs)")
+        if remote.epoch is not None and beat.epoch not in (None, remote.epoch):
+            raise RuntimeError(f"it no longer holds the blocks of request "
+                               f"{remote.request_id!r} (it went to sleep since)")
+        if remote.expires_at is not None and time.time() > remote.expires_at - LEASE_MARGIN_S:
+            raise RuntimeError(f"it no longer holds the blocks of request "
+                               f"{remote.request_id!r} (its {self.abort_timeout_s:.0f} s "
+                               "hold expired)")
+
+    def _remote_engine(self, remote: RemotePrefill) -> _RemoteEngine | None:
+        """The producer's agent and prepared list; None while its handshake runs.
+
+        A handshake made before the producer's current epoch (it slept and
+        registered its memory again: new keys) is made again.
+
+        Raises:
+            RuntimeError / TimeoutError: the handshake failed.
+        """
+        engine = self._remotes.get(remote.engine_id)
+        if engine is not None:
+            engine.heartbeat.poll()
+            epoch = engine.heartbeat.epoch
+            if epoch in (None, engine.epoch) or remote.epoch not in (None, epoch):
+                return engine  # current; or the request is older than its epoch: it fails
             logger.info("NIXL: engine %s registered its KV memory again (epoch %d -> %d); "
-                        "handshaking again", remote.engine_id, cached.epoch, epoch)
+                        "handshaking again", remote.engine_id, engine.epoch,
+                        engine.heartbeat.epoch)
             self._forget_remote(remote.engine_id)
-        reply = json.loads(
-            _SideChannel.request(remote.host, remote.port, b"handshake", HANDSHAKE_TIMEOUT_S))
-        if reply["engine_id"] != remote.engine_id:
-            raise RuntimeError(
-                f"{remote.host}:{remote.port} is engine {reply['engine_id']}, not "
-                f"{remote.engine_id} (the prefill instance restarted?)")
-        if set(reply["layers"]) != set(self.layers):
-            raise RuntimeError("the prefill instance serves a model with other layers")
-        name = self.agent.add_remote_agent(base64.b64decode(reply["agent_metadata"]))
-        name = name.decode() if isinstance(name, bytes) else name
-        engine = _RemoteEngine(name, {k: tuple(v) for k, v in reply["layers"].items()},
-                               reply["device_id"], int(reply.get("epoch", 0)))
+        future = self._handshakes.get(remote.engine_id)
+        if future is None:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(2, thread_name_prefix="nixl-handshake")
+            self._handshakes[remote.engine_id] = self._pool.submit(
+                fetch_handshake, remote.host, remote.port)
+            return None
+        if not future.done():
+            return None
+        del self._handshakes[remote.engine_id]
+        try:
+            reply, heartbeat = future.result()
+        except Exception as e:
+            raise _EngineFailure(str(e) or type(e).__name__) from e
+        try:
+            engine = self._add_remote(remote, reply, heartbeat)
+        except BaseException:
+            heartbeat.close()
+            raise
         self._remotes[remote.engine_id] = engine
         return engine
 
-    @staticmethod
-    def _check_held(remote: RemotePrefill) -> int:
-        """Ask the prefill instance whether it still holds the request's blocks.
+    def _add_remote(self, remote: RemotePrefill, reply: dict, beat: HeartbeatMonitor
+                    ) -> _RemoteEngine:
+        if reply["engine_id"] != remote.engine_id:
+            raise _EngineFailure(
+                f"{remote.host}:{remote.port} is engine {reply['engine_id']}, not "
+                f"{remote.engine_id} (the prefill instance restarted?)")
+        layers = {k: tuple(v) for k, v in reply["layers"].items()}
+        if set(layers) != set(self.layers):
+            raise RuntimeError("the prefill instance serves a model with other layers")
+        for name, (*_, page, _n) in layers.items():
+            if page != self.layers[name][2]:
+                raise RuntimeError(f"layer {name}: the prefill instance's blocks are {page} "
+                                   f"bytes, here {self.layers[name][2]}")
+        name = self.agent.add_remote_agent(base64.b64decode(reply["agent_metadata"]))
+        name = name.decode() if isinstance(name, bytes) else name
+        start = time.perf_counter()
+        dlist = self.agent.prep_xfer_dlist(name, strided_rows(layers, reply["device_id"]),
+                                           self.mem_type)
+        logger.info("NIXL: handshake with engine %s at %s:%d (epoch %d): %d descriptors "
+                    "prepared in %.1f ms", remote.engine_id, remote.host, remote.port,
+                    reply.get("epoch", 0), sum(n for *_, n in layers.values()),
+                    (time.perf_counter() - start) * 1e3)
+        return _RemoteEngine(name, layers, int(reply.get("epoch", 0)), dlist, beat)
 
-        Why: a prefill instance that died, restarted, slept or timed the
-        request out may have reused the blocks, and on some transports (shared
-        memory on one host) a READ of a dead process's pages still "succeeds".
+    def _done(self, req_id: str) -> None:
+        self._release(self._pending.pop(req_id))
+        self._recving.add(req_id)
 
-        Returns:
-            the prefill instance's registration epoch (answer "1 <epoch>").
-        """
-        query = f"held {remote.engine_id} {remote.request_id}".encode()
-        answer = _SideChannel.request(remote.host, remote.port, query, HANDSHAKE_TIMEOUT_S)
-        held, _, epoch = answer.decode(errors="replace").partition(" ")
-        if held != "1":
-            raise RuntimeError(
-                f"it no longer holds the blocks of request {remote.request_id!r} "
-                "(timed out, went to sleep, or another engine now answers there)")
-        return int(epoch or 0)
+    def _fail(self, req_id: str, reason: str) -> None:
+        self._release(self._pending.pop(req_id))
+        self._failed[req_id] = reason
+
+    def _fail_engine(self, engine_id: str, reason: str) -> None:
+        """Fail every load from the producer `engine_id` and forget it (its next
+        request handshakes again)."""
+        for req_id, pending in list(self._pending.items()):
+            if pending.load.remote.engine_id == engine_id:
+                self._fail(req_id, reason)
+        self._forget_remote(engine_id)
+
+    def _release(self, pending: _Load) -> None:
+        if pending.handle is not None:
+            try:
+                self.agent.release_xfer_handle(pending.handle)
+            except Exception as e:  # a READ still running cannot always be released
+                logger.warning("NIXL: releasing a READ handle failed: %s", e)
+            pending.handle = None
 
     def _forget_remote(self, engine_id: str) -> None:
-        engine = self._remotes.pop(engine_id, None)
-        if engine is not None:
-            try:
-                self.agent.remove_remote_agent(engine.agent_name)
-            except Exception:  # best effort: it may be half-known
-                logger.debug("removing remote agent %s failed", engine.agent_name)
+        if (engine := self._remotes.pop(engine_id, None)) is None:
+            return
+        engine.heartbeat.close()
+        try:
+            self.agent.release_dlist_handle(engine.dlist)
+            self.agent.remove_remote_agent(engine.agent_name)
+        except Exception:  # best effort: it may be half-known
+            logger.debug("removing remote agent %s failed", engine.agent_name)
 
-    def wait_for_save(self) -> None:
-        return None  # the consumer reads; the producer has nothing to push
+    def wait_for_save(self) -> None:  # the consumer reads; the producer has nothing to push
+        return None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        """Sends confirmed by a consumer's notification (or timed out); reads done."""
+        """Sends confirmed by a consumer's notification (or timed out); loads done."""
         sending: set[str] = set()
         if self.agent is not None and self.kv_role != "kv_consumer":
             for messages in self.agent.get_new_notifs().values():
@@ -383,15 +490,14 @@ class NixlConnector(KVConnectorBase_V1):
                                    "freeing its blocks", req_id, self.abort_timeout_s)
                     del self._send_deadlines[req_id]
                     sending.add(req_id)
+        if self._pending:
+            self._progress()
         recving, self._recving = self._recving, set()
         return sending, recving
 
     def get_failed_recving(self) -> dict[str, str]:
         failed, self._failed = self._failed, {}
         return failed
-
-    def has_pending_sends(self) -> bool:
-        return bool(self._send_deadlines)
 
     def shutdown(self) -> None:
         """Stop the side channel, drop remote agents, deregister (before the memory goes)."""
@@ -400,52 +506,46 @@ class NixlConnector(KVConnectorBase_V1):
             self._side_channel = None
         if self.role == KVConnectorRole.SCHEDULER:
             return
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        for pending in self._pending.values():
+            self._release(pending)
         for engine_id in list(self._remotes):
             self._forget_remote(engine_id)
         self._deregister()
+        if self._ucx_log is not None and os.path.exists(self._ucx_log):
+            os.unlink(self._ucx_log)
 
     # --------------------------------------------------------- scheduler side
     def set_xfer_handshake_metadata(self, metadata: dict[str, Any] | None) -> None:
-        """The worker's agent; a producer starts its side channel here (engine core process).
-
-        The side channel lives beside the scheduler because it answers "does
-        this engine still hold request X's blocks?" from `self._held`, which
-        the scheduler updates the moment a request finishes (before its
-        response leaves), so a decode instance never asks too early. After a
-        wake the worker's new metadata (its next epoch) replaces what it serves.
-        """
+        """The worker's agent; a producer starts its side channel here (engine core
+        process), beside the scheduler, whose sleeps its heartbeat announces. After a
+        wake the worker's new metadata (its next epoch) replaces what it serves."""
         self.engine_id = metadata["engine_id"]
         self.epoch = int(metadata.get("epoch", 0))
         if self.kv_role == "kv_consumer":
             return
-        self._handshake = json.dumps(metadata).encode()
-        if self._side_channel is not None:
-            return
+        if self._side_channel is None:
+            self._side_channel = SideChannel(
+                self.host, self.port, lambda: self._handshake,
+                lambda: {"engine_id": self.engine_id, "epoch": self.epoch})
+            self.port = self._side_channel.port
+            logger.info("NIXL side channel of engine %s on %s:%d (heartbeat on port %d)",
+                        self.engine_id, self.host, self.port, self._side_channel.heartbeat_port)
+        import json
 
-        def answer(query: bytes) -> bytes:
-            if query == b"handshake":
-                return self._handshake
-            _, engine_id, req_id = query.decode().split(" ", 2)
-            if engine_id == self.engine_id and req_id in self._held:
-                return f"1 {self.epoch}".encode()
-            return b"0"
-
-        self._side_channel = _SideChannel(self.host, self.port, answer)
-        self.port = self._side_channel.port
-        logger.info("NIXL side channel of engine %s on %s:%d", self.engine_id, self.host,
-                    self.port)
-
-    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self._held.difference_update(connector_output.finished_sending)
+        self._handshake = json.dumps(
+            {**metadata, "heartbeat_port": self._side_channel.heartbeat_port}).encode()
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
-        """A request sent by the proxy with a prefill's params: its prompt is external."""
+        """A request sent by the proxy with a prefill's params: its prompt is external,
+        loaded in the background (load_async)."""
         remote = self._remote_prefill(request)
         if remote is None:
             return 0, False
-        return request.num_prompt_tokens - num_computed_tokens, False
+        return request.num_prompt_tokens - num_computed_tokens, True
 
     def update_state_after_alloc(
         self, request: Request, blocks: list[KVCacheBlock], num_external_tokens: int
@@ -454,8 +554,8 @@ class NixlConnector(KVConnectorBase_V1):
         if remote is None:
             return
         self._consumed.add(request.request_id)
-        first = request.num_computed_tokens // self.block_size  # the local hit
-        end = -(-(request.num_computed_tokens + num_external_tokens) // self.block_size)
+        first = _num_hit_blocks(blocks)  # the local prefix-cache hit: not read again
+        end = -(-(first * self.block_size + num_external_tokens) // self.block_size)
         end = min(end, len(remote.block_ids))
         self._loads[request.request_id] = ReqLoad(
             [b.block_id for b in blocks[first:end]], remote, remote.block_ids[first:end])
@@ -476,74 +576,23 @@ class NixlConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """A prefill for a remote decode keeps its blocks and says where they are."""
+        """A prefill for a remote decode keeps its blocks and says where they are, in
+        which epoch, and until when."""
         params = (request.sampling_params.extra_args or {}).get("kv_transfer_params") or {}
         if (self.kv_role == "kv_consumer" or not params.get("do_remote_decode")
                 or not block_ids or request.get_finished_reason() is None
                 or str(request.get_finished_reason()) == "abort"):
             return False, None
         self._sends.append(request.request_id)
-        self._held.add(request.request_id)
         return True, {
             "do_remote_prefill": True, "do_remote_decode": False,
             "remote_block_ids": list(block_ids), "remote_engine_id": self.engine_id,
             "remote_host": self.host, "remote_port": self.port,
-            "remote_request_id": request.request_id,
+            "remote_request_id": request.request_id, "remote_epoch": self.epoch,
+            "remote_expires_at": time.time() + self.abort_timeout_s,
         }
 
 
-class _SideChannel:
-    """A ZMQ REP socket on a thread: `answer(query bytes) -> reply bytes`."""
-
-    def __init__(self, host: str, port: int, answer) -> None:
-        import zmq
-
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.REP)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        if port:
-            self._sock.bind(f"tcp://{host}:{port}")
-            self.port = port
-        else:
-            self.port = self._sock.bind_to_random_port(f"tcp://{host}")
-        self._answer = answer
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="nixl-side-channel",
-                                        daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        import zmq
-
-        while not self._stop.is_set():
-            if self._sock.poll(100, zmq.POLLIN):
-                query = self._sock.recv()
-                try:
-                    reply = self._answer(query)
-                except Exception:  # a malformed query must not stop the channel
-                    reply = b"0"
-                self._sock.send(reply)
-        self._sock.close()
-
-    @staticmethod
-    def request(host: str, port: int, query: bytes, timeout_s: float) -> bytes:
-        """One round trip; raises TimeoutError when nobody answers in time."""
-        import zmq
-
-        ctx = zmq.Context.instance()
-        sock = ctx.socket(zmq.REQ)
-        sock.setsockopt(zmq.LINGER, 0)
-        try:
-            sock.connect(f"tcp://{host}:{port}")
-            sock.send(query)
-            if not sock.poll(int(timeout_s * 1000), zmq.POLLIN):
-                raise TimeoutError(f"no answer from its side channel {host}:{port} in "
-                                   f"{timeout_s:.0f} s (is it running?)")
-            return sock.recv()
-        finally:
-            sock.close()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
-        self._ctx.term()
+def _num_hit_blocks(blocks: list[KVCacheBlock]) -> int:
+    """Leading blocks that came from the prefix cache (they carry a hash; new ones do not)."""
+    return next((i for i, b in enumerate(blocks) if b.block_hash is None), len(blocks))
