@@ -63,6 +63,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl_agent import make_agent
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl_side_channel import (
     HEARTBEAT_S,
     HeartbeatMonitor,
@@ -88,23 +89,6 @@ logger = init_logger(__name__)
 TRANSFER_TIMEOUT_S = 30.0
 LIVENESS_TIMEOUT_S = 2.0
 LEASE_MARGIN_S = 1.0  # a lease with less left is treated as expired (clock skew, delivery)
-
-
-def import_nixl():
-    """`(nixl_agent, nixl_agent_config)` from whichever NIXL wheel is installed.
-
-    Raises:
-        ImportError: none is; the message names the PyPI packages.
-    """
-    for module in ("nixl._api", "nixl_cu13._api", "nixl_cu12._api"):
-        try:
-            api = __import__(module, fromlist=["nixl_agent"])
-        except ImportError:
-            continue
-        return api.nixl_agent, api.nixl_agent_config
-    raise ImportError(
-        "NixlConnector needs NIXL: pip install nixl-cu13 (or nixl-cu12 / nixl)"
-    )
 
 
 def strided_rows(layers: dict[str, tuple[int, int, int, int]], device_id: int) -> np.ndarray:
@@ -212,7 +196,6 @@ class NixlConnector(KVConnectorBase_V1):
         prepare the local descriptor list (every block of every layer)."""
         import uuid
 
-        nixl_agent, nixl_agent_config = import_nixl()
         self.engine_id = uuid.uuid4().hex
         first = next(iter(kv_caches.values()))
         self.mem_type = "VRAM" if first.device.type == "cuda" else "DRAM"
@@ -223,7 +206,7 @@ class NixlConnector(KVConnectorBase_V1):
             self.layers[name] = (view.data_ptr(), view.stride(0) * view.element_size(),
                                  view[0].nbytes, view.shape[0])
         self._ucx_log = log_ucx_endpoints()
-        self.agent = nixl_agent(self.engine_id, nixl_agent_config(backends=self.backends))
+        self.agent = make_agent(self.engine_id, self.backends)
         self._register(regions)
         logger.info("NIXL agent %s: %d %s region(s) registered, %d descriptors prepared",
                     self.engine_id, len(regions), self.mem_type,
