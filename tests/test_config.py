@@ -360,6 +360,17 @@ def test_kv_transfer_config():
     with pytest.raises(ValueError, match="OffloadingConnector needs kv_role 'kv_both'"):
         KVTransferConfig("OffloadingConnector", "kv_producer", {"num_cpu_blocks": 8})
     assert KVTransferConfig("NixlConnector", "kv_consumer").kv_role == "kv_consumer"
+    for extra, message in [
+        ({"side_channel_port": 99999}, "side_channel_port must be a TCP port"),
+        ({"backends": "UCX"}, "backends must be a non-empty list of NIXL backend names"),
+        ({"backends": []}, "backends must be a non-empty list"),
+        ({"liveness_timeout_s": float("nan")}, "liveness_timeout_s must be a finite number"),
+        ({"transfer_timeout_s": float("inf")}, "transfer_timeout_s must be a finite number"),
+        ({"abort_timeout_s": True}, "abort_timeout_s must be a finite number"),
+        ({"liveness_timeout_s": -1}, "liveness_timeout_s must be a finite number"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            KVTransferConfig("NixlConnector", "kv_consumer", extra)
     with pytest.raises(ValueError, match="kv_role must be one of"):
         KVTransferConfig(kv_role="sender")
     assert KVTransferConfig.from_cli('{"kv_role": "kv_both"}').kv_connector is None

@@ -209,12 +209,7 @@ def test_dead_decode_leaves_rotation_and_rejoins(instances, caplog):
     with _proxy([p.url], [a.url, b.url]) as proxy:
         assert _served_by(proxy) == a.url
         b.stop()
-        r = _post(proxy)  # b's turn
-        assert r.status_code == 502
-        error = r.json()["error"]
-        assert error["type"] == "BadGatewayError" and error["code"] == 502
-        assert error["param"] is None
-        assert f"the decode instance {b.url} failed" in error["message"]
+        assert _served_by(proxy) == a.url  # b's turn: refused, so retried on a
         assert _state(proxy)[b.url] == (False, 0)
         assert [_served_by(proxy) for _ in range(3)] == [a.url] * 3
         b.start()
@@ -231,10 +226,12 @@ def test_all_decodes_down_is_503_without_a_prefill(instances):
     with _proxy([p.url], [a.url, b.url]) as proxy:
         a.stop()
         b.stop()
-        failed = [_post(proxy) for _ in range(2)]
-        assert [r.status_code for r in failed] == [502, 502]
-        assert a.url in failed[0].json()["error"]["message"]
-        assert b.url in failed[1].json()["error"]["message"]
+        failed = _post(proxy)  # refused by one, retried on the other: refused again
+        assert failed.status_code == 502
+        error = failed.json()["error"]
+        assert error["type"] == "BadGatewayError" and error["code"] == 502
+        assert error["param"] is None
+        assert f"the decode instance {b.url} failed" in error["message"]
         prefills_before = len(p.received)
         r = _post(proxy)
         assert r.status_code == 503
@@ -257,6 +254,16 @@ def test_prefill_connect_error_is_retried_on_the_other_prefill(instances):
         assert d.received == [dict(BODY, kv_transfer_params={
             "do_remote_prefill": True, "remote_engine_id": p.url})]
         assert _state(proxy) == {dead: (False, 0), p.url: (True, 0), d.url: (True, 0)}
+
+
+def test_decode_connect_error_is_retried_on_the_other_decode(instances):
+    p, d = instances("prefill"), instances("decode")
+    dead = _dead_url()
+    with _proxy([p.url], [dead, d.url], policy="round_robin") as proxy:
+        r = _post(proxy)  # the dead decode's turn first: nothing reached it
+        assert r.status_code == 200, r.text
+        assert r.json()["served_by"] == d.url
+        assert _state(proxy) == {p.url: (True, 0), dead: (False, 0), d.url: (True, 0)}
 
 
 def test_lone_dead_prefill_is_502_then_503(instances):

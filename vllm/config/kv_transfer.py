@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -73,12 +74,22 @@ class KVTransferConfig(FrozenConfig):
                 raise ValueError(
                     f"kv_connector_extra_config.{key} must be a positive integer, got {value!r}"
                 )
+        port = extra.get("side_channel_port")
+        if isinstance(port, int) and port > 65535:
+            raise ValueError(f"kv_connector_extra_config.side_channel_port must be a TCP port "
+                             f"(1-65535), got {port}")
+        backends = extra.get("backends")
+        if backends is not None and (not isinstance(backends, list) or not backends
+                                     or not all(isinstance(b, str) for b in backends)):
+            raise ValueError("kv_connector_extra_config.backends must be a non-empty list of "
+                             f"NIXL backend names (e.g. [\"UCX\"]), got {backends!r}")
         for key in ("abort_timeout_s", "transfer_timeout_s", "liveness_timeout_s"):
             value = extra.get(key)
             if value is not None and (isinstance(value, bool)
-                                      or not isinstance(value, (int, float)) or value <= 0):
+                                      or not isinstance(value, (int, float))
+                                      or not 0 < value < math.inf):
                 raise ValueError(
-                    f"kv_connector_extra_config.{key} must be a number of seconds > 0, "
+                    f"kv_connector_extra_config.{key} must be a finite number of seconds > 0, "
                     f"got {value!r}"
                 )
         if self.kv_connector == "OffloadingConnector":

@@ -24,11 +24,10 @@ of each; `GET /health` of the proxy itself is always 200.
 
 Errors: an instance's own error body and status pass through (a 5xx answer is an
 answer: the instance stays in rotation). A transport failure gives the client a 502
-with an OpenAI error body naming the instance; a prefill that could not even be
-connected to is retried once on another prefill instance in rotation (nothing reached
-the first). A decode is never retried: the KV blocks it was sent to read are the
-prefill's, held for one reader. With every instance of a role out of rotation the
-answer is a 503 naming them.
+with an OpenAI error body naming the instance; a prefill or decode instance that could
+not even be connected to (nothing reached it) is retried once on another of its role.
+A decode that failed after that is not: the prefill's blocks are readable once. With
+every instance of a role out of rotation the answer is a 503 naming them.
 """
 
 from __future__ import annotations
@@ -217,8 +216,16 @@ async def _complete(client: httpx.AsyncClient, prefills: InstancePool, decodes: 
     relayed = False  # a stream's relay releases the decode itself, when the stream ends
     try:
         params = await _prefill(client, prefills, path, body)
-        response = await _decode(client, decodes, decode, path,
-                                 dict(body, kv_transfer_params=params))
+        decode_body = dict(body, kv_transfer_params=params)
+        try:
+            response = await _decode(client, decodes, decode, path, decode_body)
+        except _Unsent as e:  # nothing reached it: another decode instance may read the KV
+            if not decodes.any_healthy():
+                raise _ProxyError(502, e.message) from e
+            logger.info("retrying a decode that %s refused on another instance", decode.url)
+            decodes.release(decode)
+            decode = decodes.acquire()
+            response = await _decode(client, decodes, decode, path, decode_body)
         relayed = isinstance(response, _RelayResponse)
         return response
     finally:
@@ -291,7 +298,8 @@ async def _decode(client: httpx.AsyncClient, decodes: InstancePool, decode: Inst
     """Generate on `decode` (already acquired). A 200 stream comes back as a _RelayResponse,
     which releases `decode` when the stream ends; the caller releases it otherwise.
 
-    Raises _ProxyError(502) when the instance fails (it leaves rotation).
+    Raises _ProxyError(502) when the instance fails (it leaves rotation): _Unsent when it
+    could not be connected to (no byte reached it).
     """
     stream = bool(body.get("stream"))
     req = client.build_request("POST", f"{decode.url}{path}", json=body)
@@ -301,10 +309,15 @@ async def _decode(client: httpx.AsyncClient, decodes: InstancePool, decode: Inst
             await r.aread()  # an error body, passed through whole below
     except httpx.TransportError as e:
         decodes.fail(decode, e)
-        raise _ProxyError(502, f"the decode instance {decode.url} failed: {e!r}") from e
+        kind = _Unsent if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)) else _ProxyError
+        raise kind(502, f"the decode instance {decode.url} failed: {e!r}") from e
     if stream and r.status_code == 200:
         return _RelayResponse(r, decodes, decode)
     return Response(r.content, status_code=r.status_code, media_type="application/json")
+
+
+class _Unsent(_ProxyError):
+    """A decode instance could not be connected to: the request may go to another."""
 
 
 class _RelayResponse(StreamingResponse):

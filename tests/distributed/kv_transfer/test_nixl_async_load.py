@@ -9,6 +9,7 @@ loads that come after, alone.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from types import SimpleNamespace
 
@@ -25,7 +26,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl_connector import (
     block_indices,
     strided_rows,
 )
-from vllm.distributed.kv_transfer.kv_transfer_params import RemotePrefill
+from vllm.distributed.kv_transfer.kv_transfer_params import RemotePrefill, parse_kv_transfer_params
+from vllm.sampling_params import SamplingParams
+from vllm.v1.request import Request, RequestStatus
 
 LAYERS, NUM_BLOCKS, BLOCK_ELEMS = ("l0", "l1", "l2"), 64, 4096  # 16 KiB fp32 blocks
 
@@ -64,10 +67,20 @@ def pair():
         c.shutdown()
 
 
+def _kept(pair, req_id: str, block_ids: list[int]) -> RemotePrefill:
+    """The producer's scheduler side keeps a finished prefill's blocks: its params."""
+    params = SamplingParams(max_tokens=1, extra_args={
+        "kv_transfer_params": {"do_remote_decode": True}})
+    request = Request(req_id, [1, 2, 3], params, eos_token_id=None)
+    request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    delay_free, kv_params = pair.side.request_finished(request, block_ids)
+    assert delay_free
+    return parse_kv_transfer_params({"kv_transfer_params": kv_params})
+
+
 def _load(pair, req_id: str, local: list[int], remote: list[int]) -> tuple[float, int]:
     """Post one load; (seconds start_load_kv took, steps until it was reported)."""
-    params = RemotePrefill(remote, pair.producer.engine_id, "127.0.0.1", pair.side.port,
-                           req_id, epoch=0, expires_at=time.time() + 60)
+    params = _kept(pair, req_id, remote)
     c = pair.consumer
     c.bind_connector_metadata(NixlConnectorMetadata({req_id: ReqLoad(local, params, remote)}))
     start = time.perf_counter()
@@ -103,12 +116,33 @@ def test_load_is_posted_then_reported_and_moves_the_bytes(pair):
     assert torch.equal(pair.dst["l2"][[8, 9]], pair.src["l2"][[10, 11]])
 
 
+def test_params_read_once_are_refused_the_second_time(pair):
+    """A replayed (or copied) kv_transfer_params must never read blocks that may have
+    been reused: the first claim takes them, a second one fails."""
+    _load(pair, "r5", [1, 2], [3, 4])
+    params = _kept(pair, "r6", [5])
+    c = pair.consumer
+    for attempt in ("first", "replay"):
+        req_id = f"r6-{attempt}"
+        c.bind_connector_metadata(NixlConnectorMetadata({req_id: ReqLoad([6], params, [5])}))
+        c.start_load_kv()
+        deadline = time.monotonic() + 10
+        done, failed = set(), {}
+        while not (done or failed) and time.monotonic() < deadline:
+            done = c.get_finished(set())[1]
+            failed = c.get_failed_recving()
+        assert (done, failed) != (set(), {})
+        if attempt == "first":
+            assert done == {req_id}
+        else:
+            assert "another reader took them" in failed[req_id]
+
+
 def test_a_silent_producer_fails_its_loads_alone(pair):
     _load(pair, "warm", [1], [1])
+    params = _kept(pair, "r3", [3])
     pair.side.shutdown()  # its heartbeat stops (the process hangs or died)
     time.sleep(0.8)  # past liveness_timeout_s
-    params = RemotePrefill([3], pair.producer.engine_id, "127.0.0.1", pair.side.port, "r3",
-                           epoch=0, expires_at=time.time() + 60)
     c = pair.consumer
     c.bind_connector_metadata(NixlConnectorMetadata({"r3": ReqLoad([3], params, [3])}))
     c.start_load_kv()
@@ -119,8 +153,7 @@ def test_a_silent_producer_fails_its_loads_alone(pair):
 
 
 def test_an_expired_lease_fails_the_load(pair):
-    params = RemotePrefill([3], pair.producer.engine_id, "127.0.0.1", pair.side.port, "r4",
-                           epoch=0, expires_at=time.time() + 0.5)  # inside the 1 s margin
+    params = dataclasses.replace(_kept(pair, "r4", [3]), expires_at=time.time() + 0.5)
     c = pair.consumer
     c.bind_connector_metadata(NixlConnectorMetadata({"r4": ReqLoad([3], params, [3])}))
     c.start_load_kv()

@@ -185,7 +185,9 @@ def test_1p1d_streaming_equals_one_instance(disagg, reference):
             assert r.status_code == 200
             for line in r.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
-                    text += json.loads(line[6:])["choices"][0]["text"]
+                    chunk = json.loads(line[6:])
+                    assert "choices" in chunk, chunk
+                    text += chunk["choices"][0]["text"]
         texts.append(text)
     assert texts == reference
 
@@ -216,6 +218,38 @@ def _wait_for(condition, timeout: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.2)
+
+
+def test_replayed_params_are_refused_and_leave_no_wrong_kv(disagg_servers, reference):
+    """kv_transfer_params read once are refused the second time (even by another decode
+    instance), so blocks the prefill instance may have reused are never read."""
+    servers, _ = disagg_servers
+    prefill, first, second = (servers[k] for k in ("kv_producer", "kv_consumer",
+                                                   "kv_consumer2"))
+    params = _prefill_params(prefill, PROMPTS[5])
+    r = _complete(first.url, PROMPTS[5], kv_transfer_params=params)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == reference[5]
+    replay = _complete(second.url, PROMPTS[5], kv_transfer_params=params)
+    assert replay.status_code == 502, replay.text
+    assert "another reader took them" in error_of(replay)["message"]
+    plain = _complete(second.url, PROMPTS[5])  # nothing wrong entered its prefix cache
+    assert plain.json()["choices"][0]["text"] == reference[5]
+
+
+def test_params_that_do_not_fit_the_request_are_400(disagg):
+    prefill, decode, proxy = disagg
+    params = _prefill_params(prefill, PROMPTS[6])
+    longer = " ".join([PROMPTS[6]] * 8)  # needs more blocks than the params hold
+    for url, prompt, extra, message in [
+        (decode.url, longer, {"kv_transfer_params": params}, "remote_block_ids holds"),
+        (decode.url, PROMPTS[6], {"kv_transfer_params": params, "n": 2}, "needs n=1"),
+        (proxy, [PROMPTS[6], PROMPTS[7]], {}, "needs one prompt"),
+        (proxy, PROMPTS[6], {"n": 2}, "needs n=1"),
+    ]:
+        r = _complete(url, prompt, **extra)
+        assert r.status_code == 400, r.text
+        assert error_of(r)["param"] == "kv_transfer_params"
+        assert message in error_of(r)["message"]
 
 
 def _sleep_and_wake(server: RemoteServer) -> None:

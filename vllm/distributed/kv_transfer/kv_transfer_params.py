@@ -96,3 +96,22 @@ def parse_kv_transfer_params(extra_args: dict[str, Any] | None) -> RemotePrefill
 
 def _fail(message: str) -> None:
     raise VLLMValidationError(message, parameter="kv_transfer_params")
+
+
+def check_kv_transfer_request(params: Any, num_prompt_tokens: int, block_size: int, n: int
+                              ) -> None:
+    """Raise VLLMValidationError (parameter "kv_transfer_params") unless checked `params`
+    fit this request: one sequence (n == 1: a transfer moves one prompt's KV to one
+    reader), and with do_remote_prefill enough remote blocks for the prompt's KV
+    (all but its last token, `block_size` tokens a block, as the producer's blocks)."""
+    if not params or not (params.get("do_remote_prefill") or params.get("do_remote_decode")):
+        return
+    if n != 1:
+        _fail(f"kv_transfer_params needs n=1 (one sequence per KV transfer), got n={n}")
+    if params.get("do_remote_prefill"):
+        needed = -(-(num_prompt_tokens - 1) // block_size)
+        have = len(params["remote_block_ids"])
+        if have < needed:
+            _fail(f"kv_transfer_params.remote_block_ids holds {have} block(s); this prompt's "
+                  f"{num_prompt_tokens} tokens need {needed} of {block_size} tokens (params "
+                  "from another prompt?)")

@@ -104,6 +104,10 @@ class OpenAIServingCompletion(OpenAIServing):
         """
         model_name, stream, include_usage, continuous_usage = self.open_request(request)
         prompts = _normalise_prompts(request.prompt)
+        if request.kv_transfer_params is not None and len(prompts) > 1:
+            raise APIError(400, f"kv_transfer_params needs one prompt (one KV transfer), got "
+                                f"{len(prompts)}; send one request per prompt",
+                           "kv_transfer_params")
         # vLLM: echo with logprobs returns the prompt's logprobs too (as many top entries).
         prompt_logprobs = request.prompt_logprobs
         if prompt_logprobs is None and request.echo and request.logprobs is not None:

@@ -10,7 +10,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from vllm.distributed.kv_transfer.kv_transfer_params import check_kv_transfer_params
+from vllm.distributed.kv_transfer.kv_transfer_params import (
+    check_kv_transfer_params,
+    check_kv_transfer_request,
+)
 from vllm.exceptions import VLLMValidationError
 from vllm.inputs import check_unicode_text
 from vllm.sampling_params import MAX_LOGPROBS, SamplingParams, validate_request_lengths
@@ -54,6 +57,8 @@ class Processor:
             stop every request, as the tokenizer's EOS does.
         max_logprobs: the most logprobs (sample or prompt) a request may ask
             for; -1 = the whole vocabulary (vLLM's `--max-logprobs`).
+        kv_connector: the KV connector's name, or None without one.
+        block_size: tokens per KV block (what remote blocks of a transfer hold).
     """
 
     def __init__(
@@ -65,12 +70,14 @@ class Processor:
         generation_config: dict | None = None,
         max_logprobs: int = MAX_LOGPROBS,
         kv_connector: str | None = None,
+        block_size: int = 16,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_num_seqs = max_num_seqs
         self.kv_connector = kv_connector
+        self.block_size = block_size
         self.eos_token_id = tokenizer.eos_token_id
         self.generation_config = generation_config or {}
         self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
@@ -90,6 +97,7 @@ class Processor:
             model_config.try_get_generation_config(),
             model_config.max_logprobs,
             kv_connector=kv.kv_connector if kv else None,
+            block_size=vllm_config.cache_config.block_size,
         )
 
     def process_inputs(
@@ -105,6 +113,8 @@ class Processor:
         """
         self.validate_params(params)
         text, prompt_token_ids = self.tokenize(prompt)
+        check_kv_transfer_request((params.extra_args or {}).get("kv_transfer_params"),
+                                  len(prompt_token_ids), self.block_size, params.n)
         if params.n == 1:
             request = self.make_request(request_id, prompt_token_ids, params)
             return ProcessedRequest(text, prompt_token_ids, [(request, None, 0)])

@@ -1,4 +1,5 @@
-"""Creating a NIXL agent: which wheel provides NIXL, and a progress thread that sleeps.
+"""Creating a NIXL agent (which wheel provides NIXL, a progress thread that sleeps) and
+the descriptor lists NixlConnector prepares once per agent (`strided_rows`, `block_indices`).
 
 NIXL's Python wrapper (`nixl_agent`, 1.5) builds its C++ agent config with
 `pthrDelay = 0`: the UCX progress thread then polls its workers without
@@ -14,9 +15,12 @@ wrapper's own constructor is used and a warning says so.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    import numpy as np
 
 logger = init_logger(__name__)
 
@@ -60,3 +64,22 @@ def make_agent(name: str, backends: list[str]) -> Any:
     for backend in backends:
         agent.create_backend(backend, {})
     return agent
+
+
+def strided_rows(layers: dict[str, tuple[int, int, int, int]], device_id: int) -> np.ndarray:
+    """Nx5 rows (address, block bytes, device, stride, num_blocks), one per layer in
+    name order: the prepared list whose index `layer * num_blocks + block` is that block."""
+    import numpy as np
+
+    return np.array([(base, page, device_id, stride, n)
+                     for _, (base, stride, page, n) in sorted(layers.items())], dtype=np.uint64)
+
+
+def block_indices(num_layers: int, num_blocks: int, block_ids: list[int]) -> np.ndarray:
+    """Indices into a `strided_rows` list for `block_ids` of every layer, layer-major
+    (int32, num_layers * len(block_ids))."""
+    import numpy as np
+
+    ids = np.asarray(block_ids, dtype=np.int64)
+    rows = np.arange(num_layers, dtype=np.int64)[:, None] * num_blocks + ids[None, :]
+    return rows.ravel().astype(np.int32)

@@ -12,11 +12,11 @@
                           worker:    handshake once per producer (background thread):
                                      its agent, its layers' descriptor list prepared
                                      (`prep_xfer_dlist`), its heartbeat subscribed;
-                                     per request one READ by block indices
-                                     (`make_prepped_xfer`, NIXL merges neighbours),
-                                     posted and left running; each later step polls it
-                          promoted:  READ done, producer alive at the same epoch and the
-                                     lease not expired -> the request computes its last
+                                     per request a claim of the blocks, then one READ
+                                     by block indices (`make_prepped_xfer`, NIXL merges
+                                     neighbours), posted and polled between steps
+                          promoted:  READ done, producer alive at the same epoch, lease
+                                     not expired -> the request computes its last
                                      prompt token; else it fails alone, blocks freed
                           the producer's worker sees the READ's notification -> frees
 
@@ -25,27 +25,24 @@ are non-blocking (`start_load_kv`, `get_finished`); the handshake runs on a
 thread; the engine core steps every ~1 ms while requests wait only for loads.
 
 Memory: each side registers exactly `register_kv_caches`' regions (committed
-spans; DRAM on the CPU, VRAM on CUDA). Descriptor lists are prepared once (the
-local one at registration, a producer's at its handshake): one descriptor per
-(layer, block) at `base + block * stride`, index `layer * num_blocks + block`.
+spans; DRAM on the CPU, VRAM on CUDA), deregistered for sleep and registered
+again after waking (new UCX keys: readers handshake again). Descriptor lists
+are prepared once (the local one at registration, a producer's at its
+handshake): one per (layer, block), index `layer * num_blocks + block`.
 
-Liveness (nixl_side_channel.py): a producer beats every 50 ms with its engine
-id and epoch (sleep count); a READ is not posted, and a finished one not
-promoted, unless the newest beat is younger than `liveness_timeout_s`
-(default 2 s), from the same engine, at the epoch the blocks were kept in, and
-the request's lease (`remote_expires_at`, the producer's abort timeout) has
-1 s left. A producer that sleeps bumps its epoch and waits two beats before
-its pages go, so a reader learns of it before a READ could see them gone.
+Liveness (nixl_side_channel.py): the first claim of a request's blocks wins,
+so replayed params never read reused blocks. A producer beats every 50 ms with
+its engine id and epoch (sleep count); a READ is not posted, nor promoted,
+unless the newest beat is younger than `liveness_timeout_s` (default 5 s),
+from the same engine, at the blocks' epoch, with 1 s of the request's lease
+(`remote_expires_at`) left. A producer that sleeps bumps its epoch and waits
+two beats before its pages go.
 
-Failures: an unreachable producer, a failed or timed-out READ
-(`transfer_timeout_s`, default 30 s), a stale heartbeat or an expired lease
-fail that request only (`failed_recving`); the scheduler frees its blocks
-(never cached) and the client gets a 502 naming the reason. A producer whose
-blocks are never read frees them after `abort_timeout_s` (default
+Failures (an unreachable producer, a failed, refused or timed-out READ or
+claim, a stale heartbeat, an expired lease) fail that request only; the
+scheduler frees its blocks (never cached) and the client gets a 502 naming
+the reason. Blocks nobody reads are freed after `abort_timeout_s` (default
 VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 120 s; vLLM waits 480 s).
-
-Sleep mode: an instance deregisters its KV memory before sleep releases the pages
-and registers it again after waking (new UCX keys: readers handshake again).
 """
 
 from __future__ import annotations
@@ -63,9 +60,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl_agent import make_agent
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl_agent import (
+    block_indices,
+    make_agent,
+    strided_rows,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl_side_channel import (
     HEARTBEAT_S,
+    ClaimClient,
     HeartbeatMonitor,
     SideChannel,
     fetch_handshake,
@@ -76,38 +78,18 @@ from vllm.distributed.kv_transfer.kv_transfer_params import RemotePrefill, parse
 from vllm.logger import init_logger
 
 if TYPE_CHECKING:
-    import numpy as np
     import torch
 
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = init_logger(__name__)
 
-TRANSFER_TIMEOUT_S = 30.0
-LIVENESS_TIMEOUT_S = 2.0
+TRANSFER_TIMEOUT_S, LIVENESS_TIMEOUT_S = 30.0, 5.0  # the extra-config keys' defaults
 LEASE_MARGIN_S = 1.0  # a lease with less left is treated as expired (clock skew, delivery)
-
-
-def strided_rows(layers: dict[str, tuple[int, int, int, int]], device_id: int) -> np.ndarray:
-    """Nx5 rows (address, block bytes, device, stride, num_blocks), one per layer in
-    name order: the prepared list whose index `layer * num_blocks + block` is that block."""
-    import numpy as np
-
-    return np.array([(base, page, device_id, stride, n)
-                     for _, (base, stride, page, n) in sorted(layers.items())], dtype=np.uint64)
-
-
-def block_indices(num_layers: int, num_blocks: int, block_ids: list[int]) -> np.ndarray:
-    """Indices into a `strided_rows` list for `block_ids` of every layer, layer-major
-    (int32, num_layers * len(block_ids))."""
-    import numpy as np
-
-    ids = np.asarray(block_ids, dtype=np.int64)
-    rows = np.arange(num_layers, dtype=np.int64)[:, None] * num_blocks + ids[None, :]
-    return rows.ravel().astype(np.int32)
 
 
 @dataclass
@@ -130,6 +112,7 @@ class _RemoteEngine:
     epoch: int  # its registration count when this handshake was made
     dlist: Any  # its prepared descriptor list
     heartbeat: HeartbeatMonitor
+    claims: ClaimClient
     read_once: bool = False  # a READ from it finished (its transport is logged then)
 
 
@@ -144,6 +127,7 @@ class _Load:
     load: ReqLoad
     deadline: float  # time.monotonic()
     handle: Any = None  # the READ once posted
+    claim_deadline: float = 0.0  # set when the claim of its blocks was sent
 
 
 class NixlConnector(KVConnectorBase_V1):
@@ -169,16 +153,14 @@ class NixlConnector(KVConnectorBase_V1):
         self._loads: dict[str, ReqLoad] = {}
         self._sends: list[str] = []
         self._consumed: set[str] = set()
+        self._held: set[str] = set()  # finished requests whose blocks no reader claimed yet
         self._side_channel: SideChannel | None = None
         self._handshake = b""  # what the side channel serves
         # worker side
-        self.agent = None
-        self.reg_descs = None
-        self.local_dlist = None
+        self.agent = self.reg_descs = self.local_dlist = None
         self.registered_regions: list[tuple[int, int]] = []
         self.layers: dict[str, tuple[int, int, int, int]] = {}
-        self.device_id = 0
-        self.mem_type = "DRAM"
+        self.device_id, self.mem_type = 0, "DRAM"
         self._remotes: dict[str, _RemoteEngine] = {}
         self._handshakes: dict[str, Future] = {}
         self._pool: ThreadPoolExecutor | None = None
@@ -234,6 +216,7 @@ class NixlConnector(KVConnectorBase_V1):
         if self.role == KVConnectorRole.SCHEDULER:
             self._sends, self._loads = [], {}
             self._consumed.clear()
+            self._held.clear()
             self.epoch += 1
             if self._side_channel is not None:
                 time.sleep(2 * HEARTBEAT_S + 0.02)
@@ -285,7 +268,11 @@ class NixlConnector(KVConnectorBase_V1):
             self._progress()
 
     def _progress(self) -> None:
-        """Move every load in flight one stage on: handshake -> READ posted -> done."""
+        """Move every load in flight one stage on: handshake -> claim sent -> claim granted,
+        READ posted -> READ done."""
+        claims: dict[str, bool] = {}
+        for engine in self._remotes.values():
+            claims.update(engine.claims.answers())
         for req_id, pending in list(self._pending.items()):
             if req_id not in self._pending:
                 continue  # failed with its engine meanwhile
@@ -297,10 +284,12 @@ class NixlConnector(KVConnectorBase_V1):
                 if engine is None:
                     continue  # its handshake runs
                 self._check_alive(engine, remote)
+                if not pending.load.local_block_ids:  # the local hits covered it: no READ
+                    self.agent.send_notif(engine.agent_name, remote.request_id.encode())
+                    self._done(req_id)
+                    continue
                 if pending.handle is None:
-                    pending.handle = self._post(engine, pending.load)
-                    if pending.handle is None:  # nothing to read: the hits covered it
-                        self._done(req_id)
+                    self._claim_then_post(engine, pending, claims.get(remote.request_id))
                     continue
                 state = self.agent.check_xfer_state(pending.handle)
                 if state == "DONE":
@@ -317,25 +306,39 @@ class NixlConnector(KVConnectorBase_V1):
                 if isinstance(e, _EngineFailure):
                     self._fail_engine(remote.engine_id, reason)
                 else:
-                    self._fail(req_id, reason)
+                    self._done(req_id, reason)
 
-    def _post(self, engine: _RemoteEngine, load: ReqLoad) -> Any:
-        notif = load.remote.request_id.encode()
-        if not load.local_block_ids:
-            self.agent.send_notif(engine.agent_name, notif)
-            return None
-        num_layers = len(self.layers)
+    def _claim_then_post(self, engine: _RemoteEngine, pending: _Load, granted: bool | None
+                         ) -> None:
+        """Claim the request's blocks (the first claim wins, so params read once are
+        refused: blocks the producer may have reused are never read); once granted,
+        post the READ. Raises when refused or unanswered."""
+        remote = pending.load.remote
+        if not pending.claim_deadline:
+            engine.claims.send(remote.engine_id, remote.request_id)
+            pending.claim_deadline = time.monotonic() + self.liveness_timeout_s
+            return
+        if granted is False:
+            raise RuntimeError(f"it no longer holds the blocks of request "
+                               f"{remote.request_id!r} (another reader took them, or they "
+                               "were freed)")
+        if granted is None:
+            if time.monotonic() > pending.claim_deadline:
+                raise _EngineFailure(f"it did not answer the claim of its blocks in "
+                                     f"{self.liveness_timeout_s:.0f} s")
+            return
+        load, num_layers = pending.load, len(self.layers)
         local = block_indices(num_layers, next(iter(self.layers.values()))[3],
                               load.local_block_ids)
-        remote = block_indices(num_layers, next(iter(engine.layers.values()))[3],
-                               load.remote_block_ids)
+        remote_ids = block_indices(num_layers, next(iter(engine.layers.values()))[3],
+                                   load.remote_block_ids)
         handle = self.agent.make_prepped_xfer("READ", self.local_dlist, local, engine.dlist,
-                                              remote, notif)
+                                              remote_ids, remote.request_id.encode())
         state = self.agent.transfer(handle)
         if state not in ("PROC", "DONE"):
             self.agent.release_xfer_handle(handle)
-            raise RuntimeError(f"posting the NIXL READ gave state {state}")
-        return handle
+            raise _EngineFailure(f"posting the NIXL READ gave state {state}")
+        pending.handle = handle
 
     def _check_alive(self, engine: _RemoteEngine, remote: RemotePrefill) -> None:
         """Raise unless the producer beat recently, as the same engine, at the request's
@@ -419,36 +422,38 @@ class NixlConnector(KVConnectorBase_V1):
                     "prepared in %.1f ms", remote.engine_id, remote.host, remote.port,
                     reply.get("epoch", 0), sum(n for *_, n in layers.values()),
                     (time.perf_counter() - start) * 1e3)
-        return _RemoteEngine(name, layers, int(reply.get("epoch", 0)), dlist, beat)
+        return _RemoteEngine(name, layers, int(reply.get("epoch", 0)), dlist, beat,
+                             ClaimClient(remote.host, remote.port))
 
-    def _done(self, req_id: str) -> None:
+    def _done(self, req_id: str, reason: str | None = None) -> None:
+        """The load ended: done, or failed for `reason`."""
         self._release(self._pending.pop(req_id))
-        self._recving.add(req_id)
-
-    def _fail(self, req_id: str, reason: str) -> None:
-        self._release(self._pending.pop(req_id))
-        self._failed[req_id] = reason
+        if reason is None:
+            self._recving.add(req_id)
+        else:
+            self._failed[req_id] = reason
 
     def _fail_engine(self, engine_id: str, reason: str) -> None:
         """Fail every load from the producer `engine_id` and forget it (its next
         request handshakes again)."""
         for req_id, pending in list(self._pending.items()):
             if pending.load.remote.engine_id == engine_id:
-                self._fail(req_id, reason)
+                self._done(req_id, reason)
         self._forget_remote(engine_id)
 
     def _release(self, pending: _Load) -> None:
-        if pending.handle is not None:
-            try:
+        try:
+            if pending.handle is not None:
                 self.agent.release_xfer_handle(pending.handle)
-            except Exception as e:  # a READ still running cannot always be released
-                logger.warning("NIXL: releasing a READ handle failed: %s", e)
-            pending.handle = None
+        except Exception as e:  # a READ still running cannot always be released
+            logger.warning("NIXL: releasing a READ handle failed: %s", e)
+        pending.handle = None
 
     def _forget_remote(self, engine_id: str) -> None:
         if (engine := self._remotes.pop(engine_id, None)) is None:
             return
         engine.heartbeat.close()
+        engine.claims.close()
         try:
             self.agent.release_dlist_handle(engine.dlist)
             self.agent.remove_remote_agent(engine.agent_name)
@@ -511,7 +516,7 @@ class NixlConnector(KVConnectorBase_V1):
         if self._side_channel is None:
             self._side_channel = SideChannel(
                 self.host, self.port, lambda: self._handshake,
-                lambda: {"engine_id": self.engine_id, "epoch": self.epoch})
+                lambda: {"engine_id": self.engine_id, "epoch": self.epoch}, self._claim)
             self.port = self._side_channel.port
             logger.info("NIXL side channel of engine %s on %s:%d (heartbeat on port %d)",
                         self.engine_id, self.host, self.port, self._side_channel.heartbeat_port)
@@ -519,6 +524,19 @@ class NixlConnector(KVConnectorBase_V1):
 
         self._handshake = json.dumps(
             {**metadata, "heartbeat_port": self._side_channel.heartbeat_port}).encode()
+
+    def _claim(self, engine_id: str, req_id: str) -> bool:
+        """A reader takes a request's blocks: True once (the side channel's thread)."""
+        if engine_id != self.engine_id:
+            return False
+        try:
+            self._held.remove(req_id)  # one C call: atomic under the GIL
+        except KeyError:
+            return False
+        return True
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._held.difference_update(connector_output.finished_sending)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -567,6 +585,7 @@ class NixlConnector(KVConnectorBase_V1):
                 or str(request.get_finished_reason()) == "abort"):
             return False, None
         self._sends.append(request.request_id)
+        self._held.add(request.request_id)
         return True, {
             "do_remote_prefill": True, "do_remote_decode": False,
             "remote_block_ids": list(block_ids), "remote_engine_id": self.engine_id,

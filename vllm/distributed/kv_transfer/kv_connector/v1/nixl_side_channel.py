@@ -2,21 +2,28 @@
 
     producer (engine core process, beside the scheduler)   consumer (worker process)
       SideChannel                                            handshake(host, port)
-        REP  host:port       "handshake" -> metadata  <----    once per producer (in a
+        ROUTER host:port     "handshake" -> metadata  <----    once per producer (in a
                              (agent metadata, layers,          background thread: no
                               heartbeat port, epoch)           step waits for it)
+                             "claim" req -> 1 | 0     <----  ClaimClient (DEALER): sent
+                             (1 once: the first claim          before each READ, answered
+                              takes the blocks)                between two steps
         PUB  host:hb_port    every HEARTBEAT_S:       ---->  HeartbeatMonitor (SUB, the
                              {engine_id, epoch, seq}          latest beat only), polled
                                                               between steps: liveness
                                                               without a round trip
 
-Why a heartbeat: a consumer must not promote a request whose KV it read from
-blocks the producer no longer held (it slept: epoch changed) or from a
-producer that is gone (no new beat within the liveness timeout; a restarted
-producer beats with another engine id). Asking the producer per request
-("do you still hold X?") put a TCP round trip before every READ; the beat
-carries the same facts to every reader at once. Block expiry is the lease
-in the request's `kv_transfer_params` (`remote_expires_at`), checked locally.
+Why: a consumer must not promote a request whose KV it read from blocks the
+producer no longer held. The claim makes each request's blocks readable once
+(a replayed or copied `kv_transfer_params` is refused, even by another
+consumer, before it reads anything). It is the one round trip before a READ
+(~0.2 ms on one host, inside the consumer's 1 ms poll); sent beside the READ
+it raced the READ's own completion notice, which frees the blocks.
+The heartbeat tells every reader at once that a producer is gone (no new beat
+within the liveness timeout; a restarted producer beats with another engine
+id) or slept (its epoch changed: new memory keys, no blocks kept), before a
+READ is posted. Block expiry is the lease in the request's
+`kv_transfer_params` (`remote_expires_at`), checked locally.
 """
 
 from __future__ import annotations
@@ -38,20 +45,24 @@ HANDSHAKE_TIMEOUT_S = 5.0
 
 
 class SideChannel:
-    """The producer's side: a REP socket answering the handshake and a PUB socket beating.
+    """The producer's side: a ROUTER socket answering handshakes and claims, and a PUB
+    socket beating (both on one thread).
 
     Args:
-        host, port: where the REP socket binds (port 0: a free one; see `port`).
+        host, port: where the ROUTER socket binds (port 0: a free one; see `port`).
         handshake: returns the handshake reply (bytes), called per query.
         beat: returns the heartbeat's fields (engine_id, epoch), called per beat.
+        claim: (engine id, request id) -> whether that request's blocks are still
+            held and were not claimed before (the first True takes them).
     """
 
     def __init__(self, host: str, port: int, handshake: Callable[[], bytes],
-                 beat: Callable[[], dict[str, Any]]) -> None:
+                 beat: Callable[[], dict[str, Any]], claim: Callable[[str, str], bool]
+                 ) -> None:
         import zmq
 
         self._ctx = zmq.Context()
-        self._rep = self._ctx.socket(zmq.REP)
+        self._rep = self._ctx.socket(zmq.ROUTER)
         self._rep.setsockopt(zmq.LINGER, 0)
         if port:
             self._rep.bind(f"tcp://{host}:{port}")
@@ -61,7 +72,7 @@ class SideChannel:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self.heartbeat_port = self._pub.bind_to_random_port(f"tcp://{host}")
-        self._handshake, self._beat = handshake, beat
+        self._handshake, self._beat, self._claim = handshake, beat, claim
         self._seq = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="nixl-side-channel",
@@ -78,16 +89,27 @@ class SideChannel:
                 self._seq += 1
                 self._pub.send(json.dumps({**self._beat(), "seq": self._seq}).encode())
                 next_beat = now + HEARTBEAT_S
-            if self._rep.poll(max(1, int((next_beat - now) * 1000)), zmq.POLLIN):
-                query = self._rep.recv()
+            while self._rep.poll(max(1, int((next_beat - now) * 1000)), zmq.POLLIN):
+                ident, _, *query = self._rep.recv_multipart()
                 try:
-                    reply = self._handshake() if query == b"handshake" else b"{}"
+                    reply = self._answer(query)
                 except Exception:  # a failing answer must not stop the channel
-                    logger.exception("NIXL side channel: answering %r failed", query[:40])
-                    reply = b"{}"
-                self._rep.send(reply)
+                    logger.exception("NIXL side channel: answering %r failed", query[:2])
+                    reply = [b"{}"]
+                self._rep.send_multipart([ident, b"", *reply])
+                now = time.monotonic()
+                if now >= next_beat:
+                    break
         self._rep.close()
         self._pub.close()
+
+    def _answer(self, query: list[bytes]) -> list[bytes]:
+        if query == [b"handshake"]:
+            return [self._handshake()]
+        if len(query) == 3 and query[0] == b"claim":
+            granted = self._claim(query[1].decode(), query[2].decode())
+            return [b"claim", query[2], b"1" if granted else b"0"]
+        return [b"{}"]
 
     def close(self) -> None:
         self._stop.set()
@@ -115,6 +137,36 @@ def handshake(host: str, port: int, timeout_s: float) -> dict[str, Any]:
         return json.loads(sock.recv())
     finally:
         sock.close()
+
+
+class ClaimClient:
+    """The consumer's claims on one producer (DEALER): sent, answered asynchronously."""
+
+    def __init__(self, host: str, port: int) -> None:
+        import zmq
+
+        self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(f"tcp://{host}:{port}")
+
+    def send(self, engine_id: str, request_id: str) -> None:
+        self._sock.send_multipart([b"", b"claim", engine_id.encode(), request_id.encode()])
+
+    def answers(self) -> dict[str, bool]:
+        """Request id -> granted, for every answer that arrived (never blocks)."""
+        import zmq
+
+        out: dict[str, bool] = {}
+        while True:
+            try:
+                _, kind, req_id, granted = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            if kind == b"claim":
+                out[req_id.decode()] = granted == b"1"
+
+    def close(self) -> None:
+        self._sock.close()
 
 
 class HeartbeatMonitor:
