@@ -26,6 +26,7 @@ GOOD = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids"
     ({**GOOD, "remote_block_ids": [1, -2]}, "NixlConnector", "non-negative ints"),
     ({**GOOD, "remote_engine_id": None}, "NixlConnector", "remote_engine_id must be a str"),
     ({**GOOD, "remote_epoch": "0"}, "NixlConnector", "remote_epoch must be a number"),
+    ({**GOOD, "remote_port": -1}, "NixlConnector", r"remote_port must be a TCP port \(1-65535\)"),
     ({**GOOD, "remote_expires_at": True}, "NixlConnector", "remote_expires_at must be a number"),
 ])
 def test_bad_params_name_the_field(params, connector, message):

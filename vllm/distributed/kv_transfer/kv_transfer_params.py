@@ -73,6 +73,9 @@ def check_kv_transfer_params(params: Any, kv_connector: str | None) -> None:
             if not isinstance(value, kind) or isinstance(value, bool):
                 _fail(f"kv_transfer_params.{key} must be a {kind.__name__} with "
                       f"do_remote_prefill, got {value!r}")
+        if not 0 < params["remote_port"] < 65536:
+            _fail(f"kv_transfer_params.remote_port must be a TCP port (1-65535), got "
+                  f"{params['remote_port']}")
         for key, kinds in _OPTIONAL_REMOTE_KEYS.items():
             value = params.get(key)
             if value is not None and (not isinstance(value, kinds) or isinstance(value, bool)):
