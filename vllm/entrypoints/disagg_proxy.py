@@ -53,6 +53,8 @@ logger = init_logger("vllm.entrypoints.disagg_proxy")
 TIMEOUT_S = 600.0  # a long generation on a slow decode instance is still an answer
 PROBE_TIMEOUT_S = 5.0  # a /health that takes longer counts as not healthy (one probe round)
 POLICIES = ("least_loaded", "round_robin")
+# Transport errors before any byte reached the instance: another instance may take it.
+UNSENT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
 _ERROR_TYPES = {400: "BadRequestError", 502: "BadGatewayError", 503: "ServiceUnavailableError"}
 
 
@@ -277,7 +279,7 @@ async def _prefill(client: httpx.AsyncClient, prefills: InstancePool, path: str,
             except httpx.TransportError as e:
                 prefills.fail(prefill, e)
                 # A connect error means no byte reached the instance: another may take it.
-                unsent = isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout))
+                unsent = isinstance(e, UNSENT_ERRORS)
                 if not (unsent and attempt == 1 and prefills.any_healthy()):
                     raise _ProxyError(502, f"the prefill instance {prefill.url} failed: "
                                            f"{e!r}") from e
@@ -309,7 +311,7 @@ async def _decode(client: httpx.AsyncClient, decodes: InstancePool, decode: Inst
             await r.aread()  # an error body, passed through whole below
     except httpx.TransportError as e:
         decodes.fail(decode, e)
-        kind = _Unsent if isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)) else _ProxyError
+        kind = _Unsent if isinstance(e, UNSENT_ERRORS) else _ProxyError
         raise kind(502, f"the decode instance {decode.url} failed: {e!r}") from e
     if stream and r.status_code == 200:
         return _RelayResponse(r, decodes, decode)

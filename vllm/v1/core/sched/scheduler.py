@@ -4,12 +4,10 @@ One step::
 
     schedule() -> SchedulerOutput -> model runner -> ModelRunnerOutput -> update_from_output()
 
-`schedule()` decides how many tokens each request computes this step and
-which KV blocks they go to; `update_from_output()` appends the sampled
-tokens, applies the stop checks and frees finished requests' blocks. Helpers
-in modules of their own: step.py (the plan, its packaging), spec_decode.py (the
-rules for drafts); components held as fields: `connector`
-(`SchedulerKVConnector`, kv_connector.py), `prefill_policy` (partial_prefills.py).
+`schedule()` picks each request's tokens and KV blocks for the step;
+`update_from_output()` appends sampled tokens, applies stop checks, frees
+finished requests' blocks. Helpers: step.py (the plan), spec_decode.py (drafts);
+components: `connector` (kv_connector.py), `prefill_policy` (partial_prefills.py).
 """
 
 from __future__ import annotations
@@ -393,10 +391,8 @@ class Scheduler:
             if new_blocks is None:
                 break
             self.waiting.popleft()
-            if self.connector is not None and not request.num_computed_tokens:
-                self.connector.note_allocated(request, num_hit_tokens, num_external)
-            if request.num_preemptions == 0 and not request.num_computed_tokens:
-                self._count_prompt_sources(request, num_hit_tokens, num_external)
+            if not request.num_computed_tokens:  # not a finished load: noted at its start
+                self._note_allocated(request, num_hit_tokens, num_external)
             self._admit(request, num_hit_tokens + num_external, plan)
             plan.add(request, num_new)
             policy.note(plan.prefills, to_compute, num_new, long)
@@ -413,11 +409,20 @@ class Scheduler:
             return hits, num_hit_tokens, 0, False
         return hits, num_hit_tokens, *self.connector.external_tokens(request, num_hit_tokens)
 
+    def _note_allocated(self, request: Request, num_hit_tokens: int, num_external: int) -> None:
+        """A looked-up request got its blocks: the connector plans its load, the prompt
+        sources count it (first admission only)."""
+        if self.connector is not None:
+            self.connector.note_allocated(request, num_hit_tokens, num_external)
+        if request.num_preemptions == 0:
+            computed = request.num_prompt_tokens - num_hit_tokens - num_external
+            for source, n in (("local_cache_hit", num_hit_tokens), ("local_compute", computed),
+                              ("external_kv_transfer", num_external)):
+                self.prompt_tokens_by_source[source] += n
+
     def _start_load(self, request: Request, num_hit_tokens: int, num_external: int) -> None:
         """The request got its blocks; it waits while the connector loads its KV."""
-        self.connector.note_allocated(request, num_hit_tokens, num_external)
-        if request.num_preemptions == 0:
-            self._count_prompt_sources(request, num_hit_tokens, num_external)
+        self._note_allocated(request, num_hit_tokens, num_external)
         self.connector.start_load(request, num_hit_tokens + num_external)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
 
@@ -502,11 +507,6 @@ class Scheduler:
                 error=f"the KV transfer of request {req_id!r} failed: {reason}",
             ))
         return outputs
-
-    def _count_prompt_sources(self, request: Request, num_hit: int, num_external: int) -> None:
-        for source, n in (("local_cache_hit", num_hit), ("external_kv_transfer", num_external),
-                          ("local_compute", request.num_prompt_tokens - num_hit - num_external)):
-            self.prompt_tokens_by_source[source] += n
 
     # ---- queries and cache size ----
 

@@ -271,7 +271,8 @@ class NixlConnector(KVConnectorBase_V1):
         """Move every load in flight one stage on: handshake -> claim sent -> claim granted,
         READ posted -> READ done."""
         claims: dict[str, bool] = {}
-        for engine in self._remotes.values():
+        for engine in self._remotes.values():  # each producer's news once per call
+            engine.heartbeat.poll()
             claims.update(engine.claims.answers())
         for req_id, pending in list(self._pending.items()):
             if req_id not in self._pending:
@@ -343,8 +344,7 @@ class NixlConnector(KVConnectorBase_V1):
     def _check_alive(self, engine: _RemoteEngine, remote: RemotePrefill) -> None:
         """Raise unless the producer beat recently, as the same engine, at the request's
         epoch, with the request's lease not expired."""
-        beat = engine.heartbeat
-        beat.poll()
+        beat = engine.heartbeat  # polled at the start of `_progress`
         silent = time.monotonic() - beat.last_seen
         if beat.engine_id not in (None, remote.engine_id):
             raise _EngineFailure(f"another engine ({beat.engine_id}) answers there now "
@@ -370,7 +370,6 @@ class NixlConnector(KVConnectorBase_V1):
         """
         engine = self._remotes.get(remote.engine_id)
         if engine is not None:
-            engine.heartbeat.poll()
             epoch = engine.heartbeat.epoch
             if epoch in (None, engine.epoch) or remote.epoch not in (None, epoch):
                 return engine  # current; or the request is older than its epoch: it fails
