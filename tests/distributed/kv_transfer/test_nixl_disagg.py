@@ -281,7 +281,9 @@ def test_blocks_held_across_a_sleep_are_freed_and_their_read_fails_clearly(disag
     prompt = PROMPTS[2] + " or so"
     r = _complete(prefill.url, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
     params = r.json()["kv_transfer_params"]
-    assert scrape_metrics(prefill)["vllm:kv_cache_usage_perc"] > 0.0  # held for the reader
+    held = scrape_metrics(prefill)
+    assert held["vllm:kv_cache_usage_perc"] > 0.0  # held for the reader
+    assert held["vllm:kv_transfer_held_blocks"] > 0.0
     _sleep_and_wake(prefill)
     assert scrape_metrics(prefill)["vllm:kv_cache_usage_perc"] == 0.0
     assert "Sleep: freed the blocks of 1 finished request(s)" in prefill.log()

@@ -218,15 +218,15 @@ class EngineCore:
         self.adjust_kv_cache()
         try:
             launched = False
-            if (self.scheduler.has_unfinished_requests()
-                    or self.scheduler.has_pending_kv_transfers()):
+            # No KV transfer reports to collect here: a KV connector turns async
+            # scheduling off (vllm/config/vllm.py, VllmConfig._resolve_async_scheduling).
+            if self.scheduler.has_unfinished_requests():
                 scheduler_output = self.scheduler.schedule()
                 self._scheduled_req_ids = list(scheduler_output.num_scheduled_tokens)
                 runner_output = self._execute(scheduler_output)
-                # An empty step is queued too: its transfer report (loads done or
-                # failed, sends taken) is applied after the steps before it.
-                queue.append((scheduler_output, runner_output))
-                launched = True
+                if not scheduler_output.is_empty:
+                    queue.append((scheduler_output, runner_output))
+                    launched = True
             if not queue or (launched and len(queue) == 1):
                 return []  # nothing was in flight: launch the next step before waiting
             scheduler_output, runner_output = queue[0]
