@@ -118,9 +118,13 @@ def test_a_timed_shrink_goes_back_to_a_growth_boundary_never_into_one():
     p.adopt(117)
     p.adopt(149)
     # Blocks 140.. free, 139 in use: the growth 117..148 cannot go whole, so nothing goes.
-    assert p.target(_Pool(149, 60, 9), blocks_wanted=0, allow_shrink=True) is None
+    assert p.target(_Pool(149, 60, 9), blocks_wanted=0) is None
     # The whole growth free: back to its start.
-    assert p.target(_Pool(149, 60, 32), blocks_wanted=0, allow_shrink=True) == 117
+    assert p.target(_Pool(149, 60, 32), blocks_wanted=0) == 117
+    # A step in flight (async scheduling) was scheduled when only 10 tail blocks were
+    # free: the blocks freed since may still be written by it, so nothing goes yet.
+    assert p.target(_Pool(149, 60, 32), blocks_wanted=0, safe_tail=10) is None
+    assert p.target(_Pool(149, 60, 32), blocks_wanted=0, safe_tail=32) == 117
 
 
 def test_reclaim_target_gives_a_peer_whole_growths_at_once_and_keeps_the_low_water_mark():
@@ -140,6 +144,8 @@ def test_reclaim_target_gives_a_peer_whole_growths_at_once_and_keeps_the_low_wat
     assert p.reclaim_target(_Pool(181, 150, 20), blocks=20, blocks_wanted=0) is None
     # Its own waiting requests want 120 blocks: it keeps them free (180 - 120 = 60 go at most).
     assert p.reclaim_target(idle, blocks=500, blocks_wanted=120) == 149
+    # A step in flight saw 40 free tail blocks when it was scheduled: only 141.. may go.
+    assert p.reclaim_target(idle, blocks=500, blocks_wanted=0, safe_tail=40) == 149
     assert p.num_shrinks == 0  # deciding changes nothing
 
 

@@ -90,7 +90,7 @@ class EngineSlot:
 
     Attributes:
         pid, start_ticks: the engine core process (start_ticks tells a reused pid).
-        name: what `kv-top` shows (the served model name), at most 48 bytes UTF-8.
+        name: what `kv-top` shows (the served model name), its last 48 bytes of UTF-8.
         committed: KV cache bytes committed on this device.
         in_use: bytes of blocks that requests hold.
         reclaimable: bytes the engine could release now (free tail blocks,
@@ -123,7 +123,7 @@ class EngineSlot:
 
     def pack(self) -> bytes:
         values = [getattr(self, f.name) for f in fields(self)]
-        values[2] = self.name.encode()[:NAME_BYTES]
+        values[2] = self.name.encode()[-NAME_BYTES:]  # a long name keeps its end
         return _SLOT.pack(*values)
 
     @classmethod

@@ -100,7 +100,10 @@ class EngineCore:
                 self.scheduler, self.model_executor.collective_rpc, share_as, time.monotonic)
         self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
         # Async scheduling: steps launched whose outputs are not yet applied (at most 2).
-        self._batch_queue: deque[tuple[SchedulerOutput, Any]] = deque()
+        # Each entry: the step, its output to come, and the pool's free tail blocks when it
+        # was scheduled (an elastic shrink may drop only blocks free then: the step may
+        # write any block that was taken).
+        self._batch_queue: deque[tuple[SchedulerOutput, Any, int]] = deque()
         self._scheduled_req_ids: list[str] = []  # of the last (possibly failed) step
         self._kv_memory: KVCacheMemory | None = None  # cached; None = read it again
         self._sleeping: bool | None = False
@@ -239,17 +242,18 @@ class EngineCore:
                 self._scheduled_req_ids = list(scheduler_output.num_scheduled_tokens)
                 runner_output = self._execute(scheduler_output)
                 if not scheduler_output.is_empty:
-                    queue.append((scheduler_output, runner_output))
+                    tail = self.scheduler.kv_cache_manager.num_free_tail_blocks()
+                    queue.append((scheduler_output, runner_output, tail))
                     launched = True
             if not queue or (launched and len(queue) == 1):
                 return []  # nothing was in flight: launch the next step before waiting
-            scheduler_output, runner_output = queue[0]
+            scheduler_output, runner_output, _ = queue[0]
             outputs = self.scheduler.update_from_output(
                 scheduler_output, _resolve(runner_output))
             queue.popleft()
             return outputs
         except BaseException:
-            in_flight = [r for so, _ in queue for r in so.num_scheduled_tokens]
+            in_flight = [r for so, _, _ in queue for r in so.num_scheduled_tokens]
             self._scheduled_req_ids = list(dict.fromkeys([*in_flight, *self._scheduled_req_ids]))
             queue.clear()
             raise
@@ -257,7 +261,7 @@ class EngineCore:
     def _drain_batch_queue(self) -> None:
         """Wait for the steps in flight and apply their outputs (before memory goes away)."""
         while self._batch_queue:
-            scheduler_output, runner_output = self._batch_queue.popleft()
+            scheduler_output, runner_output, _ = self._batch_queue.popleft()
             self.scheduler.update_from_output(scheduler_output, _resolve(runner_output))
 
     # ------------------------------------------------------ the elastic cache
@@ -270,14 +274,17 @@ class EngineCore:
         after a step was launched can be one that step writes).
 
         Returns:
-            True when the committed block count changed.
+            True when the committed block count, or a figure `kv_cache_memory()`
+            reports (in use, reclaimable), changed.
         """
         if self.elastic_kv is None or self.is_sleeping():
             return False
-        changed = self.elastic_kv.adjust(allow_shrink=not self._batch_queue)
+        in_flight = [tail for _, _, tail in self._batch_queue]
+        version = self.elastic_kv.figures_version
+        changed = self.elastic_kv.adjust(min(in_flight) if in_flight else None)
         if changed:
             self._kv_memory = None
-        return changed
+        return changed or self.elastic_kv.figures_version != version
 
     def set_kv_cache_limit(self, limit_bytes: int | None) -> int:
         """A runtime ceiling for the elastic cache in bytes (None: the start-up limit).
@@ -382,7 +389,7 @@ class EngineCore:
         in_use = kv.num_blocks - 1 - kv.get_num_free_blocks()
         return replace(self._kv_memory,
                        in_use_bytes=in_use * ekv.block_bytes,
-                       reclaimable_bytes=ekv.reclaimable_blocks * ekv.block_bytes,
+                       reclaimable_bytes=ekv.figures["reclaimable"] * ekv.block_bytes,
                        limit_bytes=self.scheduler.elastic.limit * ekv.block_bytes,
                        num_reclaims=ekv.num_reclaims)
 

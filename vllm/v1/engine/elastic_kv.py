@@ -19,15 +19,19 @@ poll of the engine loop, `adjust()`:
     4. publishes committed / in-use / reclaimable / limit to the registry
        (`vllm kv-top`, /metrics), at most every `PUBLISH_S`.
 
-A shrink (and so an answer) waits while a step is in flight with async
-scheduling: a block freed after the step was launched may be one it writes.
+With async scheduling a step is in flight while this runs: only the tail
+blocks that were free when every step in flight was scheduled may go (a
+block freed since may still be one such a step writes); the workers wait for
+the device before they unmap.
 Nothing here runs inside a step; a release takes the driver calls' time
 (~0.1-0.4 ms per 1-8 GiB on the H200, docs/elastic_kv_cache.md).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
@@ -68,7 +72,9 @@ class ElasticKVController:
         self.clock = clock
         self.sharing: DeviceSharing | None = None
         self.block_bytes = 0  # summed over the ranks
-        self.reclaimable_blocks = 0  # as last published
+        # Blocks: committed, in_use, reclaimable, floor, limit, as last published.
+        self.figures: dict[str, int] = {}
+        self.figures_version = 0
         self._published_at = float("-inf")
         devices: dict[str, int] = {}
         for key, block_bytes in self.run(Worker.kv_cache_device):
@@ -76,8 +82,8 @@ class ElasticKVController:
         self.block_bytes = sum(devices.values())
         if share_as is not None:
             self.sharing = DeviceSharing([DeviceShare(k, b) for k, b in devices.items()],
-                                         share_as, clock=clock)
-            self.publish(force=True)
+                                         _display_name(share_as), clock=clock)
+        self.publish(force=True)
 
     @property
     def num_reclaims(self) -> int:
@@ -85,16 +91,18 @@ class ElasticKVController:
         return 0 if self.sharing is None else self.sharing.num_reclaims
 
     # ----------------------------------------------------------- the step
-    def adjust(self, allow_shrink: bool) -> bool:
+    def adjust(self, safe_tail: int | None = None) -> bool:
         """Grow, shrink or release for a peer as needed now; True when the count changed.
 
         Args:
-            allow_shrink: no step is in flight (a shrink may drop blocks now).
+            safe_tail: with steps in flight (async scheduling), the fewest free
+                tail blocks any of them saw when it was scheduled (only those may
+                go: a block freed since may still be written); None: none in flight.
         """
         s, policy = self.scheduler, self.policy
         kv = s.kv_cache_manager
         wanted = blocks_wanted(s.waiting, s.running, s.block_size)
-        target = policy.target(kv, wanted, allow_shrink)
+        target = policy.target(kv, wanted, safe_tail)
         changed, lacking = False, 0
         if target is not None and target > s.num_blocks:
             changed, in_flight = self.grow_ahead(target)
@@ -105,16 +113,16 @@ class ElasticKVController:
             changed = self.shrink(target)
         if self.sharing is not None:
             self.sharing.want(lacking)
-            if allow_shrink and not lacking:
-                changed = self._answer_peers(wanted) or changed
-            self.publish(force=changed)
+            if not lacking:
+                changed = self._answer_peers(wanted, safe_tail) or changed
+        self.publish(force=changed)
         return changed
 
-    def _answer_peers(self, wanted: int) -> bool:
+    def _answer_peers(self, wanted: int, safe_tail: int | None) -> bool:
         kv, planned = self.scheduler.kv_cache_manager, []
 
         def release_for(blocks: int) -> int:
-            target = self.policy.reclaim_target(kv, blocks, wanted)
+            target = self.policy.reclaim_target(kv, blocks, wanted, safe_tail)
             planned.append(target)
             return 0 if target is None else self.scheduler.num_blocks - target
 
@@ -158,9 +166,10 @@ class ElasticKVController:
         return True
 
     def publish(self, force: bool = False) -> None:
-        """Write this engine's figures to the device registry (at most every `PUBLISH_S`)."""
+        """Refresh this engine's figures (what `/metrics` and the device registry show),
+        at most every `PUBLISH_S` unless forced; `figures_version` counts the changes."""
         now = self.clock()
-        if self.sharing is None or (not force and now - self._published_at < PUBLISH_S):
+        if not force and now - self._published_at < PUBLISH_S:
             return
         self._published_at = now
         s, policy = self.scheduler, self.policy
@@ -168,11 +177,15 @@ class ElasticKVController:
         committed = s.num_blocks
         wanted = blocks_wanted(s.waiting, s.running, s.block_size)
         keep = policy.reclaim_target(kv, committed, wanted)  # all that can go now
-        self.reclaimable_blocks = 0 if keep is None else committed - keep
-        self.sharing.publish(committed=committed,
-                             in_use=committed - 1 - kv.get_num_free_blocks(),
-                             reclaimable=self.reclaimable_blocks,
-                             floor=policy.floor, limit=policy.limit)
+        figures = dict(committed=committed, in_use=committed - 1 - kv.get_num_free_blocks(),
+                       reclaimable=0 if keep is None else committed - keep,
+                       floor=policy.floor, limit=policy.limit)
+        if figures == self.figures:
+            return
+        self.figures = figures
+        self.figures_version += 1
+        if self.sharing is not None:
+            self.sharing.publish(**figures)
 
     # ------------------------------------------------------ limit, sleep
     def set_limit(self, limit_bytes: int | None) -> int:
@@ -184,7 +197,7 @@ class ElasticKVController:
         bounds = self.run(Worker.set_kv_cache_limit, args=(limit_bytes,))
         limit = min(b.limit for b in bounds)
         self.policy.set_limit(limit)
-        self.adjust(allow_shrink=True)
+        self.adjust()
         self.publish(force=True)
         return limit
 
@@ -205,3 +218,11 @@ class ElasticKVController:
         if self.sharing is not None:
             self.sharing.close()
             self.sharing = None
+
+
+def _display_name(model: str) -> str:
+    """A model path's last component (a GGUF file's name without ".gguf"), else `model`."""
+    if os.sep not in model:
+        return model
+    name = Path(model.rstrip(os.sep)).name
+    return name[:-len(".gguf")] if name.endswith(".gguf") else name

@@ -35,6 +35,7 @@ waits for a growth in flight.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -272,13 +273,16 @@ class ElasticKVCache:
     def _extend(self, target: int) -> None:
         kv = self.kv_cache
         before, bytes_before = kv.committed_blocks, kv.committed_bytes
+        start = time.perf_counter()
         try:
             kv.extend_kv_cache(target)
         except VmmError as e:  # another process took the memory first: stay as we are
             logger.warning("Elastic KV cache: could not grow to %d blocks (%s)", target, e)
             return
-        logger.info("Elastic KV cache: grew %s (%d -> %d blocks)",
-                    _change(bytes_before, kv.committed_bytes), before, target)
+        where = "on a helper thread" if threading.current_thread() is self._growth else "now"
+        logger.info("Elastic KV cache: grew %s (%d -> %d blocks) in %.1f ms, %s",
+                    _change(bytes_before, kv.committed_bytes), before, target,
+                    (time.perf_counter() - start) * 1e3, where)
 
     def shrink(self, num_blocks: int) -> int:
         """Release blocks `num_blocks..` (free in the block pool); returns the count kept."""
