@@ -444,7 +444,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                input_words=40, max_tokens=4,
                                                high_rate=8.0, low_rate=2.0),
                       "decode-heavy": replace(LOADS["decode-heavy"], requests=4,
-                                              input_words=8, max_tokens=16,
+                                              input_words=8, max_tokens=8,
                                               high_rate=8.0, low_rate=2.0)}
         args.gap_s, args.phase_s, args.shrink_delay_s = 0.5, 1.0, 0.5
         args.sample_s, args.settle_s = 0.5, min(args.settle_s, 5.0)
