@@ -42,7 +42,6 @@ the sampled series to `--csv` and, where matplotlib is installed, a plot to `--p
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import re
@@ -193,7 +192,8 @@ def _mode_flags(mode: str, args: argparse.Namespace) -> list[str]:
 
 def start_servers(mode: str, engines: list[int], args, log_dir: str) -> dict[str, Server]:
     """The servers of `engines` (indices) for `mode`, started one after the other."""
-    env = {"VLLM_ELASTIC_KV_SHRINK_DELAY_S": str(args.shrink_delay_s)}
+    env = ({} if args.shrink_delay_s is None
+           else {"VLLM_ELASTIC_KV_SHRINK_DELAY_S": str(args.shrink_delay_s)})
     servers: dict[str, Server] = {}
     try:
         for i in engines:
@@ -240,7 +240,7 @@ def run_experiment(key: tuple[str, str], plan, indices: list[int],
                 continue
             if ran:
                 time.sleep(args.gap_s)
-            result = asyncio.run(run_wave(wave, targets))
+            result = run_wave(wave, targets)
             ran += 1
             for i, results in result.results.items():
                 if results and all(not r.ok for r in results):
@@ -280,6 +280,8 @@ def _merge(runs: list[dict], n_waves: int) -> dict:
 
 
 def summarize(mode: str, run: dict, args) -> dict:
+    """One mode's figures of one experiment (a `_merge`d run): pooled over its engines,
+    and per engine (its throughput over the time its own streams took)."""
     waves = run["waves"]
     names = sorted(run["ooms"])
     results = {NAMES.index(n): [r for w in waves for r in w.results.get(NAMES.index(n), [])]
@@ -355,9 +357,10 @@ def run_mode(mode: str, plans: dict, args, log_dir: str, done) -> None:
                 arrival = next(iter(plan[0].streams.values()))[0]
                 for i in indices:
                     check_prompt_fits(servers[NAMES[i]], arrival.prompt, arrival.max_tokens)
-            for key, plan in plans.items():
+            for k, (key, plan) in enumerate(plans.items()):
                 runs[key].append(run_experiment(key, plan, indices, servers, args))
-                settle(servers, floors, args.settle_s)
+                if k < len(plans) - 1:
+                    settle(servers, floors, args.settle_s)
                 if g == len(groups) - 1:
                     done(key, mode, summarize(mode, _merge(runs[key], len(plan)), args))
         finally:
@@ -406,8 +409,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--settle-s", type=positive_float, default=30.0,
                    help="after each experiment, wait at most this long for the elastic "
                         "engines to be back at their start-up size (default: %(default)s)")
-    p.add_argument("--shrink-delay-s", type=float, default=2.0,
-                   help="VLLM_ELASTIC_KV_SHRINK_DELAY_S of the servers (default: %(default)s)")
+    p.add_argument("--shrink-delay-s", type=float,
+                   help="VLLM_ELASTIC_KV_SHRINK_DELAY_S of the servers (default: unset, the "
+                        "engine's 10 s; --smoke: 0.5)")
     p.add_argument("--sample-s", type=positive_float, default=0.5,
                    help="seconds between two reads of the servers' /metrics "
                         "(default: %(default)s)")

@@ -23,6 +23,7 @@ token), ITL (gaps between content chunks), output tokens from the usage chunk.
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import time
 from dataclasses import dataclass, field
 
@@ -129,29 +130,69 @@ def make_plan(load: Load, pattern: str, engines: int, *, scale: float, bursts: i
     return [Wave(streams)]
 
 
-async def run_wave(wave: Wave, targets: dict[int, tuple[str, str]]) -> WaveResult:
-    """Send the streams of `wave` whose engine is in `targets` (index -> (server URL,
-    model id)) at their arrival times, every request streaming with ignore_eos; the
-    others are skipped (an engine run alone gets only its own stream)."""
-    out = WaveResult()
+async def _send_stream(arrivals: list[Arrival], url: str, model: str,
+                       start: float) -> list[RequestResult]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
-        start = time.perf_counter()
 
-        async def send(arrival: Arrival, url: str, model: str) -> RequestResult:
+        async def send(arrival: Arrival) -> RequestResult:
             await asyncio.sleep(max(0.0, start + arrival.at_s - time.perf_counter()))
             return await one_request(client, url + "/v1/completions", model, arrival.prompt,
                                      arrival.max_tokens, True)
 
-        async def stream(i: int, arrivals: list[Arrival]) -> None:
-            url, model = targets[i]
-            out.results[i] = list(await asyncio.gather(*(send(a, url, model)
-                                                        for a in arrivals)))
-            out.duration_s[i] = time.perf_counter() - start
+        return list(await asyncio.gather(*(send(a) for a in arrivals)))
 
-        await asyncio.gather(*(stream(i, arrivals) for i, arrivals in wave.streams.items()
-                               if i in targets))
-    return out
+
+def _engine_client(conn, arrivals: list[Arrival], url: str, model: str) -> None:
+    """A client process: say ready, receive the wave's start (perf_counter, a clock
+    shared by the processes of the machine), send the stream, send back (results, the
+    seconds from the start until the last request ended)."""
+    conn.send("ready")
+    start = conn.recv()
+    results = asyncio.run(_send_stream(arrivals, url, model, start))
+    conn.send((results, time.perf_counter() - start))
+    conn.close()
+
+
+def run_wave(wave: Wave, targets: dict[int, tuple[str, str]]) -> WaveResult:
+    """Send the streams of `wave` whose engine is in `targets` (index -> (server URL,
+    model id)) at their arrival times, every request streaming with ignore_eos; the
+    others are skipped (an engine run alone gets only its own stream).
+
+    With several engines each one's stream is sent from a process of its own, so the
+    client keeps up with three engines' streamed chunks (tens of thousands a second)
+    and one engine's chunks never delay another's timestamps; a single stream is sent
+    from this process.
+    """
+    mine = [i for i in wave.streams if i in targets]
+    if len(mine) == 1:
+        (i,) = mine
+        start = time.perf_counter()
+        results = asyncio.run(_send_stream(wave.streams[i], *targets[i], start))
+        return WaveResult({i: results}, {i: time.perf_counter() - start})
+    ctx = multiprocessing.get_context("spawn")
+    clients = {}
+    try:
+        for i in mine:
+            conn, child = ctx.Pipe()
+            proc = ctx.Process(target=_engine_client, args=(child, wave.streams[i],
+                                                            *targets[i]), daemon=True)
+            proc.start()
+            clients[i] = (proc, conn)
+        for _, conn in clients.values():
+            conn.recv()  # EOFError if a client died while starting
+        start = time.perf_counter() + 0.1
+        for _, conn in clients.values():
+            conn.send(start)
+        out = WaveResult()
+        for i, (_, conn) in clients.items():
+            out.results[i], out.duration_s[i] = conn.recv()
+        return out
+    finally:
+        for proc, _ in clients.values():
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()
 
 
 def _ms(values: list[float], q: float) -> float:
