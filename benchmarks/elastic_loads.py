@@ -172,27 +172,31 @@ def run_wave(wave: Wave, targets: dict[int, tuple[str, str]]) -> WaveResult:
         return WaveResult({i: results}, {i: time.perf_counter() - start})
     ctx = multiprocessing.get_context("spawn")
     clients = {}
+    out = None
     try:
         for i in mine:
             conn, child = ctx.Pipe()
             proc = ctx.Process(target=_engine_client, args=(child, wave.streams[i],
                                                             *targets[i]), daemon=True)
             proc.start()
+            child.close()  # so that a client's death is an EOFError here, not a hang
             clients[i] = (proc, conn)
         for _, conn in clients.values():
             conn.recv()  # EOFError if a client died while starting
         start = time.perf_counter() + 0.1
         for _, conn in clients.values():
             conn.send(start)
-        out = WaveResult()
+        result = WaveResult()
         for i, (_, conn) in clients.items():
-            out.results[i], out.duration_s[i] = conn.recv()
+            result.results[i], result.duration_s[i] = conn.recv()
+        out = result
         return out
-    finally:
+    finally:  # after an error (or SIGTERM) the clients still streaming go at once
         for proc, _ in clients.values():
-            proc.join(timeout=10)
+            proc.join(timeout=10 if out is not None else 0)
             if proc.is_alive():
                 proc.terminate()
+                proc.join(timeout=10)
 
 
 def _ms(values: list[float], q: float) -> float:
