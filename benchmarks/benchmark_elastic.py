@@ -14,7 +14,9 @@ Modes, each in its own run of the servers (`--modes`, in order):
               share of the traffic; the durations are combined as if each
               engine had a device of its own (the upper bound)
 
-The servers of a mode start one after the other (each sizes itself beside the
+`--device-gib G` runs every mode on an emulated device of G GiB (a ballast
+process holds the rest), so a quick run at `--scale` < 1 keeps the full loads'
+memory pressure. The servers of a mode start one after the other (each sizes itself beside the
 ones already running) and serve every (load, pattern) experiment in turn
 (`--load`, `--pattern`; see benchmarks/elastic_loads.py), with a settle between
 two experiments until the elastic engines are back at their start-up size (at
@@ -138,6 +140,42 @@ class Server:
         return len(_CAPTURE.findall(self.log_text()))
 
 
+_BALLAST = """
+import sys, time, torch
+keep = int(float(sys.argv[1]) * 2**30)
+free, total = torch.cuda.mem_get_info()
+size = max(free - keep, 0)  # 0: the device is no larger than asked, nothing to hold
+held = torch.empty(size, dtype=torch.uint8, device="cuda") if size else None
+print(f"ballast {size / 2**30:.2f} GiB held, {free / 2**30:.2f} free of "
+      f"{total / 2**30:.2f} GiB", flush=True)
+while size:
+    time.sleep(3600)
+"""
+
+
+class Ballast:
+    """A process holding all free device memory but `gib` GiB while the modes run, so they
+    run on an emulated device of `gib` GiB: a quick run (--scale < 1) keeps the full
+    loads' memory pressure on a larger card. Its CUDA context counts as held."""
+
+    def __init__(self, gib: float) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", _BALLAST, str(gib)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True)
+        self.line = self.proc.stdout.readline().strip()
+        if not self.line.startswith("ballast"):
+            rest = (self.line + "\n" + self.proc.communicate()[0]).strip().splitlines()
+            raise SystemExit(f"--device-gib {gib}: the ballast process failed: {rest[-1]}")
+        words = self.line.split()
+        # Where it holds nothing, the device itself is the emulated one.
+        self.fraction = gib / float(words[-2]) if float(words[1]) else 1.0
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
 def stop_all(servers: list[Server]) -> None:
     """SIGTERM every server at once, then wait for each (killed after 60 s)."""
     for s in servers:
@@ -182,12 +220,17 @@ def check_prompt_fits(server: Server, prompt: str, max_tokens: int) -> None:
 
 
 def _mode_flags(mode: str, args: argparse.Namespace) -> list[str]:
+    """Mode flags; on an emulated device (`args.device_fraction` = --device-gib / the
+    device's GiB) static splits that fraction, and alone gets all of it (the default
+    utilization of the extensible path, 1.0, of the emulated device)."""
+    fraction = args.device_fraction
     if mode == "elastic":
         return shlex.split(args.elastic_args)
     if mode == "static":
-        share = args.static_utilization / len(args.shapes)
+        share = args.static_utilization * fraction / len(args.shapes)
         return ["--gpu-memory-utilization", f"{share:.4f}", *shlex.split(args.static_args)]
-    return shlex.split(args.alone_args)
+    alone = [] if fraction == 1.0 else ["--gpu-memory-utilization", f"{fraction:.4f}"]
+    return [*alone, *shlex.split(args.alone_args)]
 
 
 def start_servers(mode: str, engines: list[int], args, log_dir: str) -> dict[str, Server]:
@@ -426,6 +469,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--gpu-memory-utilization of it / N (default: %(default)s)")
     p.add_argument("--static-args", default="", help="more flags of mode static")
     p.add_argument("--alone-args", default="", help="flags of mode alone (default: none)")
+    p.add_argument("--device-gib", type=positive_float,
+                   help="emulate a device of this many GiB: a ballast process holds the rest "
+                        "during every mode; static splits --static-utilization of it, alone "
+                        "gets all of it (GPU only)")
     p.add_argument("--smoke", action="store_true",
                    help="CPU: the bundled model's shape (random weights), tiny loads of 4 "
                         "requests")
@@ -440,6 +487,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.smoke and args.shapes is None:
         args.shapes = ["smollm2"] * (args.engines or 2)  # labels only: the bundled model
     _engines(args, p)
+    if args.smoke and args.device_gib:
+        p.error("--device-gib needs a GPU; --smoke runs on the CPU")
+    args.device_fraction = 1.0  # --device-gib / the device's GiB, once the ballast holds
     args.bursts = args.bursts or args.engines
     args.load = args.load or (["decode-heavy"] if args.smoke else list(LOADS))
     args.loads = dict(LOADS)
@@ -491,8 +541,17 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(out, indent=1))
 
-    for mode in args.modes:
-        run_mode(mode, plans, args, log_dir, done)
+    ballast = Ballast(args.device_gib) if args.device_gib else None
+    try:
+        if ballast:
+            args.device_fraction = ballast.fraction
+            out["ballast"] = ballast.line
+            out["config"]["device_fraction"] = args.device_fraction
+        for mode in args.modes:
+            run_mode(mode, plans, args, log_dir, done)
+    finally:
+        if ballast:
+            ballast.stop()
     emit(out, args.out)
     return 0
 
