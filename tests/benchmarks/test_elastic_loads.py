@@ -132,3 +132,31 @@ def test_series_csv_and_plot(scripts, tmp_path):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     else:
         assert "CSV only" in made
+
+
+@pytest.mark.parametrize(("free_gib", "fraction"), [(78, 58 / 80), (50, 1.0)])
+def test_ballast_emulates_a_smaller_device(scripts, monkeypatch, tmp_path, free_gib, fraction):
+    """--device-gib's ballast process, its torch replaced by one that reports a device of
+    80 GiB with `free_gib` free: it holds free - 58 GiB (nothing on a smaller device)."""
+    (tmp_path / "torch.py").write_text(
+        "import types\nuint8 = None\n"
+        f"cuda = types.SimpleNamespace(mem_get_info=lambda: ({free_gib} * 2**30, 80 * 2**30))\n"
+        "def empty(n, dtype, device):\n    return bytearray(0)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    bench = scripts("benchmark_elastic")
+    ballast = bench.Ballast(58.0)
+    try:
+        assert ballast.fraction == pytest.approx(fraction)
+        assert ballast.line.startswith(f"ballast {max(free_gib - 58, 0):.2f} GiB held")
+        if free_gib > 58:
+            assert ballast.proc.poll() is None  # it holds while it lives
+        else:
+            assert ballast.proc.wait(timeout=60) == 0  # nothing to hold
+    finally:
+        ballast.stop()
+    args = bench.parse_args(["--shapes", "llama3_8b", "llama3_8b"])
+    args.device_fraction = fraction
+    static = bench._mode_flags("static", args)
+    assert static == ["--gpu-memory-utilization", f"{0.9 * fraction / 2:.4f}"]
+    assert bench._mode_flags("alone", args) == (
+        [] if fraction == 1.0 else ["--gpu-memory-utilization", f"{fraction:.4f}"])
