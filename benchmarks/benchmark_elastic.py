@@ -251,13 +251,14 @@ def start_servers(mode: str, engines: list[int], args, log_dir: str) -> dict[str
     return servers
 
 
-def settle(servers: dict[str, Server], floors: dict[str, float], limit_s: float) -> float:
+def settle(servers: dict[str, Server], floors: dict[str, float | None],
+           limit_s: float) -> float:
     """Wait until every server's committed KV bytes are back at `floors` (its size after
-    start-up), at most `limit_s`; the seconds waited."""
+    start-up; None: not exported, not waited for), at most `limit_s`; the seconds waited."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < limit_s:
         now = {n: s.metrics().get(GAUGES["committed_bytes"]) for n, s in servers.items()}
-        if all(now[n] is None or now[n] <= floors[n] for n in servers):
+        if all(None in (now[n], floors[n]) or now[n] <= floors[n] for n in servers):
             break
         time.sleep(0.5)
     return time.monotonic() - t0
@@ -394,7 +395,7 @@ def run_mode(mode: str, plans: dict, args, log_dir: str, done) -> None:
     for g, indices in enumerate(groups):
         servers = start_servers(mode, indices, args, log_dir)
         try:
-            floors = {name: s.metrics().get(GAUGES["committed_bytes"]) or 0.0
+            floors = {name: s.metrics().get(GAUGES["committed_bytes"])
                       for name, s in servers.items()}
             for plan in plans.values():  # the first prompt of each plan (a load's are alike)
                 arrival = next(iter(plan[0].streams.values()))[0]
