@@ -1,43 +1,60 @@
-"""Two `vllm serve` engines on one device: elastic KV cache vs a static 0.45 / 0.45 split.
+"""N `vllm serve` engines of different shapes on one device: elastic KV cache against a
+static 1/N split and against each engine alone on the device (the upper bound).
 
-Question (issue #18): with bursts that alternate between two engines (one busy
-while the other idles, then the reverse), does `--enable-elastic-kv-cache`
-serve at least as many tokens, with a TTFT p99 no worse, than two engines that
-split the device statically, with no OOM and no CUDA graph re-capture?
+Question (issue #49): on every load and arrival pattern, do N engines with
+`--enable-elastic-kv-cache` serve at least as many tokens per second, with a TTFT
+p99 no worse, than the same engines splitting the device statically, with no OOM
+and no CUDA graph re-capture, and how close do they come to each engine alone?
 
-For each mode the two servers start one after the other on the same device
-(random weights of `--shape`, `load_format=dummy`), then `--bursts` bursts of
-`--burst-requests` streaming completions go alternately to engine A and B
-(`--gap-s` apart). A sampler reads both servers' `/metrics` every
-`--sample-s`: committed KV bytes and preemptions over time. Per mode:
+Modes, each in its own run of the servers (`--modes`, in order):
 
-    tokens served (output tokens of successful requests), duration, output
-    throughput, TTFT p50/p99 (ms), preemptions, failed requests, OOMs (a server
-    died or logged "out of memory"), CUDA graph captures per server (log lines
-    "Captured ... CUDA graphs": 1 = never re-captured)
+    elastic   each engine at default flags + --enable-elastic-kv-cache
+    static    each engine at --gpu-memory-utilization (--static-utilization / N)
+    alone     each engine at default flags, alone on the device, serving its
+              share of the traffic; the durations are combined as if each
+              engine had a device of its own (the upper bound)
 
-and `ratio` = elastic / static for throughput and TTFT p99. JSON to stdout
-(and `--out`); the committed-bytes time series to `--csv` and, where
-matplotlib is installed, a plot to `--png`.
+`--device-gib G` runs every mode on an emulated device of G GiB (a ballast
+process holds the rest), so a quick run at `--scale` < 1 keeps the full loads'
+memory pressure. The servers of a mode start one after the other (each sizes itself beside the
+ones already running) and serve every (load, pattern) experiment in turn
+(`--load`, `--pattern`; see benchmarks/elastic_loads.py), with a settle between
+two experiments until the elastic engines are back at their start-up size (at
+most `--settle-s`). A sampler reads every server's `/metrics` each `--sample-s`:
+committed, in-use, reclaimable bytes and the limit of the KV cache (the last
+three where the server exports them). Per experiment and mode:
 
-    python benchmarks/benchmark_elastic.py --shape llama3_8b --out r.json \
-        --csv r.csv --png docs/images/elastic_committed.png
-    python benchmarks/benchmark_elastic.py --smoke      # CPU, bundled model, tiny
+    tokens served, duration, output throughput, TTFT p50 / p99, ITL p99 (ms),
+    preemptions, failed requests, OOMs (a server died or logged "out of
+    memory"), CUDA graph captures per engine ("Captured ... CUDA graphs" log
+    lines: 1 = never re-captured), the same per engine
+
+and the ratios elastic / static and elastic / alone (throughput, TTFT p99, ITL
+p99), with the issue's targets checked (`targets`). JSON to stdout and `--out`
+(rewritten after every experiment, so a run cut short keeps what it measured);
+the sampled series to `--csv` and, where matplotlib is installed, a plot to `--png`.
+
+    python benchmarks/benchmark_elastic.py --shapes llama3_8b llama3_8b \\
+        --out benchmarks/results/elastic_8b_pair.json --csv e.csv --png e.png
+    python benchmarks/benchmark_elastic.py --engines 3 --load decode-heavy \\
+        --pattern poisson                 # 8B + Llama-3.2-1B + Qwen2.5-0.5B shapes
+    python benchmarks/benchmark_elastic.py --smoke   # CPU, the bundled model, tiny loads
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import csv
+import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -46,12 +63,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 from common import ROOT, SHAPES, emit, model_dir_for
+from elastic_loads import (
+    LOADS,
+    PATTERNS,
+    WaveResult,
+    latency_figures,
+    make_plan,
+    plan_duration,
+    run_wave,
+)
+from elastic_plot import GAUGES, write_series  # the sampled gauges; absent ones stay None
 
-from vllm.benchmarks.serve_client import make_prompts, resolve_model, run_level
+from vllm.benchmarks.serve_client import resolve_model
 from vllm.benchmarks.utils import positive_float, positive_int
 
 _URL = re.compile(r"listening on (http://\S+)")
-_METRIC = re.compile(r'^(vllm:[a-z_]+)\{[^}]*\} ([0-9.e+]+)$', re.M)
+_METRIC = re.compile(r'^(vllm:[a-z_]+)\{[^}]*\} ([0-9.e+-]+)$', re.M)
+_CAPTURE = re.compile(r"Captured \d+ CUDA graphs")
+MODES = ("elastic", "static", "alone")
+DEFAULT_SHAPES = ("llama3_8b", "llama3_2_1b", "qwen2_5_0_5b")
+NAMES = "ABC"
+COUNTERS = {
+    "elastic_grows": "vllm:kv_cache_elastic_grows_total",
+    "elastic_shrinks": "vllm:kv_cache_elastic_shrinks_total",
+    "elastic_reclaims": "vllm:kv_cache_elastic_reclaims_total",
+}
 
 
 class Server:
@@ -66,16 +102,18 @@ class Server:
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env},
                                      stdout=self.log, stderr=subprocess.STDOUT)
         self.url = ""
+        self.model = ""
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            text = Path(self.log_path).read_text(errors="replace")
+            text = self.log_text()
             match = _URL.search(text)
             if match:
                 self.url = match.group(1)
                 try:
                     if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                        self.model = resolve_model(self.url, {})
                         return
                 except httpx.HTTPError:
                     pass
@@ -94,228 +132,427 @@ class Server:
     def log_text(self) -> str:
         return Path(self.log_path).read_text(errors="replace")
 
+    def oom(self) -> bool:
+        """The server died or logged an out-of-memory error."""
+        return self.proc.poll() is not None or "out of memory" in self.log_text().lower()
+
+    def graph_captures(self) -> int:
+        return len(_CAPTURE.findall(self.log_text()))
+
+
+_BALLAST = """
+import sys, time, torch
+keep = int(float(sys.argv[1]) * 2**30)
+free, total = torch.cuda.mem_get_info()
+size = max(free - keep, 0)  # 0: the device is no larger than asked, nothing to hold
+held = torch.empty(size, dtype=torch.uint8, device="cuda") if size else None
+print(f"ballast {size / 2**30:.2f} GiB held, {free / 2**30:.2f} free of "
+      f"{total / 2**30:.2f} GiB", flush=True)
+while size:
+    time.sleep(3600)
+"""
+
+
+class Ballast:
+    """A process holding all free device memory but `gib` GiB while the modes run, so they
+    run on an emulated device of `gib` GiB: a quick run (--scale < 1) keeps the full
+    loads' memory pressure on a larger card. Its CUDA context counts as held."""
+
+    def __init__(self, gib: float) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", _BALLAST, str(gib)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True)
+        self.line = self.proc.stdout.readline().strip()
+        if not self.line.startswith("ballast"):
+            rest = (self.line + "\n" + self.proc.communicate()[0]).strip().splitlines()
+            raise SystemExit(f"--device-gib {gib}: the ballast process failed: {rest[-1]}")
+        words = self.line.split()
+        # Where it holds nothing, the device itself is the emulated one.
+        self.fraction = gib / float(words[-2]) if float(words[1]) else 1.0
+
     def stop(self) -> None:
         if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
-        self.log.close()
+            self.proc.kill()
+        self.proc.wait()
 
 
-def _sampler(servers: list[Server], series: list[dict], stop: threading.Event,
-             every: float, t0: float) -> None:
+def stop_all(servers: list[Server]) -> None:
+    """SIGTERM every server at once, then wait for each (killed after 60 s)."""
+    for s in servers:
+        if s.proc.poll() is None:
+            s.proc.terminate()
+    for s in servers:
+        try:
+            s.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            s.proc.kill()
+            s.proc.wait(30)
+        s.log.close()
+
+
+def _sample(servers: dict[str, Server], series: list[dict], stop: threading.Event,
+            every: float) -> None:
+    t0 = time.monotonic()
     while not stop.is_set():
-        row = {"t_s": round(time.monotonic() - t0, 3)}
-        for s in servers:
+        row: dict = {"t_s": round(time.monotonic() - t0, 3)}
+        for name, s in servers.items():
             m = s.metrics()
-            row[f"{s.name}_committed_bytes"] = m.get("vllm:kv_cache_committed_bytes", float("nan"))
+            for key, metric in GAUGES.items():
+                row[f"{name}_{key}"] = m.get(metric)
         series.append(row)
         stop.wait(every)
 
 
-def check_prompt_fits(url: str, model: str, prompt: str, max_tokens: int) -> None:
-    """Exit with the numbers when a burst's prompt + max_tokens exceeds the context.
+def check_prompt_fits(server: Server, prompt: str, max_tokens: int) -> None:
+    """Exit with the numbers when a prompt + max_tokens exceeds the server's context.
 
-    `--input-words` counts words; the tokenizer makes ~4.4 tokens of each of the
-    random words (1500 words were 6600 tokens on the H200, 2026-12-02: every
-    request a 400 and a run that measured nothing).
+    A load's `input_words` count words; the tokenizer makes ~4.4 tokens of each
+    (1500 words were 6600 tokens on the H200, 2026-12-02: every request a 400).
     """
-    tokens = httpx.post(f"{url}/tokenize", json={"model": model, "prompt": prompt},
+    tokens = httpx.post(f"{server.url}/tokenize", json={"model": server.model,
+                                                        "prompt": prompt},
                         timeout=60).json()["count"]
-    info = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]
+    info = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]
     limit = info.get("max_model_len")
     if limit is not None and tokens + max_tokens > limit:
-        raise SystemExit(f"a prompt is {tokens} tokens; with --max-tokens {max_tokens} that "
-                         f"exceeds max_model_len {limit}: lower --input-words")
+        raise SystemExit(f"{server.name}: a prompt is {tokens} tokens; with max_tokens "
+                         f"{max_tokens} that exceeds max_model_len {limit}")
 
 
-def run_mode(mode: str, args: argparse.Namespace, log_dir: str) -> dict:
-    extra = shlex.split(args.elastic_args if mode == "elastic" else args.static_args)
-    common = [*([args.model] if args.model else []), *shlex.split(args.server_args)]
-    env = {"VLLM_ELASTIC_KV_SHRINK_DELAY_S": str(args.shrink_delay_s)}
-    servers = []
+def _mode_flags(mode: str, args: argparse.Namespace) -> list[str]:
+    """Mode flags; on an emulated device (`args.device_fraction` = --device-gib / the
+    device's GiB) static splits that fraction, and alone gets all of it (the default
+    utilization of the extensible path, 1.0, of the emulated device)."""
+    fraction = args.device_fraction
+    if mode == "elastic":
+        return shlex.split(args.elastic_args)
+    if mode == "static":
+        share = args.static_utilization * fraction / len(args.shapes)
+        return ["--gpu-memory-utilization", f"{share:.4f}", *shlex.split(args.static_args)]
+    alone = [] if fraction == 1.0 else ["--gpu-memory-utilization", f"{fraction:.4f}"]
+    return [*alone, *shlex.split(args.alone_args)]
+
+
+def start_servers(mode: str, engines: list[int], args, log_dir: str) -> dict[str, Server]:
+    """The servers of `engines` (indices) for `mode`, started one after the other."""
+    env = ({} if args.shrink_delay_s is None
+           else {"VLLM_ELASTIC_KV_SHRINK_DELAY_S": str(args.shrink_delay_s)})
+    servers: dict[str, Server] = {}
     try:
-        for name in ("A", "B"):  # one after the other: B sizes itself beside A
-            server = Server(f"{mode}_{name}", [*common, *extra], env, log_dir)
-            servers.append(server)
-            server.wait_ready(args.start_timeout)
-        before = [s.metrics() for s in servers]
-        series: list[dict] = []
-        stop = threading.Event()
-        t0 = time.monotonic()
-        sampler = threading.Thread(target=_sampler, args=(servers, series, stop,
-                                                           args.sample_s, t0), daemon=True)
-        sampler.start()
-        results = []
-        for i in range(args.bursts):
-            server = servers[i % 2]
-            prompts = make_prompts(args.burst_requests, args.input_words, seed=i)
-            model = resolve_model(server.url, {})
-            if i == 0:
-                check_prompt_fits(server.url, model, prompts[0], args.max_tokens)
-            level = asyncio.run(run_level(server.url, model, args.burst_requests, prompts,
-                                          args.max_tokens, True, {}))
-            if level["failed"] == args.burst_requests:
-                raise SystemExit(f"every request of burst {i} ({server.name}) failed, e.g. "
-                                 f"{level['errors'][:1]}; server log: {server.log_path}")
-            level["server"] = server.name
-            results.append(level)
-            time.sleep(args.gap_s)
-        duration = time.monotonic() - t0
+        for i in engines:
+            model = [] if args.smoke else [model_dir_for(args.shapes[i])]
+            name = NAMES[i]
+            servers[name] = Server(f"{mode}_{name}", [*model, *shlex.split(args.server_args),
+                                                      *_mode_flags(mode, args)], env, log_dir)
+            servers[name].wait_ready(args.start_timeout)
+    except BaseException:
+        stop_all(list(servers.values()))
+        raise
+    return servers
+
+
+def settle(servers: dict[str, Server], floors: dict[str, float | None],
+           limit_s: float) -> float:
+    """Wait until every server's committed KV bytes are back at `floors` (its size after
+    start-up; None: not exported, not waited for), at most `limit_s`; the seconds waited."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit_s:
+        now = {n: s.metrics().get(GAUGES["committed_bytes"]) for n, s in servers.items()}
+        if all(None in (now[n], floors[n]) or now[n] <= floors[n] for n in servers):
+            break
+        time.sleep(0.5)
+    return time.monotonic() - t0
+
+
+def run_experiment(key: tuple[str, str], plan, indices: list[int],
+                   servers: dict[str, Server], args) -> dict:
+    """One plan against `servers` (engines `indices`): the waves' results, per-engine
+    preemptions, the sampled series and the servers' OOMs / graph captures."""
+    before = {n: s.metrics() for n, s in servers.items()}
+    series: list[dict] = []
+    stop = threading.Event()
+    sampler = threading.Thread(target=_sample, args=(servers, series, stop, args.sample_s),
+                               daemon=True)
+    sampler.start()
+    targets = {i: (servers[NAMES[i]].url, servers[NAMES[i]].model) for i in indices}
+    waves: list[WaveResult | None] = []
+    try:
+        ran = 0
+        for wave in plan:
+            if not set(wave.streams) & set(indices):
+                waves.append(None)
+                continue
+            if ran:
+                time.sleep(args.gap_s)
+            result = run_wave(wave, targets)
+            ran += 1
+            for i, results in result.results.items():
+                if results and all(not r.ok for r in results):
+                    server = servers[NAMES[i]]
+                    raise SystemExit(f"{key}: every request to {server.name} failed, e.g. "
+                                     f"{results[0].error}; server log: {server.log_path}")
+            waves.append(result)
+    finally:
         stop.set()
         sampler.join()
-        after = [s.metrics() for s in servers]
-        return _summarize(mode, servers, results, series, before, after, duration)
-    finally:
-        for s in servers:
-            s.stop()
+    after = {n: s.metrics() for n, s in servers.items()}
+    preempt = {n: int(after[n].get("vllm:num_preemptions_total", 0)
+                      - before[n].get("vllm:num_preemptions_total", 0)) for n in servers}
+    return {"waves": waves, "preemptions": preempt, "series": series,
+            "ooms": {n: s.oom() for n, s in servers.items()},
+            "graph_captures": {n: s.graph_captures() for n, s in servers.items()},
+            "counters": {n: {k: after[n].get(m) for k, m in COUNTERS.items()}
+                         for n in servers}}
 
 
-def _summarize(mode, servers, results, series, before, after, duration) -> dict:
-    import numpy as np
+def _merge(runs: list[dict], n_waves: int) -> dict:
+    """The runs of one experiment by groups of engines (one group, or one per engine when
+    `alone`) as one: waves merged per index, per-engine figures side by side."""
+    waves = [WaveResult() for _ in range(n_waves)]
+    merged: dict = {"preemptions": {}, "series": [], "ooms": {}, "graph_captures": {},
+                    "counters": {}}
+    for run in runs:
+        for k, wave in enumerate(run["waves"]):
+            if wave is not None:
+                waves[k].results.update(wave.results)
+                waves[k].duration_s.update(wave.duration_s)
+        for field in ("preemptions", "ooms", "graph_captures", "counters"):
+            merged[field].update(run[field])
+        merged["series"].extend(run["series"])
+    merged["waves"] = [w for w in waves if w.results]
+    return merged
 
-    tokens = sum(r["total_output_tokens"] for r in results)
-    preempt = sum(a.get("vllm:num_preemptions_total", 0) - b.get("vllm:num_preemptions_total", 0)
-                  for a, b in zip(after, before, strict=True))
-    logs = [s.log_text() for s in servers]
-    ooms = sum(("out of memory" in log.lower()) or s.proc.poll() is not None
-               for s, log in zip(servers, logs, strict=True))
-    p50 = [r["ttft_ms"]["p50"] for r in results]
-    p99 = [r["ttft_ms"]["p99"] for r in results]
+
+def summarize(mode: str, run: dict, args) -> dict:
+    """One mode's figures of one experiment (a `_merge`d run): pooled over its engines,
+    and per engine (its throughput over the time its own streams took)."""
+    waves = run["waves"]
+    names = sorted(run["ooms"])
+    results = {NAMES.index(n): [r for w in waves for r in w.results.get(NAMES.index(n), [])]
+               for n in names}
+    figures = latency_figures([r for rs in results.values() for r in rs])
+    duration = plan_duration(waves, args.gap_s)
+    per_engine = {}
+    for n in names:
+        i = NAMES.index(n)
+        mine = [w for w in waves if i in w.results]
+        engine = latency_figures(results[i])
+        busy = sum(w.duration_s[i] for w in mine) + args.gap_s * max(len(mine) - 1, 0)
+        engine.update(shape=args.shapes[i], output_throughput=engine["tokens_served"]
+                      / max(busy, 1e-9), preemptions=run["preemptions"][n],
+                      oom=run["ooms"][n], graph_captures=run["graph_captures"][n],
+                      **(run["counters"][n] or {}))
+        per_engine[n] = engine
     return {
-        "mode": mode,
-        "tokens_served": tokens,
-        "duration_s": duration,
-        "output_throughput": tokens / duration,
-        "ttft_ms_p50": float(np.median(p50)),  # median over bursts of each burst's p50
-        "ttft_ms_p99": float(np.max(p99)),  # the worst burst's p99
-        "preemptions": int(preempt),
-        "failed_requests": sum(r["failed"] for r in results),
-        "ooms": int(ooms),
-        "graph_captures_per_server": [len(re.findall(r"Captured \d+ CUDA graphs", log))
-                                      for log in logs],
-        "elastic_grows": [a.get("vllm:kv_cache_elastic_grows_total", 0) for a in after],
-        "elastic_shrinks": [a.get("vllm:kv_cache_elastic_shrinks_total", 0) for a in after],
-        "bursts": results,
-        "series": series,
+        "mode": mode, **figures, "duration_s": duration,
+        "output_throughput": figures["tokens_served"] / max(duration, 1e-9),
+        "preemptions": sum(run["preemptions"].values()),
+        "ooms": sum(run["ooms"].values()),
+        "graph_captures_per_engine": [run["graph_captures"][n] for n in names],
+        "engines": per_engine, "series": run["series"],
     }
 
 
-def write_series(results: list[dict], csv_path: str | None, png_path: str | None) -> str:
-    """The committed-bytes series as CSV, and a plot where matplotlib is installed."""
-    if csv_path:
-        with open(csv_path, "w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow(["mode", "t_s", "engine", "committed_gib"])
-            for r in results:
-                for row in r["series"]:
-                    for key, value in row.items():
-                        if key.endswith("_committed_bytes"):
-                            writer.writerow([r["mode"], row["t_s"], key.split("_")[1],
-                                             round(value / 2**30, 3)])
-    if not png_path:
-        return "no --png"
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib not installed: CSV only"
-    fig, axes = plt.subplots(len(results), 1, figsize=(8, 3 * len(results)), squeeze=False)
-    for ax, r in zip(axes[:, 0], results, strict=True):
-        for engine in ("A", "B"):
-            key = f"{r['mode']}_{engine}_committed_bytes"
-            ax.plot([row["t_s"] for row in r["series"]],
-                    [row.get(key, float("nan")) / 2**30 for row in r["series"]],
-                    label=f"engine {engine}")
-        ax.set_title(f"{r['mode']}: committed KV cache")
-        ax.set_xlabel("time (s)")
-        ax.set_ylabel("GiB")
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=120)
-    return png_path
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
 
 
-MODES = ("elastic", "static")
+def compare(load: str, pattern: str, by_mode: dict[str, dict]) -> dict:
+    """Ratios elastic / static and elastic / alone, and the issue's targets."""
+    out: dict = {}
+    e = by_mode.get("elastic")
+    for peer in ("static", "alone"):
+        if e and peer in by_mode:
+            p = by_mode[peer]
+            out[f"elastic_over_{peer}"] = {
+                k: _ratio(e[k], p[k]) for k in ("output_throughput", "ttft_ms_p99", "itl_ms_p99")}
+    s = out.get("elastic_over_static")
+    if s is None:
+        return out
+    targets = {
+        "throughput_ge_static": s["output_throughput"] is not None
+        and s["output_throughput"] >= 1.0,
+        "ttft_p99_le_static": s["ttft_ms_p99"] is not None and s["ttft_ms_p99"] <= 1.0,
+        "zero_oom": e["ooms"] == 0,
+        # None on the CPU (no CUDA graphs)
+        "one_graph_capture_per_engine": all(c == 1 for c in e["graph_captures_per_engine"])
+        if any(e["graph_captures_per_engine"]) else None,
+    }
+    if (load, pattern) == ("decode-heavy", "poisson"):
+        targets["ttft_p99_le_half_static"] = (s["ttft_ms_p99"] is not None
+                                             and s["ttft_ms_p99"] <= 0.5)
+        targets["throughput_ge_1_2x_static"] = (s["output_throughput"] is not None
+                                               and s["output_throughput"] >= 1.2)
+    out["targets"] = targets
+    return out
 
 
-def _modes(text: str) -> str:
-    """argparse type of --modes: comma-separated names from MODES, kept as the string."""
-    bad = [m for m in text.split(",") if m not in MODES]
-    if bad:
-        raise argparse.ArgumentTypeError(
-            f"unknown mode(s) {', '.join(map(repr, bad))}; choose from {', '.join(MODES)}")
-    return text
+def run_mode(mode: str, plans: dict, args, log_dir: str, done) -> None:
+    """Every experiment of `plans` under `mode`; `done(key, mode, summary)` after each."""
+    n = len(args.shapes)
+    groups = [[i] for i in range(n)] if mode == "alone" else [list(range(n))]
+    runs: dict[tuple[str, str], list[dict]] = {key: [] for key in plans}
+    for g, indices in enumerate(groups):
+        servers = start_servers(mode, indices, args, log_dir)
+        try:
+            floors = {name: s.metrics().get(GAUGES["committed_bytes"])
+                      for name, s in servers.items()}
+            for plan in plans.values():  # the first prompt of each plan (a load's are alike)
+                arrival = next(iter(plan[0].streams.values()))[0]
+                for i in indices:
+                    check_prompt_fits(servers[NAMES[i]], arrival.prompt, arrival.max_tokens)
+            for k, (key, plan) in enumerate(plans.items()):
+                runs[key].append(run_experiment(key, plan, indices, servers, args))
+                if k < len(plans) - 1:
+                    settle(servers, floors, args.settle_s)
+                if g == len(groups) - 1:
+                    done(key, mode, summarize(mode, _merge(runs[key], len(plan)), args))
+        finally:
+            stop_all(list(servers.values()))
+
+
+def _engines(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Resolve --engines / --shapes into args.shapes (one shape per engine)."""
+    if args.shapes is None:
+        args.shapes = list(DEFAULT_SHAPES[:args.engines or 2])
+    elif args.engines is not None and args.engines != len(args.shapes):
+        parser.error(f"--engines {args.engines} but {len(args.shapes)} --shapes given")
+    if len(args.shapes) not in (2, 3):
+        parser.error(f"2 or 3 engines, got {len(args.shapes)} --shapes")
+    args.engines = len(args.shapes)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", default="llama3_8b", choices=list(SHAPES),
-                   help="random-weight model shape")
-    p.add_argument("--modes", type=_modes, default="elastic,static",
-                   help=f"comma-separated, run in order, from {', '.join(MODES)} "
-                        "(default: %(default)s)")
-    p.add_argument("--bursts", type=positive_int, default=4,
-                   help="bursts, alternately to engine A and B (default: %(default)s)")
-    p.add_argument("--burst-requests", type=positive_int, default=256,
-                   help="streaming completions per burst (default: %(default)s)")
-    p.add_argument("--input-words", type=positive_int, default=650,
-                   help="words per prompt (~4.4 tokens each: 650 -> ~2900 tokens)")
-    p.add_argument("--max-tokens", type=positive_int, default=256,
-                   help="max_tokens of each request (default: %(default)s)")
-    p.add_argument("--gap-s", type=float, default=8.0, help="idle time after each burst")
-    p.add_argument("--shrink-delay-s", type=float, default=2.0,
-                   help="VLLM_ELASTIC_KV_SHRINK_DELAY_S for the elastic servers")
+    p.add_argument("--engines", type=positive_int, choices=(2, 3),
+                   help="engines on the device (default: 2, or as many as --shapes)")
+    p.add_argument("--shapes", nargs="+", choices=list(SHAPES),
+                   help="one random-weight shape per engine (default: the first N of "
+                        f"{', '.join(DEFAULT_SHAPES)})")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                   help="run in order, each with its own servers (default: all)")
+    p.add_argument("--load", nargs="+", choices=list(LOADS),
+                   help="loads (benchmarks/elastic_loads.py; default: both, with --smoke "
+                        "decode-heavy)")
+    p.add_argument("--pattern", nargs="+", choices=PATTERNS, default=list(PATTERNS),
+                   help="arrival patterns (default: both)")
+    p.add_argument("--scale", type=positive_float, default=1.0,
+                   help="multiplies every load's request count (default: %(default)s)")
+    p.add_argument("--bursts", type=positive_int,
+                   help="alternating: bursts, rotating across the engines (default: N)")
+    p.add_argument("--gap-s", type=float, default=4.0,
+                   help="alternating: idle seconds between two bursts (default: %(default)s)")
+    p.add_argument("--phase-s", type=positive_float, default=10.0,
+                   help="poisson: seconds of each rate phase (default: %(default)s)")
+    p.add_argument("--high-rate", type=positive_float,
+                   help="poisson: requests/s of an engine in its high phase (default: the "
+                        "load's)")
+    p.add_argument("--low-rate", type=positive_float,
+                   help="poisson: requests/s of an engine in a low phase (default: the load's)")
+    p.add_argument("--seed", type=int, default=0, help="prompts' and arrivals' seed")
+    p.add_argument("--settle-s", type=positive_float, default=30.0,
+                   help="after each experiment, wait at most this long for the elastic "
+                        "engines to be back at their start-up size (default: %(default)s)")
+    p.add_argument("--shrink-delay-s", type=float,
+                   help="VLLM_ELASTIC_KV_SHRINK_DELAY_S of the servers (default: unset, the "
+                        "engine's 10 s; --smoke: 0.5)")
     p.add_argument("--sample-s", type=positive_float, default=0.5,
-                   help="seconds between two reads of both servers' /metrics "
+                   help="seconds between two reads of the servers' /metrics "
                         "(default: %(default)s)")
     p.add_argument("--start-timeout", type=positive_float, default=600.0,
                    help="seconds a server may take to start (default: %(default)s)")
     p.add_argument("--server-args", default="--load-format dummy --max-model-len 4096",
                    help="`vllm serve` flags of every server (default: %(default)s)")
     p.add_argument("--elastic-args", default="--enable-elastic-kv-cache",
-                   help="added for the elastic mode (default: %(default)s)")
-    p.add_argument("--static-args", default="--gpu-memory-utilization 0.45",
-                   help="added for the static mode (default: %(default)s)")
+                   help="added in mode elastic (default: %(default)s)")
+    p.add_argument("--static-utilization", type=positive_float, default=0.9,
+                   help="mode static: the device fraction the engines split evenly, each "
+                        "--gpu-memory-utilization of it / N (default: %(default)s)")
+    p.add_argument("--static-args", default="", help="more flags of mode static")
+    p.add_argument("--alone-args", default="", help="flags of mode alone (default: none)")
+    p.add_argument("--device-gib", type=positive_float,
+                   help="emulate a device of this many GiB: a ballast process holds the rest "
+                        "during every mode; static splits --static-utilization of it, alone "
+                        "gets all of it (GPU only)")
     p.add_argument("--smoke", action="store_true",
-                   help="CPU: the bundled model, 2 bursts of 4 short requests")
-    p.add_argument("--out", help="also write the JSON here")
-    p.add_argument("--csv", help="write the committed-bytes time series here")
-    p.add_argument("--png", help="plot the committed-bytes time series here (needs matplotlib)")
+                   help="CPU: the bundled model's shape (random weights), tiny loads of 4 "
+                        "requests")
+    p.add_argument("--log-dir", help="server logs here (default: a new temporary directory)")
+    p.add_argument("--out", help="also write the JSON here (after every experiment)")
+    p.add_argument("--csv", help="write the sampled KV series here (GiB)")
+    p.add_argument("--png", help="plot committed KV bytes over time here (matplotlib, else "
+                                 "Pillow)")
+    p.add_argument("--replot", metavar="JSON",
+                   help="run nothing: write --csv / --png from this earlier --out")
     args = p.parse_args(argv)
+    if args.smoke and args.shapes is None:
+        args.shapes = ["smollm2"] * (args.engines or 2)  # labels only: the bundled model
+    _engines(args, p)
+    if args.smoke and args.device_gib:
+        p.error("--device-gib needs a GPU; --smoke runs on the CPU")
+    args.device_fraction = 1.0  # --device-gib / the device's GiB, once the ballast holds
+    args.bursts = args.bursts or args.engines
+    args.load = args.load or (["decode-heavy"] if args.smoke else list(LOADS))
+    args.loads = dict(LOADS)
     if args.smoke:
-        args.model = None
-        args.bursts, args.burst_requests, args.input_words, args.max_tokens = 2, 4, 40, 8
-        args.gap_s, args.shrink_delay_s, args.sample_s = 2.0, 0.5, 0.5
-        args.server_args = ("--max-model-len 256 --max-num-seqs 8 --max-num-batched-tokens 256 "
-                            "--disable-log-stats")
+        args.loads = {"prefill-heavy": replace(LOADS["prefill-heavy"], requests=4,
+                                               input_words=40, max_tokens=4,
+                                               high_rate=8.0, low_rate=2.0),
+                      "decode-heavy": replace(LOADS["decode-heavy"], requests=4,
+                                              input_words=8, max_tokens=8,
+                                              high_rate=8.0, low_rate=2.0)}
+        args.gap_s, args.phase_s, args.shrink_delay_s = 0.5, 1.0, 0.5
+        args.sample_s, args.settle_s = 0.5, min(args.settle_s, 5.0)
+        args.server_args = ("--load-format dummy --max-model-len 256 --max-num-seqs 8 "
+                            "--max-num-batched-tokens 256 --disable-log-stats")
         args.elastic_args = "--enable-elastic-kv-cache --kv-cache-memory-bytes 256MiB"
-        args.static_args = "--kv-cache-memory-bytes 128MiB"
-    else:
-        args.model = model_dir_for(args.shape)
+        args.static_args = f"--kv-cache-memory-bytes {256 // args.engines}MiB"
+        args.alone_args = "--kv-cache-memory-bytes 256MiB"
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    log_dir = tempfile.mkdtemp(prefix="bench-elastic-")
-    results = [run_mode(mode, args, log_dir) for mode in args.modes.split(",")]
-    by_mode = {r["mode"]: r for r in results}
-    out = {"config": {k: v for k, v in vars(args).items() if k not in ("out",)},
-           "log_dir": log_dir, "results": results}
-    if {"elastic", "static"} <= by_mode.keys():
-        e, s = by_mode["elastic"], by_mode["static"]
-        out["ratio"] = {
-            "output_throughput_elastic_over_static": e["output_throughput"]
-            / max(s["output_throughput"], 1e-9),
-            "ttft_p99_elastic_over_static": e["ttft_ms_p99"] / max(s["ttft_ms_p99"], 1e-9),
-        }
-    out["plot"] = write_series(results, args.csv, args.png)
+    if args.replot:
+        experiments = json.loads(Path(args.replot).read_text())["experiments"]
+        print(write_series(experiments, args.csv, args.png))
+        return 0
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`: stop the servers
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="bench-elastic-")
+    os.makedirs(log_dir, exist_ok=True)
+    plans = {(load, pattern): make_plan(args.loads[load], pattern, args.engines,
+                                        scale=args.scale, bursts=args.bursts,
+                                        phase_s=args.phase_s, high_rate=args.high_rate,
+                                        low_rate=args.low_rate, seed=args.seed)
+             for load in args.load for pattern in args.pattern}
+    by_key: dict[tuple[str, str], dict[str, dict]] = {key: {} for key in plans}
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "loads")}
+    config["loads"] = {name: vars(load) for name, load in args.loads.items()}
+    out: dict = {"config": config, "log_dir": log_dir,
+                 "engines": [{"name": NAMES[i], "shape": s} for i, s in enumerate(args.shapes)],
+                 "experiments": []}
+
+    def done(key: tuple[str, str], mode: str, summary: dict) -> None:
+        by_key[key][mode] = summary
+        out["experiments"] = [{"load": k[0], "pattern": k[1], "modes": modes,
+                               **compare(k[0], k[1], modes)}
+                              for k, modes in by_key.items() if modes]
+        out["plot"] = write_series(out["experiments"], args.csv, args.png)
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(out, indent=1))
+
+    ballast = Ballast(args.device_gib) if args.device_gib else None
+    try:
+        if ballast:
+            args.device_fraction = ballast.fraction
+            out["ballast"] = ballast.line
+            out["config"]["device_fraction"] = args.device_fraction
+        for mode in args.modes:
+            run_mode(mode, plans, args, log_dir, done)
+    finally:
+        if ballast:
+            ballast.stop()
     emit(out, args.out)
     return 0
 

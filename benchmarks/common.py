@@ -15,9 +15,54 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.model_dirs import llama3_8b_config, make_model_dir, smollm2_config  # noqa: E402
+from tests.model_dirs import (  # noqa: E402
+    llama3_8b_config,
+    llama_config,
+    make_model_dir,
+    smollm2_config,
+)
 
-SHAPES = {"smollm2": smollm2_config, "llama3_8b": llama3_8b_config}
+
+def llama3_2_1b_config():
+    """Llama-3.2-1B's shape: 16 layers, 32 query / 8 KV heads of 64, tied embeddings,
+    Llama 3 rope scaling (factor 32 over 8192 positions)."""
+    return llama_config(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+    )
+
+
+def qwen2_5_0_5b_config():
+    """Qwen2.5-0.5B's shape: 24 layers, 14 query / 2 KV heads of 64, q/k/v bias, tied
+    embeddings, rope theta 1e6."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    )
+
+
+SHAPES = {"smollm2": smollm2_config, "llama3_8b": llama3_8b_config,
+          "llama3_2_1b": llama3_2_1b_config, "qwen2_5_0_5b": qwen2_5_0_5b_config}
 
 
 def model_dir_for(shape: str) -> str:
