@@ -109,8 +109,10 @@ class DeviceSharing:
                 values["demand_seq"] = time.monotonic_ns()
             registry.update(**values)
         if new_demand:
+            if not self._wanted or renew:  # one line per episode, not per larger demand
+                logger.info("Elastic KV cache: %d blocks short; asking the device's engines",
+                            blocks)
             self._wanted_since = now
-            logger.info("Elastic KV cache: %d blocks short; asking the device's engines", blocks)
         self._wanted = blocks
 
     def answer(self, release_for: Callable[[int], int]) -> bool:
