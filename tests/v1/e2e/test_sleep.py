@@ -72,7 +72,12 @@ def test_level2_releases_weights_and_reload_restores_outputs(llm, reference):
     llm.sleep(level=2)
     assert rss_awake - _rss_mib() > 0.8 * weights / 2**20
     assert llm.llm_engine.wake_up() is True  # the weights must be reloaded
-    assert _texts(llm) != reference  # the offline engine leaves the reload to its caller
+    # The offline engine leaves the reload to its caller, and refuses to generate with
+    # the zero weights meanwhile (it returned empty text, silently).
+    with pytest.raises(EngineSleepingError, match=r"sleep\(level=2\) and not loaded again: "
+                       r"call reload_weights\(\)"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
     llm.reload_weights()
     assert _texts(llm) == reference
 
