@@ -457,9 +457,7 @@ def final_num_blocks(
     A measured budget (`extensible_kv_cache_bytes`) is a hard limit: its blocks
     are rounded down to whole granules per segment (`num_blocks_for_bytes`).
     An explicit `kv_cache_memory_bytes` is honoured within one granule in
-    total: vLLM's count when the reservation packs its segments
-    (`packed_segments`, `capacity_blocks(explicit_bytes=...)`), else rounded
-    down to whole granules per segment (`_explicit_num_blocks`).
+    total (`_explicit_num_blocks`; vLLM's count with `packed_segments`).
     Either way at most `capacity` blocks, and at most the blocks that fill the
     granules `max_blocks` commit
     (`blocks_filling_granules`: what the engine can use costs no more memory).
@@ -471,7 +469,7 @@ def final_num_blocks(
     the platform's `budget_cap` (CPU) and its name, `max_blocks`
     (`max_useful_blocks`), and `bound_by_free` (False for the elastic cache's
     limit: what it may ever hold, not what is free now; each growth checks that),
-    `packed_segments` (the reservation was made for exactly the explicit blocks).
+    `packed_segments` (reserved for exactly the explicit blocks).
 
     Raises:
         KVCacheSizingError: the explicit size exceeds what is available, the
