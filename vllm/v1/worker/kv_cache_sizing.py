@@ -459,8 +459,7 @@ def final_num_blocks(
     An explicit `kv_cache_memory_bytes` is honoured within one granule in
     total (`_explicit_num_blocks`; vLLM's count with `packed_segments`).
     Either way at most `capacity` blocks, and at most the blocks that fill the
-    granules `max_blocks` commit
-    (`blocks_filling_granules`: what the engine can use costs no more memory).
+    granules `max_blocks` commit (`blocks_filling_granules`).
 
     Args: `snapshot` (memory after warmup), `activation_peak` (sizes the
     buffer), `gpu_memory_utilization`, the layout's `block_stride` and
@@ -468,8 +467,8 @@ def final_num_blocks(
     (blocks the reservation holds), `explicit_bytes` (kv_cache_memory_bytes),
     the platform's `budget_cap` (CPU) and its name, `max_blocks`
     (`max_useful_blocks`), and `bound_by_free` (False for the elastic cache's
-    limit: what it may ever hold, not what is free now; each growth checks that),
-    `packed_segments` (reserved for exactly the explicit blocks).
+    limit: what it may ever hold, not what is free now; each growth checks
+    that), `packed_segments` (reserved for exactly the explicit blocks).
 
     Raises:
         KVCacheSizingError: the explicit size exceeds what is available, the
