@@ -361,7 +361,9 @@ def _add_cache_args(g: argparse._ArgumentGroup) -> None:
                    default=d.enable_prefix_caching,
                    help="Reuse KV cache blocks of shared prompt prefixes (default: on).")
     g.add_argument("--enable-sleep-mode", action=bool_flag, default=d.enable_sleep_mode,
-                   help="Allow sleep()/wake_up() to release and restore KV cache memory "
+                   help="Allow sleep()/wake_up() (POST /sleep, /wake_up): level 1 offloads "
+                        "the weights to host memory and discards the KV cache, level 2 "
+                        "discards both; wake_up maps them back at the same addresses "
                         "(default: off).")
 
 

@@ -209,3 +209,12 @@ def test_the_accepted_flags_are_logged_not_ignored(flags_server):
     log = flags_server.startup_log
     assert "--swap-space 4 is accepted and has no effect" in log
     assert "'revision': 'main'" in log and "'trust_remote_code': True" in log
+
+
+def test_sleep_mode_help_says_the_weights_are_offloaded_too():
+    from vllm.entrypoints.cli.main import make_parser
+
+    serve = next(a for a in make_parser()._actions if a.dest == "subcommand").choices["serve"]
+    (action,) = [a for a in serve._actions if "--enable-sleep-mode" in a.option_strings]
+    assert "offloads the weights to host memory" in action.help
+    assert "level 2 discards both" in action.help
