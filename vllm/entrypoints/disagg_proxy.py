@@ -203,14 +203,7 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], policy: str = "le
 
     @app.get("/health")
     async def health() -> Response:
-        pools = (prefills, decodes)
-        await asyncio.gather(*(_probe(client["c"], pool, instance, evict=True)
-                               for pool in pools for instance in pool.instances))
-        if all(pool.any_healthy() for pool in pools):
-            return Response(status_code=200)
-        down = ", ".join(f"{pool.role} {pool.down()}" for pool in pools if pool.down())
-        return _ProxyError(503, f"no healthy instance of every role: down are {down}"
-                           ).response()
+        return await _health(client["c"], (prefills, decodes))
 
     @app.get("/instances")
     async def instances() -> JSONResponse:
@@ -381,6 +374,16 @@ async def _relay(r: httpx.Response, decodes: InstancePool, decode: Instance
         yield f"data: {json.dumps(error)}\n\n".encode()
     finally:
         await r.aclose()
+
+
+async def _health(client: httpx.AsyncClient, pools: tuple[InstancePool, ...]) -> Response:
+    """Probe every instance now: 200 while each role has a healthy one, else 503."""
+    await asyncio.gather(*(_probe(client, pool, instance, evict=True)
+                           for pool in pools for instance in pool.instances))
+    if all(pool.any_healthy() for pool in pools):
+        return Response(status_code=200)
+    down = ", ".join(f"{pool.role} {pool.down()}" for pool in pools if pool.down())
+    return _ProxyError(503, f"no healthy instance of every role: down are {down}").response()
 
 
 async def _probe_forever(client: httpx.AsyncClient, pools: tuple[InstancePool, ...],
