@@ -325,3 +325,62 @@ def test_cli_and_build_app_arguments():
         build_app(["http://p"], ["http://d"], policy="fastest")
     with pytest.raises(ValueError, match="no decode instance URL given"):
         build_app(["http://p"], [])
+
+
+def test_health_reflects_the_backends(instances):
+    """The proxy's /health probes its instances: 503 naming those down while a role has
+    none answering (it was 200 with every backend down), 200 once one of each is back."""
+    prefill, decode = instances("prefill"), instances("decode")
+    with _proxy([prefill.url], [decode.url, _dead_url()]) as proxy:
+        assert httpx.get(f"{proxy}/health", timeout=DEADLINE_S).status_code == 200
+        decode.stop()
+        r = httpx.get(f"{proxy}/health", timeout=DEADLINE_S)
+        assert r.status_code == 503, r.text
+        error = r.json()["error"]
+        assert error["code"] == 503 and decode.url in error["message"], error
+        assert prefill.url not in error["message"]
+        decode.start()
+        assert httpx.get(f"{proxy}/health", timeout=DEADLINE_S).status_code == 200
+        assert _served_by(proxy) == decode.url  # the probe put it back into rotation
+
+
+def test_the_proxy_logs_like_vllm_serve(instances):
+    """A start-up line with the URL it listens on, one access-log line per request, exit
+    0 on SIGTERM; a port that cannot be bound is one line and exit 2."""
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    from tests.entrypoints.openai.utils import REPO_ROOT
+
+    prefill, decode = instances("prefill"), instances("decode")
+    command = [sys.executable, "-m", "vllm.entrypoints.disagg_proxy", "--prefill", prefill.url,
+               "--decode", decode.url]
+    proc = subprocess.Popen([*command, "--port", "0"], cwd=REPO_ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        lines = []
+        while (line := proc.stdout.readline()) and "listening on" not in line:
+            lines.append(line)
+        url = re.search(r"listening on (http://\S+)", line).group(1)
+        assert any(f"prefill ['{prefill.url}'], decode ['{decode.url}']" in x for x in lines)
+        assert httpx.get(f"{url}/health", timeout=DEADLINE_S).status_code == 200
+        later = []
+        while (line := proc.stdout.readline()) and "GET /health" not in line:
+            later.append(line)  # uvicorn's "Application startup complete."
+        assert '"GET /health HTTP/1.1" 200' in line, later
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(DEADLINE_S) == 0
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            result = subprocess.run([*command, "--port", str(port)], cwd=REPO_ROOT, text=True,
+                                    capture_output=True, timeout=60)
+        assert result.returncode == 2
+        assert result.stderr == (f"disagg_proxy: error: cannot listen on 127.0.0.1:{port}: "
+                                 "Address already in use\n")
+    finally:
+        proc.kill()
+        proc.wait(DEADLINE_S)

@@ -77,6 +77,9 @@ class ModelConfig(FrozenConfig):
             generation_config.json (or the file itself).
         max_logprobs: the most logprobs (sample or prompt) a request may ask
             for, vLLM's default 20; -1 = the whole vocabulary.
+        trust_remote_code: let transformers run the model repository's own
+            Python for its config and tokenizer (vLLM's `--trust-remote-code`);
+            the model itself must still be an architecture this fork implements.
         hf_config: the transformers `PretrainedConfig`, loaded once (not an argument).
 
     Raises:
@@ -94,6 +97,7 @@ class ModelConfig(FrozenConfig):
     served_model_name: str | None = None
     generation_config: str = "auto"
     max_logprobs: int = 20
+    trust_remote_code: bool = False
     hf_config: Any = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -111,7 +115,7 @@ class ModelConfig(FrozenConfig):
         self.tokenizer = self.model if self.tokenizer is None else os.fspath(self.tokenizer)
         self.served_model_name = self.served_model_name or self.model
         self.load_format = self._resolve_load_format()
-        self.hf_config = get_hf_config(self.model)
+        self.hf_config = get_hf_config(self.model, trust_remote_code=self.trust_remote_code)
         self.dtype = self._resolve_dtype()
         self.max_model_len = self._resolve_max_model_len(get_model_max_len(self.hf_config))
         check_generation_config_path(self.generation_config)

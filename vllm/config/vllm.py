@@ -110,28 +110,8 @@ class VllmConfig(FrozenConfig):
         self.kv_transfer_config = None
 
     def _check_kv_transfer(self) -> None:
-        """Refuse the combinations a KV connector cannot serve correctly yet (one clear line)."""
-        kv = self.kv_transfer_config
-        if kv is None:
-            return
-        if self.parallel_config.world_size > 1:
-            raise ValueError(
-                f"kv_transfer_config ({kv.kv_connector}) works with one rank only for now; "
-                f"tensor_parallel_size={self.parallel_config.tensor_parallel_size} would need "
-                "every rank's worker side to transfer its shard"
-            )
-        if self.cache_config.enable_elastic_kv_cache:
-            raise ValueError(
-                f"kv_transfer_config ({kv.kv_connector}) cannot be combined with "
-                "enable_elastic_kv_cache yet: the connector registers the committed KV "
-                "memory once, and the elastic cache commits and releases it while serving"
-            )
-        if self.speculative_config is not None:
-            raise ValueError(
-                f"kv_transfer_config ({kv.kv_connector}) cannot be combined with "
-                "speculative_config yet: drafts' KV slots are rolled back after "
-                "verification, and the connectors save and load only settled blocks"
-            )
+        check_kv_transfer_combination(self.kv_transfer_config, self.parallel_config,
+                                      self.cache_config, self.speculative_config)
 
     def _resolve_parallel(self, platform) -> None:
         """Executor backend, model split check, and one seed shared by every rank."""
@@ -216,3 +196,35 @@ def resolve_async_scheduling(
                        "falling back to synchronous scheduling", unsupported)
         return False
     return bool(asked)
+
+
+def check_kv_transfer_combination(kv: KVTransferConfig | None, parallel: ParallelConfig,
+                                  cache: CacheConfig, spec: SpeculativeConfig | None) -> None:
+    """Refuse the combinations a KV connector cannot serve correctly yet (one clear line).
+
+    Needs no model, so `EngineArgs.validate` runs it before any process starts.
+
+    Raises:
+        ValueError: a connector with several ranks, the elastic cache or
+            speculative decoding.
+    """
+    if kv is None or not kv.kv_connector:
+        return
+    if parallel.world_size > 1:
+        raise ValueError(
+            f"kv_transfer_config ({kv.kv_connector}) works with one rank only for now; "
+            f"tensor_parallel_size={parallel.tensor_parallel_size} would need "
+            "every rank's worker side to transfer its shard"
+        )
+    if cache.enable_elastic_kv_cache:
+        raise ValueError(
+            f"kv_transfer_config ({kv.kv_connector}) cannot be combined with "
+            "enable_elastic_kv_cache yet: the connector registers the committed KV "
+            "memory once, and the elastic cache commits and releases it while serving"
+        )
+    if spec is not None:
+        raise ValueError(
+            f"kv_transfer_config ({kv.kv_connector}) cannot be combined with "
+            "speculative_config yet: drafts' KV slots are rolled back after "
+            "verification, and the connectors save and load only settled blocks"
+        )

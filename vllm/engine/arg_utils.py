@@ -8,6 +8,11 @@ vllm serve --flags --(argparse)-^  (from_cli_args)                     (validate
 Flag names are vLLM's. argparse rejects flags it does not know; values the
 engine does not support (a model that does not split over the ranks, an
 unknown KV connector) are rejected when the config is built, with a message naming the value.
+vLLM flags that map onto this engine are accepted (`--revision`, `--download-dir`,
+`--trust-remote-code`, `--enable-chunked-prefill`, `--kv-cache-dtype auto`,
+`--swap-space` with a warning); those that do not (`--quantization` methods,
+`--enable-lora`, fp8 KV caches) are refused by `_refuse_unsupported` with a line
+saying so and what this fork does instead.
 """
 
 from __future__ import annotations
@@ -33,11 +38,21 @@ from vllm.config import (
 from vllm.config.model import DTYPE_CHOICES, LOAD_FORMAT_CHOICES
 from vllm.config.parallel import DEFAULT_WORKER_CLS, EXECUTOR_BACKENDS
 from vllm.config.scheduler import DEFAULT_LIMITS, DEFAULT_MAX_NUM_PARTIAL_PREFILLS
-from vllm.transformers_utils.model_path import check_generation_config_path, check_model_path
+from vllm.config.vllm import check_kv_transfer_combination
+from vllm.logger import init_logger
+from vllm.transformers_utils.model_path import (
+    check_generation_config_path,
+    check_model_path,
+    get_bundled_model_path,
+    is_gguf,
+    resolve_model,
+)
 
 # Suffixes for integer flags. vLLM's convention: lowercase k/m/g/t are decimal
 # (1k = 1000, decimals allowed: 25.6k), uppercase K/M/G/T binary (1K = 1024).
 # Byte flags also take explicit units: KiB/MiB/GiB/TiB (binary), KB/MB/GB/TB (decimal).
+logger = init_logger(__name__)
+
 _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 _DECIMAL_BYTES = {f"{p}B": 10 ** (3 * i) for i, p in enumerate("KMGT", 1)}
@@ -137,6 +152,16 @@ class EngineArgs:
     disable_log_stats: bool = False
     generation_config: str = "auto"
     max_logprobs: int = 20
+    # vLLM's flags for where a model comes from and what it may run.
+    revision: str | None = None
+    download_dir: str | None = None
+    trust_remote_code: bool = False
+    # vLLM's flags for what this fork does one way only: accepted for that way.
+    enable_chunked_prefill: bool | None = None
+    kv_cache_dtype: str = "auto"
+    swap_space: float | None = None
+    quantization: str | None = None
+    enable_lora: bool = False
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -147,6 +172,7 @@ class EngineArgs:
         _add_scheduler_args(g)
         _add_execution_args(g)
         _add_feature_args(g)
+        _add_vllm_compat_args(g)
         return parser
 
     @classmethod
@@ -159,7 +185,9 @@ class EngineArgs:
 
         That is the ranges and combinations of the cache, scheduler, parallel,
         compilation and KV-transfer configs (built and dropped here: their
-        constructors check them) and that the model path exists. `vllm serve`
+        constructors check them), the combinations a KV connector refuses, that
+        the vLLM flags this fork does not build are absent, and that the model
+        path exists (a Hugging Face id is resolved: `resolve_model`). `vllm serve`
         runs this before importing torch, so a bad flag fails in a fraction of a
         second; `create_engine_config` runs the same checks and then those that
         need the platform or the model's config (dtype, max_model_len, the VMM
@@ -169,8 +197,15 @@ class EngineArgs:
             ValueError / FileNotFoundError: the first invalid value, naming it.
         """
         configs = self._configs_without_model()
-        if self.model is not None:
-            check_model_path(self.model)
+        check_kv_transfer_combination(configs["kv_transfer_config"],
+                                      configs["parallel_config"], configs["cache_config"],
+                                      configs["speculative_config"])
+        model = self._model_path()
+        if model is not None:
+            check_model_path(model)
+        if self.quantization == "gguf" and not is_gguf(model or get_bundled_model_path()):
+            raise ValueError("--quantization gguf needs a .gguf model file; this fork detects "
+                             "GGUF from the path, so the flag can be left out")
         check_generation_config_path(self.generation_config)
         spec = configs["speculative_config"]
         if spec is not None and spec.model is not None:
@@ -186,23 +221,39 @@ class EngineArgs:
             ValueError: any invalid or unsupported value, naming the field.
         """
         model_config = ModelConfig(
-            model=self.model,
-            tokenizer=self.tokenizer,
+            model=self._model_path(),
+            tokenizer=None if self.tokenizer is None else resolve_model(self.tokenizer),
             dtype=self.dtype,
             max_model_len=self.max_model_len,
             seed=self.seed,
             load_format=self.load_format,
             generation_config=self.generation_config,
             max_logprobs=self.max_logprobs,
+            trust_remote_code=self.trust_remote_code,
         )
+        _check_kv_cache_dtype(self.kv_cache_dtype, model_config.dtype)
+        if self.swap_space is not None:
+            logger.warning("--swap-space %g is accepted and has no effect: this fork (as vLLM "
+                           "V1) preempts by recomputation and keeps no CPU swap space",
+                           self.swap_space)
         return VllmConfig(
             model_config=model_config,
             device_config=DeviceConfig(),
             **self._configs_without_model(),
         )
 
+    def _model_path(self) -> str | None:
+        """The model as a local path (a Hugging Face id resolved: `resolve_model`)."""
+        if self.model is None:
+            if self.revision is not None:
+                raise ValueError(f"--revision {self.revision!r} applies to a Hugging Face model "
+                                 "id; the bundled model (no MODEL given) is a local file")
+            return None
+        return resolve_model(self.model, self.revision, self.download_dir)
+
     def _configs_without_model(self) -> dict[str, Any]:
         """The sub-configs that need neither torch nor the model (each checks itself)."""
+        _refuse_unsupported(self)
         cache_config = CacheConfig(
             block_size=self.block_size,
             gpu_memory_utilization=self.gpu_memory_utilization,
@@ -310,7 +361,9 @@ def _add_cache_args(g: argparse._ArgumentGroup) -> None:
                    default=d.enable_prefix_caching,
                    help="Reuse KV cache blocks of shared prompt prefixes (default: on).")
     g.add_argument("--enable-sleep-mode", action=bool_flag, default=d.enable_sleep_mode,
-                   help="Allow sleep()/wake_up() to release and restore KV cache memory "
+                   help="Allow sleep()/wake_up() (POST /sleep, /wake_up): level 1 offloads "
+                        "the weights to host memory and discards the KV cache, level 2 "
+                        "discards both; wake_up maps them back at the same addresses "
                         "(default: off).")
 
 
@@ -400,6 +453,84 @@ def _add_feature_args(g: argparse._ArgumentGroup) -> None:
 
 
 
+def _add_vllm_compat_args(g: argparse._ArgumentGroup) -> None:
+    """vLLM's flags for the model's source, and those this fork does one way only."""
+    d = EngineArgs
+    bool_flag = argparse.BooleanOptionalAction
+    g.add_argument("--revision", type=str, default=d.revision,
+                   help="Branch, tag or commit of a Hugging Face model id (default: main).")
+    g.add_argument("--download-dir", type=str, default=d.download_dir,
+                   help="Where a Hugging Face model id is downloaded and looked up (default: "
+                        "the Hugging Face cache, $HF_HUB_CACHE; HF_HUB_OFFLINE=1 uses "
+                        "only what is already there).")
+    g.add_argument("--trust-remote-code", action=bool_flag, default=d.trust_remote_code,
+                   help="Let transformers run the model repository's own code for its "
+                        "config and tokenizer (default: off).")
+    g.add_argument("--enable-chunked-prefill", action=bool_flag,
+                   default=d.enable_chunked_prefill,
+                   help="Prefills are always chunked under --max-num-batched-tokens here: "
+                        "the flag is accepted, its --no- form refused (default: on).")
+    g.add_argument("--kv-cache-dtype", type=str, default=d.kv_cache_dtype,
+                   help="KV cache dtype: 'auto' (the model's dtype) or that dtype's name; "
+                        "fp8 caches are not supported by this fork (default: %(default)s).")
+    g.add_argument("--swap-space", type=float, default=d.swap_space,
+                   help="Accepted for vLLM launch scripts, with a warning: preemption "
+                        "recomputes, so no CPU swap space is used (default: unset).")
+    g.add_argument("--quantization", "-q", type=str, default=d.quantization,
+                   help="Not supported by this fork beyond 'gguf' (GGUF files are "
+                        "dequantized at load; default: none).")
+    g.add_argument("--enable-lora", action=bool_flag, default=d.enable_lora,
+                   help="Not supported by this fork (refused; default: off).")
+
+
+# How this fork handles weights and LoRA, for the refusals of vLLM's flags.
+_WEIGHTS_SUPPORTED = ("it loads HF safetensors in float32 / bfloat16 / float16 (--dtype) "
+                      "and GGUF files, dequantized at load")
+
+
+def _refuse_unsupported(args: EngineArgs) -> None:
+    """Refuse vLLM flags this fork does not build, in one line saying what it does.
+
+    Raises:
+        ValueError: --quantization other than gguf, --enable-lora,
+            --no-enable-chunked-prefill, an fp8 --kv-cache-dtype, a negative
+            --swap-space.
+    """
+    if args.quantization not in (None, "gguf"):
+        raise ValueError(f"--quantization {args.quantization} is not supported by this fork: "
+                         f"{_WEIGHTS_SUPPORTED}")
+    if args.enable_lora:
+        raise ValueError("--enable-lora is not supported by this fork: it serves one set of "
+                         "weights; merge the adapter into them (peft's merge_and_unload) and "
+                         "serve the merged model")
+    if args.enable_chunked_prefill is False:
+        raise ValueError("--no-enable-chunked-prefill is not supported by this fork: "
+                         "prefills are always chunked under --max-num-batched-tokens (set it "
+                         "to --max-model-len to prefill a whole prompt in one step)")
+    if args.kv_cache_dtype.startswith("fp8"):
+        raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype} is not supported by this "
+                         "fork: the KV cache is kept in the model's dtype (--kv-cache-dtype "
+                         "auto)")
+    if args.swap_space is not None and args.swap_space < 0:
+        raise ValueError(f"--swap-space must be >= 0 GiB, got {args.swap_space:g}")
+
+
+def _check_kv_cache_dtype(kv_cache_dtype: str, model_dtype: Any) -> None:
+    """`--kv-cache-dtype` is 'auto' or names the model's dtype (the cache's dtype here).
+
+    Raises:
+        ValueError: another dtype; the message names the one in use.
+    """
+    from vllm.config.model import _to_torch_dtype
+
+    if kv_cache_dtype == "auto" or _to_torch_dtype(kv_cache_dtype) == model_dtype:
+        return
+    name = str(model_dtype).removeprefix("torch.")
+    raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} is not supported by this fork: the KV "
+                     f"cache is kept in the model's dtype ({name} here; --dtype sets it), so "
+                     f"use --kv-cache-dtype auto or {name}")
+
+
 def _add_json_config_arg(
     g: argparse._ArgumentGroup, *flags: str, parse: Callable[[str], Any], help_text: str
 ) -> None:
@@ -415,6 +546,12 @@ class AsyncEngineArgs(EngineArgs):
     """`EngineArgs` plus the options only the async (serving) engine has."""
 
     enable_log_requests: bool = False
+    disable_log_requests: bool = False
+
+    def __post_init__(self) -> None:
+        if self.enable_log_requests and self.disable_log_requests:
+            raise ValueError("--enable-log-requests and --disable-log-requests contradict "
+                             "each other; give one")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -423,4 +560,8 @@ class AsyncEngineArgs(EngineArgs):
                             default=AsyncEngineArgs.enable_log_requests,
                             help="Log every request's prompt and sampling parameters "
                                  "(default: off).")
+        parser.add_argument("--disable-log-requests", action="store_true",
+                            default=AsyncEngineArgs.disable_log_requests,
+                            help="vLLM's older flag: requests are not logged, which is the "
+                                 "default (see --enable-log-requests).")
         return parser

@@ -20,7 +20,14 @@ Health: an instance that fails a request at the transport level (connection refu
 connect timeout, a read error or disconnect mid-request) leaves rotation; a background
 task sends `GET /health` to each instance out of rotation every `probe_interval_s`
 (2 s) and a 200 puts it back. `GET /instances` shows url, role, healthy and in_flight
-of each; `GET /health` of the proxy itself is always 200.
+of each. `GET /health` of the proxy probes every instance at once (each within
+PROBE_TIMEOUT_S; the answers move instances out of or back into rotation) and is 200
+while at least one prefill and one decode instance answer theirs, else 503 with an
+OpenAI error body naming those that did not (a load balancer then stops sending).
+
+Logs as `vllm serve` does: one line with its instances, "... listening on URL" once the
+port is bound (a port that cannot be bound is one line, exit 2), and uvicorn's access
+log, one line per request (`--disable-uvicorn-access-log`, `--uvicorn-log-level`).
 
 Errors: an instance's own error body and status pass through (a 5xx answer is an
 answer: the instance stays in rotation). A transport failure gives the client a 502
@@ -35,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
@@ -146,13 +154,18 @@ class InstancePool:
     def any_healthy(self) -> bool:
         return any(i.healthy for i in self.instances)
 
+    def down(self) -> list[str]:
+        """URLs of the instances out of rotation."""
+        return [i.url for i in self.instances if not i.healthy]
+
 
 def build_app(prefill_urls: list[str], decode_urls: list[str], policy: str = "least_loaded",
-              probe_interval_s: float = 2.0) -> FastAPI:
+              probe_interval_s: float = 2.0, url: str | None = None) -> FastAPI:
     """The proxy app: prefill on one instance, decode on another, per request.
 
     `policy` is one of POLICIES; `probe_interval_s` (seconds) is how often instances out of
-    rotation are probed. Raises ValueError for an empty URL list or an unknown policy.
+    rotation are probed; `url`, where it listens, is logged once it starts. Raises
+    ValueError for an empty URL list or an unknown policy.
     """
     prefills = InstancePool("prefill", prefill_urls, policy)
     decodes = InstancePool("decode", decode_urls, policy)
@@ -166,6 +179,8 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], policy: str = "le
                                         limits=httpx.Limits(max_connections=None))
         probe = asyncio.create_task(_probe_forever(client["c"], (prefills, decodes),
                                                    probe_interval_s))
+        if url is not None:
+            logger.info("Disaggregation proxy is listening on %s", url)
         yield
         probe.cancel()
         await client["c"].aclose()
@@ -188,7 +203,7 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], policy: str = "le
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200)
+        return await _health(client["c"], (prefills, decodes))
 
     @app.get("/instances")
     async def instances() -> JSONResponse:
@@ -361,6 +376,16 @@ async def _relay(r: httpx.Response, decodes: InstancePool, decode: Instance
         await r.aclose()
 
 
+async def _health(client: httpx.AsyncClient, pools: tuple[InstancePool, ...]) -> Response:
+    """Probe every instance now: 200 while each role has a healthy one, else 503."""
+    await asyncio.gather(*(_probe(client, pool, instance, evict=True)
+                           for pool in pools for instance in pool.instances))
+    if all(pool.any_healthy() for pool in pools):
+        return Response(status_code=200)
+    down = ", ".join(f"{pool.role} {pool.down()}" for pool in pools if pool.down())
+    return _ProxyError(503, f"no healthy instance of every role: down are {down}").response()
+
+
 async def _probe_forever(client: httpx.AsyncClient, pools: tuple[InstancePool, ...],
                          interval_s: float) -> None:
     """Every `interval_s` seconds, GET /health of each instance out of rotation (all at
@@ -371,13 +396,20 @@ async def _probe_forever(client: httpx.AsyncClient, pools: tuple[InstancePool, .
                                for instance in pool.instances if not instance.healthy))
 
 
-async def _probe(client: httpx.AsyncClient, pool: InstancePool, instance: Instance) -> None:
+async def _probe(client: httpx.AsyncClient, pool: InstancePool, instance: Instance,
+                 evict: bool = False) -> None:
+    """GET the instance's /health: a 200 puts it back into rotation; with `evict`, no
+    answer or another status takes it out."""
     try:
         r = await client.get(f"{instance.url}/health", timeout=PROBE_TIMEOUT_S)
-    except httpx.HTTPError:
+    except httpx.HTTPError as e:
+        if evict:
+            pool.fail(instance, e)
         return
     if r.status_code == 200:
         pool.rejoin(instance)
+    elif evict:
+        pool.fail(instance, RuntimeError(f"GET /health answered {r.status_code}"))
 
 
 class _Passthrough(_ProxyError):
@@ -403,18 +435,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--policy", choices=POLICIES, default="least_loaded",
                         help="least_loaded: the instance with the fewest requests this proxy "
                              "has in flight on it, ties round-robin (default); round_robin")
+    parser.add_argument("--uvicorn-log-level", default="info",
+                        choices=("critical", "error", "warning", "info", "debug", "trace"),
+                        help="log level of uvicorn, the HTTP server (default: info)")
+    parser.add_argument("--disable-uvicorn-access-log", action="store_true",
+                        help="do not log one line per request (default: log them)")
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """Run the proxy until SIGINT/SIGTERM; returns the exit code (2: the port is taken)."""
+    import sys
+
+    from vllm.entrypoints.openai.cli_args import bind_socket
+
     args = parse_args(argv)
     prefill_urls = [u.rstrip("/") for u in args.prefill]
     decode_urls = [u.rstrip("/") for u in args.decode]
-    app = build_app(prefill_urls, decode_urls, policy=args.policy)
-    logger.info("disaggregation proxy (%s): prefill %s, decode %s", args.policy, prefill_urls,
-                decode_urls)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as e:
+        print(f"disagg_proxy: error: {e.strerror}", file=sys.stderr)
+        return 2
+    port = sock.getsockname()[1]
+    app = build_app(prefill_urls, decode_urls, policy=args.policy,
+                    url=f"http://{args.host}:{port}")
+    logger.info("Disaggregation proxy (%s): prefill %s, decode %s", args.policy,
+                prefill_urls, decode_urls)
+    config = uvicorn.Config(app, log_level=args.uvicorn_log_level,
+                            access_log=not args.disable_uvicorn_access_log)
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again with
+    # the handlers it found: these make that a clean exit 0 (as `vllm serve`), not 143.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        sock.close()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -148,8 +148,9 @@ class LLM:
         """Bring back "weights" and/or "kv_cache" (both when tags is None).
 
         After `sleep(level=2)` the woken weights hold nothing: call
-        `reload_weights()` (or load your own) before generating. (`vllm serve`
-        reloads from the checkpoint itself.) A wake that failed part-way and
+        `reload_weights()` before generating; until then `generate` raises
+        EngineSleepingError, as the server refuses requests (`vllm serve`
+        reloads from the checkpoint itself). A wake that failed part-way and
         is called again still needs that reload (`LLMEngine.wake_up()` keeps
         returning True until the weights are loaded).
 

@@ -41,12 +41,13 @@ _MAX_LEN_KEYS = (
 _DEFAULT_MAX_LEN = 2048
 
 
-def get_hf_config(model: str) -> PretrainedConfig:
+def get_hf_config(model: str, trust_remote_code: bool = False) -> PretrainedConfig:
     """The HF config of a local model: an HF directory or a .gguf file.
 
     A GGUF's config is rebuilt by transformers from the metadata once and
     cached; `architectures` is filled in from `model_type` when the metadata
-    does not carry it.
+    does not carry it. `trust_remote_code` lets transformers run an HF
+    directory's own config class (its `auto_map`), as vLLM's flag does.
 
     Raises:
         FileNotFoundError: `model` is neither a directory with config.json nor
@@ -56,7 +57,7 @@ def get_hf_config(model: str) -> PretrainedConfig:
     path = Path(model)
     if is_gguf(path):
         return _get_gguf_config(path)
-    return AutoConfig.from_pretrained(path)
+    return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 def _get_gguf_config(path: Path) -> PretrainedConfig:

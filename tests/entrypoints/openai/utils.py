@@ -33,7 +33,7 @@ DEFAULT_SERVER_ARGS = [
     "--max-num-batched-tokens", "128", "--kv-cache-memory-bytes", "256MiB",
     "--uvicorn-log-level", "warning", "--disable-log-stats",
 ]
-_URL_LINE = re.compile(r"listening on (http://\S+)")
+_URL_LINE = re.compile(r"listening on (https?://\S+)")
 # Model load + KV cache sizing + warmup on 2 shared CPU cores.
 _START_TIMEOUT_S = 300
 
@@ -45,6 +45,10 @@ class RemoteServer:
         args: arguments after `serve` (`--port 0` is added).
         env: extra environment variables.
         launcher: the script to run instead of the CLI module (fault injection).
+        new_session: start it in a session (and process group) of its own, as a
+            service manager does; `signal_group` then signals every process in it.
+        verify: httpx's `verify` for an HTTPS server (an `ssl.SSLContext` trusting
+            its certificate).
 
     Raises:
         RuntimeError: the server exited or did not become healthy in time; the
@@ -52,7 +56,9 @@ class RemoteServer:
     """
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None,
-                 launcher: str | None = None) -> None:
+                 launcher: str | None = None, new_session: bool = False,
+                 verify=True) -> None:
+        self.verify = verify
         self.log_file = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the server
             prefix="vllm-serve-", suffix=".log", delete=False)
         path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
@@ -61,6 +67,7 @@ class RemoteServer:
         self.proc = subprocess.Popen(
             [sys.executable, *entry, "serve", *args, "--host", "127.0.0.1", "--port", "0"],
             cwd=REPO_ROOT, env=full_env, stdout=self.log_file, stderr=subprocess.STDOUT,
+            start_new_session=new_session,
         )
         self.url = self._wait_for_url()
         self.startup_log = self.log()
@@ -104,7 +111,8 @@ class RemoteServer:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:
-                if httpx.get(self.url_for("health"), timeout=5).status_code == 200:
+                if httpx.get(self.url_for("health"), timeout=5,
+                             verify=self.verify).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -121,6 +129,10 @@ class RemoteServer:
         except subprocess.TimeoutExpired:
             self.kill()
             raise
+
+    def signal_group(self, sig: int) -> None:
+        """`kill -- -PGID`: `sig` to every process of the server's group (`new_session`)."""
+        os.killpg(self.proc.pid, sig)
 
     def kill(self) -> None:
         if self.proc.poll() is None:

@@ -1,8 +1,8 @@
 """The KV cache honours its size and its use, and max_model_len fits the cache (issue #16).
 
 The bundled model (SmolLM2-135M, fp32 on the CPU): 30 layers, one segment each,
-blocks of 16 tokens x 2 x 3 KV heads x 64 x 4 bytes = 24 KiB per layer; host
-granules of 2 MiB hold 85 blocks per segment.
+blocks of 16 tokens x 2 x 3 KV heads x 64 x 4 bytes = 24 KiB per layer (720 KiB a
+block over the 30 layers); host granules of 2 MiB hold 85 blocks per segment.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ MiB = 1 << 20
 
 @pytest.fixture(scope="module")
 def small_cache_llm():
-    # 64 MiB asked: (64 + 2) MiB / 30 segments -> one 2 MiB granule each = 85 blocks,
-    # 60 MiB committed; (85 - 1) x 16 = 1344 tokens for one sequence < 2048.
+    # 64 MiB asked: 67108864 / 737280 = 91 blocks, vLLM's count (issue 48: 85 before),
+    # packed segments commit 64 MiB; (91 - 1) x 16 = 1440 tokens for one sequence < 2048.
     engine = LLM(max_model_len=2048, max_num_seqs=2, max_num_batched_tokens=256,
                  kv_cache_memory_bytes=64 * MiB, enable_extensible_kv_cache=True)
     yield engine
@@ -31,19 +31,20 @@ def small_cache_llm():
 
 def test_explicit_size_within_one_granule_and_max_model_len_fitted(small_cache_llm):
     worker = small_cache_llm.llm_engine.engine_core.worker
-    assert worker.kv_cache.committed_blocks == 85
-    assert worker.kv_cache.committed_bytes == 60 * MiB  # the old rule committed 120 MiB
+    assert worker.kv_cache.committed_blocks == worker.kv_cache.capacity_blocks == 91
+    # Within one granule in total (aligned segments would commit 120 MiB for 91 blocks).
+    assert worker.kv_cache.committed_bytes == 64 * MiB
     # The fitted length is the plan's; the configuration keeps what was asked.
-    assert small_cache_llm.llm_engine.max_model_len == 1344
-    assert small_cache_llm.llm_engine.engine_core.plan.max_model_len == 1344
+    assert small_cache_llm.llm_engine.max_model_len == 1440
+    assert small_cache_llm.llm_engine.engine_core.plan.max_model_len == 1440
     assert small_cache_llm.llm_engine.vllm_config.model_config.max_model_len == 2048
     # A request up to the fitted length is served; one past it is refused up front.
     prompt = {"prompt_token_ids": [28] * 1340}  # prefill in six steps, then four tokens
     out = small_cache_llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0,
                                                             ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
-    with pytest.raises(ValueError, match="1344"):
-        small_cache_llm.generate(["Hello"], SamplingParams(max_tokens=1400), use_tqdm=False)
+    with pytest.raises(ValueError, match="1440"):
+        small_cache_llm.generate(["Hello"], SamplingParams(max_tokens=1500), use_tqdm=False)
 
 
 def test_committed_kv_never_exceeds_what_the_engine_can_use():
@@ -65,9 +66,9 @@ def test_server_advertises_the_fitted_max_model_len():
     with RemoteServer(["--max-model-len", "2048", "--max-num-seqs", "2",
                        "--max-num-batched-tokens", "256", "--kv-cache-memory-bytes", "64MiB",
                        "--uvicorn-log-level", "warning", "--disable-log-stats"]) as server:
-        assert "serving with max_model_len 1344" in server.startup_log
+        assert "serving with max_model_len 1440" in server.startup_log
         models = httpx.get(server.url_for("v1/models"), timeout=30).json()
-        assert models["data"][0]["max_model_len"] == 1344
+        assert models["data"][0]["max_model_len"] == 1440
         # A plain chat request without max_tokens is served (not refused for 2048).
         reply = server.get_client().chat.completions.create(
             model=models["data"][0]["id"], messages=[{"role": "user", "content": "Hi"}],

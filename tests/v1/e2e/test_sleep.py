@@ -72,7 +72,12 @@ def test_level2_releases_weights_and_reload_restores_outputs(llm, reference):
     llm.sleep(level=2)
     assert rss_awake - _rss_mib() > 0.8 * weights / 2**20
     assert llm.llm_engine.wake_up() is True  # the weights must be reloaded
-    assert _texts(llm) != reference  # the offline engine leaves the reload to its caller
+    # The offline engine leaves the reload to its caller, and refuses to generate with
+    # the zero weights meanwhile (it returned empty text, silently).
+    with pytest.raises(EngineSleepingError, match=r"sleep\(level=2\) and not loaded again: "
+                       r"call reload_weights\(\)"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
     llm.reload_weights()
     assert _texts(llm) == reference
 
@@ -139,8 +144,10 @@ def test_failed_wake_stays_asleep_and_a_later_wake_succeeds(llm, reference, monk
 
 
 def test_level2_wake_failing_part_way_still_reloads_on_retry(llm, reference, monkeypatch):
-    """The weights map, the KV cache's first map fails: the retry that succeeds must still
-    say the weights need loading (they are zero pages), not serve garbage."""
+    """The weights map, the KV cache's first map fails: the wake puts the weights back to
+    sleep (the asleep footprint the 503 promises; they stayed mapped, engine-core RSS
+    885 -> 1,399 MiB), and the retry that succeeds must still say the weights need
+    loading (they are zero pages), not serve garbage."""
     worker = llm.llm_engine.engine_core.worker
     driver = worker.kv_cache.driver
     llm.sleep(level=2)
@@ -156,11 +163,39 @@ def test_level2_wake_failing_part_way_still_reloads_on_retry(llm, reference, mon
     monkeypatch.setattr(driver, "map", map_fails_after_one)
     with pytest.raises(DeviceMemoryError, match="injected after 1 map"):
         llm.llm_engine.wake_up()
-    assert worker.sleeping_tags() == ["kv_cache"]  # the weights' map went through
+    assert calls["n"] >= 2  # the weights' map went through, the KV cache's did not
+    assert worker.sleeping_tags() == ["weights", "kv_cache"]  # both back asleep
+    assert worker.weight_arena.physical_bytes == 0 == worker.kv_cache.committed_bytes
     monkeypatch.undo()
     assert llm.llm_engine.wake_up() is True
     assert llm.llm_engine.wake_up() is True  # until they are loaded, whoever asks
     llm.reload_weights()
+    assert llm.llm_engine.wake_up() is False
+    assert _texts(llm) == reference
+
+
+def test_level1_wake_failing_part_way_keeps_the_weights_for_the_retry(llm, reference,
+                                                                      monkeypatch):
+    """Put back to sleep after a level-1 wake that mapped the weights: their host copy
+    is taken again, so the retry restores the same outputs."""
+    worker = llm.llm_engine.engine_core.worker
+    driver = worker.kv_cache.driver
+    llm.sleep(level=1)
+    real_map = driver.map
+    calls = {"n": 0}
+
+    def map_fails_after_one(va, size, handle):
+        calls["n"] += 1
+        if calls["n"] > 1:
+            raise VmmError(f"map(size={size}) failed: out of memory (injected after 1 map)")
+        return real_map(va, size, handle)
+
+    monkeypatch.setattr(driver, "map", map_fails_after_one)
+    with pytest.raises(DeviceMemoryError, match="injected after 1 map"):
+        llm.wake_up()
+    assert worker.sleeping_tags() == ["weights", "kv_cache"]
+    assert worker.weight_arena.physical_bytes == 0
+    monkeypatch.undo()
     assert llm.llm_engine.wake_up() is False
     assert _texts(llm) == reference
 

@@ -84,3 +84,32 @@ def test_a_guardless_tp2_script_works(tmp_path):
     assert result.stdout.count("SCRIPT RUNS") == 1, result.stdout
     assert "OUTPUT ' Paris" in result.stdout, result.stdout[-2000:]
     assert "Started 2 worker processes (spawn;" in result.stdout + result.stderr
+
+
+def _child_signal_dispositions(queue) -> None:
+    import signal
+
+    queue.put((signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)))
+    signal.pause()  # until the parent's stop request ends it
+
+
+def test_a_child_starts_with_group_signals_ignored_and_stops_on_request():
+    """A signal to the process group must not reach a child's interpreter before its
+    entry point runs (a Ctrl-C during its imports was a traceback): the child starts
+    with SIGINT and SIGTERM ignored, the parent's own handlers are back afterwards, and
+    `request_stop` (not SIGTERM) ends the child."""
+    import signal
+
+    before = (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM))
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    child = context.Process(target=_child_signal_dispositions, args=(queue,))
+    process_start.start(child)
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+    assert queue.get(timeout=60) == (signal.SIG_IGN, signal.SIG_IGN)
+    os.kill(child.pid, signal.SIGTERM)  # the group's signal: ignored
+    child.join(0.5)
+    assert child.exitcode is None
+    process_start.request_stop(child)
+    child.join(30)
+    assert child.exitcode == -process_start.STOP_SIGNAL

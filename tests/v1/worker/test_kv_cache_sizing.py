@@ -316,19 +316,61 @@ LAYER_STRIDE, LAYERS = 24 * 1024, 30
 
 
 @pytest.mark.parametrize(
+    "explicit, blocks",
+    [
+        # vLLM's count: 64 MiB / (30 x 24 KiB) = 91.02 -> 91 (rounding each segment down
+        # to whole granules gave 85, issue 48).
+        (64 * MiB, 91),
+        # 2 GiB / 737280 = 2912.7 -> 2912 (was 2901).
+        (2 * GiB, 2912),
+        (60 * MiB, 85),
+    ],
+)
+def test_explicit_bytes_give_vllms_blocks_within_one_granule_in_total(explicit, blocks):
+    """The reservation holds exactly the explicit blocks, segments packed back to back,
+    so committing them all maps the bytes rounded up to one granule in total (real
+    pages of the host VMM: a granule shared by two segments is mapped once)."""
+    from vllm.device_allocator.host_vmm import HostVmmDriver
+    from vllm.utils.extensible_tensor import ExtensibleTensor
+
+    snapshot = MemorySnapshot(total=TOTAL, free=100 * GiB, kv_committed=0,
+                              used_since_start=30 * GiB)
+    capacity = capacity_blocks(TOTAL, LAYER_STRIDE, LAYERS, GRANULE, max_blocks=10**9,
+                               explicit_bytes=explicit)
+    assert capacity == blocks
+    size = final_num_blocks(snapshot, activation_peak=GiB, gpu_memory_utilization=1.0,
+                            block_stride=LAYER_STRIDE, num_segments=LAYERS,
+                            granularity=GRANULE, capacity=capacity, explicit_bytes=explicit,
+                            packed_segments=True)
+    assert size.num_blocks == blocks
+    if explicit > 64 * MiB:
+        return  # the mapping check below needs only one size
+    segment = blocks * LAYER_STRIDE
+    driver = HostVmmDriver()
+    tensor = ExtensibleTensor([segment] * LAYERS, driver)
+    try:
+        tensor.grow_segments_([segment] * LAYERS)
+        assert tensor.physical_bytes <= explicit + driver.granularity
+        assert tensor.physical_bytes == -(-blocks * LAYER_STRIDE * LAYERS
+                                          // driver.granularity) * driver.granularity
+    finally:
+        tensor.free()
+
+
+@pytest.mark.parametrize(
     "explicit, blocks, committed",
     [
-        # (64 MiB + 2 MiB) / 30 = 2306867 -> 1 granule = 2097152 -> 85 blocks;
-        # 30 x 2 MiB = 60 MiB committed (the old rule: 91 blocks, 2 granules each, 120 MiB).
+        # Aligned segments (a NIXL connector registers each as one allocation): each
+        # commits whole granules, so the count is rounded down per segment.
+        # (64 MiB + 2 MiB) / 30 = 2306867 -> 1 granule -> 85 blocks in 60 MiB (not 91
+        # blocks in 2 granules each, 120 MiB).
         (64 * MiB, 85, 62914560),
-        # (2 GiB + 2 MiB) / 30 = 71653922 -> 34 granules = 71303168 -> 2901 blocks;
-        # 30 x 68 MiB = 2040 MiB (the old rule: 2912 blocks, 35 granules each, 2100 MiB).
         (2 * GiB, 2901, 2139095040),
-        # A multiple of 30 granules is met exactly: 60 MiB -> 85 blocks, 60 MiB.
         (60 * MiB, 85, 62914560),
     ],
 )
-def test_explicit_bytes_honoured_within_one_granule_in_total(explicit, blocks, committed):
+def test_explicit_bytes_on_aligned_segments_stay_within_one_granule(explicit, blocks,
+                                                                    committed):
     snapshot = MemorySnapshot(total=TOTAL, free=100 * GiB, kv_committed=0,
                               used_since_start=30 * GiB)
     size = final_num_blocks(snapshot, activation_peak=GiB, gpu_memory_utilization=1.0,

@@ -11,6 +11,7 @@ defaults (`vllm.utils.argparse_utils`).
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from vllm.entrypoints.cli import kv_top
@@ -49,6 +50,12 @@ class _SubcommandParser(FlexibleArgumentParser):
         if extras:
             self.error(f"unrecognized arguments: {' '.join(extras)}")
         return namespace, extras
+
+    def error(self, message: str):
+        """A bad flag: one line, `vllm serve: error: ...` as every start-up error, exit 2
+        (argparse would print the whole usage first)."""
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} "
+                     f"(see {self.prog} --help)\n")
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -143,12 +150,37 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     when the config is built; what the engine refuses while it starts (a
     ValueError from loading or a connector's option, a KV cache the device
     cannot hold) is one line too (exit 2, or 1 for the device). Anything else
-    raised later propagates.
+    raised later propagates. Ctrl-C or SIGTERM during start-up is one line
+    too (exit 130 for Ctrl-C, 0 for a stop request), with every process of
+    the engine stopped.
     """
+    try:
+        return _serve(args)
+    except _Terminated:  # a stop request before the server took over the signals
+        print("vllm serve: stopped (SIGTERM) during start-up", file=sys.stderr)
+        return 0
+    except KeyboardInterrupt:  # Ctrl-C, ditto: the shell's status for SIGINT
+        print("vllm serve: interrupted during start-up", file=sys.stderr)
+        return 130
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM during start-up: unwinds as Ctrl-C does (every `except KeyboardInterrupt`
+    and `finally` on the way stops what it started)."""
+
+
+def _raise_terminated(signum: int, frame) -> None:
+    raise _Terminated
+
+
+def _serve(args: argparse.Namespace) -> int:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.entrypoints.openai.cli_args import bind_socket, validate_parsed_serve_args
     from vllm.exceptions import DeviceBusyError, EngineStartupError
 
+    # Until uvicorn installs its own handlers (it drains), SIGTERM stops the start-up
+    # as Ctrl-C does: one line, no traceback, and the engine's processes are stopped.
+    signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         validate_parsed_serve_args(args)
         AsyncEngineArgs.from_cli_args(args).validate()

@@ -107,7 +107,8 @@ def build_app(engine_client: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     engine_client.add_stat_logger(metrics)
     chat_template = load_chat_template(getattr(args, "chat_template", None))
 
-    app = FastAPI(title="vLLM OpenAI-compatible API", version=__version__)
+    app = FastAPI(title="vLLM OpenAI-compatible API", version=__version__,
+                  root_path=getattr(args, "root_path", None) or "")
     app.state.engine_client = engine_client
     app.state.metrics = metrics
     app.state.models = models
@@ -429,7 +430,8 @@ def run_server(
         sock = bind_socket(host, args.port)
     try:
         port = sock.getsockname()[1]
-        url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        scheme = "https" if getattr(args, "ssl_certfile", None) else "http"
+        url = f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
         logger.info("vLLM API server version %s, non-default args: %s", __version__,
                     non_default_args(args))
         engine = _start_engine(vllm_config, args)
@@ -442,6 +444,10 @@ def run_server(
                 access_log=not getattr(args, "disable_uvicorn_access_log", False),
                 timeout_graceful_shutdown=shutdown_timeout + _SHUTDOWN_FLUSH_S,
                 timeout_keep_alive=5,
+                ssl_keyfile=getattr(args, "ssl_keyfile", None),
+                ssl_certfile=getattr(args, "ssl_certfile", None),
+                ssl_ca_certs=getattr(args, "ssl_ca_certs", None),
+                root_path=getattr(args, "root_path", None) or "",
             )
             server = _Server(config, url, engine, shutdown_timeout)
             engine.add_dead_callback(server.exit_after_engine_death)

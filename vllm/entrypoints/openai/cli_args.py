@@ -51,6 +51,17 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Log level of uvicorn, the HTTP server (default: %(default)s).")
     g.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="Do not log one line per HTTP request (default: log them).")
+    g.add_argument("--ssl-keyfile", type=str, default=None,
+                   help="Serve HTTPS with this private key (PEM; with --ssl-certfile; "
+                        "default: plain HTTP).")
+    g.add_argument("--ssl-certfile", type=str, default=None,
+                   help="The certificate (chain) of --ssl-keyfile, PEM (default: none).")
+    g.add_argument("--ssl-ca-certs", type=str, default=None,
+                   help="CA certificates (PEM) that client certificates are checked "
+                        "against (default: none).")
+    g.add_argument("--root-path", type=str, default=None,
+                   help="The path prefix a reverse proxy serves the API under (ASGI "
+                        "root_path, e.g. /llm; default: none).")
     AsyncEngineArgs.add_cli_args(parser)
     return parser
 
@@ -78,6 +89,41 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
     if args.api_key is None:
         args.api_key = envs.VLLM_API_KEY
     load_chat_template(args.chat_template)
+    check_ssl_files(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs)
+    if args.root_path is not None and not args.root_path.startswith("/"):
+        raise ValueError(f"--root-path must start with '/', got {args.root_path!r}")
+
+
+def check_ssl_files(keyfile: str | None, certfile: str | None, ca_certs: str | None) -> None:
+    """The HTTPS flags name a key and a certificate that belong together (as uvicorn loads
+    them), so a typo fails at start-up in one line, not after the model has loaded.
+
+    Raises:
+        ValueError: one of the pair missing, a file missing, or a key and certificate
+            that `ssl` cannot load together (its reason).
+    """
+    if keyfile is None and certfile is None:
+        if ca_certs is not None:
+            raise ValueError("--ssl-ca-certs needs --ssl-keyfile and --ssl-certfile")
+        return
+    if keyfile is None or certfile is None:
+        missing = "--ssl-keyfile" if keyfile is None else "--ssl-certfile"
+        raise ValueError(f"HTTPS needs both --ssl-keyfile and --ssl-certfile; {missing} is "
+                         "missing")
+    import ssl
+
+    for flag, path in (("--ssl-keyfile", keyfile), ("--ssl-certfile", certfile),
+                       ("--ssl-ca-certs", ca_certs)):
+        if path is not None and not Path(path).is_file():
+            raise ValueError(f"{flag} {path!r} is not a file")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(certfile, keyfile)
+        if ca_certs is not None:
+            context.load_verify_locations(ca_certs)
+    except (ssl.SSLError, OSError) as e:
+        raise ValueError(f"HTTPS: --ssl-keyfile {keyfile!r} and --ssl-certfile {certfile!r} "
+                         f"cannot be loaded together: {e}") from None
 
 
 def load_chat_template(value: str | None) -> str | None:

@@ -5,7 +5,9 @@ fields (top_k, min_p, repetition_penalty, ...). Models validate *types* only
 (strictly: "5" is not an int, true is not an int); *ranges* are checked by
 `SamplingParams` and the engine's `Processor`, the validators `LLM` uses too,
 so the server and the offline API accept and reject the same values.
-Unknown fields are ignored, as the OpenAI API does. Every string of a request
+Unknown top-level fields of a request are ignored with a warning that names
+them, as vLLM does (a typo'd parameter is visible in the log, never silently
+dropped). Every string of a request
 body (keys, unknown fields and nested messages included) must be valid Unicode:
 a lone UTF-16 surrogate (`"\\ud800"`) is rejected before any field is read,
 with `vllm.inputs.check_unicode_values`, the check the offline engine runs on
@@ -21,6 +23,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_valid
 from pydantic_core import PydanticCustomError
 
 from vllm.inputs import InvalidUnicodeError, check_unicode_values
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+# The most characters of one unknown field name that the warning quotes.
+_FIELD_NAME_CHARS = 64
 
 # The pydantic error type of a request string that is not valid Unicode; its
 # context carries "message" and "field" (the app answers 400 with param=field).
@@ -43,6 +50,19 @@ class OpenAIRequest(OpenAIBaseModel):
             # "{message}" as the template: the message itself is never formatted.
             raise PydanticCustomError(INVALID_UNICODE_ERROR, "{message}",
                                       {"message": str(e), "field": e.parameter}) from None
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _warn_unknown_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values()
+                                             if f.alias}
+            unknown = sorted(repr(k)[:_FIELD_NAME_CHARS] for k in data if k not in known)
+            if unknown:  # the client's own keys: quoted and capped, so one line stays one
+                more = f" and {len(unknown) - 8} more" if len(unknown) > 8 else ""
+                logger.warning("%s: ignored unknown field(s) %s%s", cls.__name__,
+                               ", ".join(unknown[:8]), more)
         return data
 
 

@@ -105,9 +105,10 @@ class AsyncLLM:
         self.vllm_config = vllm_config
         self.model_config = vllm_config.model_config
         self.log_requests = log_requests
-        self.tokenizer = get_tokenizer(self.model_config.tokenizer)
+        remote = {"trust_remote_code": self.model_config.trust_remote_code}
+        self.tokenizer = get_tokenizer(self.model_config.tokenizer, **remote)
         # Input tokenization: its own tokenizer on its own thread (see the module doc).
-        self._input_tokenizer = get_tokenizer(self.model_config.tokenizer)
+        self._input_tokenizer = get_tokenizer(self.model_config.tokenizer, **remote)
         self._token_chars = max_token_chars(self._input_tokenizer)
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="vllm-tokenizer")

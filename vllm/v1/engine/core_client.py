@@ -38,6 +38,7 @@ from vllm.v1.engine.protocol import (
     EngineCoreRequestType,
     utility_name,
 )
+from vllm.v1.executor import process_start
 from vllm.v1.executor.multiproc_executor import describe_exit, reap
 
 if TYPE_CHECKING:
@@ -117,7 +118,7 @@ class AsyncMPClient:
                 if kind == "ready":
                     return value
                 if kind == "startup_failed":
-                    self._stop_state["asked"] = True  # it exits by itself: no SIGTERM
+                    self._stop_state["asked"] = True  # it exits by itself: no stop signal
                     if value.exception is not None:
                         raise value.exception
                     raise RuntimeError(f"the engine core failed to start: {value.reason}")
@@ -245,7 +246,7 @@ class AsyncMPClient:
         if reap(self.process, self._reap_lock, 0) is None:
             # Never blocking: a PUSH socket waits for a peer, and a process that is
             # ending (a failed start-up) has disconnected; the finalizer then
-            # SIGTERMs it instead.
+            # signals it instead.
             with contextlib.suppress(Exception), self._send_lock:
                 self._input.send(pickle.dumps((EngineCoreRequestType.SHUTDOWN, None)),
                                  flags=zmq.NOBLOCK)
@@ -268,13 +269,16 @@ def _stop_process(
     paths: list[str],
     state: dict[str, bool],
 ) -> None:
-    """Let the engine process stop (it was asked, or SIGTERM asks it), then SIGKILL; reap it.
+    """Let the engine process stop (it was asked, or `STOP_SIGNAL` asks it), then SIGKILL;
+    reap it.
 
-    SIGTERM is a graceful stop for the engine process (it shuts its executor
-    down), so it is the first step when nobody sent "shutdown" (interpreter exit).
+    `STOP_SIGNAL` is a graceful stop for the engine process (it shuts its
+    executor down), so it is the first step when nobody sent "shutdown"
+    (interpreter exit). Not SIGTERM: the engine process ignores that one, which
+    belongs to the process group (`process_start`).
     """
     if reap(process, lock, 0) is None and not state["asked"]:
-        process.terminate()
+        process_start.request_stop(process)
     if reap(process, lock, _SHUTDOWN_GRACE_S) is None:
         logger.warning("the engine core process did not stop in %.0f s; killing it",
                        _SHUTDOWN_GRACE_S)

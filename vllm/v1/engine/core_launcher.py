@@ -75,7 +75,7 @@ class EngineCoreLauncher:
         self._config.close()
         self.status.close()
         if self.process.is_alive():
-            self.process.terminate()
+            process_start.request_stop(self.process)
         self.process.join(5)
         if self.process.is_alive():
             self.process.kill()

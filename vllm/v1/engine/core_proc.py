@@ -19,9 +19,10 @@ its input when idle. What a failed step means is `faults.py`'s policy: the
 step's requests fail (the frontend gets their ids and the message) and the
 loop goes on, or the engine is dead: "dead" with the reason goes to the
 status pipe, the executor is shut down (no worker is left holding memory) and
-the process exits 1. The process ignores SIGINT (Ctrl-C reaches the whole
-process group; the frontend decides), stops on SIGTERM or a SHUTDOWN message,
-and exits by itself when the frontend process is gone.
+the process exits 1. The process ignores SIGINT and SIGTERM (a signal to the
+process group reaches it too; the frontend drains, then stops it:
+`process_start`), stops on `STOP_SIGNAL` or a SHUTDOWN message, and exits
+by itself when the frontend process is gone.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from vllm.v1.engine.protocol import (
     EngineCoreReplyType,
     EngineCoreRequestType,
 )
+from vllm.v1.executor import process_start
 from vllm.v1.executor.worker_wrapper import RemoteFailure, WorkerDiedError
 from vllm.v1.worker.kv_cache_sizing import KVCacheSizingError
 
@@ -284,11 +286,11 @@ def run_engine_core(
         _run_engine_core(vllm_config, input_address, output_address, status, parent_pid,
                          config_pipe)
     finally:
-        # Leaving (any way): a SIGTERM from here on, while the interpreter runs its atexit
-        # hooks, ends the process quietly instead of raising SystemExit inside one of them
-        # (a traceback on the frontend's stderr: the frontend cancels a prestarted process
-        # with SIGTERM just as it sees the closed pipe and returns).
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        # Leaving (any way): a stop request from here on, while the interpreter runs its
+        # atexit hooks, ends the process quietly instead of raising SystemExit inside one
+        # of them (a traceback on the frontend's stderr: the frontend cancels a prestarted
+        # process just as it sees the closed pipe and returns).
+        signal.signal(process_start.STOP_SIGNAL, signal.SIG_DFL)
 
 
 def _run_engine_core(
@@ -302,8 +304,8 @@ def _run_engine_core(
     from vllm.logger import set_process_label
 
     set_process_label(f"engine core pid {os.getpid()}")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _raise_system_exit)
+    process_start.ignore_group_signals()
+    signal.signal(process_start.STOP_SIGNAL, _raise_system_exit)
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     if vllm_config is None:
         import importlib
@@ -325,18 +327,14 @@ def _run_engine_core(
     try:
         proc = EngineCoreProc(vllm_config, input_address, output_address)
     except BaseException as e:
-        if isinstance(e, ValueError | FileNotFoundError | KVCacheSizingError | DeviceBusyError):
-            # The configuration or the device says why: the frontend prints it as one line.
-            logger.error("engine core start-up failed: %s", e)
-        else:
-            logger.exception("engine core start-up failed")
-        _send(status, ("startup_failed", RemoteFailure.capture(e)))
-        raise SystemExit(1) from None
+        _report_startup_failure(status, e)
+        # Stopped by the frontend (it was interrupted): quietly; else a failure.
+        raise SystemExit(0 if isinstance(e, SystemExit) else 1) from None
     _send(status, ("ready", proc.ready_info()))
     reason = None
     try:
         reason = proc.run()
-    except BaseException as e:  # SystemExit from SIGTERM, or a bug in the loop
+    except BaseException as e:  # SystemExit from STOP_SIGNAL, or a bug in the loop
         if not isinstance(e, SystemExit):
             logger.exception("the engine core loop crashed")
             reason = f"the engine core loop crashed: {e!r}"
@@ -349,6 +347,17 @@ def _run_engine_core(
             logger.exception("engine core shutdown raised")
     if reason is not None:
         raise SystemExit(1)
+
+
+def _report_startup_failure(status: Connection, error: BaseException) -> None:
+    """Log why the core could not start (one line for a known cause, none when the
+    frontend stopped it) and tell the frontend over the status pipe."""
+    if isinstance(error, ValueError | FileNotFoundError | KVCacheSizingError | DeviceBusyError):
+        # The configuration or the device says why: the frontend prints it as one line.
+        logger.error("engine core start-up failed: %s", error)
+    elif not isinstance(error, SystemExit):
+        logger.exception("engine core start-up failed")
+    _send(status, ("startup_failed", RemoteFailure.capture(error)))
 
 
 def _send(conn: Connection, message: Any) -> None:

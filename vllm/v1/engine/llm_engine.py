@@ -56,13 +56,17 @@ class LLMEngine:
     def __init__(self, vllm_config: VllmConfig) -> None:
         self.vllm_config = vllm_config
         self.tokenizer: PreTrainedTokenizerBase = get_tokenizer(
-            vllm_config.model_config.tokenizer)
+            vllm_config.model_config.tokenizer,
+            trust_remote_code=vllm_config.model_config.trust_remote_code)
         self.engine_core = EngineCore(vllm_config)
         self.max_model_len = self.engine_core.max_model_len
         self.processor = Processor.from_config(vllm_config, self.tokenizer, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         # What the last step produced (timings, token counts), for metrics.
         self.last_iteration_stats: IterationStats | None = None
+        # Woken after a level-2 sleep, weights not loaded yet: generating would run
+        # zero weights (empty text), so requests are refused until reload_weights().
+        self._weights_stale = False
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -84,11 +88,17 @@ class LLMEngine:
             ValueError: invalid prompt, n > max_num_seqs, prompt + max_tokens
                 beyond max_model_len, or a request the KV cache can never hold.
                 Nothing is queued then.
-            EngineSleepingError: the engine is asleep.
+            EngineSleepingError: the engine is asleep, or woke from a level-2
+                sleep and its weights were not loaded again (`reload_weights()`).
         """
         if self.engine_core.is_sleeping():
             raise EngineSleepingError(
                 "the engine is asleep (sleep mode): call wake_up() before adding requests"
+            )
+        if self._weights_stale:
+            raise EngineSleepingError(
+                "the weights were discarded by sleep(level=2) and not loaded again: call "
+                "reload_weights() after wake_up() before generating"
             )
         processed = self.processor.process_inputs(request_id, prompt, params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -148,7 +158,9 @@ class LLMEngine:
                 needed and free); the engine stays asleep for what could not be
                 mapped, and a later call can succeed.
         """
-        return self.engine_core.wake_up(tags)
+        if self.engine_core.wake_up(tags):
+            self._weights_stale = True
+        return self._weights_stale
 
     def is_sleeping(self) -> bool:
         return self.engine_core.is_sleeping()
@@ -156,6 +168,7 @@ class LLMEngine:
     def reload_weights(self) -> None:
         """Load the checkpoint into the model again (after a level-2 sleep)."""
         self.engine_core.reload_weights()
+        self._weights_stale = False
 
     def set_kv_cache_limit(self, limit_bytes: int | None) -> int:
         """A runtime ceiling for the elastic KV cache, bytes (None: the start-up limit).

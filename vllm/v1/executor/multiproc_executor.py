@@ -20,9 +20,10 @@ waits on the sentinels alone notices a death between calls.
 No zombies, no orphans: `shutdown` (also run at interpreter exit and when the
 executor is garbage-collected) asks each worker to stop, then terminates and
 finally kills what is left, and joins (reaps) every process. Workers ignore
-SIGINT (Ctrl-C reaches the whole process group; the engine process decides
-how to stop) and exit by themselves when the engine process is gone (their
-parent pid changes), even in the middle of a collective.
+SIGINT and SIGTERM (a signal to the process group reaches them too; the
+frontend decides how to stop: `process_start`), end on `STOP_SIGNAL`, and
+exit by themselves when the engine process is gone (their parent pid
+changes), even in the middle of a collective.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from vllm.v1.executor.worker_wrapper import (
 logger = init_logger(__name__)
 
 _SHUTDOWN = "shutdown"
-# Seconds a worker gets to leave after the shutdown message, then after SIGTERM.
+# Seconds a worker gets to leave after the shutdown message, then after STOP_SIGNAL.
 _SHUTDOWN_GRACE_S = 5.0
 _TERMINATE_GRACE_S = 2.0
 # How often a worker checks that the engine process still exists (seconds).
@@ -290,13 +291,15 @@ def _stop_workers(workers: list[_WorkerHandle], grace: list[float]) -> None:
     deadline = time.monotonic() + grace[0]
     for handle in workers:
         handle.join(max(deadline - time.monotonic(), 0))
-    for step, grace in (("terminate", _TERMINATE_GRACE_S), ("kill", None)):
+    steps = (("terminate", process_start.request_stop, _TERMINATE_GRACE_S),
+             ("kill", lambda process: process.kill(), None))
+    for step, stop, grace in steps:
         alive = [h for h in workers if h.join(0) is None]
         if not alive:
             break
         logger.warning("%s worker rank(s) %s", step, [h.rank for h in alive])
         for handle in alive:
-            getattr(handle.process, step)()
+            stop(handle.process)
         for handle in alive:
             handle.join(grace)
     for handle in workers:
@@ -316,7 +319,7 @@ def worker_main(
     from vllm.logger import set_process_label
 
     set_process_label(f"worker rank {rank} pid {os.getpid()}")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    process_start.ignore_group_signals()
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     wrapper = WorkerWrapper(rank)
     try:

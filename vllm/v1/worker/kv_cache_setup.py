@@ -109,9 +109,10 @@ class KVCacheSetup:
             if enable is not None:
                 enable()
         layout = get_kv_cache_config(specs, 1)
+        explicit = self.cache.kv_cache_memory_bytes if self._packs_segments() else None
         capacity = sizing.capacity_blocks(
             self.memory.total, layout.block_stride, layout.num_segments, driver.granularity,
-            max_blocks=self.max_useful_blocks,
+            max_blocks=self.max_useful_blocks, explicit_bytes=explicit,
         )
         kv_cache = ExtensibleKVCacheBuffers(get_kv_cache_config(specs, capacity), driver,
                                             self.device)
@@ -123,6 +124,16 @@ class KVCacheSetup:
             sizing.WARMUP_NUM_BLOCKS,
         )
         return kv_cache
+
+    def _packs_segments(self) -> bool:
+        """An explicit size packs the segments: the cache is then committed whole, which
+        costs vLLM's block count within one granule in total. Not for the elastic cache
+        (its partial prefixes would round up on both sides of a shared granule) nor with
+        a KV connector (NIXL registers each segment as one allocation, which UCX cannot
+        span across two; connectors register per segment)."""
+        return (self.cache.kv_cache_memory_bytes is not None
+                and not self.plan.elastic_kv_cache
+                and (self.kv_transfer is None or not self.kv_transfer.kv_connector))
 
     def _connector_reads_pages(self) -> bool:
         """Whether the configured KV connector has another process read the KV pages."""
@@ -158,6 +169,7 @@ class KVCacheSetup:
             budget_cap_name=self.platform.default_kv_cache_cap_name(),
             max_blocks=self.max_useful_blocks,
             bound_by_free=not self.plan.elastic_kv_cache,
+            packed_segments=self._packs_segments(),
         ))
         return snapshot, size, self.agree(size.num_blocks)
 

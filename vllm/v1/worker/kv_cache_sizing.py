@@ -397,6 +397,7 @@ def capacity_blocks(
     num_segments: int,
     granularity: int,
     max_blocks: int | None = None,
+    explicit_bytes: int | None = None,
 ) -> int:
     """The most blocks the extensible reservation is made for.
 
@@ -411,7 +412,22 @@ def capacity_blocks(
         align    = granularity / gcd(granularity, block_stride)
         n        = max(min(total / (block_stride x num_segments), max_blocks), WARMUP_NUM_BLOCKS)
         capacity = ceil(n / align) x align
+
+    With an explicit `kv_cache_memory_bytes` the cache never grows past it, so
+    the capacity is exactly the blocks those bytes hold (vLLM's count,
+    `explicit_bytes / bytes_per_block`), unaligned: the segments then lie
+    back to back, a granule at a boundary is shared (mapped once), and the
+    whole committed cache costs the bytes rounded up to one granule in total,
+    where aligned segments would cost up to one granule *each*:
+
+        30 segments x 91 blocks x 24 KiB, packed:   64 MiB -> 32 granules (64 MiB)
+        30 segments x 91 blocks x 24 KiB, aligned:  2 granules each      (120 MiB)
     """
+    if explicit_bytes is not None:
+        capacity = explicit_bytes // (block_stride * num_segments)
+        if max_blocks is not None:
+            capacity = min(capacity, max_blocks)
+        return max(capacity, WARMUP_NUM_BLOCKS)
     align = granularity // math.gcd(granularity, block_stride)
     capacity = total // (block_stride * num_segments)
     if max_blocks is not None:
@@ -434,15 +450,16 @@ def final_num_blocks(
     budget_cap_name: str = "the platform's cap",
     max_blocks: int | None = None,
     bound_by_free: bool = True,
+    packed_segments: bool = False,
 ) -> KVCacheSize:
     """The extensible path's block count after warmup, from what is really free.
 
     A measured budget (`extensible_kv_cache_bytes`) is a hard limit: its blocks
     are rounded down to whole granules per segment (`num_blocks_for_bytes`).
     An explicit `kv_cache_memory_bytes` is honoured within one granule in
-    total (`_explicit_num_blocks`). Either way at most `capacity` blocks, and
-    at most the blocks that fill the granules `max_blocks` commit
-    (`blocks_filling_granules`: what the engine can use costs no more memory).
+    total (`_explicit_num_blocks`; vLLM's count with `packed_segments`).
+    Either way at most `capacity` blocks, and at most the blocks that fill the
+    granules `max_blocks` commit (`blocks_filling_granules`).
 
     Args: `snapshot` (memory after warmup), `activation_peak` (sizes the
     buffer), `gpu_memory_utilization`, the layout's `block_stride` and
@@ -450,7 +467,8 @@ def final_num_blocks(
     (blocks the reservation holds), `explicit_bytes` (kv_cache_memory_bytes),
     the platform's `budget_cap` (CPU) and its name, `max_blocks`
     (`max_useful_blocks`), and `bound_by_free` (False for the elastic cache's
-    limit: what it may ever hold, not what is free now; each growth checks that).
+    limit: what it may ever hold, not what is free now; each growth checks
+    that), `packed_segments` (reserved for exactly the explicit blocks).
 
     Raises:
         KVCacheSizingError: the explicit size exceeds what is available, the
@@ -459,7 +477,7 @@ def final_num_blocks(
     if explicit_bytes is not None:
         result, num_blocks = _explicit_num_blocks(
             explicit_bytes, snapshot if bound_by_free else None, block_stride, num_segments,
-            granularity)
+            None if packed_segments else granularity)
     else:
         result = extensible_kv_cache_bytes(
             total=snapshot.total,
@@ -482,17 +500,19 @@ def final_num_blocks(
 
 def _explicit_num_blocks(
     explicit_bytes: int, snapshot: MemorySnapshot | None, block_stride: int,
-    num_segments: int, granularity: int,
+    num_segments: int, aligned_granularity: int | None,
 ) -> tuple[SizingResult, int]:
-    """`kv_cache_memory_bytes` as blocks, honoured within one granule in total.
+    """`kv_cache_memory_bytes` as blocks, committed within one granule in total.
 
-    The committed bytes (every segment rounded up to the granularity) never
-    exceed `explicit_bytes + granularity`, so with many segments the count is
-    rounded *down* to whole granules per segment (fewer blocks, never one
-    extra granule per segment: 64 MiB asked on 30 segments of 2 MiB granules
-    commits 60 MiB, not 120 MiB); below one granule per segment (the smallest
-    commit) it is `explicit_bytes // bytes_per_block` blocks in that one
-    granule each.
+    Packed segments (`aligned_granularity` None: the reservation holds exactly
+    these blocks, `capacity_blocks(explicit_bytes=...)`): `explicit_bytes //
+    bytes_per_block`, vLLM's count, which costs the bytes rounded up to one
+    granule in total (64 MiB on 30 segments of 2 MiB granules: 91 blocks in
+    64 MiB, as vLLM's 91). Segments aligned to `aligned_granularity` (a
+    connector registers each as one allocation) each commit whole granules,
+    so the count is rounded down per segment instead (85 blocks in 60 MiB,
+    never 91 in 120 MiB); below one granule per segment it is the plain count
+    in that one granule each.
 
     Raises:
         KVCacheSizingError: more than is available after warmup (`snapshot`;
@@ -506,11 +526,11 @@ def _explicit_num_blocks(
                 f"{available / GiB:.2f} GiB available after warmup"
             )
     bytes_per_block = block_stride * num_segments
-    num_blocks = num_blocks_for_bytes(
-        explicit_bytes + granularity, block_stride, num_segments, granularity)
-    if num_blocks == 0:  # under one granule per segment: the smallest commit
-        num_blocks = explicit_bytes // bytes_per_block
-    num_blocks = min(num_blocks, explicit_bytes // bytes_per_block)
+    num_blocks = explicit_bytes // bytes_per_block
+    if aligned_granularity is not None:
+        per_granules = num_blocks_for_bytes(explicit_bytes + aligned_granularity, block_stride,
+                                            num_segments, aligned_granularity)
+        num_blocks = min(num_blocks, per_granules or num_blocks)
     return SizingResult(explicit_bytes, explicit_bytes, 0, LIMIT_EXPLICIT), num_blocks
 
 

@@ -91,9 +91,11 @@ class SleepState:
             must be reloaded before generating; False otherwise. The same
             meaning at every layer up to `LLMEngine.wake_up`.
 
-        A call that fails part-way (the weights mapped, the KV cache not) keeps
-        what it mapped; the retry maps the rest and still returns True when the
-        weights were not reloaded since a level-2 sleep (`WeightArena.needs_load`).
+        A call that fails part-way (the weights mapped, the KV cache not) puts
+        back to sleep what it woke, so the engine holds its asleep footprint
+        again, as the error says (a level-1 host copy is taken again; level-2
+        weights stay to be loaded: `WeightArena.needs_load`); the retry maps
+        everything and still returns True when the weights must be loaded.
 
         Raises:
             ValueError: an unknown tag.
@@ -115,6 +117,9 @@ class SleepState:
                 if connector is not None:
                     connector.wake_up(self.kv_cache)
         except VmmError as e:
+            if "weights" in asleep:  # back to the footprint the caller is told it has
+                self.weight_arena.sleep(keep_on_host=not self.weight_arena.needs_load)
+                self.platform.empty_cache()
             raise DeviceMemoryError(
                 f"wake_up could not map the {', '.join(asleep)} memory: it needs "
                 f"{needed / GiB:.3f} GiB of device memory and {self.memory.free_bytes() / GiB:.3f}"

@@ -5,9 +5,13 @@ NIXL's Python wrapper (`nixl_agent`, 1.5) builds its C++ agent config with
 `pthrDelay = 0`: the UCX progress thread then polls its workers without
 waiting, and an idle engine burns about half a CPU core (0.49-0.53 measured on
 the 2-core CI machine, 2026-12-06; with a 1 ms delay 0.016, and a 32-layer
-READ as fast). `make_agent` creates the agent with the same settings but a
-1 ms poll timeout (`PROGRESS_DELAY_US`): the thread still wakes at once on UCX
-events (it polls the workers' event descriptors) and at least every 1 ms for
+READ as fast). With a 1 ms delay an idle agent still used 0.021-0.024 of a
+core on that machine while other processes loaded it (each wake-up costs more
+then), over the 0.02 an idle instance may cost (tests/distributed/kv_transfer/
+test_nixl_idle.py); 2 ms measured 0.011, with the CPU load/READ tests of
+test_nixl_async_load.py as fast. `make_agent` creates the agent with the same
+settings but a 2 ms poll timeout (`PROGRESS_DELAY_US`): the thread still wakes
+at once on UCX events (it polls the workers' event descriptors) and at least every 2 ms for
 transports that need periodic progress (TCP emulation of one-sided reads on
 the CPU). Where the wrapper's internals differ (another NIXL release), the
 wrapper's own constructor is used and a warning says so.
@@ -24,7 +28,7 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-PROGRESS_DELAY_US = 1000
+PROGRESS_DELAY_US = 2000
 
 
 def import_nixl():
