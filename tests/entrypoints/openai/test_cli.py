@@ -329,6 +329,12 @@ def test_flag_errors_and_a_taken_port_fail_before_torch_is_imported():
             (["--chat-template", "no-such-file"], "--chat-template 'no-such-file' is neither"),
             (["--chat-template", "{% for %}"],
              "--chat-template is not a valid Jinja template: Expected an expression"),
+            (["--default-chat-template-kwargs", "{enable_thinking}"],
+             "--default-chat-template-kwargs is not valid JSON"),
+            (["--default-chat-template-kwargs", "[1]"],
+             "--default-chat-template-kwargs must be an object, got list"),
+            (["--default-chat-template-kwargs", '{"tokenize": true}'],
+             "--default-chat-template-kwargs must not set 'tokenize'"),
             *EARLY_CONFIG_ERRORS,
         ]
         procs = [subprocess.Popen([sys.executable, "-c", _MAIN_THEN_REPORT_TORCH, "serve",

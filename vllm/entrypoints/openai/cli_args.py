@@ -9,6 +9,7 @@ bad flag or a taken port fails in a fraction of a second.
 from __future__ import annotations
 
 import argparse
+import json
 import socket
 from pathlib import Path
 
@@ -43,6 +44,10 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--chat-template", type=str, default=None,
                    help="Chat template (a file or an inline Jinja string) replacing the model's "
                         "(default: the model's own).")
+    g.add_argument("--default-chat-template-kwargs", type=str, default=None, metavar="JSON",
+                   help="Chat template variables for every chat request, a JSON object (e.g. "
+                        "'{\"enable_thinking\": false}'); a request's chat_template_kwargs win "
+                        "key by key (default: none).")
     g.add_argument("--shutdown-timeout", type=int, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                    help="Seconds in-flight requests get to finish after SIGTERM/SIGINT; then "
                         "they fail with 503 (a stream gets an error event and [DONE]) and the "
@@ -78,6 +83,29 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
     if args.api_key is None:
         args.api_key = envs.VLLM_API_KEY
     load_chat_template(args.chat_template)
+    args.default_chat_template_kwargs = parse_chat_template_kwargs(
+        args.default_chat_template_kwargs)
+
+
+def parse_chat_template_kwargs(value: str | dict | None) -> dict | None:
+    """`--default-chat-template-kwargs`: a JSON object of template variables.
+
+    Raises:
+        ValueError: not JSON, not an object, or a key the request sets itself
+            (`tokenize`, `tools`, ...: `chat_templates.RESERVED_TEMPLATE_KWARGS`).
+    """
+    from vllm.transformers_utils.chat_templates import check_chat_template_kwargs
+
+    if value is None or isinstance(value, dict):  # already parsed (build_app after validate)
+        parsed = value
+    else:
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--default-chat-template-kwargs is not valid JSON: {e}") from e
+    if parsed is None:
+        return None
+    return check_chat_template_kwargs(parsed, "--default-chat-template-kwargs")
 
 
 def load_chat_template(value: str | None) -> str | None:

@@ -231,8 +231,10 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     chat_template: str | None = None
+    # More variables for the chat template (e.g. {"enable_thinking": false}); they win
+    # over the server's --default-chat-template-kwargs.
+    chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's chat extras not implemented here: refused when set (see SamplingFields).
-    chat_template_kwargs: Any = None
     mm_processor_kwargs: Any = None
     documents: Any = None
 
@@ -314,6 +316,8 @@ class TokenizeRequest(OpenAIRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
     return_token_strs: bool | None = False
 
 

@@ -9,7 +9,7 @@ plus `top_logprobs: k` (k most likely tokens per position).
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -81,13 +81,17 @@ class OpenAIServingChat(OpenAIServing):
 
     Args:
         chat_template: a template to use instead of the model's (`--chat-template`).
+        default_chat_template_kwargs: template variables for every request
+            (`--default-chat-template-kwargs`); a request's `chat_template_kwargs` win.
     """
 
     def __init__(
-        self, engine_client: AsyncLLM, models: ServedModels, chat_template: str | None = None
+        self, engine_client: AsyncLLM, models: ServedModels, chat_template: str | None = None,
+        *, default_chat_template_kwargs: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(engine_client, models)
         self.chat_template = chat_template
+        self.default_chat_template_kwargs = default_chat_template_kwargs
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest
@@ -170,6 +174,8 @@ class OpenAIServingChat(OpenAIServing):
             server_template=self.chat_template,
             add_generation_prompt=bool(request.add_generation_prompt),
             continue_final_message=bool(request.continue_final_message),
+            chat_template_kwargs=request.chat_template_kwargs,
+            default_chat_template_kwargs=self.default_chat_template_kwargs,
         )
 
     async def _stream(

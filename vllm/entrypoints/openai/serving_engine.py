@@ -82,7 +82,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "return_tokens_as_token_ids": (None, False),
     "priority": (None, 0),
     "vllm_xargs": (None, {}),
-    "chat_template_kwargs": (None, {}),
     "mm_processor_kwargs": (None, {}),
     "documents": (None, []),
 }
@@ -292,14 +291,21 @@ async def render_chat(
     server_template: str | None,
     add_generation_prompt: bool,
     continue_final_message: bool,
+    tools: list[dict[str, Any]] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    default_chat_template_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The conversation through the chat template: {"prompt", "prompt_token_ids"}.
 
     `request_template` (the request's `chat_template`) wins over `server_template`
-    (`--chat-template`), which wins over the model's own.
+    (`--chat-template`), which wins over the model's own. `tools` is the template's
+    `tools` variable; `chat_template_kwargs` (the request's) are more template
+    variables, each winning over the server's `default_chat_template_kwargs`
+    (`--default-chat-template-kwargs`).
 
     Raises:
-        APIError(400): a malformed message (param: its field) or a template that
+        APIError(400): a malformed message (param: its field), a reserved
+            `chat_template_kwargs` key (param "chat_template_kwargs.KEY"), or a template that
             fails to render (param "chat_template" when the request brought the
             template, else "messages": the server's template rejected them).
         APIError(503 / 500): the engine is asleep, shut down or dead.
@@ -312,6 +318,9 @@ async def render_chat(
             chat_template=request_template or server_template,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            tools=tools,
+            chat_template_kwargs={**(default_chat_template_kwargs or {}),
+                                  **(chat_template_kwargs or {})},
         )
     except ChatTemplateError as e:
         raise APIError(400, str(e), "chat_template" if request_template else "messages") from e
