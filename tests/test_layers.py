@@ -66,6 +66,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("memory", MEMORY),  # reservations: ExtensibleTensor and what it stands on
     ("allocator", ("vllm.device_allocator", "vllm.platforms", "vllm.distributed")),
     ("utils", ("vllm.utils",)),  # generic helpers: dlpack, argparse, byte ranges
+    # Structured outputs' constraint -> grammar -> compile (xgrammar): the frontend
+    # validates with it, the engine compiles with it, the worker holds its grammars.
+    ("structured_output", ("vllm.v1.structured_output",)),
     # Shared leaves: torch-free types and helpers every layer may use.
     ("foundation", (
         "vllm.envs", "vllm.logger", "vllm.version", "vllm.exceptions", "vllm.inputs",

@@ -76,15 +76,26 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": "hi"}, 400, "messages"),
     ("chat/completions", {"messages": [{"content": "no role"}]}, 400, "messages.0.role"),
     ("chat/completions", {"model": "no-such-model"}, 404, "model"),
-    # Structured outputs and tools are not implemented: refused naming the field, never a
-    # 200 that ignores the constraint (issue 16).
+    # A structured-output constraint xgrammar cannot compile (or a malformed field) is a
+    # 400 naming the field the client sent, decided before the engine (issue 47).
     *[(endpoint, {name: value}, 400, name)
       for endpoint in ("completions", "chat/completions")
-      for name, value in [("guided_json", {"type": "object"}), ("guided_regex", "[a-z]+"),
-                          ("guided_choice", ["yes", "no"]), ("guided_grammar", "root ::= x"),
-                          ("structured_outputs", {"choice": ["a", "b"]}),
-                          ("response_format", {"type": "json_object"}),
-                          ("response_format", {"type": "json_schema", "json_schema": {}})]],
+      for name, value in [("guided_json", {"type": "foo"}), ("guided_regex", "(abc"),
+                          ("guided_choice", []), ("guided_grammar", "root ::= undefined_rule"),
+                          ("structured_outputs", {"json": '{"type": '}),
+                          ("structured_outputs", {"choice": ["a"], "regex": "a"}),
+                          ("structured_outputs", {"no_such_key": 1}),
+                          ("structured_outputs", "json"),
+                          ("response_format", {"type": "json_schema", "json_schema": {}}),
+                          ("response_format", {"type": "json_schema", "json_schema": {
+                              "name": "x", "schema": {"type": "object", "minProperties": "x"}}}),
+                          ("response_format", {"type": "xml"})]],
+    ("completions", {"guided_regex": "a+", "guided_decoding_backend": "outlines"}, 400,
+     "guided_decoding_backend"),
+    ("completions", {"guided_regex": "a+", "guided_whitespace_pattern": " "}, 400,
+     "guided_regex"),
+    ("chat/completions", {"response_format": {"type": "json_object"}, "guided_regex": "a+"},
+     400, "guided_regex"),
     ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
      "tools"),
     # vLLM's other request extras that are not implemented: refused when they ask for

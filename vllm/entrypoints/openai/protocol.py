@@ -114,8 +114,8 @@ class SamplingFields(OpenAIRequest):
     skip_special_tokens: bool | None = True
     spaces_between_special_tokens: bool | None = True
     prompt_logprobs: int | None = None  # vLLM's: per prompt token; -1 = whole vocabulary
-    # vLLM's structured-output fields: declared so they are refused with HTTP 400
-    # (never accepted and ignored); see serving_engine.reject_unsupported_fields.
+    # vLLM's structured-output fields (one kind per request), parsed and checked by
+    # structured_outputs.structured_outputs_from_request.
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from vllm.entrypoints.openai.errors import APIError, error_from_exception, validation_error
 from vllm.entrypoints.openai.protocol import SamplingFields, UsageInfo
+from vllm.entrypoints.openai.structured_outputs import structured_outputs_from_request
 from vllm.logger import init_logger
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -63,13 +64,6 @@ def stream_settings(request: SamplingFields) -> tuple[bool, bool, bool]:
     return bool(request.stream), include_usage, continuous
 
 
-# vLLM's structured-output request fields. None are implemented yet, so a request that
-# sets one is refused (HTTP 400 naming it) rather than answered without the constraint.
-STRUCTURED_OUTPUT_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                            "guided_decoding_backend", "guided_whitespace_pattern",
-                            "structured_outputs")
-
-
 # vLLM request extras this server does not implement -> the values that ask for nothing
 # (what vLLM does by default): any other value is refused, never silently ignored.
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
@@ -91,28 +85,16 @@ def reject_unsupported_fields(request: SamplingFields) -> None:
     """Refuse what this server cannot honour, before any work is done.
 
     Raises:
-        APIError(400, param = the field): a structured-output field, a
-            `response_format` other than {"type": "text"}, a vLLM extra of
+        APIError(400, param = the field): a vLLM extra of
             `UNSUPPORTED_FIELDS` set to a value that asks for something, or
             `prompt_logprobs` with stream=true (vLLM's rule: they come with the
             final response).
     """
-    for name in STRUCTURED_OUTPUT_FIELDS:
-        if getattr(request, name) is not None:
-            raise APIError(400, f"{name} is not supported: structured outputs are not "
-                           "implemented by this server", name)
     for name, neutral in UNSUPPORTED_FIELDS.items():
         value = getattr(request, name, None)
         if not any(value == v and type(value) is type(v) for v in neutral):
             raise APIError(400, f"{name} is not supported by this server (got {value!r:.80}); "
                            "leave it out", name)
-    response_format = request.response_format
-    if response_format is not None:
-        kind = response_format.get("type") if isinstance(response_format, dict) else None
-        if kind != "text":
-            raise APIError(400, f"response_format {kind or response_format!r} is not "
-                           "supported: structured outputs are not implemented by this server; "
-                           "only {\"type\": \"text\"}", "response_format")
     if request.prompt_logprobs is not None and request.stream:
         raise APIError(400, "prompt_logprobs are not available when stream=true",
                        "prompt_logprobs")
@@ -165,6 +147,11 @@ def build_sampling_params(
     kwargs = _request_sampling_kwargs(request, logprobs, prompt_logprobs)
     for name, value in (defaults or {}).items():
         kwargs.setdefault(name, value)
+    # response_format / structured_outputs / guided_*: parsed and validated (400 naming
+    # the field) before the engine sees the request.
+    structured_outputs = structured_outputs_from_request(request)
+    if structured_outputs is not None:
+        kwargs["structured_outputs"] = structured_outputs
     if request.kv_transfer_params is not None:
         kwargs["extra_args"] = {"kv_transfer_params": request.kv_transfer_params}
     kwargs["max_tokens"] = max_tokens  # None is meaningful: "as many as fit"

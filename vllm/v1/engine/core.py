@@ -41,6 +41,7 @@ from vllm.v1.outputs import (
     ModelRunnerOutput,
 )
 from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import grammar_compiler_for
 from vllm.v1.worker.elastic_kv_cache import ElasticBounds
 from vllm.v1.worker.gpu_worker import Worker
 from vllm.version import __version__
@@ -83,6 +84,8 @@ class EngineCore:
         except BaseException:
             self.model_executor.shutdown()  # no rank keeps its memory after a failed start
             raise
+        # Structured outputs: grammars compile in its thread pool, off the step.
+        self.grammar_compiler = grammar_compiler_for(vllm_config)
         self.scheduler = self._make_scheduler(bounds)
         self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
         # Async scheduling: steps launched whose outputs are not yet applied (at most 2).
@@ -117,6 +120,7 @@ class EngineCore:
             num_lookahead_tokens=spec.num_lookahead_slots if spec else 0,
             async_scheduling=bool(sched.async_scheduling),
             elastic=elastic,
+            grammar_compiler=self.grammar_compiler,
         )
         scheduler.prefill_policy.log()
         return scheduler
@@ -395,6 +399,7 @@ class EngineCore:
         if self.connector is not None:
             self.connector.shutdown()
         self._batch_queue.clear()
+        self.grammar_compiler.shutdown()
         self.model_executor.shutdown()
 
 

@@ -19,6 +19,7 @@ from vllm.inputs import check_unicode_text
 from vllm.sampling_params import MAX_LOGPROBS, SamplingParams, validate_request_lengths
 from vllm.v1.engine.output_processor import ParentRequest
 from vllm.v1.request import Request
+from vllm.v1.structured_output import validate_structured_outputs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -139,6 +140,9 @@ class Processor:
                 than `max_logprobs` (vLLM's message).
             VLLMValidationError (parameter "kv_transfer_params"): malformed, or
                 sent to an engine without a KV connector.
+            VLLMValidationError (parameter "json", "regex", "choice", "grammar" or
+                "structural_tag"): a structured-output constraint xgrammar cannot
+                parse; decided here, so it never reaches the engine.
         """
         for name, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
             asked = getattr(params, name)
@@ -149,6 +153,7 @@ class Processor:
                     f"{self.max_logprobs} (--max-logprobs; -1 asks for the whole vocabulary)",
                     parameter=name,
                 )
+        validate_structured_outputs(params.structured_outputs)
         extra = params.extra_args or {}
         check_kv_transfer_params(extra.get("kv_transfer_params"), self.kv_connector)
         if params.n > self.max_num_seqs:

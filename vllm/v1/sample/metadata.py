@@ -46,6 +46,10 @@ class SamplingMetadata:
             and the token would stop it; None when nothing is masked.
         logit_bias: ([M] int64 rows, [M] int64 token ids, [M] float32 biases)
             added to the logits; None when no row has a bias.
+        grammar_bitmask: [N, ceil(V / 32)] int32, bit j of row i set = token j is
+            allowed by row i's structured-output grammar (all bits set for an
+            unconstrained row); refused tokens' logits become -inf before
+            anything else (logprobs included, as in vLLM). None: no row is constrained.
     """
 
     temperature: torch.Tensor | None
@@ -64,6 +68,7 @@ class SamplingMetadata:
     output_token_ids: list[list[int]]
     min_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    grammar_bitmask: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
