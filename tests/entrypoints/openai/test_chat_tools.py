@@ -18,7 +18,8 @@ pytestmark = pytest.mark.slow  # a real server (a tiny checkpoint)
 MODEL = "scripted"
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 ANSWER = "It is sunny in Paris."
-REASONING = "<think> The user asks about the weather.</think>"
+REASONING = " The user asks about the weather."
+THINK = {"chat_template_kwargs": {"enable_thinking": True}}
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,7 @@ def server(tmp_path_factory):
     args = [str(model_dir), "--served-model-name", MODEL, "--max-model-len", "512",
             "--max-num-seqs", "8", "--max-num-batched-tokens", "128",
             "--kv-cache-memory-bytes", "16MiB", "--uvicorn-log-level", "warning",
-            "--disable-log-stats",
+            "--disable-log-stats", "--reasoning-parser", "qwen3",
             "--default-chat-template-kwargs", json.dumps({"enable_thinking": False})]
     with RemoteServer(args) as remote:
         yield remote
@@ -46,10 +47,12 @@ def _chat(client, messages=ASK, **kwargs):
 
 def test_default_chat_template_kwargs_and_request_kwargs_win(client, server):
     # The server's default turns thinking off: the template closes <think> itself.
-    assert _chat(client).choices[0].message.content == ANSWER
-    # The request's value wins over the default.
-    thinking = _chat(client, extra_body={"chat_template_kwargs": {"enable_thinking": True}})
-    assert thinking.choices[0].message.content == REASONING + ANSWER
+    message = _chat(client).choices[0].message
+    assert message.content == ANSWER
+    assert getattr(message, "reasoning_content", None) is None
+    # The request's value wins over the default: the model thinks first.
+    thinking = _chat(client, extra_body=THINK).choices[0].message
+    assert (thinking.reasoning_content, thinking.content) == (REASONING, ANSWER)
     # /tokenize renders with the same variables.
     for kwargs, end in (({}, "<think></think>"),
                         ({"enable_thinking": True}, "<|think_turn|>")):
@@ -70,3 +73,15 @@ def test_bad_chat_template_kwargs_are_400(server, kwargs, param):
     response = httpx.post(server.url_for("v1/chat/completions"), json=body, timeout=60)
     assert response.status_code == 400, response.text
     assert error_of(response)["param"] == param
+
+
+def test_reasoning_streams_as_reasoning_then_content_deltas(client):
+    chunks = list(_chat(client, stream=True, extra_body=THINK))
+    deltas = [c.choices[0].delta for c in chunks[1:] if c.choices]
+    kinds = ["reasoning" if getattr(d, "reasoning_content", None) else "content"
+             for d in deltas if getattr(d, "reasoning_content", None) or d.content]
+    # Every reasoning delta comes before every content delta, and the tags are in none.
+    assert kinds == sorted(kinds, key=lambda k: k == "content") and len(set(kinds)) == 2
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == REASONING
+    assert "".join(d.content or "" for d in deltas) == ANSWER
+    assert chunks[-1].choices[0].finish_reason == "stop"

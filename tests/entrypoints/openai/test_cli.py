@@ -335,6 +335,8 @@ def test_flag_errors_and_a_taken_port_fail_before_torch_is_imported():
              "--default-chat-template-kwargs must be an object, got list"),
             (["--default-chat-template-kwargs", '{"tokenize": true}'],
              "--default-chat-template-kwargs must not set 'tokenize'"),
+            (["--reasoning-parser", "nope"],
+             "--reasoning-parser 'nope' is not one of deepseek_r1, qwen3"),
             *EARLY_CONFIG_ERRORS,
         ]
         procs = [subprocess.Popen([sys.executable, "-c", _MAIN_THEN_REPORT_TORCH, "serve",

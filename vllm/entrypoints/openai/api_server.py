@@ -97,7 +97,7 @@ def build_app(engine_client: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     """The FastAPI app over `engine_client` (which it feeds a Prometheus logger).
 
     `args` is the `vllm serve` namespace; read here: served_model_name, model,
-    api_key, chat_template, default_chat_template_kwargs (all optional).
+    api_key, chat_template, default_chat_template_kwargs, reasoning_parser (all optional).
     """
     models = ServedModels(served_model_names(args), root=engine_client.model_config.model,
                           max_model_len=engine_client.max_model_len)
@@ -133,7 +133,8 @@ def _add_openai_routes(
     template_kwargs = parse_chat_template_kwargs(
         getattr(args, "default_chat_template_kwargs", None))
     chat = OpenAIServingChat(engine_client, models, chat_template,
-                             default_chat_template_kwargs=template_kwargs)
+                             default_chat_template_kwargs=template_kwargs,
+                             reasoning_parser=getattr(args, "reasoning_parser", None))
     if chat.default_sampling_params:
         logger.info("Using default sampling params from the model's generation config (a "
                     "request's own values override them; --generation-config vllm drops "

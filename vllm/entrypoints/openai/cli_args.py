@@ -15,6 +15,7 @@ from pathlib import Path
 
 from vllm import envs
 from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.reasoning import ReasoningParserManager
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 DEFAULT_PORT = 8000
@@ -48,6 +49,10 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Chat template variables for every chat request, a JSON object (e.g. "
                         "'{\"enable_thinking\": false}'); a request's chat_template_kwargs win "
                         "key by key (default: none).")
+    g.add_argument("--reasoning-parser", type=str, default=None, metavar="NAME",
+                   help="Split chat replies into reasoning_content and content: "
+                        f"{', '.join(ReasoningParserManager.names())} (default: none; the "
+                        "reasoning stays in content).")
     g.add_argument("--shutdown-timeout", type=int, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                    help="Seconds in-flight requests get to finish after SIGTERM/SIGINT; then "
                         "they fail with 503 (a stream gets an error event and [DONE]) and the "
@@ -66,7 +71,8 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
     Raises:
         ValueError: MODEL and --model disagree, the port is out of range, a
             `VLLM_*` variable is malformed (vllm/envs.py), or the chat template is
-            neither a file nor a template.
+            neither a file nor a template, --default-chat-template-kwargs is not a
+            JSON object of template variables, or --reasoning-parser names no parser.
     """
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
@@ -85,6 +91,10 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
     load_chat_template(args.chat_template)
     args.default_chat_template_kwargs = parse_chat_template_kwargs(
         args.default_chat_template_kwargs)
+    if args.reasoning_parser is not None and (
+            args.reasoning_parser not in ReasoningParserManager.names()):
+        raise ValueError(f"--reasoning-parser {args.reasoning_parser!r} is not one of "
+                         f"{', '.join(ReasoningParserManager.names())}")
 
 
 def parse_chat_template_kwargs(value: str | dict | None) -> dict | None:

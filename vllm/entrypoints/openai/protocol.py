@@ -242,6 +242,7 @@ class ChatCompletionRequest(SamplingFields):
 class ChatMessageOut(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser: the reply's reasoning
 
 
 class ChatCompletionLogProb(OpenAIBaseModel):
@@ -282,6 +283,7 @@ class DeltaMessage(OpenAIBaseModel):
 
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler):

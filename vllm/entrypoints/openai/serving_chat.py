@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from vllm.entrypoints.openai.chat_reply import ReplyParser
 from vllm.entrypoints.openai.errors import APIError
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
@@ -23,7 +24,6 @@ from vllm.entrypoints.openai.protocol import (
     ChatCompletionResponseChoice,
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
-    ChatMessageOut,
     DeltaMessage,
     UsageInfo,
 )
@@ -42,6 +42,7 @@ from vllm.entrypoints.openai.serving_engine import (
     stream_error_event,
     usage_info,
 )
+from vllm.reasoning import ReasoningParserManager
 
 if TYPE_CHECKING:
     from vllm.entrypoints.openai.serving_models import ServedModels
@@ -83,15 +84,21 @@ class OpenAIServingChat(OpenAIServing):
         chat_template: a template to use instead of the model's (`--chat-template`).
         default_chat_template_kwargs: template variables for every request
             (`--default-chat-template-kwargs`); a request's `chat_template_kwargs` win.
+        reasoning_parser: `--reasoning-parser` (a `ReasoningParserManager` name):
+            replies are split into `reasoning_content` and `content`.
     """
 
     def __init__(
         self, engine_client: AsyncLLM, models: ServedModels, chat_template: str | None = None,
         *, default_chat_template_kwargs: dict[str, Any] | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
         super().__init__(engine_client, models)
         self.chat_template = chat_template
         self.default_chat_template_kwargs = default_chat_template_kwargs
+        self.reasoning_parser = (
+            ReasoningParserManager.get_reasoning_parser(reasoning_parser)()
+            if reasoning_parser else None)
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest
@@ -121,11 +128,12 @@ class OpenAIServingChat(OpenAIServing):
         length_param = "max_completion_tokens" if use_completion_tokens else "max_tokens"
         (engine_stream,) = await self.admit_all(request_id, [prompt], params, "messages",
                                                 length_param, {"logprobs": "top_logprobs"})
-        if stream:
-            return sse_response(self._stream(request_id, model_name, engine_stream, params.n,
-                                             top_logprobs, include_usage, continuous_usage,
-                                             _echoed_text(request)))
         echo = _echoed_text(request)
+        parsers = [ReplyParser(prompt["prompt"], self.reasoning_parser, echo)
+                   for _ in range(params.n)]
+        if stream:
+            return sse_response(self._stream(request_id, model_name, engine_stream, parsers,
+                                             top_logprobs, include_usage, continuous_usage))
         (output,) = await final_outputs([engine_stream])
         choices = []
         for completion in sorted(output.outputs, key=lambda c: c.index):
@@ -135,7 +143,7 @@ class OpenAIServingChat(OpenAIServing):
                                          top_logprobs)
             choices.append(ChatCompletionResponseChoice(
                 index=completion.index,
-                message=ChatMessageOut(content=echo + completion.text),
+                message=parsers[completion.index].message(completion.text),
                 logprobs=logprobs,
                 finish_reason=completion.finish_reason,
                 stop_reason=completion.stop_reason,
@@ -179,9 +187,9 @@ class OpenAIServingChat(OpenAIServing):
         )
 
     async def _stream(
-        self, request_id: str, model_name: str, engine_stream: RequestOutputStream, n: int,
-        top_logprobs: int, include_usage: bool, continuous_usage: bool = False,
-        echo: str = "",
+        self, request_id: str, model_name: str, engine_stream: RequestOutputStream,
+        parsers: list[ReplyParser], top_logprobs: int, include_usage: bool,
+        continuous_usage: bool = False,
     ) -> AsyncGenerator[str, None]:
         def chunk(choices: list[ChatCompletionResponseStreamChoice],
                   usage: UsageInfo | None = None) -> str:
@@ -191,12 +199,12 @@ class OpenAIServingChat(OpenAIServing):
         prompt_tokens = 0
         completion_tokens = 0
         try:
-            for index in range(n):
+            for index, parser in enumerate(parsers):
                 role = DeltaMessage(role="assistant", content="")
                 yield chunk([ChatCompletionResponseStreamChoice(index=index, delta=role)])
-                if echo:
+                if parser.echo:
                     yield chunk([ChatCompletionResponseStreamChoice(
-                        index=index, delta=DeltaMessage(content=echo))])
+                        index=index, delta=DeltaMessage(content=parser.echo))])
             async for output in engine_stream:
                 prompt_tokens = len(output.prompt_token_ids or [])
                 for completion in output.outputs:
@@ -207,10 +215,12 @@ class OpenAIServingChat(OpenAIServing):
                     if completion.logprobs is not None:
                         logprobs = chat_logprobs(list(completion.token_ids), completion.logprobs,
                                                  top_logprobs)
-                    delta = DeltaMessage(content=completion.text) if completion.text else (
-                        DeltaMessage())
+                    delta = parsers[completion.index].feed(
+                        completion.text, final=completion.finish_reason is not None)
+                    if delta is None and not (completion.finish_reason or logprobs):
+                        continue  # a tag held back: nothing to send yet
                     yield chunk([ChatCompletionResponseStreamChoice(
-                        index=completion.index, delta=delta, logprobs=logprobs,
+                        index=completion.index, delta=delta or DeltaMessage(), logprobs=logprobs,
                         finish_reason=completion.finish_reason,
                         stop_reason=completion.stop_reason,
                     )], usage_info(prompt_tokens, completion_tokens) if continuous_usage else None)
