@@ -12,6 +12,7 @@ a type error while it runs). The server answers both with HTTP 400.
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any
 
 from vllm.exceptions import VLLMValidationError
@@ -107,6 +108,33 @@ def check_chat_template_kwargs(
     return dict(kwargs)
 
 
+def _parse_tool_call_arguments(message: dict[str, Any], index: int) -> dict[str, Any]:
+    """An assistant message's `tool_calls[*].function.arguments` JSON text -> its object,
+    as chat templates (Qwen, Llama 3, Hermes) expect it (`arguments | tojson`).
+
+    Raises:
+        VLLMValidationError: arguments that are a string but not JSON; `parameter`
+            names them ("messages.1.tool_calls.0.function.arguments").
+    """
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list):
+        return message
+    parsed = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if isinstance(arguments, str):
+            where = f"messages.{index}.tool_calls.{j}.function.arguments"
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError as e:
+                raise VLLMValidationError(f"{where} must be JSON text: {e}",
+                                          parameter=where) from None
+            call = {**call, "function": {**function, "arguments": arguments}}
+        parsed.append(call)
+    return {**message, "tool_calls": parsed}
+
+
 def _template_errors() -> tuple[type[BaseException], ...]:
     from jinja2 import TemplateError
 
@@ -186,7 +214,8 @@ def render_chat_template(
         raise ValueError(
             "the model has no chat template; pass chat_template or use completions"
         )
-    messages = [_normalise_content(m, i) for i, m in enumerate(conversation)]
+    messages = [_parse_tool_call_arguments(_normalise_content(m, i), i)
+                for i, m in enumerate(conversation)]
     try:
         text = tokenizer.apply_chat_template(
             messages,

@@ -69,7 +69,7 @@ TEMPLATE = (
     "{{ message.content }}</tool_response><|im_end|>\n"
     "{%- elif message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n"
     "{%- for call in message.tool_calls %}<tool_call>"
-    '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments }}}'
+    '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}'
     "</tool_call>{%- endfor %}<|im_end|>\n"
     "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content or '' }}<|im_end|>\n"
     "{%- endif %}{%- endfor %}"

@@ -20,6 +20,11 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 ANSWER = "It is sunny in Paris."
 REASONING = " The user asks about the weather."
 THINK = {"chat_template_kwargs": {"enable_thinking": True}}
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +34,7 @@ def server(tmp_path_factory):
             "--max-num-seqs", "8", "--max-num-batched-tokens", "128",
             "--kv-cache-memory-bytes", "16MiB", "--uvicorn-log-level", "warning",
             "--disable-log-stats", "--reasoning-parser", "qwen3",
+            "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
             "--default-chat-template-kwargs", json.dumps({"enable_thinking": False})]
     with RemoteServer(args) as remote:
         yield remote
@@ -85,3 +91,102 @@ def test_reasoning_streams_as_reasoning_then_content_deltas(client):
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == REASONING
     assert "".join(d.content or "" for d in deltas) == ANSWER
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def _streamed_message(chunks):
+    """A streamed choice put together as the openai client's users do: content joined,
+    tool calls by index (id, type and name from the first delta, arguments appended)."""
+    content, calls, finish = "", {}, None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for call in choice.delta.tool_calls or []:
+                if call.index not in calls:
+                    assert call.id.startswith("chatcmpl-tool-") and call.type == "function"
+                    calls[call.index] = {"id": call.id, "name": call.function.name,
+                                         "arguments": ""}
+                calls[call.index]["arguments"] += call.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, list(calls.values()), finish
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "required", NAMED])
+@pytest.mark.parametrize("stream", [False, True])
+def test_tools_flow_call_result_answer(client, tool_choice, stream):
+    """The openai client's tools flow: a call, the tool's result, the answer."""
+    reply = _chat(client, tools=TOOLS, tool_choice=tool_choice, stream=stream)
+    if stream:
+        content, calls, finish = _streamed_message(reply)
+        tool_calls = [{"id": c["id"], "type": "function",
+                       "function": {"name": c["name"], "arguments": c["arguments"]}}
+                      for c in calls]
+        assistant = {"role": "assistant", "content": content or None, "tool_calls": tool_calls}
+    else:
+        message = reply.choices[0].message
+        content, finish = message.content, reply.choices[0].finish_reason
+        tool_calls = [c.model_dump() for c in message.tool_calls]
+        assistant = message  # the client sends the reply back as it got it
+    assert [c["function"]["name"] for c in tool_calls] == ["get_weather"]
+    assert json.loads(tool_calls[0]["function"]["arguments"]) == {"city": "Paris"}
+    assert tool_calls[0]["id"].startswith("chatcmpl-tool-")
+    assert not content
+    # auto and required finish with "tool_calls"; a named choice with "stop" (as OpenAI's)
+    assert finish == ("stop" if tool_choice is NAMED else "tool_calls")
+    result = {"role": "tool", "tool_call_id": tool_calls[0]["id"], "content": "sunny, 24 C"}
+    answer = _chat(client, messages=[*ASK, assistant, result], tools=TOOLS, stream=stream)
+    if stream:
+        content, calls, finish = _streamed_message(answer)
+    else:
+        content, calls = answer.choices[0].message.content, answer.choices[0].message.tool_calls
+        finish = answer.choices[0].finish_reason
+    assert (content, calls, finish) == (ANSWER, [], "stop")
+
+
+def test_tool_choice_none_leaves_the_text_alone(client):
+    reply = _chat(client, tools=TOOLS, tool_choice="none")
+    message = reply.choices[0].message
+    assert message.content.startswith('<tool_call>{"name": "get_weather"')
+    assert not message.tool_calls and reply.choices[0].finish_reason == "stop"
+
+
+def test_tool_results_reach_the_template(server):
+    assistant = {"role": "assistant", "tool_calls": [{"id": "call-1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+    messages = [*ASK, assistant, {"role": "tool", "tool_call_id": "call-1", "content": "24 C"}]
+    body = {"model": MODEL, "messages": messages, "tools": TOOLS}
+    tokens = httpx.post(server.url_for("tokenize"), json=body, timeout=60).json()["tokens"]
+    prompt = httpx.post(server.url_for("detokenize"), json={"model": MODEL, "tokens": tokens},
+                        timeout=60).json()["prompt"]
+    assert '"get_weather"' in prompt  # the tools, as the template lists them
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}' in prompt
+    assert "<tool_response>24 C</tool_response>" in prompt
+    bad = {**assistant, "tool_calls": [{**assistant["tool_calls"][0], "function": {
+        "name": "get_weather", "arguments": "{not json"}}]}
+    response = httpx.post(server.url_for("v1/chat/completions"), timeout=60, json={
+        "model": MODEL, "messages": [*ASK, bad], "tools": TOOLS})
+    assert response.status_code == 400
+    assert error_of(response)["param"] == "messages.1.tool_calls.0.function.arguments"
+
+
+def test_parallel_tool_calls_false_allows_one_call(server):
+    body = {"model": MODEL, "messages": ASK, "tools": TOOLS, "tool_choice": "required",
+            "parallel_tool_calls": False, "temperature": 0, "max_completion_tokens": 40}
+    response = httpx.post(server.url_for("v1/chat/completions"), json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"][0]["message"]["tool_calls"]) == 1
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"tool_choice": {"type": "function", "function": {"name": "other"}}},
+     "tool_choice.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "no-such-type"}}}}}],
+      "tool_choice": "required"}, "tools"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}},
+     "response_format"),
+])
+def test_bad_tool_requests_are_400(server, fields, param):
+    body = {"model": MODEL, "messages": ASK, "tools": TOOLS, **fields}
+    response = httpx.post(server.url_for("v1/chat/completions"), json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert error_of(response)["param"] == param

@@ -337,6 +337,10 @@ def test_flag_errors_and_a_taken_port_fail_before_torch_is_imported():
              "--default-chat-template-kwargs must not set 'tokenize'"),
             (["--reasoning-parser", "nope"],
              "--reasoning-parser 'nope' is not one of deepseek_r1, qwen3"),
+            (["--tool-call-parser", "nope"],
+             "--tool-call-parser 'nope' is not one of hermes, llama3_json"),
+            (["--enable-auto-tool-choice"],
+             "--enable-auto-tool-choice requires --tool-call-parser"),
             *EARLY_CONFIG_ERRORS,
         ]
         procs = [subprocess.Popen([sys.executable, "-c", _MAIN_THEN_REPORT_TORCH, "serve",

@@ -96,8 +96,14 @@ BAD_REQUESTS = [
      "guided_regex"),
     ("chat/completions", {"response_format": {"type": "json_object"}, "guided_regex": "a+"},
      400, "guided_regex"),
+    # Tools without --enable-auto-tool-choice: the default choice "auto" is refused, as
+    # vLLM refuses it; malformed tools name their field.
     ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
-     "tools"),
+     "tool_choice"),
+    ("chat/completions", {"tools": [{"type": "function"}], "tool_choice": "none"}, 400,
+     "tools.0.function"),
+    ("chat/completions", {"tool_choice": "required"}, 400, "tool_choice"),
+    ("chat/completions", {"functions": [{"name": "f"}]}, 400, "functions"),
     # vLLM's other request extras that are not implemented: refused when they ask for
     # something (a 200 would have ignored them).
     *[(endpoint, {name: value}, 400, name)

@@ -97,7 +97,8 @@ def build_app(engine_client: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     """The FastAPI app over `engine_client` (which it feeds a Prometheus logger).
 
     `args` is the `vllm serve` namespace; read here: served_model_name, model,
-    api_key, chat_template, default_chat_template_kwargs, reasoning_parser (all optional).
+    api_key, chat_template, default_chat_template_kwargs, reasoning_parser,
+    tool_call_parser, enable_auto_tool_choice (all optional).
     """
     models = ServedModels(served_model_names(args), root=engine_client.model_config.model,
                           max_model_len=engine_client.max_model_len)
@@ -134,7 +135,12 @@ def _add_openai_routes(
         getattr(args, "default_chat_template_kwargs", None))
     chat = OpenAIServingChat(engine_client, models, chat_template,
                              default_chat_template_kwargs=template_kwargs,
-                             reasoning_parser=getattr(args, "reasoning_parser", None))
+                             reasoning_parser=getattr(args, "reasoning_parser", None),
+                             tool_parser=getattr(args, "tool_call_parser", None),
+                             enable_auto_tools=getattr(args, "enable_auto_tool_choice", False))
+    if chat.tool_parser_cls is not None and not chat.enable_auto_tools:
+        logger.warning("--tool-call-parser %s reads nothing without --enable-auto-tool-choice: "
+                       "tool_choice 'auto' is refused", args.tool_call_parser)
     if chat.default_sampling_params:
         logger.info("Using default sampling params from the model's generation config (a "
                     "request's own values override them; --generation-config vllm drops "

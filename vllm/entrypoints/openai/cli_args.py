@@ -15,6 +15,7 @@ from pathlib import Path
 
 from vllm import envs
 from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import ToolParserManager
 from vllm.reasoning import ReasoningParserManager
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -53,6 +54,14 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Split chat replies into reasoning_content and content: "
                         f"{', '.join(ReasoningParserManager.names())} (default: none; the "
                         "reasoning stays in content).")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="Serve tool_choice 'auto' (also the default when a request has tools): "
+                        "the model's tool calls are read by --tool-call-parser (default: off; "
+                        "such requests get 400; 'required' and named choices work either way).")
+    g.add_argument("--tool-call-parser", type=str, default=None, metavar="NAME",
+                   help="The format of the model's tool calls: "
+                        f"{', '.join(ToolParserManager.names())} (hermes: Qwen2.5/Qwen3, "
+                        "Hermes; llama3_json: Llama 3.x JSON calls; default: none).")
     g.add_argument("--shutdown-timeout", type=int, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                    help="Seconds in-flight requests get to finish after SIGTERM/SIGINT; then "
                         "they fail with 503 (a stream gets an error event and [DONE]) and the "
@@ -72,7 +81,9 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
         ValueError: MODEL and --model disagree, the port is out of range, a
             `VLLM_*` variable is malformed (vllm/envs.py), or the chat template is
             neither a file nor a template, --default-chat-template-kwargs is not a
-            JSON object of template variables, or --reasoning-parser names no parser.
+            JSON object of template variables, --reasoning-parser or
+            --tool-call-parser names no parser, or --enable-auto-tool-choice comes
+            without --tool-call-parser.
     """
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
@@ -95,6 +106,13 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
             args.reasoning_parser not in ReasoningParserManager.names()):
         raise ValueError(f"--reasoning-parser {args.reasoning_parser!r} is not one of "
                          f"{', '.join(ReasoningParserManager.names())}")
+    if args.tool_call_parser is not None and (
+            args.tool_call_parser not in ToolParserManager.names()):
+        raise ValueError(f"--tool-call-parser {args.tool_call_parser!r} is not one of "
+                         f"{', '.join(ToolParserManager.names())}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser (one of "
+                         f"{', '.join(ToolParserManager.names())})")
 
 
 def parse_chat_template_kwargs(value: str | dict | None) -> dict | None:

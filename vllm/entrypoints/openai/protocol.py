@@ -239,10 +239,22 @@ class ChatCompletionRequest(SamplingFields):
     documents: Any = None
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessageOut(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
     reasoning_content: str | None = None  # with --reasoning-parser: the reply's reasoning
+    tool_calls: list[ToolCall] = Field(default_factory=list)  # [] when none, as vLLM's
 
 
 class ChatCompletionLogProb(OpenAIBaseModel):
@@ -278,16 +290,35 @@ class ChatCompletionResponse(OpenAIBaseModel):
     kv_transfer_params: dict[str, Any] | None = None  # from the KV connector, when it has any
 
 
-class DeltaMessage(OpenAIBaseModel):
+class _DropNone(OpenAIBaseModel):
+    """Serialised without its None fields (stream deltas send only what they carry)."""
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_DropNone):
+    name: str | None = None  # in a call's first delta only
+    arguments: str | None = None  # the next piece of the arguments' JSON text
+
+
+class DeltaToolCall(_DropNone):
+    """A piece of the tool call at `index`: its first delta carries id, type and name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
+class DeltaMessage(_DropNone):
     """A stream delta; unset fields are left out (`{"content": "x"}`, not `"role": null`)."""
 
     role: str | None = None
     content: str | None = None
     reasoning_content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler):
-        return {k: v for k, v in handler(self).items() if v is not None}
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):

@@ -1,9 +1,10 @@
 """POST /v1/chat/completions: messages -> the model's chat template -> one engine request.
 
 Streaming sends, per choice, a first chunk `delta: {"role": "assistant",
-"content": ""}`, then content deltas, the finish reason, an optional usage
-chunk and `data: [DONE]`. Logprobs follow the chat format: `logprobs: true`
-plus `top_logprobs: k` (k most likely tokens per position).
+"content": ""}`, then content, `reasoning_content` and `tool_calls` deltas
+(chat_reply.py), the finish reason, an optional usage chunk and `data: [DONE]`.
+Logprobs follow the chat format: `logprobs: true` plus `top_logprobs: k` (k most
+likely tokens per position).
 """
 
 from __future__ import annotations
@@ -42,7 +43,17 @@ from vllm.entrypoints.openai.serving_engine import (
     stream_error_event,
     usage_info,
 )
+from vllm.entrypoints.openai.tool_parsers import ToolParserManager
+from vllm.entrypoints.openai.tool_parsers.tool_choice import (
+    NamedToolParser,
+    RequiredToolParser,
+    ToolChoice,
+    resolve_tool_choice,
+    tool_choice_schema,
+)
 from vllm.reasoning import ReasoningParserManager
+from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+from vllm.v1.structured_output import validate_structured_outputs
 
 if TYPE_CHECKING:
     from vllm.entrypoints.openai.serving_models import ServedModels
@@ -86,12 +97,16 @@ class OpenAIServingChat(OpenAIServing):
             (`--default-chat-template-kwargs`); a request's `chat_template_kwargs` win.
         reasoning_parser: `--reasoning-parser` (a `ReasoningParserManager` name):
             replies are split into `reasoning_content` and `content`.
+        tool_parser: `--tool-call-parser` (a `ToolParserManager` name).
+        enable_auto_tools: `--enable-auto-tool-choice`: tool_choice "auto" is served
+            (with `tool_parser`), else refused with 400.
     """
 
     def __init__(
         self, engine_client: AsyncLLM, models: ServedModels, chat_template: str | None = None,
         *, default_chat_template_kwargs: dict[str, Any] | None = None,
-        reasoning_parser: str | None = None,
+        reasoning_parser: str | None = None, tool_parser: str | None = None,
+        enable_auto_tools: bool = False,
     ) -> None:
         super().__init__(engine_client, models)
         self.chat_template = chat_template
@@ -99,6 +114,9 @@ class OpenAIServingChat(OpenAIServing):
         self.reasoning_parser = (
             ReasoningParserManager.get_reasoning_parser(reasoning_parser)()
             if reasoning_parser else None)
+        self.tool_parser_cls = (ToolParserManager.get_tool_parser(tool_parser)
+                                if tool_parser else None)
+        self.enable_auto_tools = enable_auto_tools and self.tool_parser_cls is not None
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest
@@ -110,26 +128,16 @@ class OpenAIServingChat(OpenAIServing):
             APIError: 400 invalid input, 404 unknown model, 500/503 engine failures.
         """
         model_name, stream, include_usage, continuous_usage = self.open_request(request)
+        tool_choice = resolve_tool_choice(request, self.enable_auto_tools)
         top_logprobs = request.top_logprobs or 0
-        use_completion_tokens = request.max_completion_tokens is not None
-        params = build_sampling_params(
-            request, stream, self.vocab_size,
-            max_tokens=(request.max_completion_tokens if use_completion_tokens
-                        else request.max_tokens),
-            logprobs=top_logprobs if request.logprobs else None,
-            renamed={"logprobs": "top_logprobs",
-                     "max_tokens": ("max_completion_tokens" if use_completion_tokens
-                                    else "max_tokens")},
-            defaults=self.default_sampling_params,
-            prompt_logprobs=request.prompt_logprobs,
-        )
+        params = self._sampling_params(request, stream, tool_choice)
         prompt = await self._render(request)
         request_id = random_id("chatcmpl")
-        length_param = "max_completion_tokens" if use_completion_tokens else "max_tokens"
+        length_param = ("max_completion_tokens" if request.max_completion_tokens is not None
+                        else "max_tokens")
         (engine_stream,) = await self.admit_all(request_id, [prompt], params, "messages",
                                                 length_param, {"logprobs": "top_logprobs"})
-        echo = _echoed_text(request)
-        parsers = [ReplyParser(prompt["prompt"], self.reasoning_parser, echo)
+        parsers = [self._reply_parser(request, prompt["prompt"], tool_choice)
                    for _ in range(params.n)]
         if stream:
             return sse_response(self._stream(request_id, model_name, engine_stream, parsers,
@@ -141,11 +149,12 @@ class OpenAIServingChat(OpenAIServing):
             if completion.logprobs is not None:
                 logprobs = chat_logprobs(list(completion.token_ids), completion.logprobs,
                                          top_logprobs)
+            parser = parsers[completion.index]
             choices.append(ChatCompletionResponseChoice(
                 index=completion.index,
-                message=parsers[completion.index].message(completion.text),
+                message=parser.message(completion.text),
                 logprobs=logprobs,
-                finish_reason=completion.finish_reason,
+                finish_reason=parser.finish_reason(completion.finish_reason),
                 stop_reason=completion.stop_reason,
             ))
         prompt_tokens = len(output.prompt_token_ids or [])
@@ -157,13 +166,49 @@ class OpenAIServingChat(OpenAIServing):
                                           kv_transfer_params=output.kv_transfer_params)
         return JSONResponse(response.model_dump())
 
+    def _sampling_params(self, request: ChatCompletionRequest, stream: bool,
+                         tool_choice: ToolChoice) -> SamplingParams:
+        """The request's SamplingParams; tool_choice required / named add the schema
+        structured outputs enforce (400 naming `tools` when it cannot compile)."""
+        use_completion_tokens = request.max_completion_tokens is not None
+        length_param = "max_completion_tokens" if use_completion_tokens else "max_tokens"
+        schema = tool_choice_schema(request.tools or [], tool_choice,
+                                    request.parallel_tool_calls)
+        structured = None
+        if schema is not None:
+            structured = StructuredOutputsParams(json=schema)
+            try:
+                validate_structured_outputs(structured)
+            except ValueError as e:
+                raise APIError(400, f"the tools' parameters cannot be enforced: {e}",
+                               "tools") from e
+        return build_sampling_params(
+            request, stream, self.vocab_size,
+            max_tokens=(request.max_completion_tokens if use_completion_tokens
+                        else request.max_tokens),
+            logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+            renamed={"logprobs": "top_logprobs", "max_tokens": length_param},
+            defaults=self.default_sampling_params,
+            prompt_logprobs=request.prompt_logprobs,
+            structured_outputs=structured,
+        )
+
+    def _reply_parser(self, request: ChatCompletionRequest, prompt: str,
+                      tool_choice: ToolChoice) -> ReplyParser:
+        tool_parser = None
+        if tool_choice.mode == "auto":
+            tool_parser = self.tool_parser_cls(self.engine_client.tokenizer)
+        elif tool_choice.mode == "required":
+            tool_parser = RequiredToolParser()
+        elif tool_choice.mode == "named":
+            tool_parser = NamedToolParser(tool_choice.name)
+        return ReplyParser(prompt, self.reasoning_parser, _echoed_text(request), tool_parser,
+                           max_calls=1 if request.parallel_tool_calls is False else None,
+                           calls_finish=tool_choice.mode != "named")
+
     @staticmethod
     def _check_unsupported(request: ChatCompletionRequest) -> None:
         reject_unsupported_fields(request)
-        if request.tools:
-            raise APIError(400, "tools are not supported by this server", "tools")
-        if request.tool_choice not in (None, "none"):
-            raise APIError(400, "tool_choice is not supported by this server", "tool_choice")
         if request.functions:
             raise APIError(400, "functions are not supported by this server", "functions")
         if request.function_call not in (None, "none"):
@@ -182,6 +227,7 @@ class OpenAIServingChat(OpenAIServing):
             server_template=self.chat_template,
             add_generation_prompt=bool(request.add_generation_prompt),
             continue_final_message=bool(request.continue_final_message),
+            tools=request.tools,
             chat_template_kwargs=request.chat_template_kwargs,
             default_chat_template_kwargs=self.default_chat_template_kwargs,
         )
@@ -221,7 +267,8 @@ class OpenAIServingChat(OpenAIServing):
                         continue  # a tag held back: nothing to send yet
                     yield chunk([ChatCompletionResponseStreamChoice(
                         index=completion.index, delta=delta or DeltaMessage(), logprobs=logprobs,
-                        finish_reason=completion.finish_reason,
+                        finish_reason=parsers[completion.index].finish_reason(
+                            completion.finish_reason),
                         stop_reason=completion.stop_reason,
                     )], usage_info(prompt_tokens, completion_tokens) if continuous_usage else None)
             if include_usage:

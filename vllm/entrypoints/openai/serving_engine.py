@@ -23,7 +23,7 @@ from vllm.entrypoints.openai.errors import APIError, error_from_exception, valid
 from vllm.entrypoints.openai.protocol import SamplingFields, UsageInfo
 from vllm.entrypoints.openai.structured_outputs import structured_outputs_from_request
 from vllm.logger import init_logger
-from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from fastapi import Request
@@ -127,6 +127,7 @@ def build_sampling_params(
     renamed: dict[str, str] | None = None,
     defaults: dict[str, Any] | None = None,
     prompt_logprobs: int | None = None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """SamplingParams from the request's fields; SamplingParams itself checks the ranges.
 
@@ -140,6 +141,8 @@ def build_sampling_params(
             (chat: logprobs -> top_logprobs).
         defaults: the model's sampling defaults (`ModelConfig.get_diff_sampling_param`),
             used for the fields the request leaves unset, as vLLM does.
+        structured_outputs: a constraint the endpoint adds (chat's tool_choice
+            required / named), for a request that sets none itself.
 
     Raises:
         APIError(400): a value SamplingParams rejects; `param` names the request field.
@@ -149,7 +152,7 @@ def build_sampling_params(
         kwargs.setdefault(name, value)
     # response_format / structured_outputs / guided_*: parsed and validated (400 naming
     # the field) before the engine sees the request.
-    structured_outputs = structured_outputs_from_request(request)
+    structured_outputs = structured_outputs_from_request(request) or structured_outputs
     if structured_outputs is not None:
         kwargs["structured_outputs"] = structured_outputs
     if request.kv_transfer_params is not None:
