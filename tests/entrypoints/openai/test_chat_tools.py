@@ -35,6 +35,7 @@ def server(tmp_path_factory):
             "--kv-cache-memory-bytes", "16MiB", "--uvicorn-log-level", "warning",
             "--disable-log-stats", "--reasoning-parser", "qwen3",
             "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+            "--return-tokens-as-token-ids",
             "--default-chat-template-kwargs", json.dumps({"enable_thinking": False})]
     with RemoteServer(args) as remote:
         yield remote
@@ -190,3 +191,13 @@ def test_bad_tool_requests_are_400(server, fields, param):
     response = httpx.post(server.url_for("v1/chat/completions"), json=body, timeout=60)
     assert response.status_code == 400, response.text
     assert error_of(response)["param"] == param
+
+
+def test_return_tokens_as_token_ids_flag_and_request_override(client):
+    """The server runs with --return-tokens-as-token-ids; a request's false wins."""
+    kwargs = dict(logprobs=True, max_completion_tokens=3)
+    default = [e.token for e in _chat(client, **kwargs).choices[0].logprobs.content]
+    assert len(default) == 3 and all(t.startswith("token_id:") for t in default), default
+    texts = _chat(client, **kwargs, extra_body={"return_tokens_as_token_ids": False})
+    assert [e.token for e in texts.choices[0].logprobs.content] == ["It is", " sunny",
+                                                                    " in Paris."]

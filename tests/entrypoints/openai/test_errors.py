@@ -111,7 +111,7 @@ BAD_REQUESTS = [
       for name, value in [("allowed_token_ids", [28]), ("bad_words", [" Paris"]),
                           ("use_beam_search", True), ("length_penalty", 0.5),
                           ("truncate_prompt_tokens", 100), ("priority", 1),
-                          ("logits_processors", ["x"]), ("return_tokens_as_token_ids", True),
+                          ("logits_processors", ["x"]), ("return_tokens_as_token_ids", "yes"),
                           ("vllm_xargs", {"a": 1})]],
     ("chat/completions", {"chat_template_kwargs": 5}, 400, "chat_template_kwargs"),
     ("chat/completions", {"chat_template_kwargs": {"tokenize": True}}, 400,

@@ -98,7 +98,7 @@ def build_app(engine_client: AsyncLLM, args: argparse.Namespace) -> FastAPI:
 
     `args` is the `vllm serve` namespace; read here: served_model_name, model,
     api_key, chat_template, default_chat_template_kwargs, reasoning_parser,
-    tool_call_parser, enable_auto_tool_choice (all optional).
+    tool_call_parser, enable_auto_tool_choice, return_tokens_as_token_ids (all optional).
     """
     models = ServedModels(served_model_names(args), root=engine_client.model_config.model,
                           max_model_len=engine_client.max_model_len)
@@ -130,14 +130,17 @@ def _add_openai_routes(
     app: FastAPI, engine_client: AsyncLLM, models: ServedModels, chat_template: str | None,
     args: argparse.Namespace,
 ) -> None:
-    completion = OpenAIServingCompletion(engine_client, models)
+    as_ids = bool(getattr(args, "return_tokens_as_token_ids", False))
+    completion = OpenAIServingCompletion(engine_client, models,
+                                         return_tokens_as_token_ids=as_ids)
     template_kwargs = parse_chat_template_kwargs(
         getattr(args, "default_chat_template_kwargs", None))
     chat = OpenAIServingChat(engine_client, models, chat_template,
                              default_chat_template_kwargs=template_kwargs,
                              reasoning_parser=getattr(args, "reasoning_parser", None),
                              tool_parser=getattr(args, "tool_call_parser", None),
-                             enable_auto_tools=getattr(args, "enable_auto_tool_choice", False))
+                             enable_auto_tools=getattr(args, "enable_auto_tool_choice", False),
+                             return_tokens_as_token_ids=as_ids)
     if chat.tool_parser_cls is not None and not chat.enable_auto_tools:
         logger.warning("--tool-call-parser %s reads nothing without --enable-auto-tool-choice: "
                        "tool_choice 'auto' is refused", args.tool_call_parser)

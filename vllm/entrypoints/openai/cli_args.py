@@ -62,6 +62,10 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="The format of the model's tool calls: "
                         f"{', '.join(ToolParserManager.names())} (hermes: Qwen2.5/Qwen3, "
                         "Hermes; llama3_json: Llama 3.x JSON calls; default: none).")
+    g.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="Name tokens 'token_id:N' in logprobs (completions and chat) unless a "
+                        "request's return_tokens_as_token_ids says otherwise (default: off; "
+                        "tokens are named by their text).")
     g.add_argument("--shutdown-timeout", type=int, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                    help="Seconds in-flight requests get to finish after SIGTERM/SIGINT; then "
                         "they fail with 503 (a stream gets an error event and [DONE]) and the "

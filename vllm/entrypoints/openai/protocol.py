@@ -114,6 +114,8 @@ class SamplingFields(OpenAIRequest):
     skip_special_tokens: bool | None = True
     spaces_between_special_tokens: bool | None = True
     prompt_logprobs: int | None = None  # vLLM's: per prompt token; -1 = whole vocabulary
+    # vLLM's: logprobs name tokens "token_id:N" (default: --return-tokens-as-token-ids)
+    return_tokens_as_token_ids: bool | None = None
     # vLLM's structured-output fields (one kind per request), parsed and checked by
     # structured_outputs.structured_outputs_from_request.
     guided_json: Any = None
@@ -133,7 +135,6 @@ class SamplingFields(OpenAIRequest):
     bad_words: Any = None
     truncate_prompt_tokens: Any = None
     logits_processors: Any = None
-    return_tokens_as_token_ids: Any = None
     priority: Any = None
     vllm_xargs: Any = None
     # KV transfer (disaggregated prefill): passed to the KV connector as

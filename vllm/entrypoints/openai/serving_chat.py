@@ -34,6 +34,7 @@ from vllm.entrypoints.openai.serving_engine import (
     build_sampling_params,
     clamp_logprob,
     final_outputs,
+    logprob_token,
     prompt_logprobs_json,
     random_id,
     reject_unsupported_fields,
@@ -67,23 +68,29 @@ def _logprob_entry(token: str, logprob: float) -> ChatCompletionLogProb:
 
 
 def chat_logprobs(
-    token_ids: list[int], logprobs: SampleLogprobs, top_logprobs: int
+    token_ids: list[int], logprobs: SampleLogprobs, top_logprobs: int,
+    as_token_ids: bool = False,
 ) -> ChatCompletionLogProbs:
-    """Per token: its text, logprob, UTF-8 bytes, and the `top_logprobs` most likely tokens."""
+    """Per token: its text, logprob, UTF-8 bytes, and the `top_logprobs` most likely tokens.
+
+    `as_token_ids`: each token is named "token_id:N" (its bytes are that string's)."""
     content = []
     for token_id, step in zip(token_ids, logprobs, strict=False):
         sampled = step.get(token_id)
-        token = (sampled.decoded_token if sampled is not None else None) or ""
+        token = logprob_token(token_id, sampled.decoded_token if sampled is not None else None,
+                              as_token_ids)
         ranked = sorted(
-            (lp for lp in step.values() if lp.rank is not None and lp.rank <= top_logprobs),
-            key=lambda lp: lp.rank,
+            ((alt_id, lp) for alt_id, lp in step.items()
+             if lp.rank is not None and lp.rank <= top_logprobs),
+            key=lambda item: item[1].rank,
         )
         content.append(ChatCompletionLogProbsContent(
             token=token,
             logprob=clamp_logprob(sampled.logprob) if sampled is not None else -9999.0,
             bytes=list(token.encode("utf-8")),
-            top_logprobs=[_logprob_entry(lp.decoded_token or "", lp.logprob)
-                          for lp in ranked[:top_logprobs]],
+            top_logprobs=[_logprob_entry(logprob_token(alt_id, lp.decoded_token, as_token_ids),
+                                         lp.logprob)
+                          for alt_id, lp in ranked[:top_logprobs]],
         ))
     return ChatCompletionLogProbs(content=content)
 
@@ -100,15 +107,17 @@ class OpenAIServingChat(OpenAIServing):
         tool_parser: `--tool-call-parser` (a `ToolParserManager` name).
         enable_auto_tools: `--enable-auto-tool-choice`: tool_choice "auto" is served
             (with `tool_parser`), else refused with 400.
+        return_tokens_as_token_ids: `--return-tokens-as-token-ids` (see `OpenAIServing`).
     """
 
     def __init__(
         self, engine_client: AsyncLLM, models: ServedModels, chat_template: str | None = None,
         *, default_chat_template_kwargs: dict[str, Any] | None = None,
         reasoning_parser: str | None = None, tool_parser: str | None = None,
-        enable_auto_tools: bool = False,
+        enable_auto_tools: bool = False, return_tokens_as_token_ids: bool = False,
     ) -> None:
-        super().__init__(engine_client, models)
+        super().__init__(engine_client, models,
+                         return_tokens_as_token_ids=return_tokens_as_token_ids)
         self.chat_template = chat_template
         self.default_chat_template_kwargs = default_chat_template_kwargs
         self.reasoning_parser = (
@@ -141,14 +150,15 @@ class OpenAIServingChat(OpenAIServing):
                    for _ in range(params.n)]
         if stream:
             return sse_response(self._stream(request_id, model_name, engine_stream, parsers,
-                                             top_logprobs, include_usage, continuous_usage))
+                                             top_logprobs, include_usage, continuous_usage,
+                                             self.tokens_as_ids(request)))
         (output,) = await final_outputs([engine_stream])
         choices = []
         for completion in sorted(output.outputs, key=lambda c: c.index):
             logprobs = None
             if completion.logprobs is not None:
                 logprobs = chat_logprobs(list(completion.token_ids), completion.logprobs,
-                                         top_logprobs)
+                                         top_logprobs, self.tokens_as_ids(request))
             parser = parsers[completion.index]
             choices.append(ChatCompletionResponseChoice(
                 index=completion.index,
@@ -235,7 +245,7 @@ class OpenAIServingChat(OpenAIServing):
     async def _stream(
         self, request_id: str, model_name: str, engine_stream: RequestOutputStream,
         parsers: list[ReplyParser], top_logprobs: int, include_usage: bool,
-        continuous_usage: bool = False,
+        continuous_usage: bool = False, as_ids: bool = False,
     ) -> AsyncGenerator[str, None]:
         def chunk(choices: list[ChatCompletionResponseStreamChoice],
                   usage: UsageInfo | None = None) -> str:
@@ -260,7 +270,7 @@ class OpenAIServingChat(OpenAIServing):
                     logprobs = None
                     if completion.logprobs is not None:
                         logprobs = chat_logprobs(list(completion.token_ids), completion.logprobs,
-                                                 top_logprobs)
+                                                 top_logprobs, as_ids)
                     delta = parsers[completion.index].feed(
                         completion.text, final=completion.finish_reason is not None)
                     if delta is None and not (completion.finish_reason or logprobs):

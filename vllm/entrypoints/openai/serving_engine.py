@@ -73,7 +73,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "bad_words": (None, []),
     "truncate_prompt_tokens": (None,),
     "logits_processors": (None, []),
-    "return_tokens_as_token_ids": (None, False),
     "priority": (None, 0),
     "vllm_xargs": (None, {}),
     "mm_processor_kwargs": (None, {}),
@@ -208,16 +207,35 @@ def _request_sampling_kwargs(
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
-class OpenAIServing:
-    """Base of the endpoint classes: the engine client and the served model names."""
+def logprob_token(token_id: int, decoded: str | None, as_token_ids: bool) -> str:
+    """A token as logprobs name it: its text, or vLLM's "token_id:N" (for tokens whose
+    text does not round-trip, e.g. a byte of a multi-byte character)."""
+    return f"token_id:{token_id}" if as_token_ids else (decoded or "")
 
-    def __init__(self, engine_client: AsyncLLM, models: ServedModels) -> None:
+
+class OpenAIServing:
+    """Base of the endpoint classes: the engine client and the served model names.
+
+    `return_tokens_as_token_ids` (`--return-tokens-as-token-ids`): logprobs name tokens
+    "token_id:N" unless a request's own `return_tokens_as_token_ids` says otherwise.
+    """
+
+    def __init__(self, engine_client: AsyncLLM, models: ServedModels, *,
+                 return_tokens_as_token_ids: bool = False) -> None:
         self.engine_client = engine_client
         self.models = models
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids
         self.max_model_len = engine_client.max_model_len  # fitted to the KV cache
         self.vocab_size = engine_client.model_config.get_vocab_size()
         # The generation config's temperature, top_p, ... for fields a request leaves unset.
         self.default_sampling_params = engine_client.model_config.get_diff_sampling_param()
+
+    def tokens_as_ids(self, request: SamplingFields) -> bool:
+        """Whether this request's logprobs name tokens "token_id:N" (its field, else the
+        server's flag)."""
+        if request.return_tokens_as_token_ids is None:
+            return self.return_tokens_as_token_ids
+        return request.return_tokens_as_token_ids
 
     def open_request(self, request: SamplingFields) -> tuple[str, bool, bool, bool]:
         """The preamble of a completions or chat request, before any work is done:
