@@ -60,8 +60,10 @@ def build_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
             # name are refused, which is what disable_additional_properties asks for.
             return xgr.Grammar.from_json_schema(
                 value, any_whitespace=not params.disable_any_whitespace, strict_mode=True)
-        if kind == "json_object":
-            return xgr.Grammar.builtin_json_grammar()
+        if kind == "json_object":  # any object (vLLM's), extra properties allowed
+            return xgr.Grammar.from_json_schema(
+                '{"type": "object"}', any_whitespace=not params.disable_any_whitespace,
+                strict_mode=False)
         if kind == "regex":
             return xgr.Grammar.from_regex(value)
         if kind == "choice":
