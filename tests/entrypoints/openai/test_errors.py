@@ -102,11 +102,16 @@ BAD_REQUESTS = [
     # something (a 200 would have ignored them).
     *[(endpoint, {name: value}, 400, name)
       for endpoint in ("completions", "chat/completions")
-      for name, value in [("allowed_token_ids", [28]), ("bad_words", [" Paris"]),
-                          ("use_beam_search", True), ("length_penalty", 0.5),
-                          ("truncate_prompt_tokens", 100), ("priority", 1),
+      for name, value in [("use_beam_search", True), ("length_penalty", 0.5), ("priority", 1),
                           ("logits_processors", ["x"]), ("return_tokens_as_token_ids", True),
                           ("vllm_xargs", {"a": 1})]],
+    # The sampler-side extras (issue 47): bad values are refused naming the field.
+    *[(endpoint, {name: value}, 400, name)
+      for endpoint in ("completions", "chat/completions")
+      for name, value in [("allowed_token_ids", []), ("allowed_token_ids", [10**9]),
+                          ("allowed_token_ids", ["a"]), ("bad_words", [" "]),
+                          ("bad_words", "Paris"), ("truncate_prompt_tokens", 0),
+                          ("truncate_prompt_tokens", -2)]],
     ("chat/completions", {"chat_template_kwargs": {"enable_thinking": False}}, 400,
      "chat_template_kwargs"),
     ("chat/completions", {"chat_template_kwargs": 5}, 400, "chat_template_kwargs"),

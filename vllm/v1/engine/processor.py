@@ -120,6 +120,9 @@ class Processor:
         """
         self.validate_params(params)
         text, prompt_token_ids = self.tokenize(prompt)
+        keep = params.truncate_prompt_tokens
+        if keep is not None:  # the last `keep` tokens (-1: max_model_len), as vLLM
+            prompt_token_ids = prompt_token_ids[-(self.max_model_len if keep == -1 else keep):]
         check_kv_transfer_request((params.extra_args or {}).get("kv_transfer_params"),
                                   len(prompt_token_ids), self.block_size, params.n)
         if params.n == 1:
@@ -236,6 +239,8 @@ class Processor:
         if params.prompt_logprobs == -1:
             params.prompt_logprobs = self.vocab_size
         params.update_from_generation_config(self.generation_config, self.eos_token_id)
+        if params.bad_words:
+            params.update_from_tokenizer(self.tokenizer)
         so = params.structured_outputs
         if so is not None and self.compact_json and not so.disable_any_whitespace:
             params.structured_outputs = dataclasses.replace(so, disable_any_whitespace=True)

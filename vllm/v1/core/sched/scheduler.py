@@ -84,9 +84,8 @@ class Scheduler:
             count the policy wants, `resize_kv_cache()` adopts what the workers
             committed, and requests are admitted against what the cache may
             grow to (`max_num_blocks`), not what it holds now.
-        grammar_compiler: compiles structured-output constraints off the step;
-            a constrained request waits in WAITING_FOR_FSM until its grammar is
-            ready while the others keep stepping. None: such requests are refused.
+        grammar_compiler: compiles structured-output constraints off the step (a request
+            waits in WAITING_FOR_FSM meanwhile); None: such requests are refused.
 
     Raises:
         ValueError: a value is out of range or the combination can never work.
@@ -248,8 +247,7 @@ class Scheduler:
             update = self.connector.update(mro.kv_connector_output, self.requests)
             for request in update.loaded:  # scheduled from its loaded prefix on
                 request.status = RequestStatus.WAITING
-            outputs.extend(self._finish_failed(
-                {r: f"its KV transfer failed: {why}" for r, why in update.failed.items()}))
+            outputs.extend(self._finish_failed(update.failed))
         outputs.extend(self._finish_failed(self.structured_outputs.take_failed()))
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
@@ -373,7 +371,7 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            if request.status in _WAITS_IN_BACKGROUND:
+            if RequestStatus.waits_in_background(request.status):
                 skipped.append(self.waiting.popleft())
                 continue
             hits, num_hit_tokens, num_external, load_async = self._lookup(request)
@@ -601,9 +599,6 @@ class Scheduler:
     def reset_prefix_cache(self) -> bool:
         """Forget all cached blocks; False while any request holds blocks."""
         return self.kv_cache_manager.reset_prefix_cache()
-
-
-_WAITS_IN_BACKGROUND = (RequestStatus.WAITING_FOR_REMOTE_KVS, RequestStatus.WAITING_FOR_FSM)
 
 
 def _check_positive(**values: int) -> None:
