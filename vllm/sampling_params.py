@@ -361,6 +361,15 @@ class SamplingParams:
             raise VLLMValidationError(
                 "logits_processors: per-request logits processors are not supported",
                 parameter="logits_processors")
+        self._verify_constraints()
+        if self.logit_bias is not None:
+            for tok, bias in self.logit_bias.items():
+                _check(_is_int(tok) and tok >= 0, "logit_bias", "keyed by token ids >= 0", tok)
+                _check(_is_number(bias) and abs(bias) <= _MAX_ABS_LOGIT_BIAS, "logit_bias",
+                       f"valued in [-{_MAX_ABS_LOGIT_BIAS:g}, {_MAX_ABS_LOGIT_BIAS:g}]", bias)
+
+    def _verify_constraints(self) -> None:
+        """structured_outputs, allowed_token_ids, bad_words, truncate_prompt_tokens."""
         if self.structured_outputs is not None and not isinstance(
                 self.structured_outputs, StructuredOutputsParams):
             raise VLLMValidationError(
@@ -377,11 +386,6 @@ class SamplingParams:
         t = self.truncate_prompt_tokens
         _check(t is None or (_is_int(t) and (t == -1 or t >= 1)), "truncate_prompt_tokens",
                "None, -1 (max_model_len) or an int >= 1", t)
-        if self.logit_bias is not None:
-            for tok, bias in self.logit_bias.items():
-                _check(_is_int(tok) and tok >= 0, "logit_bias", "keyed by token ids >= 0", tok)
-                _check(_is_number(bias) and abs(bias) <= _MAX_ABS_LOGIT_BIAS, "logit_bias",
-                       f"valued in [-{_MAX_ABS_LOGIT_BIAS:g}, {_MAX_ABS_LOGIT_BIAS:g}]", bias)
 
     @property
     def sampling_type(self) -> SamplingType:

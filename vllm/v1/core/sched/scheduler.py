@@ -147,9 +147,8 @@ class Scheduler:
             "local_compute": 0, "local_cache_hit": 0, "external_kv_transfer": 0}
         self.num_speculative_tokens = num_speculative_tokens
         self.num_lookahead_tokens = num_lookahead_tokens
-        self.spec_decoding_stats = (
-            SpecDecodingStats(num_speculative_tokens) if num_speculative_tokens else None
-        )
+        self.spec_decoding_stats = (SpecDecodingStats(num_speculative_tokens)
+                                    if num_speculative_tokens else None)
         self.num_prefill_tokens = 0  # cumulative: prompt tokens scheduled, chunk by chunk
         self.structured_outputs = SchedulerStructuredOutputs(grammar_compiler)
 
