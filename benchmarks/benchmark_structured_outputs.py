@@ -89,7 +89,10 @@ def main() -> None:
     plain = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     constrained = SamplingParams(
         max_tokens=args.output_len, temperature=0, ignore_eos=True,
-        structured_outputs=StructuredOutputsParams(json=json.dumps(schema(args.output_len))))
+        # Compact: a random model would otherwise stay in the whitespace before the
+        # first value, never exercising the structure.
+        structured_outputs=StructuredOutputsParams(json=json.dumps(schema(args.output_len)),
+                                                   disable_any_whitespace=True))
     compiler = llm.llm_engine.engine_core.grammar_compiler
     unconstrained = run(llm, prompts, plain, args.repeats)
     compiles_before = compiler.num_compiles
