@@ -164,7 +164,9 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar-compile")
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache (taken by submit, on the engine step)
+        # Building the compiler (tokenizer load) takes its own lock: a submit never waits.
+        self._compiler_lock = threading.Lock()
         self._compiler: xgr.GrammarCompiler | None = None
         self._cache: dict[tuple, Future[CompiledGrammar]] = {}  # insertion order = LRU
         self.num_compiles = 0  # cumulative, cache misses
@@ -190,7 +192,7 @@ class GrammarCompiler:
         return CompiledGrammar(self._get_compiler().compile_grammar(grammar))
 
     def _get_compiler(self) -> xgr.GrammarCompiler:
-        with self._lock:
+        with self._compiler_lock:
             if self._compiler is None:
                 import xgrammar as xgr
 
