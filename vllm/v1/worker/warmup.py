@@ -149,8 +149,9 @@ class RunnerWarmup:
         SmolLM2 shape on the H200, issue 10). The argmax runs once on the raw
         logits (an all-greedy batch) and once on their float32 copy (the
         sampler's other paths): Triton compiles one variant per dtype, and the
-        row count is only its grid. The structured-output bitmask kernel (xgrammar's,
-        built at its first launch) runs once on the float32 logits too.
+        row count is only its grid. The structured-output bitmask kernel (xgrammar's
+        Triton kernel) runs on the float32 logits at 1, 2 and 16 rows: Triton
+        specializes integer arguments equal to 1 and divisible by 16.
         `hidden` [>= 1, hidden_size].
         """
         if self.device.type != "cuda":
@@ -162,8 +163,9 @@ class RunnerWarmup:
             if n == 1:
                 argmax_rows(logits)
                 argmax_rows(logits.float())
+            if n in (1, 2, 16):
                 width = -(-logits.shape[1] // 32)
-                apply_bitmask(logits.float(), torch.full((1, width), -1, dtype=torch.int32,
+                apply_bitmask(logits.float(), torch.full((n, width), -1, dtype=torch.int32,
                                                          device=self.device))
 
     def warm_up_kernels(self) -> int:
