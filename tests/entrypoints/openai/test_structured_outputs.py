@@ -112,3 +112,23 @@ def test_response_format_json_object_over_chat(client):
     assert text.lstrip().startswith("{")
     if completion.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(text), dict)
+
+
+def test_sampler_extras_over_http(client, server):
+    """allowed_token_ids, bad_words and truncate_prompt_tokens reach the engine (they were
+    a 400 before issue 47): each changes what the same greedy request returns."""
+    import httpx
+
+    def complete(**extra):
+        return client.completions.create(model=MODEL_NAME, prompt="The capital of France is",
+                                         temperature=0, max_tokens=6, extra_body=extra)
+
+    plain = complete()
+    assert "Paris" in plain.choices[0].text
+    assert "Paris" not in complete(bad_words=["Paris"]).choices[0].text
+    allowed = httpx.post(server.url_for("tokenize"), json={
+        "prompt": " yes no", "add_special_tokens": False}).json()["tokens"]
+    restricted = complete(allowed_token_ids=allowed).choices[0].text
+    assert restricted and set(restricted.split()) <= {"yes", "no"}
+    truncated = complete(truncate_prompt_tokens=2)
+    assert truncated.usage.prompt_tokens == 2 and plain.usage.prompt_tokens > 2
