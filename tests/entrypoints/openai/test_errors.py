@@ -110,9 +110,10 @@ BAD_REQUESTS = [
     *[(endpoint, {name: value}, 400, name)
       for endpoint in ("completions", "chat/completions")
       for name, value in [("allowed_token_ids", []), ("allowed_token_ids", [10**9]),
-                          ("allowed_token_ids", ["a"]), ("bad_words", [" "]),
+                          ("bad_words", [" "]),
                           ("bad_words", "Paris"), ("truncate_prompt_tokens", 0),
                           ("truncate_prompt_tokens", -2)]],
+    ("completions", {"allowed_token_ids": ["a"]}, 400, "allowed_token_ids.0"),  # the type
     ("chat/completions", {"chat_template_kwargs": {"enable_thinking": False}}, 400,
      "chat_template_kwargs"),
     ("chat/completions", {"chat_template_kwargs": 5}, 400, "chat_template_kwargs"),
