@@ -218,6 +218,16 @@ class SamplingParams:
         structured_outputs: a `StructuredOutputsParams` (or a dict of its
             fields) constraining the output to a JSON schema, regex, choice or
             grammar; None = unconstrained.
+        allowed_token_ids: only these token ids may be sampled (a non-empty
+            list); None = all.
+        bad_words: words never generated: each word's tokens (with and without
+            a leading space, as vLLM tokenizes them; filled by
+            `update_from_tokenizer`) may not complete in the output: a one-token
+            word is always masked, the last token of a longer one is masked
+            after its other tokens.
+        truncate_prompt_tokens: keep only the last k prompt tokens (k >= 1; -1 =
+            max_model_len, vLLM's meaning); applied by the engine's Processor
+            before the length checks.
 
     Raises:
         ValueError: a field outside its range (message names the field and range).
@@ -248,12 +258,18 @@ class SamplingParams:
     best_of: int | None = None
     logits_processors: list[Any] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
     # Arbitrary per-request data for engine extensions (vLLM's `extra_args`); a KV
     # connector reads `extra_args["kv_transfer_params"]`.
     extra_args: dict[str, Any] | None = None
     # stop_token_ids plus the model's EOS ids (filled by
     # `update_from_generation_config`); masked by the sampler until min_tokens.
     _all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False)
+    # bad_words as token id sequences (`update_from_tokenizer`).
+    _bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False,
+                                                  repr=False)
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
@@ -345,16 +361,31 @@ class SamplingParams:
             raise VLLMValidationError(
                 "logits_processors: per-request logits processors are not supported",
                 parameter="logits_processors")
-        if self.structured_outputs is not None and not isinstance(
-                self.structured_outputs, StructuredOutputsParams):
-            raise VLLMValidationError(
-                "structured_outputs must be a StructuredOutputsParams or a dict of its fields, "
-                f"got {type(self.structured_outputs).__name__}", parameter="structured_outputs")
+        self._verify_constraints()
         if self.logit_bias is not None:
             for tok, bias in self.logit_bias.items():
                 _check(_is_int(tok) and tok >= 0, "logit_bias", "keyed by token ids >= 0", tok)
                 _check(_is_number(bias) and abs(bias) <= _MAX_ABS_LOGIT_BIAS, "logit_bias",
                        f"valued in [-{_MAX_ABS_LOGIT_BIAS:g}, {_MAX_ABS_LOGIT_BIAS:g}]", bias)
+
+    def _verify_constraints(self) -> None:
+        """structured_outputs, allowed_token_ids, bad_words, truncate_prompt_tokens."""
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            raise VLLMValidationError(
+                "structured_outputs must be a StructuredOutputsParams or a dict of its fields, "
+                f"got {type(self.structured_outputs).__name__}", parameter="structured_outputs")
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            _check(isinstance(ids, list) and bool(ids) and all(_is_int(t) and t >= 0 for t in ids),
+                   "allowed_token_ids", "a non-empty list of token ids >= 0", ids)
+        if self.bad_words is not None:
+            _check(isinstance(self.bad_words, list) and all(
+                isinstance(w, str) and w.strip() for w in self.bad_words),
+                "bad_words", "a list of non-blank strings", self.bad_words)
+        t = self.truncate_prompt_tokens
+        _check(t is None or (_is_int(t) and (t == -1 or t >= 1)), "truncate_prompt_tokens",
+               "None, -1 (max_model_len) or an int >= 1", t)
 
     @property
     def sampling_type(self) -> SamplingType:
@@ -368,6 +399,24 @@ class SamplingParams:
     def all_stop_token_ids(self) -> set[int]:
         """`stop_token_ids` plus the model's EOS ids once `update_from_generation_config` ran."""
         return self._all_stop_token_ids
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]]:
+        """`bad_words` as token id sequences once `update_from_tokenizer` ran."""
+        return self._bad_words_token_ids
+
+    def update_from_tokenizer(self, tokenizer: Any) -> None:
+        """Tokenize `bad_words` (vLLM's rule): each word as written (leading space
+        stripped) and, where it tokenizes to as many tokens but a different first one,
+        with a leading space, since a word mid-sentence carries the space."""
+        self._bad_words_token_ids = []
+        for word in self.bad_words or ():
+            plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if plain:
+                self._bad_words_token_ids.append(plain)
+            if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+                self._bad_words_token_ids.append(spaced)
 
     @property
     def output_text_buffer_length(self) -> int:
@@ -401,8 +450,15 @@ class SamplingParams:
         """Check that token ids given by the user exist in the model's vocabulary.
 
         Raises:
-            ValueError: a `logit_bias` key >= vocab_size (it would index past the logits).
+            ValueError: a `logit_bias` key or an `allowed_token_ids` id >= vocab_size
+                (it would index past the logits).
         """
+        if self.allowed_token_ids:
+            bad = sorted(t for t in self.allowed_token_ids if t >= vocab_size)
+            if bad:
+                raise VLLMValidationError(
+                    f"allowed_token_ids has token ids {bad} outside the vocabulary "
+                    f"(vocab_size {vocab_size})", parameter="allowed_token_ids")
         if self.logit_bias:
             bad = sorted(t for t in self.logit_bias if t >= vocab_size)
             if bad:

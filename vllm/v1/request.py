@@ -41,6 +41,11 @@ class RequestStatus(enum.IntEnum):
         return status > RequestStatus.PREEMPTED
 
     @staticmethod
+    def waits_in_background(status: RequestStatus) -> bool:
+        """Waiting for background work (a KV load, a grammar compile): not schedulable yet."""
+        return status in (RequestStatus.WAITING_FOR_REMOTE_KVS, RequestStatus.WAITING_FOR_FSM)
+
+    @staticmethod
     def get_finished_reason(status: RequestStatus) -> FinishReason | None:
         """The FinishReason of a finished status; None while unfinished."""
         return _FINISHED_REASONS.get(status)

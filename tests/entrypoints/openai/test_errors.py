@@ -93,7 +93,8 @@ BAD_REQUESTS = [
     ("completions", {"guided_regex": "a+", "guided_decoding_backend": "outlines"}, 400,
      "guided_decoding_backend"),
     ("completions", {"guided_regex": "a+", "guided_whitespace_pattern": " "}, 400,
-     "guided_regex"),
+     "guided_whitespace_pattern"),
+    ("completions", {"guided_whitespace_pattern": " "}, 400, "guided_whitespace_pattern"),
     ("chat/completions", {"response_format": {"type": "json_object"}, "guided_regex": "a+"},
      400, "guided_regex"),
     # Tools without --enable-auto-tool-choice: the default choice "auto" is refused, as
@@ -108,11 +109,17 @@ BAD_REQUESTS = [
     # something (a 200 would have ignored them).
     *[(endpoint, {name: value}, 400, name)
       for endpoint in ("completions", "chat/completions")
-      for name, value in [("allowed_token_ids", [28]), ("bad_words", [" Paris"]),
-                          ("use_beam_search", True), ("length_penalty", 0.5),
-                          ("truncate_prompt_tokens", 100), ("priority", 1),
+      for name, value in [("use_beam_search", True), ("length_penalty", 0.5), ("priority", 1),
                           ("logits_processors", ["x"]), ("return_tokens_as_token_ids", "yes"),
                           ("vllm_xargs", {"a": 1})]],
+    # The sampler-side extras (issue 47): bad values are refused naming the field.
+    *[(endpoint, {name: value}, 400, name)
+      for endpoint in ("completions", "chat/completions")
+      for name, value in [("allowed_token_ids", []), ("allowed_token_ids", [10**9]),
+                          ("bad_words", [" "]),
+                          ("bad_words", "Paris"), ("truncate_prompt_tokens", 0),
+                          ("truncate_prompt_tokens", -2)]],
+    ("completions", {"allowed_token_ids": ["a"]}, 400, "allowed_token_ids.0"),  # the type
     ("chat/completions", {"chat_template_kwargs": 5}, 400, "chat_template_kwargs"),
     ("chat/completions", {"chat_template_kwargs": {"tokenize": True}}, 400,
      "chat_template_kwargs.tokenize"),

@@ -114,6 +114,9 @@ class SamplingFields(OpenAIRequest):
     skip_special_tokens: bool | None = True
     spaces_between_special_tokens: bool | None = True
     prompt_logprobs: int | None = None  # vLLM's: per prompt token; -1 = whole vocabulary
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # never generated (as vLLM tokenizes them)
+    truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens (-1: max len)
     # vLLM's: logprobs name tokens "token_id:N" (default: --return-tokens-as-token-ids)
     return_tokens_as_token_ids: bool | None = None
     # vLLM's structured-output fields (one kind per request), parsed and checked by
@@ -131,9 +134,6 @@ class SamplingFields(OpenAIRequest):
     # instead of being ignored.
     use_beam_search: Any = None
     length_penalty: Any = None
-    allowed_token_ids: Any = None
-    bad_words: Any = None
-    truncate_prompt_tokens: Any = None
     logits_processors: Any = None
     priority: Any = None
     vllm_xargs: Any = None

@@ -69,9 +69,6 @@ def stream_settings(request: SamplingFields) -> tuple[bool, bool, bool]:
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
-    "allowed_token_ids": (None,),
-    "bad_words": (None, []),
-    "truncate_prompt_tokens": (None,),
     "logits_processors": (None, []),
     "priority": (None, 0),
     "vllm_xargs": (None, {}),
@@ -203,6 +200,9 @@ def _request_sampling_kwargs(
         "skip_special_tokens": request.skip_special_tokens,
         "spaces_between_special_tokens": request.spaces_between_special_tokens,
         "logit_bias": logit_bias,
+        "allowed_token_ids": request.allowed_token_ids,
+        "bad_words": request.bad_words,
+        "truncate_prompt_tokens": request.truncate_prompt_tokens,
     }
     return {k: v for k, v in kwargs.items() if v is not None}
 

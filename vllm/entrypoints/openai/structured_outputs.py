@@ -49,6 +49,8 @@ def structured_outputs_from_request(request: Any) -> StructuredOutputsParams | N
         params = build()
         validate_structured_outputs(params)
     except VLLMValidationError as e:
+        if e.parameter == "whitespace_pattern" and field in GUIDED_FIELDS:
+            field = "guided_whitespace_pattern"
         raise APIError(400, str(e), field) from e
     return params
 

@@ -4,7 +4,7 @@
 logits [N, V] --grammar bitmask (structured outputs: refused tokens -> -inf)
    |  --raw log_softmax--> logprobs (before anything below, vLLM's default)
    |
-   +-- logit_bias, min_tokens mask (stop tokens -> -inf)
+   +-- allowed_token_ids, bad_words (-> -inf), logit_bias, min_tokens mask (stop tokens -> -inf)
    +-- penalties (repetition, frequency, presence)
    +-- greedy rows: argmax ------------------------------+
    +-- random rows: / temperature -> min_p -> top-k/top-p |
@@ -108,6 +108,15 @@ class Sampler(nn.Module):
         return drawn if greedy is None else torch.where(is_greedy, greedy, drawn)
 
 
+def _apply_allowed_token_ids(logits: torch.Tensor, md: SamplingMetadata) -> None:
+    rows, allowed = md.allowed_token_ids
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
+def _apply_bad_words(logits: torch.Tensor, md: SamplingMetadata) -> None:
+    logits.index_put_(md.bad_words, torch.tensor(float("-inf"), device=logits.device))
+
+
 def _apply_logit_bias(logits: torch.Tensor, md: SamplingMetadata) -> None:
     rows, cols, values = md.logit_bias
     logits.index_put_((rows, cols), values, accumulate=True)
@@ -126,6 +135,8 @@ def _apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> None:
 # in-place processor). The one list both applying them and `_modifies_logits`
 # read, so a batch that needs none takes the raw-logits argmax.
 LOGITS_PROCESSORS = (
+    (lambda md: md.allowed_token_ids is not None, _apply_allowed_token_ids),
+    (lambda md: md.bad_words is not None, _apply_bad_words),
     (lambda md: md.logit_bias is not None, _apply_logit_bias),
     (lambda md: md.min_tokens is not None, _apply_min_tokens),
     (lambda md: not md.no_penalties, _apply_penalties),

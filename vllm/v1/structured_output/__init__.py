@@ -60,8 +60,10 @@ def build_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
             # name are refused, which is what disable_additional_properties asks for.
             return xgr.Grammar.from_json_schema(
                 value, any_whitespace=not params.disable_any_whitespace, strict_mode=True)
-        if kind == "json_object":
-            return xgr.Grammar.builtin_json_grammar()
+        if kind == "json_object":  # any object (vLLM's), extra properties allowed
+            return xgr.Grammar.from_json_schema(
+                '{"type": "object"}', any_whitespace=not params.disable_any_whitespace,
+                strict_mode=False)
         if kind == "regex":
             return xgr.Grammar.from_regex(value)
         if kind == "choice":
@@ -162,7 +164,9 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar-compile")
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache (taken by submit, on the engine step)
+        # Building the compiler (tokenizer load) takes its own lock: a submit never waits.
+        self._compiler_lock = threading.Lock()
         self._compiler: xgr.GrammarCompiler | None = None
         self._cache: dict[tuple, Future[CompiledGrammar]] = {}  # insertion order = LRU
         self.num_compiles = 0  # cumulative, cache misses
@@ -188,7 +192,7 @@ class GrammarCompiler:
         return CompiledGrammar(self._get_compiler().compile_grammar(grammar))
 
     def _get_compiler(self) -> xgr.GrammarCompiler:
-        with self._lock:
+        with self._compiler_lock:
             if self._compiler is None:
                 import xgrammar as xgr
 

@@ -533,6 +533,7 @@ def _uses_output_ids(params: SamplingParams) -> bool:
         params.presence_penalty != 0.0
         or params.frequency_penalty != 0.0
         or params.repetition_penalty != 1.0
+        or bool(params.bad_words)
     )
 
 

@@ -108,7 +108,9 @@ class GrammarBitmask:
             m = self.matchers.get(state.req_id)
             if m is not None:
                 m.catch_up(state.output_token_ids, state.req_id)
-                if not m.broken:
+                # Terminated (its stop token accepted; only ignore_eos or a step already
+                # in flight samples after it) or broken: left all-allowed, as in vLLM.
+                if not m.broken and not m.matcher.is_terminated():
                     self._fill(m.matcher, host, row, drafts[i] if drafts is not None else ())
             row += counts[i]
         return host[:rows].to(self.device, non_blocking=True)

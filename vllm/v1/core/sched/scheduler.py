@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 from vllm.v1.core.elastic import ElasticKVPolicy
-from vllm.v1.core.kv_cache_manager import KVCacheManager, cdiv
+from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.sched.kv_connector import SchedulerKVConnector
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -29,7 +29,7 @@ from vllm.v1.core.sched.spec_decode import drafts_to_verify, settle_drafts
 from vllm.v1.core.sched.stats import SchedulerStats
 from vllm.v1.core.sched.step import StepPlan, make_engine_core_output, package_plan
 from vllm.v1.core.sched.structured_outputs import GrammarSource, SchedulerStructuredOutputs
-from vllm.v1.core.sched.utils import check_fits_cache, check_prompt, check_stop
+from vllm.v1.core.sched.utils import check_fits_cache, check_positive, check_prompt, check_stop
 from vllm.v1.outputs import EngineCoreOutput, FinishReason, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.spec_decode.metrics import SpecDecodingStats
@@ -80,13 +80,12 @@ class Scheduler:
             A request that stops (EOS, stop token, stop string, abort) at step
             N may already be in step N+1: that step's output for it is dropped.
         elastic: the elastic KV cache's policy (`ElasticKVPolicy`), or None
-            for a fixed cache. With one, `kv_cache_target()` says what block
-            count the policy wants, `resize_kv_cache()` adopts what the workers
+            for a fixed cache. With one, the engine core asks the policy what
+            block count it wants, `resize_kv_cache()` adopts what the workers
             committed, and requests are admitted against what the cache may
             grow to (`max_num_blocks`), not what it holds now.
-        grammar_compiler: compiles structured-output constraints off the step;
-            a constrained request waits in WAITING_FOR_FSM until its grammar is
-            ready while the others keep stepping. None: such requests are refused.
+        grammar_compiler: compiles structured-output constraints off the step (a request
+            waits in WAITING_FOR_FSM meanwhile); None: such requests are refused.
 
     Raises:
         ValueError: a value is out of range or the combination can never work.
@@ -112,7 +111,7 @@ class Scheduler:
         elastic: ElasticKVPolicy | None = None,
         grammar_compiler: GrammarSource | None = None,
     ) -> None:
-        _check_positive(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+        check_positive(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
         if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({max_num_batched_tokens}) is smaller than "
@@ -148,9 +147,8 @@ class Scheduler:
             "local_compute": 0, "local_cache_hit": 0, "external_kv_transfer": 0}
         self.num_speculative_tokens = num_speculative_tokens
         self.num_lookahead_tokens = num_lookahead_tokens
-        self.spec_decoding_stats = (
-            SpecDecodingStats(num_speculative_tokens) if num_speculative_tokens else None
-        )
+        self.spec_decoding_stats = (SpecDecodingStats(num_speculative_tokens)
+                                    if num_speculative_tokens else None)
         self.num_prefill_tokens = 0  # cumulative: prompt tokens scheduled, chunk by chunk
         self.structured_outputs = SchedulerStructuredOutputs(grammar_compiler)
 
@@ -248,8 +246,7 @@ class Scheduler:
             update = self.connector.update(mro.kv_connector_output, self.requests)
             for request in update.loaded:  # scheduled from its loaded prefix on
                 request.status = RequestStatus.WAITING
-            outputs.extend(self._finish_failed(
-                {r: f"its KV transfer failed: {why}" for r, why in update.failed.items()}))
+            outputs.extend(self._finish_failed(update.failed))
         outputs.extend(self._finish_failed(self.structured_outputs.take_failed()))
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
@@ -373,7 +370,7 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            if request.status in _WAITS_IN_BACKGROUND:
+            if RequestStatus.waits_in_background(request.status):
                 skipped.append(self.waiting.popleft())
                 continue
             hits, num_hit_tokens, num_external, load_async = self._lookup(request)
@@ -577,36 +574,7 @@ class Scheduler:
         if self.elastic is not None:
             self.elastic.adopt(num_blocks)
 
-    def kv_cache_target(self, allow_shrink: bool = True) -> int | None:
-        """The block count the elastic policy wants now (None: keep the count);
-        see `ElasticKVPolicy.target`."""
-        return self.elastic.target(self.kv_cache_manager, self.kv_blocks_wanted(), allow_shrink)
-
-    def elastic_floor(self) -> int:
-        """The fewest blocks the elastic cache can shrink to now (its floor, or more
-        while tail blocks are in use)."""
-        return self.elastic.lowest_now(self.kv_cache_manager)
-
-    def kv_blocks_wanted(self) -> int:
-        """Blocks the requests ask for next (the elastic policy's demand signal).
-
-        Every waiting request's uncomputed tokens (prefix-cache hits not
-        counted) plus one block per running request (a decode crosses into a
-        new block at most once per step).
-        """
-        bs = self.block_size
-        waiting = sum(cdiv(r.num_tokens - r.num_computed_tokens, bs) for r in self.waiting)
-        return waiting + len(self.running)
-
     def reset_prefix_cache(self) -> bool:
         """Forget all cached blocks; False while any request holds blocks."""
         return self.kv_cache_manager.reset_prefix_cache()
 
-
-_WAITS_IN_BACKGROUND = (RequestStatus.WAITING_FOR_REMOTE_KVS, RequestStatus.WAITING_FOR_FSM)
-
-
-def _check_positive(**values: int) -> None:
-    for name, value in values.items():
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
