@@ -48,7 +48,8 @@ MEMORY = ("vllm.utils.extensible_tensor", "vllm.utils.vmm_reservation")
 # is utils.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("package", ("vllm",)),  # vllm/__init__.py: lazy public names, nothing imports it
-    ("entrypoints", ("vllm.entrypoints", "vllm.benchmarks")),
+    # vllm.reasoning: the chat frontend's reasoning parsers (text in, text out).
+    ("entrypoints", ("vllm.entrypoints", "vllm.benchmarks", "vllm.reasoning")),
     ("engine", ("vllm.engine", "vllm.v1.engine", "vllm.v1.metrics", "vllm.v1.executor")),
     ("worker", WORKER),  # the worker, the model runner, the KV cache object, sizing
     # A KV connector has a scheduler side (it reads the core's requests and

@@ -11,6 +11,7 @@ streamed reply join to the whole reply's calls.
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass, field
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
@@ -78,6 +79,11 @@ class ExtractedToolCallInformation:
     content: str | None = None
 
 
+def random_tool_call_id() -> str:
+    """A tool call's id (vLLM's form: `chatcmpl-tool-<32 hex>`)."""
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
 def arguments_json(arguments: Any) -> str:
     """A call's arguments as the JSON text the API returns (`{}` when none)."""
     return json.dumps({} if arguments is None else arguments, ensure_ascii=False)
@@ -115,7 +121,6 @@ class ToolParser:
     def extract_tool_calls(self, model_output: str) -> ExtractedToolCallInformation:
         """The calls of a whole reply; a reply without a well-formed call is all content."""
         from vllm.entrypoints.openai.protocol import FunctionCall, ToolCall
-        from vllm.entrypoints.openai.tool_parsers.tool_call_stream import random_tool_call_id
 
         content, calls = self.parse(model_output, final=True)
         if not calls:

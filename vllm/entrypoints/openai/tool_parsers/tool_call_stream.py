@@ -12,7 +12,6 @@ and the rest when the call is complete, so the pieces join to exactly the
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
 
 from vllm.entrypoints.openai.protocol import DeltaFunctionCall, DeltaToolCall
@@ -20,13 +19,9 @@ from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     PartialCall,
     ToolParser,
     arguments_json,
+    random_tool_call_id,
 )
 from vllm.entrypoints.openai.tool_parsers.partial_json import settled_prefix
-
-
-def random_tool_call_id() -> str:
-    """A tool call's id (vLLM's form: `chatcmpl-tool-<32 hex>`)."""
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
 @dataclass
