@@ -105,8 +105,9 @@ def _streamed_message(chunks):
                 if call.index not in calls:
                     assert call.id.startswith("chatcmpl-tool-") and call.type == "function"
                     calls[call.index] = {"id": call.id, "name": call.function.name,
-                                         "arguments": ""}
+                                         "arguments": "", "pieces": 0}
                 calls[call.index]["arguments"] += call.function.arguments or ""
+                calls[call.index]["pieces"] += bool(call.function.arguments)
             finish = choice.finish_reason or finish
     return content, list(calls.values()), finish
 
@@ -118,6 +119,7 @@ def test_tools_flow_call_result_answer(client, tool_choice, stream):
     reply = _chat(client, tools=TOOLS, tool_choice=tool_choice, stream=stream)
     if stream:
         content, calls, finish = _streamed_message(reply)
+        assert calls[0]["pieces"] >= 2  # the arguments stream as the model writes them
         tool_calls = [{"id": c["id"], "type": "function",
                        "function": {"name": c["name"], "arguments": c["arguments"]}}
                       for c in calls]

@@ -91,6 +91,18 @@ def test_streamed_deltas_join_to_the_whole_reply(parser, reply, expected):
             (c.function.name, c.function.arguments) for c in whole.tool_calls]
 
 
+def test_arguments_stream_as_they_are_written():
+    """Character by character, a call's arguments arrive in many pieces, not at the end."""
+    reply = CASES[0][1]
+    stream = ToolCallStream(HERMES)
+    pieces = []
+    for i, char in enumerate(reply):
+        _, deltas = stream.feed(char, final=i == len(reply) - 1)
+        pieces += [d.function.arguments for d in deltas if d.function.arguments]
+    assert len(pieces) > 10, pieces
+    assert json.loads("".join(pieces)) == CITY
+
+
 def test_parallel_tool_calls_false_keeps_the_first_call():
     reply = CASES[1][1]
     stream = ToolCallStream(HERMES, max_calls=1)
