@@ -61,6 +61,8 @@ def pytest_configure(config):
 # The slowest modules on a 2-core CPU machine (serial `--durations`, 2026-12-03), slowest
 # first: a parallel run starts them first, so no worker is left with a long one at the end.
 _SLOW_MODULES = [
+    "tests/entrypoints/openai/test_structured_outputs.py",  # 2 x 100 requests over HTTP
+    "tests/v1/structured_output/test_offline.py",  # 100 replies, with and without ngram
     "tests/distributed/kv_transfer/test_nixl_disagg.py",
     "tests/entrypoints/openai/test_errors.py",
     "tests/entrypoints/openai/test_processes.py",

@@ -48,7 +48,8 @@ MEMORY = ("vllm.utils.extensible_tensor", "vllm.utils.vmm_reservation")
 # is utils.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("package", ("vllm",)),  # vllm/__init__.py: lazy public names, nothing imports it
-    ("entrypoints", ("vllm.entrypoints", "vllm.benchmarks")),
+    # vllm.reasoning: the chat frontend's reasoning parsers (text in, text out).
+    ("entrypoints", ("vllm.entrypoints", "vllm.benchmarks", "vllm.reasoning")),
     ("engine", ("vllm.engine", "vllm.v1.engine", "vllm.v1.metrics", "vllm.v1.executor")),
     ("worker", WORKER),  # the worker, the model runner, the KV cache object, sizing
     # A KV connector has a scheduler side (it reads the core's requests and
@@ -66,6 +67,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("memory", MEMORY),  # reservations: ExtensibleTensor and what it stands on
     ("allocator", ("vllm.device_allocator", "vllm.platforms", "vllm.distributed")),
     ("utils", ("vllm.utils",)),  # generic helpers: dlpack, argparse, byte ranges
+    # Structured outputs' constraint -> grammar -> compile (xgrammar): the frontend
+    # validates with it, the engine compiles with it, the worker holds its grammars.
+    ("structured_output", ("vllm.v1.structured_output",)),
     # Shared leaves: torch-free types and helpers every layer may use.
     ("foundation", (
         "vllm.envs", "vllm.logger", "vllm.version", "vllm.exceptions", "vllm.inputs",

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import copy
 import enum
+import json as json_module
 import math
 from dataclasses import dataclass, field
+from dataclasses import fields as dataclass_fields
 from typing import Any
 
 from vllm.exceptions import VLLMValidationError
@@ -33,6 +35,98 @@ MAX_LOGPROBS = 20
 _MAX_ABS_LOGIT_BIAS = 100.0
 # torch.Generator.manual_seed accepts exactly this range.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+
+
+# The kinds of constraint one StructuredOutputsParams holds (exactly one is set).
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on a request's output (vLLM's `StructuredOutputsParams`).
+
+    Exactly one of the constraint fields is set. The backend (xgrammar) turns
+    it into a grammar; each sampled token must keep the output a prefix of a
+    string the grammar accepts, and EOS is allowed only where the grammar may
+    end. Whether the constraint compiles is checked before the request reaches
+    the engine (`vllm.v1.structured_output.validate_structured_outputs`).
+
+    Attributes:
+        json: a JSON schema (dict or JSON string): the output is one JSON value
+            that validates against it.
+        regex: the output matches this regular expression (xgrammar's syntax).
+        choice: the output is exactly one of these strings.
+        grammar: an EBNF grammar (xgrammar's / GBNF syntax, start rule `root`).
+        json_object: True: the output is any JSON object.
+        structural_tag: xgrammar's structural tag, as a JSON string or dict.
+        disable_any_whitespace: JSON without optional whitespace (compact).
+        disable_additional_properties: treat every object of the schema as
+            `"additionalProperties": false` unless it says otherwise.
+        whitespace_pattern: accepted for vLLM's signature; xgrammar takes no
+            pattern, so only None is allowed.
+
+    Raises:
+        VLLMValidationError: none or several constraints, or a field of the wrong type.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        set_kinds = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
+        if len(set_kinds) != 1:
+            raise VLLMValidationError(
+                f"structured_outputs needs exactly one of {list(STRUCTURED_OUTPUT_KINDS)}, "
+                f"got {set_kinds or 'none'}", parameter="structured_outputs")
+        kind = set_kinds[0]
+        value = getattr(self, kind)
+        allowed = {"json": (str, dict), "regex": (str,), "choice": (list,), "grammar": (str,),
+                   "json_object": (bool,), "structural_tag": (str, dict)}[kind]
+        if not isinstance(value, allowed) or (kind == "choice" and not (
+                value and all(isinstance(c, str) for c in value))):
+            what = "a non-empty list of strings" if kind == "choice" else " or ".join(
+                t.__name__ for t in allowed)
+            raise VLLMValidationError(f"structured_outputs.{kind} must be {what}, got "
+                                      f"{value!r:.80}", parameter=kind, value=value)
+        if self.whitespace_pattern is not None:
+            raise VLLMValidationError(
+                "whitespace_pattern is not supported by the xgrammar backend; use "
+                "disable_any_whitespace", parameter="whitespace_pattern")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], parameter: str = "structured_outputs"
+                  ) -> StructuredOutputsParams:
+        """Build from a dict of its fields (an HTTP body's `structured_outputs`).
+
+        Raises:
+            VLLMValidationError (`parameter`): an unknown key or a bad value.
+        """
+        known = {f.name for f in dataclass_fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise VLLMValidationError(f"{parameter} has unknown keys {unknown}; known: "
+                                      f"{sorted(known)}", parameter=parameter)
+        return cls(**values)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: one of `STRUCTURED_OUTPUT_KINDS`."""
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple:
+        """A hashable key that is equal for constraints that compile to the same grammar."""
+        value = getattr(self, self.kind)
+        if isinstance(value, dict | list):
+            value = json_module.dumps(value, sort_keys=True)
+        return (self.kind, value, self.disable_any_whitespace,
+                self.disable_additional_properties)
 
 
 class SamplingType(enum.IntEnum):
@@ -121,6 +215,19 @@ class SamplingParams:
             extra candidates either and refuses more).
         logits_processors: accepted for vLLM's signature; None or empty only
             (per-request Python logits processors are not supported, as in vLLM V1).
+        structured_outputs: a `StructuredOutputsParams` (or a dict of its
+            fields) constraining the output to a JSON schema, regex, choice or
+            grammar; None = unconstrained.
+        allowed_token_ids: only these token ids may be sampled (a non-empty
+            list); None = all.
+        bad_words: words never generated: each word's tokens (with and without
+            a leading space, as vLLM tokenizes them; filled by
+            `update_from_tokenizer`) may not complete in the output: a one-token
+            word is always masked, the last token of a longer one is masked
+            after its other tokens.
+        truncate_prompt_tokens: keep only the last k prompt tokens (k >= 1; -1 =
+            max_model_len, vLLM's meaning); applied by the engine's Processor
+            before the length checks.
 
     Raises:
         ValueError: a field outside its range (message names the field and range).
@@ -150,12 +257,19 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     best_of: int | None = None
     logits_processors: list[Any] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
     # Arbitrary per-request data for engine extensions (vLLM's `extra_args`); a KV
     # connector reads `extra_args["kv_transfer_params"]`.
     extra_args: dict[str, Any] | None = None
     # stop_token_ids plus the model's EOS ids (filled by
     # `update_from_generation_config`); masked by the sampler until min_tokens.
     _all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False)
+    # bad_words as token id sequences (`update_from_tokenizer`).
+    _bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False,
+                                                  repr=False)
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
@@ -172,6 +286,8 @@ class SamplingParams:
                 f"extra_args must be a dict, got {type(self.extra_args).__name__}",
                 parameter="extra_args",
             )
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self._verify_args()
         self._all_stop_token_ids = set(self.stop_token_ids)
         if self.temperature < _SAMPLING_EPS:
@@ -245,11 +361,31 @@ class SamplingParams:
             raise VLLMValidationError(
                 "logits_processors: per-request logits processors are not supported",
                 parameter="logits_processors")
+        self._verify_constraints()
         if self.logit_bias is not None:
             for tok, bias in self.logit_bias.items():
                 _check(_is_int(tok) and tok >= 0, "logit_bias", "keyed by token ids >= 0", tok)
                 _check(_is_number(bias) and abs(bias) <= _MAX_ABS_LOGIT_BIAS, "logit_bias",
                        f"valued in [-{_MAX_ABS_LOGIT_BIAS:g}, {_MAX_ABS_LOGIT_BIAS:g}]", bias)
+
+    def _verify_constraints(self) -> None:
+        """structured_outputs, allowed_token_ids, bad_words, truncate_prompt_tokens."""
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            raise VLLMValidationError(
+                "structured_outputs must be a StructuredOutputsParams or a dict of its fields, "
+                f"got {type(self.structured_outputs).__name__}", parameter="structured_outputs")
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            _check(isinstance(ids, list) and bool(ids) and all(_is_int(t) and t >= 0 for t in ids),
+                   "allowed_token_ids", "a non-empty list of token ids >= 0", ids)
+        if self.bad_words is not None:
+            _check(isinstance(self.bad_words, list) and all(
+                isinstance(w, str) and w.strip() for w in self.bad_words),
+                "bad_words", "a list of non-blank strings", self.bad_words)
+        t = self.truncate_prompt_tokens
+        _check(t is None or (_is_int(t) and (t == -1 or t >= 1)), "truncate_prompt_tokens",
+               "None, -1 (max_model_len) or an int >= 1", t)
 
     @property
     def sampling_type(self) -> SamplingType:
@@ -263,6 +399,24 @@ class SamplingParams:
     def all_stop_token_ids(self) -> set[int]:
         """`stop_token_ids` plus the model's EOS ids once `update_from_generation_config` ran."""
         return self._all_stop_token_ids
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]]:
+        """`bad_words` as token id sequences once `update_from_tokenizer` ran."""
+        return self._bad_words_token_ids
+
+    def update_from_tokenizer(self, tokenizer: Any) -> None:
+        """Tokenize `bad_words` (vLLM's rule): each word as written (leading space
+        stripped) and, where it tokenizes to as many tokens but a different first one,
+        with a leading space, since a word mid-sentence carries the space."""
+        self._bad_words_token_ids = []
+        for word in self.bad_words or ():
+            plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if plain:
+                self._bad_words_token_ids.append(plain)
+            if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+                self._bad_words_token_ids.append(spaced)
 
     @property
     def output_text_buffer_length(self) -> int:
@@ -296,8 +450,15 @@ class SamplingParams:
         """Check that token ids given by the user exist in the model's vocabulary.
 
         Raises:
-            ValueError: a `logit_bias` key >= vocab_size (it would index past the logits).
+            ValueError: a `logit_bias` key or an `allowed_token_ids` id >= vocab_size
+                (it would index past the logits).
         """
+        if self.allowed_token_ids:
+            bad = sorted(t for t in self.allowed_token_ids if t >= vocab_size)
+            if bad:
+                raise VLLMValidationError(
+                    f"allowed_token_ids has token ids {bad} outside the vocabulary "
+                    f"(vocab_size {vocab_size})", parameter="allowed_token_ids")
         if self.logit_bias:
             bad = sorted(t for t in self.logit_bias if t >= vocab_size)
             if bad:

@@ -69,6 +69,12 @@ def test_no_forms():
         (["--kv-transfer-config", "{bad"], "not valid JSON"),
         (["--kv-transfer-config", '{"kv_rank": 0}'], "unknown keys ['kv_rank']"),
         (["-O", '{"level": 3}'], "unknown keys ['level']"),
+        (["--structured-outputs-config", '{"backend": "guidance"}'],
+         "backend 'guidance' is not available in this engine; use one of ['auto', 'xgrammar']"),
+        (["--structured-outputs-config", '{"backend": "nope"}'], "backend 'nope' is unknown"),
+        (["--structured-outputs-config", '{"reasoning": 1}'], "unknown keys ['reasoning']"),
+        (["--structured-outputs-config", '{"disable_any_whitespace": 1}'],
+         "disable_any_whitespace must be a bool"),
     ],
 )
 def test_bad_values_rejected_with_reason(argv, message):
@@ -164,3 +170,11 @@ def test_compilation_config_dict_and_enforce_eager(tiny_model):
     assert cfg.compilation_config.cudagraph_capture_sizes == [2, 16]
     with pytest.raises(ValueError, match=r"unknown keys \['mode'\]"):
         EngineArgs(model=tiny_model, compilation_config={"mode": 3}).create_engine_config()
+
+
+def test_structured_outputs_config_flag():
+    args = parse(["--structured-outputs-config",
+                  '{"backend": "xgrammar", "disable_any_whitespace": true}'])
+    config = args.structured_outputs_config
+    assert (config.backend, config.disable_any_whitespace) == ("xgrammar", True)
+    assert parse([]).structured_outputs_config is None  # the default: auto, whitespace allowed

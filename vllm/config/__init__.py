@@ -11,6 +11,7 @@ from vllm.config.model import ModelConfig
 from vllm.config.parallel import ParallelConfig
 from vllm.config.scheduler import SchedulerConfig
 from vllm.config.speculative import SpeculativeConfig
+from vllm.config.structured_outputs import StructuredOutputsConfig
 from vllm.config.vllm import VllmConfig
 
 __all__ = [
@@ -22,5 +23,6 @@ __all__ = [
     "ParallelConfig",
     "SchedulerConfig",
     "SpeculativeConfig",
+    "StructuredOutputsConfig",
     "VllmConfig",
 ]

@@ -36,6 +36,7 @@ from vllm.config.model import ModelConfig
 from vllm.config.parallel import ParallelConfig
 from vllm.config.scheduler import SchedulerConfig
 from vllm.config.speculative import SpeculativeConfig
+from vllm.config.structured_outputs import StructuredOutputsConfig
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -57,6 +58,8 @@ class VllmConfig(FrozenConfig):
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     kv_transfer_config: KVTransferConfig | None = None
     speculative_config: SpeculativeConfig | None = None
+    structured_outputs_config: StructuredOutputsConfig = field(
+        default_factory=StructuredOutputsConfig)
 
     def __post_init__(self) -> None:
         from vllm import platforms

@@ -33,6 +33,7 @@ from vllm.config import (
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    StructuredOutputsConfig,
     VllmConfig,
 )
 from vllm.config.model import DTYPE_CHOICES, LOAD_FORMAT_CHOICES
@@ -149,6 +150,7 @@ class EngineArgs:
     worker_cls: str = DEFAULT_WORKER_CLS
     kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
+    structured_outputs_config: StructuredOutputsConfig | dict[str, Any] | str | None = None
     disable_log_stats: bool = False
     generation_config: str = "auto"
     max_logprobs: int = 20
@@ -281,6 +283,8 @@ class EngineArgs:
             compilation_config=self._compilation_config(),
             kv_transfer_config=self._kv_transfer_config(),
             speculative_config=SpeculativeConfig.coerce(self.speculative_config),
+            structured_outputs_config=StructuredOutputsConfig.coerce(
+                self.structured_outputs_config),
         )
 
     def _compilation_config(self) -> CompilationConfig:
@@ -448,6 +452,11 @@ def _add_feature_args(g: argparse._ArgumentGroup) -> None:
                          help_text='Speculative decoding as JSON (vLLM\'s keys): \'{"method": '
                                    '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": '
                                    '5, "prompt_lookup_min": 2}\' (default: none).')
+    _add_json_config_arg(g, "--structured-outputs-config",
+                         parse=StructuredOutputsConfig.coerce,
+                         help_text='Structured outputs as JSON (vLLM\'s keys): \'{"backend": '
+                                   '"xgrammar", "disable_any_whitespace": false}\' (backends: '
+                                   'auto = xgrammar; default: xgrammar, whitespace allowed).')
     g.add_argument("--disable-log-stats", action="store_true", default=d.disable_log_stats,
                    help="Do not log engine statistics periodically (default: log every 10 s).")
 

@@ -98,8 +98,15 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to conversations through the model's chat template."""
+        """Generate replies to conversations through the model's chat template.
+
+        `tools` (OpenAI function definitions) and `chat_template_kwargs` (e.g.
+        `{"enable_thinking": False}`) are variables of the template; the raw text
+        comes back (no tool-call or reasoning parsing: that is the server's).
+        """
         conversations = (
             [messages] if messages and isinstance(messages[0], dict) else list(messages)
         )
@@ -109,6 +116,8 @@ class LLM:
                 chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
+                tools=tools,
+                chat_template_kwargs=chat_template_kwargs,
             )
             for conv in conversations
         ]
@@ -121,6 +130,8 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> dict:
         """A conversation as a prompt dict (text + token ids) via the chat template."""
         from vllm.transformers_utils.chat_templates import apply_chat_template
@@ -131,6 +142,8 @@ class LLM:
             chat_template=chat_template,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
         )
 
     # ------------------------------------------------------------------ sleep

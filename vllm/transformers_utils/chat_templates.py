@@ -12,6 +12,7 @@ a type error while it runs). The server answers both with HTTP 400.
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any
 
 from vllm.exceptions import VLLMValidationError
@@ -73,6 +74,67 @@ def _normalise_content(message: dict[str, Any], index: int) -> dict[str, Any]:
     return {**message, "content": "".join(texts)}
 
 
+# Names `apply_chat_template` itself reads (or that would change what it returns): a
+# template variable of one of these names cannot come from `chat_template_kwargs`.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation",
+    "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+})
+
+
+def check_chat_template_kwargs(
+    kwargs: dict[str, Any] | None, parameter: str = "chat_template_kwargs"
+) -> dict[str, Any]:
+    """Extra template variables, checked: a dict of str keys, none of them one that
+    `apply_chat_template` reads itself (`RESERVED_TEMPLATE_KWARGS`; the request's own
+    fields set those). Returns a copy ({} for None).
+
+    Raises:
+        VLLMValidationError: not a dict, or a reserved key (`parameter` names it:
+            "chat_template_kwargs.tokenize").
+    """
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise VLLMValidationError(f"{parameter} must be an object, got {_type_name(kwargs)}",
+                                  parameter=parameter)
+    for key in kwargs:
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise VLLMValidationError(
+                f"{parameter} must not set {key!r}: it is set by the request itself",
+                parameter=f"{parameter}.{key}")
+    return dict(kwargs)
+
+
+def _parse_tool_call_arguments(message: dict[str, Any], index: int) -> dict[str, Any]:
+    """An assistant message's `tool_calls[*].function.arguments` JSON text -> its object,
+    as chat templates (Qwen, Llama 3, Hermes) expect it (`arguments | tojson`).
+
+    Raises:
+        VLLMValidationError: arguments that are a string but not JSON; `parameter`
+            names them ("messages.1.tool_calls.0.function.arguments").
+    """
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list):
+        return message
+    parsed = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if isinstance(arguments, str):
+            where = f"messages.{index}.tool_calls.{j}.function.arguments"
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError as e:
+                raise VLLMValidationError(f"{where} must be JSON text: {e}",
+                                          parameter=where) from None
+            call = {**call, "function": {**function, "arguments": arguments}}
+        parsed.append(call)
+    return {**message, "tool_calls": parsed}
+
+
 def _template_errors() -> tuple[type[BaseException], ...]:
     from jinja2 import TemplateError
 
@@ -86,6 +148,8 @@ def apply_chat_template(
     chat_template: str | None = None,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    tools: list[dict[str, Any]] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Render a conversation and encode it: {"prompt": text, "prompt_token_ids": ids}.
 
@@ -95,6 +159,7 @@ def apply_chat_template(
     text = render_chat_template(
         tokenizer, conversation, chat_template=chat_template,
         add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+        tools=tools, chat_template_kwargs=chat_template_kwargs,
     )
     return {"prompt": text, "prompt_token_ids": encode_rendered_chat(tokenizer, text)}
 
@@ -111,12 +176,21 @@ def render_chat_template(
     chat_template: str | None = None,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
+    tools: list[dict[str, Any]] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> str:
     """The conversation through the chat template, as text (nothing is tokenized).
 
     Pure Python over the tokenizer's Python-side attributes (the template and
     the special tokens' strings): safe to run on several threads at once, also
     while another thread encodes with the same tokenizer.
+
+    Args:
+        tools: the request's tool definitions (OpenAI's `{"type": "function",
+            "function": {...}}` objects), the template's `tools` variable.
+        chat_template_kwargs: more variables for the template (vLLM's request
+            field, e.g. Qwen3's `{"enable_thinking": false}`); see
+            `check_chat_template_kwargs`.
 
     Raises:
         VLLMValidationError: an empty conversation or a malformed message
@@ -125,6 +199,7 @@ def render_chat_template(
         ChatTemplateError (a VLLMValidationError): the template failed to render.
         ValueError: no chat template.
     """
+    kwargs = check_chat_template_kwargs(chat_template_kwargs)
     if not conversation:
         raise VLLMValidationError("messages must not be empty", parameter="messages")
     for i, message in enumerate(conversation):
@@ -139,14 +214,17 @@ def render_chat_template(
         raise ValueError(
             "the model has no chat template; pass chat_template or use completions"
         )
-    messages = [_normalise_content(m, i) for i, m in enumerate(conversation)]
+    messages = [_parse_tool_call_arguments(_normalise_content(m, i), i)
+                for i, m in enumerate(conversation)]
     try:
         text = tokenizer.apply_chat_template(
             messages,
             chat_template=chat_template,
             add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message,
+            tools=tools or None,
             tokenize=False,
+            **kwargs,
         )
     except _template_errors() as e:
         raise ChatTemplateError(f"the chat template failed to render: {e}") from e

@@ -21,6 +21,10 @@ class RequestStatus(enum.IntEnum):
     # background (vLLM's state of the same name); it keeps its place in the waiting
     # queue and is scheduled once the load is reported done.
     WAITING_FOR_REMOTE_KVS = enum.auto()
+    # Its structured-output grammar compiles in the background (vLLM's state of the
+    # same name); it keeps its place in the waiting queue, holds no blocks, and is
+    # scheduled once the grammar is ready (v1/core/sched/structured_outputs.py).
+    WAITING_FOR_FSM = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Finished states, ordered after every unfinished one (see is_finished).
@@ -35,6 +39,11 @@ class RequestStatus(enum.IntEnum):
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
         return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def waits_in_background(status: RequestStatus) -> bool:
+        """Waiting for background work (a KV load, a grammar compile): not schedulable yet."""
+        return status in (RequestStatus.WAITING_FOR_REMOTE_KVS, RequestStatus.WAITING_FOR_FSM)
 
     @staticmethod
     def get_finished_reason(status: RequestStatus) -> FinishReason | None:
@@ -112,6 +121,8 @@ class Request:
             scheduler has not seen yet (async scheduling: the step that samples
             them is still running); 0 with synchronous scheduling.
         stop_reason: the stop token id (or, set by the engine, stop string) that matched.
+        grammar: the compiled grammar of a structured-output request once its
+            compile finished (a `vllm.v1.structured_output.CompiledGrammar`), else None.
     """
 
     def __init__(
@@ -148,6 +159,7 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.spec_token_ids: list[int] = []
         self.num_output_placeholders = 0
+        self.grammar: Any = None
 
     @property
     def num_tokens(self) -> int:

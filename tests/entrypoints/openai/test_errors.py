@@ -76,29 +76,53 @@ BAD_REQUESTS = [
     ("chat/completions", {"messages": "hi"}, 400, "messages"),
     ("chat/completions", {"messages": [{"content": "no role"}]}, 400, "messages.0.role"),
     ("chat/completions", {"model": "no-such-model"}, 404, "model"),
-    # Structured outputs and tools are not implemented: refused naming the field, never a
-    # 200 that ignores the constraint (issue 16).
+    # A structured-output constraint xgrammar cannot compile (or a malformed field) is a
+    # 400 naming the field the client sent, decided before the engine (issue 47).
     *[(endpoint, {name: value}, 400, name)
       for endpoint in ("completions", "chat/completions")
-      for name, value in [("guided_json", {"type": "object"}), ("guided_regex", "[a-z]+"),
-                          ("guided_choice", ["yes", "no"]), ("guided_grammar", "root ::= x"),
-                          ("structured_outputs", {"choice": ["a", "b"]}),
-                          ("response_format", {"type": "json_object"}),
-                          ("response_format", {"type": "json_schema", "json_schema": {}})]],
+      for name, value in [("guided_json", {"type": "foo"}), ("guided_regex", "(abc"),
+                          ("guided_choice", []), ("guided_grammar", "root ::= undefined_rule"),
+                          ("structured_outputs", {"json": '{"type": '}),
+                          ("structured_outputs", {"choice": ["a"], "regex": "a"}),
+                          ("structured_outputs", {"no_such_key": 1}),
+                          ("structured_outputs", "json"),
+                          ("response_format", {"type": "json_schema", "json_schema": {}}),
+                          ("response_format", {"type": "json_schema", "json_schema": {
+                              "name": "x", "schema": {"type": "object", "minProperties": "x"}}}),
+                          ("response_format", {"type": "xml"})]],
+    ("completions", {"guided_regex": "a+", "guided_decoding_backend": "outlines"}, 400,
+     "guided_decoding_backend"),
+    ("completions", {"guided_regex": "a+", "guided_whitespace_pattern": " "}, 400,
+     "guided_whitespace_pattern"),
+    ("completions", {"guided_whitespace_pattern": " "}, 400, "guided_whitespace_pattern"),
+    ("chat/completions", {"response_format": {"type": "json_object"}, "guided_regex": "a+"},
+     400, "guided_regex"),
+    # Tools without --enable-auto-tool-choice: the default choice "auto" is refused, as
+    # vLLM refuses it; malformed tools name their field.
     ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
-     "tools"),
+     "tool_choice"),
+    ("chat/completions", {"tools": [{"type": "function"}], "tool_choice": "none"}, 400,
+     "tools.0.function"),
+    ("chat/completions", {"tool_choice": "required"}, 400, "tool_choice"),
+    ("chat/completions", {"functions": [{"name": "f"}]}, 400, "functions"),
     # vLLM's other request extras that are not implemented: refused when they ask for
     # something (a 200 would have ignored them).
     *[(endpoint, {name: value}, 400, name)
       for endpoint in ("completions", "chat/completions")
-      for name, value in [("allowed_token_ids", [28]), ("bad_words", [" Paris"]),
-                          ("use_beam_search", True), ("length_penalty", 0.5),
-                          ("truncate_prompt_tokens", 100), ("priority", 1),
-                          ("logits_processors", ["x"]), ("return_tokens_as_token_ids", True),
+      for name, value in [("use_beam_search", True), ("length_penalty", 0.5), ("priority", 1),
+                          ("logits_processors", ["x"]), ("return_tokens_as_token_ids", "yes"),
                           ("vllm_xargs", {"a": 1})]],
-    ("chat/completions", {"chat_template_kwargs": {"enable_thinking": False}}, 400,
-     "chat_template_kwargs"),
+    # The sampler-side extras (issue 47): bad values are refused naming the field.
+    *[(endpoint, {name: value}, 400, name)
+      for endpoint in ("completions", "chat/completions")
+      for name, value in [("allowed_token_ids", []), ("allowed_token_ids", [10**9]),
+                          ("bad_words", [" "]),
+                          ("bad_words", "Paris"), ("truncate_prompt_tokens", 0),
+                          ("truncate_prompt_tokens", -2)]],
+    ("completions", {"allowed_token_ids": ["a"]}, 400, "allowed_token_ids.0"),  # the type
     ("chat/completions", {"chat_template_kwargs": 5}, 400, "chat_template_kwargs"),
+    ("chat/completions", {"chat_template_kwargs": {"tokenize": True}}, 400,
+     "chat_template_kwargs.tokenize"),
     ("chat/completions", {"mm_processor_kwargs": {"a": 1}}, 400, "mm_processor_kwargs"),
     ("chat/completions", {"documents": [{"text": "d"}]}, 400, "documents"),
     ("completions", {"prompt_logprobs": 2, "stream": True}, 400, "prompt_logprobs"),

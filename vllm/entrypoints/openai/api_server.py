@@ -43,6 +43,7 @@ from vllm.entrypoints.openai.cli_args import (
     DEFAULT_SHUTDOWN_TIMEOUT_S,
     bind_socket,
     load_chat_template,
+    parse_chat_template_kwargs,
 )
 from vllm.entrypoints.openai.errors import APIError, error_from_exception
 from vllm.entrypoints.openai.metrics import (
@@ -96,7 +97,8 @@ def build_app(engine_client: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     """The FastAPI app over `engine_client` (which it feeds a Prometheus logger).
 
     `args` is the `vllm serve` namespace; read here: served_model_name, model,
-    api_key, chat_template (all optional).
+    api_key, chat_template, default_chat_template_kwargs, reasoning_parser,
+    tool_call_parser, enable_auto_tool_choice, return_tokens_as_token_ids (all optional).
     """
     models = ServedModels(served_model_names(args), root=engine_client.model_config.model,
                           max_model_len=engine_client.max_model_len)
@@ -116,7 +118,7 @@ def build_app(engine_client: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     api_key = getattr(args, "api_key", None)
     if api_key:
         app.add_middleware(_APIKeyMiddleware, api_key=api_key)
-    _add_openai_routes(app, engine_client, models, chat_template)
+    _add_openai_routes(app, engine_client, models, chat_template, args)
     _add_server_routes(app, engine_client, metrics)
     if engine_client.vllm_config.cache_config.enable_sleep_mode:
         _add_sleep_routes(app, engine_client)
@@ -126,15 +128,29 @@ def build_app(engine_client: AsyncLLM, args: argparse.Namespace) -> FastAPI:
 
 
 def _add_openai_routes(
-    app: FastAPI, engine_client: AsyncLLM, models: ServedModels, chat_template: str | None
+    app: FastAPI, engine_client: AsyncLLM, models: ServedModels, chat_template: str | None,
+    args: argparse.Namespace,
 ) -> None:
-    completion = OpenAIServingCompletion(engine_client, models)
-    chat = OpenAIServingChat(engine_client, models, chat_template)
+    as_ids = bool(getattr(args, "return_tokens_as_token_ids", False))
+    completion = OpenAIServingCompletion(engine_client, models,
+                                         return_tokens_as_token_ids=as_ids)
+    template_kwargs = parse_chat_template_kwargs(
+        getattr(args, "default_chat_template_kwargs", None))
+    chat = OpenAIServingChat(engine_client, models, chat_template,
+                             default_chat_template_kwargs=template_kwargs,
+                             reasoning_parser=getattr(args, "reasoning_parser", None),
+                             tool_parser=getattr(args, "tool_call_parser", None),
+                             enable_auto_tools=getattr(args, "enable_auto_tool_choice", False),
+                             return_tokens_as_token_ids=as_ids)
+    if chat.tool_parser_cls is not None and not chat.enable_auto_tools:
+        logger.warning("--tool-call-parser %s reads nothing without --enable-auto-tool-choice: "
+                       "tool_choice 'auto' is refused", args.tool_call_parser)
     if chat.default_sampling_params:
         logger.info("Using default sampling params from the model's generation config (a "
                     "request's own values override them; --generation-config vllm drops "
                     "them): %s", chat.default_sampling_params)
-    tokenization = OpenAIServingTokenization(engine_client, models, chat_template)
+    tokenization = OpenAIServingTokenization(engine_client, models, chat_template,
+                                             template_kwargs)
 
     @app.get("/v1/models")
     async def show_models() -> JSONResponse:

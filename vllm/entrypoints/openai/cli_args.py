@@ -9,11 +9,14 @@ bad flag or a taken port fails in a fraction of a second.
 from __future__ import annotations
 
 import argparse
+import json
 import socket
 from pathlib import Path
 
 from vllm import envs
 from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import ToolParserManager
+from vllm.reasoning import ReasoningParserManager
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 DEFAULT_PORT = 8000
@@ -43,6 +46,26 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--chat-template", type=str, default=None,
                    help="Chat template (a file or an inline Jinja string) replacing the model's "
                         "(default: the model's own).")
+    g.add_argument("--default-chat-template-kwargs", type=str, default=None, metavar="JSON",
+                   help="Chat template variables for every chat request, a JSON object (e.g. "
+                        "'{\"enable_thinking\": false}'); a request's chat_template_kwargs win "
+                        "key by key (default: none).")
+    g.add_argument("--reasoning-parser", type=str, default=None, metavar="NAME",
+                   help="Split chat replies into reasoning_content and content: "
+                        f"{', '.join(ReasoningParserManager.names())} (default: none; the "
+                        "reasoning stays in content).")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="Serve tool_choice 'auto' (also the default when a request has tools): "
+                        "the model's tool calls are read by --tool-call-parser (default: off; "
+                        "such requests get 400; 'required' and named choices work either way).")
+    g.add_argument("--tool-call-parser", type=str, default=None, metavar="NAME",
+                   help="The format of the model's tool calls: "
+                        f"{', '.join(ToolParserManager.names())} (hermes: Qwen2.5/Qwen3, "
+                        "Hermes; llama3_json: Llama 3.x JSON calls; default: none).")
+    g.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="Name tokens 'token_id:N' in logprobs (completions and chat) unless a "
+                        "request's return_tokens_as_token_ids says otherwise (default: off; "
+                        "tokens are named by their text).")
     g.add_argument("--shutdown-timeout", type=int, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                    help="Seconds in-flight requests get to finish after SIGTERM/SIGINT; then "
                         "they fail with 503 (a stream gets an error event and [DONE]) and the "
@@ -72,7 +95,10 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
     Raises:
         ValueError: MODEL and --model disagree, the port is out of range, a
             `VLLM_*` variable is malformed (vllm/envs.py), or the chat template is
-            neither a file nor a template.
+            neither a file nor a template, --default-chat-template-kwargs is not a
+            JSON object of template variables, --reasoning-parser or
+            --tool-call-parser names no parser, or --enable-auto-tool-choice comes
+            without --tool-call-parser.
     """
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
@@ -92,6 +118,19 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
     check_ssl_files(args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs)
     if args.root_path is not None and not args.root_path.startswith("/"):
         raise ValueError(f"--root-path must start with '/', got {args.root_path!r}")
+    args.default_chat_template_kwargs = parse_chat_template_kwargs(
+        args.default_chat_template_kwargs)
+    if args.reasoning_parser is not None and (
+            args.reasoning_parser not in ReasoningParserManager.names()):
+        raise ValueError(f"--reasoning-parser {args.reasoning_parser!r} is not one of "
+                         f"{', '.join(ReasoningParserManager.names())}")
+    if args.tool_call_parser is not None and (
+            args.tool_call_parser not in ToolParserManager.names()):
+        raise ValueError(f"--tool-call-parser {args.tool_call_parser!r} is not one of "
+                         f"{', '.join(ToolParserManager.names())}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser (one of "
+                         f"{', '.join(ToolParserManager.names())})")
 
 
 def check_ssl_files(keyfile: str | None, certfile: str | None, ca_certs: str | None) -> None:
@@ -124,6 +163,27 @@ def check_ssl_files(keyfile: str | None, certfile: str | None, ca_certs: str | N
     except (ssl.SSLError, OSError) as e:
         raise ValueError(f"HTTPS: --ssl-keyfile {keyfile!r} and --ssl-certfile {certfile!r} "
                          f"cannot be loaded together: {e}") from None
+
+
+def parse_chat_template_kwargs(value: str | dict | None) -> dict | None:
+    """`--default-chat-template-kwargs`: a JSON object of template variables.
+
+    Raises:
+        ValueError: not JSON, not an object, or a key the request sets itself
+            (`tokenize`, `tools`, ...: `chat_templates.RESERVED_TEMPLATE_KWARGS`).
+    """
+    from vllm.transformers_utils.chat_templates import check_chat_template_kwargs
+
+    if value is None or isinstance(value, dict):  # already parsed (build_app after validate)
+        parsed = value
+    else:
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--default-chat-template-kwargs is not valid JSON: {e}") from e
+    if parsed is None:
+        return None
+    return check_chat_template_kwargs(parsed, "--default-chat-template-kwargs")
 
 
 def load_chat_template(value: str | None) -> str | None:

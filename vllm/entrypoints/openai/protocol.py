@@ -134,8 +134,13 @@ class SamplingFields(OpenAIRequest):
     skip_special_tokens: bool | None = True
     spaces_between_special_tokens: bool | None = True
     prompt_logprobs: int | None = None  # vLLM's: per prompt token; -1 = whole vocabulary
-    # vLLM's structured-output fields: declared so they are refused with HTTP 400
-    # (never accepted and ignored); see serving_engine.reject_unsupported_fields.
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # never generated (as vLLM tokenizes them)
+    truncate_prompt_tokens: int | None = None  # keep the last k prompt tokens (-1: max len)
+    # vLLM's: logprobs name tokens "token_id:N" (default: --return-tokens-as-token-ids)
+    return_tokens_as_token_ids: bool | None = None
+    # vLLM's structured-output fields (one kind per request), parsed and checked by
+    # structured_outputs.structured_outputs_from_request.
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
@@ -149,11 +154,7 @@ class SamplingFields(OpenAIRequest):
     # instead of being ignored.
     use_beam_search: Any = None
     length_penalty: Any = None
-    allowed_token_ids: Any = None
-    bad_words: Any = None
-    truncate_prompt_tokens: Any = None
     logits_processors: Any = None
-    return_tokens_as_token_ids: Any = None
     priority: Any = None
     vllm_xargs: Any = None
     # KV transfer (disaggregated prefill): passed to the KV connector as
@@ -251,15 +252,30 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     chat_template: str | None = None
+    # More variables for the chat template (e.g. {"enable_thinking": false}); they win
+    # over the server's --default-chat-template-kwargs.
+    chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's chat extras not implemented here: refused when set (see SamplingFields).
-    chat_template_kwargs: Any = None
     mm_processor_kwargs: Any = None
     documents: Any = None
+
+
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessageOut(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser: the reply's reasoning
+    tool_calls: list[ToolCall] = Field(default_factory=list)  # [] when none, as vLLM's
 
 
 class ChatCompletionLogProb(OpenAIBaseModel):
@@ -295,15 +311,35 @@ class ChatCompletionResponse(OpenAIBaseModel):
     kv_transfer_params: dict[str, Any] | None = None  # from the KV connector, when it has any
 
 
-class DeltaMessage(OpenAIBaseModel):
-    """A stream delta; unset fields are left out (`{"content": "x"}`, not `"role": null`)."""
-
-    role: str | None = None
-    content: str | None = None
+class _DropNone(OpenAIBaseModel):
+    """Serialised without its None fields (stream deltas send only what they carry)."""
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler):
         return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_DropNone):
+    name: str | None = None  # in a call's first delta only
+    arguments: str | None = None  # the next piece of the arguments' JSON text
+
+
+class DeltaToolCall(_DropNone):
+    """A piece of the tool call at `index`: its first delta carries id, type and name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
+class DeltaMessage(_DropNone):
+    """A stream delta; unset fields are left out (`{"content": "x"}`, not `"role": null`)."""
+
+    role: str | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
@@ -334,6 +370,8 @@ class TokenizeRequest(OpenAIRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
     return_token_strs: bool | None = False
 
 

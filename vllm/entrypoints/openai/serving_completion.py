@@ -28,6 +28,7 @@ from vllm.entrypoints.openai.serving_engine import (
     build_sampling_params,
     clamp_logprob,
     final_outputs,
+    logprob_token,
     merge_async_iterators,
     prompt_logprobs_json,
     random_id,
@@ -48,19 +49,21 @@ if TYPE_CHECKING:
 
 def completion_logprobs(
     token_ids: list[int], logprobs: SampleLogprobs | PromptLogprobs, text_offset: int,
-    token_texts: list[str] | None = None,
+    token_texts: list[str] | None = None, as_token_ids: bool = False,
 ) -> CompletionLogProbs:
     """OpenAI's completions logprobs: per token its text, logprob, char offset, and the
     top alternatives (the sampled token plus the top-k, keyed by text).
 
     A None step (the first prompt token under echo, which has no context) gives a
     null logprob and null top_logprobs, as in vLLM; its text comes from `token_texts`.
+    `as_token_ids`: tokens (and top_logprobs keys) are "token_id:N" instead of text;
+    text offsets still count the text's characters.
     """
     result = CompletionLogProbs()
     for i, (token_id, step) in enumerate(zip(token_ids, logprobs, strict=False)):
         if step is None:
             token = token_texts[i] if token_texts is not None else ""
-            result.tokens.append(token)
+            result.tokens.append(logprob_token(token_id, token, as_token_ids))
             result.token_logprobs.append(None)
             result.top_logprobs.append(None)
             result.text_offset.append(text_offset)
@@ -68,12 +71,13 @@ def completion_logprobs(
             continue
         sampled = step.get(token_id)
         token = (sampled.decoded_token if sampled is not None else None) or ""
-        result.tokens.append(token)
+        result.tokens.append(logprob_token(token_id, token, as_token_ids))
         result.token_logprobs.append(
             clamp_logprob(sampled.logprob) if sampled is not None else None
         )
         result.top_logprobs.append({
-            (lp.decoded_token or ""): clamp_logprob(lp.logprob) for lp in step.values()
+            logprob_token(alt_id, lp.decoded_token, as_token_ids): clamp_logprob(lp.logprob)
+            for alt_id, lp in step.items()
         })
         result.text_offset.append(text_offset)
         text_offset += len(token)
@@ -118,14 +122,15 @@ class OpenAIServingCompletion(OpenAIServing):
             defaults=self.default_sampling_params, prompt_logprobs=prompt_logprobs,
         )
         request_id = random_id("cmpl")
+        as_ids = self.tokens_as_ids(request)
         streams = await self.admit_all(request_id, prompts, params)
         if stream:
             return sse_response(self._stream(request_id, model_name, streams, params,
                                              bool(request.echo), include_usage,
-                                             continuous_usage))
+                                             continuous_usage, as_ids))
         outputs = await final_outputs(streams)
         response = await self._response(request_id, model_name, outputs, params,
-                                         bool(request.echo))
+                                         bool(request.echo), as_ids)
         if request.prompt_logprobs is None:  # only asked-for prompt logprobs are returned
             for choice in response.choices:
                 choice.prompt_logprobs = None
@@ -146,18 +151,18 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _response(
         self, request_id: str, model_name: str, outputs: list[RequestOutput],
-        params: SamplingParams, echo: bool,
+        params: SamplingParams, echo: bool, as_ids: bool = False,
     ) -> CompletionResponse:
         choices: list[CompletionResponseChoice] = []
         usage = UsageInfo()
         for i, output in enumerate(outputs):
             prefix = await self._prompt_text(output) if echo else ""
-            echoed = await self._echoed_logprobs(output) if echo else None
+            echoed = await self._echoed_logprobs(output, as_ids) if echo else None
             usage.prompt_tokens += len(output.prompt_token_ids or [])
             for completion in sorted(output.outputs, key=lambda c: c.index):
                 usage.completion_tokens += len(completion.token_ids)
                 choice = self._choice(i * params.n + completion.index, prefix, completion,
-                                      len(prefix), echoed)
+                                      len(prefix), echoed, as_ids)
                 choice.prompt_logprobs = prompt_logprobs_json(output.prompt_logprobs)
                 choices.append(choice)
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
@@ -165,7 +170,8 @@ class OpenAIServingCompletion(OpenAIServing):
         return CompletionResponse(id=request_id, model=model_name, choices=choices, usage=usage,
                                   kv_transfer_params=kv_params)
 
-    async def _echoed_logprobs(self, output: RequestOutput) -> CompletionLogProbs | None:
+    async def _echoed_logprobs(self, output: RequestOutput,
+                               as_ids: bool = False) -> CompletionLogProbs | None:
         """Logprobs of the echoed prompt (text offsets from 0), or None if not computed."""
         if output.prompt_logprobs is None:
             return None
@@ -173,12 +179,12 @@ class OpenAIServingCompletion(OpenAIServing):
         # The first token's text (it has no logprob entry to carry it), decoded on the
         # tokenizer thread: HF fast tokenizers must not be shared across threads.
         texts = [await self.engine_client.detokenize(token_ids[:1])] if token_ids else []
-        return completion_logprobs(token_ids, output.prompt_logprobs, 0, texts)
+        return completion_logprobs(token_ids, output.prompt_logprobs, 0, texts, as_ids)
 
     @staticmethod
     def _choice(
         index: int, prefix: str, completion: CompletionOutput, text_offset: int,
-        echoed: CompletionLogProbs | None = None,
+        echoed: CompletionLogProbs | None = None, as_ids: bool = False,
     ) -> CompletionResponseChoice:
         """One choice; `echoed` (the prompt's logprobs under echo) goes before the output's.
 
@@ -187,7 +193,7 @@ class OpenAIServingCompletion(OpenAIServing):
         logprobs = None
         if completion.logprobs is not None:
             logprobs = completion_logprobs(list(completion.token_ids), completion.logprobs,
-                                           text_offset)
+                                           text_offset, as_token_ids=as_ids)
             if echoed is not None:
                 logprobs = CompletionLogProbs(
                     text_offset=echoed.text_offset + logprobs.text_offset,
@@ -206,7 +212,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _stream(
         self, request_id: str, model_name: str, streams: list[RequestOutputStream],
         params: SamplingParams, echo: bool, include_usage: bool,
-        continuous_usage: bool = False,
+        continuous_usage: bool = False, as_ids: bool = False,
     ) -> AsyncGenerator[str, None]:
         n = params.n
         offsets: dict[int, int] = {}  # choice index -> characters sent (for text_offset)
@@ -223,12 +229,12 @@ class OpenAIServingCompletion(OpenAIServing):
                     if index not in offsets:
                         offsets[index] = 0
                         prefix = await self._prompt_text(output) if echo else ""
-                        echoed = await self._echoed_logprobs(output) if echo else None
+                        echoed = await self._echoed_logprobs(output, as_ids) if echo else None
                     if not (prefix or completion.text or completion.finish_reason
                             or completion.logprobs):
                         continue
                     choice = self._choice(index, prefix, completion, offsets[index] + len(prefix),
-                                          echoed)
+                                          echoed, as_ids)
                     offsets[index] += len(choice.text)
                     usage = (usage_info(sum(prompt_tokens.values()), completion_tokens)
                              if continuous_usage else None)

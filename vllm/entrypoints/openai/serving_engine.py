@@ -21,8 +21,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from vllm.entrypoints.openai.errors import APIError, error_from_exception, validation_error
 from vllm.entrypoints.openai.protocol import SamplingFields, UsageInfo
+from vllm.entrypoints.openai.structured_outputs import structured_outputs_from_request
 from vllm.logger import init_logger
-from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from fastapi import Request
@@ -63,26 +64,14 @@ def stream_settings(request: SamplingFields) -> tuple[bool, bool, bool]:
     return bool(request.stream), include_usage, continuous
 
 
-# vLLM's structured-output request fields. None are implemented yet, so a request that
-# sets one is refused (HTTP 400 naming it) rather than answered without the constraint.
-STRUCTURED_OUTPUT_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                            "guided_decoding_backend", "guided_whitespace_pattern",
-                            "structured_outputs")
-
-
 # vLLM request extras this server does not implement -> the values that ask for nothing
 # (what vLLM does by default): any other value is refused, never silently ignored.
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
-    "allowed_token_ids": (None,),
-    "bad_words": (None, []),
-    "truncate_prompt_tokens": (None,),
     "logits_processors": (None, []),
-    "return_tokens_as_token_ids": (None, False),
     "priority": (None, 0),
     "vllm_xargs": (None, {}),
-    "chat_template_kwargs": (None, {}),
     "mm_processor_kwargs": (None, {}),
     "documents": (None, []),
 }
@@ -92,28 +81,16 @@ def reject_unsupported_fields(request: SamplingFields) -> None:
     """Refuse what this server cannot honour, before any work is done.
 
     Raises:
-        APIError(400, param = the field): a structured-output field, a
-            `response_format` other than {"type": "text"}, a vLLM extra of
+        APIError(400, param = the field): a vLLM extra of
             `UNSUPPORTED_FIELDS` set to a value that asks for something, or
             `prompt_logprobs` with stream=true (vLLM's rule: they come with the
             final response).
     """
-    for name in STRUCTURED_OUTPUT_FIELDS:
-        if getattr(request, name) is not None:
-            raise APIError(400, f"{name} is not supported: structured outputs are not "
-                           "implemented by this server", name)
     for name, neutral in UNSUPPORTED_FIELDS.items():
         value = getattr(request, name, None)
         if not any(value == v and type(value) is type(v) for v in neutral):
             raise APIError(400, f"{name} is not supported by this server (got {value!r:.80}); "
                            "leave it out", name)
-    response_format = request.response_format
-    if response_format is not None:
-        kind = response_format.get("type") if isinstance(response_format, dict) else None
-        if kind != "text":
-            raise APIError(400, f"response_format {kind or response_format!r} is not "
-                           "supported: structured outputs are not implemented by this server; "
-                           "only {\"type\": \"text\"}", "response_format")
     if request.prompt_logprobs is not None and request.stream:
         raise APIError(400, "prompt_logprobs are not available when stream=true",
                        "prompt_logprobs")
@@ -146,6 +123,7 @@ def build_sampling_params(
     renamed: dict[str, str] | None = None,
     defaults: dict[str, Any] | None = None,
     prompt_logprobs: int | None = None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """SamplingParams from the request's fields; SamplingParams itself checks the ranges.
 
@@ -159,6 +137,8 @@ def build_sampling_params(
             (chat: logprobs -> top_logprobs).
         defaults: the model's sampling defaults (`ModelConfig.get_diff_sampling_param`),
             used for the fields the request leaves unset, as vLLM does.
+        structured_outputs: a constraint the endpoint adds (chat's tool_choice
+            required / named), for a request that sets none itself.
 
     Raises:
         APIError(400): a value SamplingParams rejects; `param` names the request field.
@@ -166,6 +146,11 @@ def build_sampling_params(
     kwargs = _request_sampling_kwargs(request, logprobs, prompt_logprobs)
     for name, value in (defaults or {}).items():
         kwargs.setdefault(name, value)
+    # response_format / structured_outputs / guided_*: parsed and validated (400 naming
+    # the field) before the engine sees the request.
+    structured_outputs = structured_outputs_from_request(request) or structured_outputs
+    if structured_outputs is not None:
+        kwargs["structured_outputs"] = structured_outputs
     if request.kv_transfer_params is not None:
         kwargs["extra_args"] = {"kv_transfer_params": request.kv_transfer_params}
     kwargs["max_tokens"] = max_tokens  # None is meaningful: "as many as fit"
@@ -215,20 +200,42 @@ def _request_sampling_kwargs(
         "skip_special_tokens": request.skip_special_tokens,
         "spaces_between_special_tokens": request.spaces_between_special_tokens,
         "logit_bias": logit_bias,
+        "allowed_token_ids": request.allowed_token_ids,
+        "bad_words": request.bad_words,
+        "truncate_prompt_tokens": request.truncate_prompt_tokens,
     }
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
-class OpenAIServing:
-    """Base of the endpoint classes: the engine client and the served model names."""
+def logprob_token(token_id: int, decoded: str | None, as_token_ids: bool) -> str:
+    """A token as logprobs name it: its text, or vLLM's "token_id:N" (for tokens whose
+    text does not round-trip, e.g. a byte of a multi-byte character)."""
+    return f"token_id:{token_id}" if as_token_ids else (decoded or "")
 
-    def __init__(self, engine_client: AsyncLLM, models: ServedModels) -> None:
+
+class OpenAIServing:
+    """Base of the endpoint classes: the engine client and the served model names.
+
+    `return_tokens_as_token_ids` (`--return-tokens-as-token-ids`): logprobs name tokens
+    "token_id:N" unless a request's own `return_tokens_as_token_ids` says otherwise.
+    """
+
+    def __init__(self, engine_client: AsyncLLM, models: ServedModels, *,
+                 return_tokens_as_token_ids: bool = False) -> None:
         self.engine_client = engine_client
         self.models = models
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids
         self.max_model_len = engine_client.max_model_len  # fitted to the KV cache
         self.vocab_size = engine_client.model_config.get_vocab_size()
         # The generation config's temperature, top_p, ... for fields a request leaves unset.
         self.default_sampling_params = engine_client.model_config.get_diff_sampling_param()
+
+    def tokens_as_ids(self, request: SamplingFields) -> bool:
+        """Whether this request's logprobs name tokens "token_id:N" (its field, else the
+        server's flag)."""
+        if request.return_tokens_as_token_ids is None:
+            return self.return_tokens_as_token_ids
+        return request.return_tokens_as_token_ids
 
     def open_request(self, request: SamplingFields) -> tuple[str, bool, bool, bool]:
         """The preamble of a completions or chat request, before any work is done:
@@ -292,14 +299,21 @@ async def render_chat(
     server_template: str | None,
     add_generation_prompt: bool,
     continue_final_message: bool,
+    tools: list[dict[str, Any]] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    default_chat_template_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The conversation through the chat template: {"prompt", "prompt_token_ids"}.
 
     `request_template` (the request's `chat_template`) wins over `server_template`
-    (`--chat-template`), which wins over the model's own.
+    (`--chat-template`), which wins over the model's own. `tools` is the template's
+    `tools` variable; `chat_template_kwargs` (the request's) are more template
+    variables, each winning over the server's `default_chat_template_kwargs`
+    (`--default-chat-template-kwargs`).
 
     Raises:
-        APIError(400): a malformed message (param: its field) or a template that
+        APIError(400): a malformed message (param: its field), a reserved
+            `chat_template_kwargs` key (param "chat_template_kwargs.KEY"), or a template that
             fails to render (param "chat_template" when the request brought the
             template, else "messages": the server's template rejected them).
         APIError(503 / 500): the engine is asleep, shut down or dead.
@@ -312,6 +326,9 @@ async def render_chat(
             chat_template=request_template or server_template,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            tools=tools,
+            chat_template_kwargs={**(default_chat_template_kwargs or {}),
+                                  **(chat_template_kwargs or {})},
         )
     except ChatTemplateError as e:
         raise APIError(400, str(e), "chat_template" if request_template else "messages") from e

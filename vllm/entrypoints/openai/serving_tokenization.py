@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from vllm.entrypoints.openai.errors import APIError, validation_error
 from vllm.entrypoints.openai.protocol import (
     DetokenizeRequest,
@@ -16,9 +18,11 @@ from vllm.sampling_params import validate_token_ids
 class OpenAIServingTokenization(OpenAIServing):
     """Text (or a chat conversation) <-> token ids with the served model's tokenizer."""
 
-    def __init__(self, engine_client, models, chat_template: str | None = None) -> None:
+    def __init__(self, engine_client, models, chat_template: str | None = None,
+                 default_chat_template_kwargs: dict[str, Any] | None = None) -> None:
         super().__init__(engine_client, models)
         self.chat_template = chat_template
+        self.default_chat_template_kwargs = default_chat_template_kwargs
 
     async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         """Raises APIError: 404 unknown model, 400 neither or both of prompt / messages."""
@@ -33,6 +37,9 @@ class OpenAIServingTokenization(OpenAIServing):
                 server_template=self.chat_template,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
+                tools=request.tools,
+                chat_template_kwargs=request.chat_template_kwargs,
+                default_chat_template_kwargs=self.default_chat_template_kwargs,
             )
             tokens = list(rendered["prompt_token_ids"])
         else:

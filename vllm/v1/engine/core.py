@@ -44,6 +44,7 @@ from vllm.v1.outputs import (
     ModelRunnerOutput,
 )
 from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import grammar_compiler_for
 from vllm.v1.worker.elastic_kv_cache import ElasticBounds
 from vllm.v1.worker.gpu_worker import Worker
 from vllm.version import __version__
@@ -91,6 +92,8 @@ class EngineCore:
         except BaseException:
             self.model_executor.shutdown()  # no rank keeps its memory after a failed start
             raise
+        # Structured outputs: grammars compile in its thread pool, off the step.
+        self.grammar_compiler = grammar_compiler_for(vllm_config)
         self.scheduler = self._make_scheduler(bounds)
         self.elastic_kv: ElasticKVController | None = None
         if self.scheduler.elastic is not None:
@@ -134,6 +137,7 @@ class EngineCore:
             num_lookahead_tokens=spec.num_lookahead_slots if spec else 0,
             async_scheduling=bool(sched.async_scheduling),
             elastic=elastic,
+            grammar_compiler=self.grammar_compiler,
         )
         scheduler.prefill_policy.log()
         return scheduler
@@ -403,6 +407,7 @@ class EngineCore:
         if self.elastic_kv is not None:
             self.elastic_kv.close()
         self._batch_queue.clear()
+        self.grammar_compiler.shutdown()
         self.model_executor.shutdown()
 
 

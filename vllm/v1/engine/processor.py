@@ -6,6 +6,7 @@ reject exactly the same inputs with the same messages.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -19,6 +20,7 @@ from vllm.inputs import check_unicode_text
 from vllm.sampling_params import MAX_LOGPROBS, SamplingParams, validate_request_lengths
 from vllm.v1.engine.output_processor import ParentRequest
 from vllm.v1.request import Request
+from vllm.v1.structured_output import validate_structured_outputs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -59,6 +61,8 @@ class Processor:
             for; -1 = the whole vocabulary (vLLM's `--max-logprobs`).
         kv_connector: the KV connector's name, or None without one.
         block_size: tokens per KV block (what remote blocks of a transfer hold).
+        compact_json: `--structured-outputs-config` disable_any_whitespace: every
+            JSON constraint is compiled without optional whitespace.
     """
 
     def __init__(
@@ -71,6 +75,7 @@ class Processor:
         max_logprobs: int = MAX_LOGPROBS,
         kv_connector: str | None = None,
         block_size: int = 16,
+        compact_json: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -78,6 +83,7 @@ class Processor:
         self.max_num_seqs = max_num_seqs
         self.kv_connector = kv_connector
         self.block_size = block_size
+        self.compact_json = compact_json
         self.eos_token_id = tokenizer.eos_token_id
         self.generation_config = generation_config or {}
         self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
@@ -98,6 +104,7 @@ class Processor:
             model_config.max_logprobs,
             kv_connector=kv.kv_connector if kv else None,
             block_size=vllm_config.cache_config.block_size,
+            compact_json=vllm_config.structured_outputs_config.disable_any_whitespace,
         )
 
     def process_inputs(
@@ -113,6 +120,9 @@ class Processor:
         """
         self.validate_params(params)
         text, prompt_token_ids = self.tokenize(prompt)
+        keep = params.truncate_prompt_tokens
+        if keep is not None:  # the last `keep` tokens (-1: max_model_len), as vLLM
+            prompt_token_ids = prompt_token_ids[-(self.max_model_len if keep == -1 else keep):]
         check_kv_transfer_request((params.extra_args or {}).get("kv_transfer_params"),
                                   len(prompt_token_ids), self.block_size, params.n)
         if params.n == 1:
@@ -139,6 +149,9 @@ class Processor:
                 than `max_logprobs` (vLLM's message).
             VLLMValidationError (parameter "kv_transfer_params"): malformed, or
                 sent to an engine without a KV connector.
+            VLLMValidationError (parameter "json", "regex", "choice", "grammar" or
+                "structural_tag"): a structured-output constraint xgrammar cannot
+                parse; decided here, so it never reaches the engine.
         """
         for name, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
             asked = getattr(params, name)
@@ -149,6 +162,7 @@ class Processor:
                     f"{self.max_logprobs} (--max-logprobs; -1 asks for the whole vocabulary)",
                     parameter=name,
                 )
+        validate_structured_outputs(params.structured_outputs)
         extra = params.extra_args or {}
         check_kv_transfer_params(extra.get("kv_transfer_params"), self.kv_connector)
         if params.n > self.max_num_seqs:
@@ -225,6 +239,11 @@ class Processor:
         if params.prompt_logprobs == -1:
             params.prompt_logprobs = self.vocab_size
         params.update_from_generation_config(self.generation_config, self.eos_token_id)
+        if params.bad_words:
+            params.update_from_tokenizer(self.tokenizer)
+        so = params.structured_outputs
+        if so is not None and self.compact_json and not so.disable_any_whitespace:
+            params.structured_outputs = dataclasses.replace(so, disable_any_whitespace=True)
         return Request(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,

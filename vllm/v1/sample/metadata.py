@@ -46,6 +46,16 @@ class SamplingMetadata:
             and the token would stop it; None when nothing is masked.
         logit_bias: ([M] int64 rows, [M] int64 token ids, [M] float32 biases)
             added to the logits; None when no row has a bias.
+        allowed_token_ids: ([M] int64 rows, [M, V] bool: the tokens each may sample)
+            for the rows with `allowed_token_ids`; the others' logits become -inf;
+            None when no row restricts.
+        bad_words: ([M] int64 rows, [M] int64 token ids) set to -inf: the one-token
+            bad words, and the last token of a longer one whose other tokens end
+            the output so far; None when nothing is masked.
+        grammar_bitmask: [N, ceil(V / 32)] int32, bit j of row i set = token j is
+            allowed by row i's structured-output grammar (all bits set for an
+            unconstrained row); refused tokens' logits become -inf before
+            anything else (logprobs included, as in vLLM). None: no row is constrained.
     """
 
     temperature: torch.Tensor | None
@@ -64,6 +74,9 @@ class SamplingMetadata:
     output_token_ids: list[list[int]]
     min_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    grammar_bitmask: torch.Tensor | None = None
+    allowed_token_ids: tuple[torch.Tensor, torch.Tensor] | None = None
+    bad_words: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -143,6 +156,8 @@ def build_sampling_metadata(
         output_token_ids=output_token_ids,
         min_tokens=_min_tokens_mask(sampling_params, output_token_ids, vocab_size, device),
         logit_bias=_logit_bias(sampling_params, vocab_size, device),
+        allowed_token_ids=_allowed_token_ids(sampling_params, vocab_size, device),
+        bad_words=_bad_words(sampling_params, output_token_ids, vocab_size, device),
     )
 
 
@@ -199,6 +214,30 @@ def _min_tokens_mask(sampling_params, output_token_ids, vocab_size, device):
             stop_ids = sorted(t for t in p.all_stop_token_ids if t < vocab_size)
             rows += [row] * len(stop_ids)
             cols += stop_ids
+    if not rows:
+        return None
+    return _row_tensor(rows, torch.int64, device), _row_tensor(cols, torch.int64, device)
+
+
+def _allowed_token_ids(sampling_params, vocab_size, device):
+    rows = [row for row, p in enumerate(sampling_params) if p.allowed_token_ids is not None]
+    if not rows:
+        return None
+    allowed = torch.zeros(len(rows), vocab_size, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        ids = [t for t in sampling_params[row].allowed_token_ids if t < vocab_size]
+        allowed[i, ids] = True
+    return _row_tensor(rows, torch.int64, device), allowed.to(device, non_blocking=True)
+
+
+def _bad_words(sampling_params, output_token_ids, vocab_size, device):
+    rows, cols = [], []
+    for row, (p, out) in enumerate(zip(sampling_params, output_token_ids, strict=True)):
+        for word in p.bad_words_token_ids if p.bad_words else ():
+            *prefix, last = word
+            if last < vocab_size and (not prefix or list(out[-len(prefix):]) == prefix):
+                rows.append(row)
+                cols.append(last)
     if not rows:
         return None
     return _row_tensor(rows, torch.int64, device), _row_tensor(cols, torch.int64, device)

@@ -1,9 +1,10 @@
 """`Sampler`: logits -> one token per row, on the device, plus optional logprobs.
 
 ```
-logits [N, V] --raw log_softmax--> logprobs (before anything below, vLLM's default)
+logits [N, V] --grammar bitmask (structured outputs: refused tokens -> -inf)
+   |  --raw log_softmax--> logprobs (before anything below, vLLM's default)
    |
-   +-- logit_bias, min_tokens mask (stop tokens -> -inf)
+   +-- allowed_token_ids, bad_words (-> -inf), logit_bias, min_tokens mask (stop tokens -> -inf)
    +-- penalties (repetition, frequency, presence)
    +-- greedy rows: argmax ------------------------------+
    +-- random rows: / temperature -> min_p -> top-k/top-p |
@@ -26,6 +27,7 @@ from vllm.model_executor.layers.ops import use_fused_ops
 from vllm.sampling_params import _SAMPLING_EPS
 from vllm.v1.sample.logprobs import LogprobsTensors, compute_token_logprobs, gather_logprobs
 from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.sample.ops.bitmask import apply_bitmask
 from vllm.v1.sample.ops.penalties import apply_penalties
 from vllm.v1.sample.ops.topk_topp import apply_min_p, apply_top_k_top_p, random_sample
 
@@ -63,12 +65,15 @@ class Sampler(nn.Module):
                 f"logits must be [N, V] with N = {md.num_rows} rows of sampling metadata, "
                 f"got {tuple(logits.shape)}"
             )
-        if md.all_greedy and md.max_num_logprobs is None and not _modifies_logits(md):
+        if (md.all_greedy and md.max_num_logprobs is None and not _modifies_logits(md)
+                and md.grammar_bitmask is None):
             # Only the argmax is needed: casting to float32 is exact and keeps
             # order, so the raw logits give the same tokens without the copy.
             ids = argmax_rows(logits) if greedy is None else greedy.clone()
             return SamplerOutput(sampled_token_ids=ids, logprobs_tensors=None)
         logits = logits.to(torch.float32)
+        if md.grammar_bitmask is not None:
+            apply_bitmask(logits, md.grammar_bitmask)
         raw_logprobs = None
         if md.max_num_logprobs is not None:
             raw_logprobs = logits.log_softmax(dim=-1)
@@ -103,6 +108,15 @@ class Sampler(nn.Module):
         return drawn if greedy is None else torch.where(is_greedy, greedy, drawn)
 
 
+def _apply_allowed_token_ids(logits: torch.Tensor, md: SamplingMetadata) -> None:
+    rows, allowed = md.allowed_token_ids
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
+def _apply_bad_words(logits: torch.Tensor, md: SamplingMetadata) -> None:
+    logits.index_put_(md.bad_words, torch.tensor(float("-inf"), device=logits.device))
+
+
 def _apply_logit_bias(logits: torch.Tensor, md: SamplingMetadata) -> None:
     rows, cols, values = md.logit_bias
     logits.index_put_((rows, cols), values, accumulate=True)
@@ -121,6 +135,8 @@ def _apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> None:
 # in-place processor). The one list both applying them and `_modifies_logits`
 # read, so a batch that needs none takes the raw-logits argmax.
 LOGITS_PROCESSORS = (
+    (lambda md: md.allowed_token_ids is not None, _apply_allowed_token_ids),
+    (lambda md: md.bad_words is not None, _apply_bad_words),
     (lambda md: md.logit_bias is not None, _apply_logit_bias),
     (lambda md: md.min_tokens is not None, _apply_min_tokens),
     (lambda md: not md.no_penalties, _apply_penalties),

@@ -13,7 +13,8 @@ def is_spec_decode_unsupported(params: Any) -> bool:
     As vLLM: penalties, min-p and logprobs are not applied by the verification
     (they depend on each accepted token in turn, or would need per-position
     logprobs), so such requests get no drafts rather than different outputs.
-    logit_bias and an active min_tokens are excluded for the same reason.
+    logit_bias, an active min_tokens, allowed_token_ids and bad_words are excluded
+    for the same reason.
     """
     return (
         params.frequency_penalty != 0.0
@@ -23,4 +24,6 @@ def is_spec_decode_unsupported(params: Any) -> bool:
         or params.logprobs is not None
         or bool(params.logit_bias)
         or params.min_tokens > 0
+        or params.allowed_token_ids is not None
+        or bool(params.bad_words)
     )

@@ -48,6 +48,7 @@ from vllm.v1.sample.sampler import (
 from vllm.v1.worker.async_output import AsyncRunnerOutput, AsyncStepState, scatter_logprobs
 from vllm.v1.worker.cuda_graph import CUDAGraphManager, DecodeGraphOutput
 from vllm.v1.worker.draft_model import DraftModelProposer, attention_layers
+from vllm.v1.worker.grammar_bitmask import GrammarBitmask
 from vllm.v1.worker.input_batch import CachedRequestState, InputBatch
 from vllm.v1.worker.spec_decode import SpecDecoder
 from vllm.v1.worker.step_buffers import StepBuffers
@@ -118,6 +119,9 @@ class GPUModelRunner:
             AsyncStepState(max_num_reqs, device, max_model_len) if async_scheduling else None
         )
         self.spec_decoder = spec_decoder
+        # Structured outputs: one grammar matcher per constrained request, the step's bitmask.
+        k = spec_decoder.k if spec_decoder is not None else 0
+        self.grammar = GrammarBitmask(max_num_reqs * (k + 1), vocab_size, device)
         self.cuda_graphs = CUDAGraphManager(capture_sizes, self._decode_graph_forward)
         # Verify batches: B requests x (k + 1) tokens each (short drafts padded), own graphs.
         self.verify_rows = None if spec_decoder is None else VerifyRows(
@@ -171,6 +175,7 @@ class GPUModelRunner:
         # Finished first: an id can be reused by a new request in the same output.
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
+        self.grammar.remove(so.finished_req_ids)
         batch.remove(so.finished_req_ids)
         # Rows are rebuilt around what runs this step: drop finished and
         # unscheduled (incl. preempted) requests; their state stays in
@@ -193,6 +198,8 @@ class GPUModelRunner:
             )
             self.requests[new.req_id] = state
             batch.add(state)
+            if new.grammar is not None:
+                self.grammar.add(new.req_id, new.grammar)
 
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -399,7 +406,7 @@ class GPUModelRunner:
         rows, is_verify = sampling_rows, None
         if drafts:
             rows, is_verify = spec.verify_step(self.model, hidden, batch, sampling_rows,
-                                               num_sched, drafts, output)
+                                               num_sched, drafts, output, self.grammar)
         sampler_output = self._sample(hidden, head, so, len(sampling_rows), rows, is_verify)
         if sampler_output is not None and async_state is None:
             self._append_sampled(output, rows, sampler_output)
@@ -463,12 +470,13 @@ class GPUModelRunner:
 
     def _sampling_metadata(self, states: list[CachedRequestState]) -> SamplingMetadata:
         pending = self.async_state.pending if self.async_state is not None else None
-        if pending is not None and any(_uses_output_ids(s.sampling_params) for s in states):
-            # Penalties read the output ids: wait for the last step's (async
-            # scheduling loses its overlap for this step only).
+        if pending is not None and (any(_uses_output_ids(s.sampling_params) for s in states)
+                                    or self.grammar.has_any(states)):
+            # Penalties and grammars read the output ids: wait for the last step's (the
+            # forward of this step runs meanwhile; the next one is launched after it).
             pending.get_output()
         generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
-        return build_sampling_metadata(
+        metadata = build_sampling_metadata(
             [s.sampling_params for s in states],
             [s.prompt_token_ids for s in states],
             [s.output_token_ids for s in states],
@@ -476,6 +484,8 @@ class GPUModelRunner:
             self.vocab_size,
             self.device,
         )
+        metadata.grammar_bitmask = self.grammar.bitmask(states)
+        return metadata
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, num_sched: np.ndarray
@@ -523,6 +533,7 @@ def _uses_output_ids(params: SamplingParams) -> bool:
         params.presence_penalty != 0.0
         or params.frequency_penalty != 0.0
         or params.repetition_penalty != 1.0
+        or bool(params.bad_words)
     )
 
 

@@ -32,10 +32,12 @@ from vllm.v1.attention.backends.abstract import AttentionMetadata
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.sample.metadata import build_sampling_metadata
+from vllm.v1.sample.ops.bitmask import apply_bitmask
 from vllm.v1.sample.rejection_sampler import RejectionSampler
 from vllm.v1.spec_decode.ngram_proposer import NgramProposer
 from vllm.v1.spec_decode.utils import is_spec_decode_unsupported
 from vllm.v1.worker.draft_model import DraftModelProposer
+from vllm.v1.worker.grammar_bitmask import GrammarBitmask
 from vllm.v1.worker.input_batch import InputBatch
 
 
@@ -88,7 +90,7 @@ class SpecDecoder:
     def verify_step(
         self, model: torch.nn.Module, hidden: torch.Tensor, batch: InputBatch,
         sampling_rows: np.ndarray, num_sched: np.ndarray, spec: dict[str, list[int]],
-        output: ModelRunnerOutput,
+        output: ModelRunnerOutput, grammar: GrammarBitmask | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Verify the drafts of the sampling rows that carry them; the emitted tokens go
         into `output`, the request states and the batch rows.
@@ -96,6 +98,8 @@ class SpecDecoder:
         Args:
             sampling_rows: [n] the batch rows that sample this step.
             spec: the step's drafts by request id (non-empty).
+            grammar: the structured-output matchers: a draft a request's grammar
+                refuses is rejected.
 
         Returns:
             ([m] the rows left to the sampler, [n] bool: which sampling rows verified).
@@ -104,7 +108,7 @@ class SpecDecoder:
         rows = sampling_rows[~is_verify]
         if is_verify.any():
             verify_rows = sampling_rows[is_verify].tolist()
-            emitted = self.verify(model, hidden, batch, verify_rows, num_sched, spec)
+            emitted = self.verify(model, hidden, batch, verify_rows, num_sched, spec, grammar)
             for row, tokens in zip(verify_rows, emitted, strict=True):
                 output.sampled_token_ids[row] = tokens
                 batch.states[row].output_token_ids.extend(tokens)
@@ -115,6 +119,7 @@ class SpecDecoder:
     def verify(
         self, model: torch.nn.Module, hidden: torch.Tensor, batch: InputBatch,
         rows: list[int], num_sched: np.ndarray, spec: dict[str, list[int]],
+        grammar: GrammarBitmask | None = None,
     ) -> list[list[int]]:
         """Tokens emitted by each of `rows` (requests with drafts this step).
 
@@ -134,6 +139,11 @@ class SpecDecoder:
             rows_hidden = hidden[torch.from_numpy(idx).to(self.device, non_blocking=True)]
         logits = model.compute_logits(rows_hidden)
         states = [batch.states[r] for r in rows]
+        # Row j of a request: the grammar's mask after its drafts 0..j-1 (refused -> -inf).
+        bitmask = None if grammar is None else grammar.bitmask(states, drafts)
+        if bitmask is not None:
+            logits = logits.to(torch.float32)
+            apply_bitmask(logits, bitmask)
         params = [s.sampling_params for s, d in zip(states, drafts, strict=True)
                   for _ in range(len(d) + 1)]
         metadata = build_sampling_metadata(

@@ -22,6 +22,7 @@ from vllm.forward_context import set_forward_context
 from vllm.sampling_params import MAX_LOGPROBS, SamplingParams
 from vllm.v1.attention.backends.abstract import AttentionMetadata
 from vllm.v1.sample.metadata import build_sampling_metadata
+from vllm.v1.sample.ops.bitmask import apply_bitmask
 from vllm.v1.sample.sampler import Sampler, argmax_rows
 from vllm.v1.worker.cuda_graph import CUDAGraphManager
 from vllm.v1.worker.draft_model import attention_layers
@@ -148,7 +149,9 @@ class RunnerWarmup:
         SmolLM2 shape on the H200, issue 10). The argmax runs once on the raw
         logits (an all-greedy batch) and once on their float32 copy (the
         sampler's other paths): Triton compiles one variant per dtype, and the
-        row count is only its grid.
+        row count is only its grid. The structured-output bitmask kernel (xgrammar's
+        Triton kernel) runs on the float32 logits at 1, 2 and 16 rows: Triton
+        specializes integer arguments equal to 1 and divisible by 16.
         `hidden` [>= 1, hidden_size].
         """
         if self.device.type != "cuda":
@@ -160,6 +163,10 @@ class RunnerWarmup:
             if n == 1:
                 argmax_rows(logits)
                 argmax_rows(logits.float())
+            if n in (1, 2, 16):
+                width = -(-logits.shape[1] // 32)
+                apply_bitmask(logits.float(), torch.full((n, width), -1, dtype=torch.int32,
+                                                         device=self.device))
 
     def warm_up_kernels(self) -> int:
         """Compile the attention kernels for every batch a step can hold; returns the launches.

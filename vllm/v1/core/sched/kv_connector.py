@@ -73,8 +73,8 @@ class KVTransferUpdate:
     Attributes:
         loaded: requests whose background load finished: their first
             `num_computed_tokens` tokens are in their blocks (set here).
-        failed: requests whose load failed -> why (their blocks are still held;
-            the scheduler finishes them with the reason).
+        failed: requests whose load failed -> why ("its KV transfer failed: ...";
+            their blocks are still held; the scheduler finishes them with it).
     """
 
     loaded: list[Request] = field(default_factory=list)
@@ -180,7 +180,7 @@ class SchedulerKVConnector:
                 update.loaded.append(request)
         for req_id, reason in kv_output.failed_recving.items():
             self.loading.pop(req_id, None)
-            update.failed[req_id] = reason
+            update.failed[req_id] = f"its KV transfer failed: {reason}"
         return update
 
     def num_held_blocks(self) -> int:

@@ -20,6 +20,9 @@ class NewRequestData:
     sampling_params: Any  # vllm.sampling_params.SamplingParams
     block_ids: list[int]
     num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hits)
+    # The compiled structured-output grammar (vllm.v1.structured_output.CompiledGrammar)
+    # whose bitmask masks the request's logits, or None.
+    grammar: Any = None
 
 
 @dataclass

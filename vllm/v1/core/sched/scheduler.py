@@ -7,7 +7,8 @@ One step::
 `schedule()` picks each request's tokens and KV blocks for the step;
 `update_from_output()` appends sampled tokens, applies stop checks, frees
 finished requests' blocks. Helpers: step.py (the plan), spec_decode.py (drafts);
-components: `connector` (kv_connector.py), `prefill_policy` (partial_prefills.py).
+components: `connector` (kv_connector.py), `prefill_policy` (partial_prefills.py),
+`structured_outputs` (structured_outputs.py: requests wait for their grammar's compile).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from vllm.v1.core.sched.partial_prefills import PartialPrefills
 from vllm.v1.core.sched.spec_decode import drafts_to_verify, settle_drafts
 from vllm.v1.core.sched.stats import SchedulerStats
 from vllm.v1.core.sched.step import StepPlan, make_engine_core_output, package_plan
+from vllm.v1.core.sched.structured_outputs import GrammarSource, SchedulerStructuredOutputs
 from vllm.v1.core.sched.utils import check_fits_cache, check_positive, check_prompt, check_stop
 from vllm.v1.outputs import EngineCoreOutput, FinishReason, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
@@ -82,6 +84,8 @@ class Scheduler:
             block count it wants, `resize_kv_cache()` adopts what the workers
             committed, and requests are admitted against what the cache may
             grow to (`max_num_blocks`), not what it holds now.
+        grammar_compiler: compiles structured-output constraints off the step (a request
+            waits in WAITING_FOR_FSM meanwhile); None: such requests are refused.
 
     Raises:
         ValueError: a value is out of range or the combination can never work.
@@ -105,6 +109,7 @@ class Scheduler:
         num_lookahead_tokens: int = 0,
         async_scheduling: bool = False,
         elastic: ElasticKVPolicy | None = None,
+        grammar_compiler: GrammarSource | None = None,
     ) -> None:
         check_positive(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
         if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
@@ -142,10 +147,10 @@ class Scheduler:
             "local_compute": 0, "local_cache_hit": 0, "external_kv_transfer": 0}
         self.num_speculative_tokens = num_speculative_tokens
         self.num_lookahead_tokens = num_lookahead_tokens
-        self.spec_decoding_stats = (
-            SpecDecodingStats(num_speculative_tokens) if num_speculative_tokens else None
-        )
+        self.spec_decoding_stats = (SpecDecodingStats(num_speculative_tokens)
+                                    if num_speculative_tokens else None)
         self.num_prefill_tokens = 0  # cumulative: prompt tokens scheduled, chunk by chunk
+        self.structured_outputs = SchedulerStructuredOutputs(grammar_compiler)
 
     # ---- requests in and out ----
 
@@ -163,6 +168,7 @@ class Scheduler:
         check_prompt(request, self.max_model_len)
         check_fits_cache(request, self.max_num_blocks, self.block_size, self.max_model_len,
                          self.num_lookahead_tokens)
+        self.structured_outputs.start(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -213,6 +219,7 @@ class Scheduler:
         max_num_seqs or the free blocks run out.
         """
         budget = self.max_num_batched_tokens
+        self.structured_outputs.promote()
         plan = StepPlan(budget, self.prefill_policy.start_step(budget, self.running, self.waiting))
         self._schedule_running(plan)
         if not plan.preempted_req_ids:
@@ -239,7 +246,8 @@ class Scheduler:
             update = self.connector.update(mro.kv_connector_output, self.requests)
             for request in update.loaded:  # scheduled from its loaded prefix on
                 request.status = RequestStatus.WAITING
-            outputs.extend(self._finish_failed_loads(update.failed))
+            outputs.extend(self._finish_failed(update.failed))
+        outputs.extend(self._finish_failed(self.structured_outputs.take_failed()))
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
@@ -355,14 +363,14 @@ class Scheduler:
         With concurrent partial prefills, a request that would exceed
         max_long_partial_prefills or max_num_partial_prefills is skipped for
         this step (it keeps its place) and the scan goes on; so is a request
-        waiting for its KV (WAITING_FOR_REMOTE_KVS), and one whose KV the
-        connector starts loading in the background now.
+        waiting for its KV (WAITING_FOR_REMOTE_KVS) or its grammar
+        (WAITING_FOR_FSM), and one whose KV the connector starts loading now.
         """
         kv, policy = self.kv_cache_manager, self.prefill_policy
         skipped: list[Request] = []
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            if RequestStatus.waits_in_background(request.status):
                 skipped.append(self.waiting.popleft())
                 continue
             hits, num_hit_tokens, num_external, load_async = self._lookup(request)
@@ -487,24 +495,22 @@ class Scheduler:
         self.finished_req_ids.add(request.request_id)
         return kv_transfer_params
 
-    def _finish_failed_loads(self, failed: dict[str, str]) -> list[EngineCoreOutput]:
-        """Finish the requests whose KV load failed, with the reason as their error.
-
-        Their blocks were never registered in the prefix cache (`allocate_slots`
-        delays that for loaded blocks), so freeing them leaves no wrong KV behind.
-        """
+    def _finish_failed(self, failed: dict[str, str]) -> list[EngineCoreOutput]:
+        """Finish requests whose KV load or grammar compile failed, with the reason as
+        their error. A failed load's blocks were never registered in the prefix cache
+        (`allocate_slots` delays that), so freeing them leaves no wrong KV behind."""
         outputs = []
         for req_id, reason in failed.items():
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
                 continue
-            logger.warning("request %s failed: its KV transfer failed: %s", req_id, reason)
+            logger.warning("request %s failed: %s", req_id, reason)
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 request.status = RequestStatus.WAITING  # its load is over: the blocks may go
             self.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
             outputs.append(EngineCoreOutput(
                 request_id=req_id, new_token_ids=[], finish_reason=FinishReason.ABORT,
-                error=f"the KV transfer of request {req_id!r} failed: {reason}",
+                error=f"request {req_id!r} failed: {reason}",
             ))
         return outputs
 

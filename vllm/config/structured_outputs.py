@@ -1,0 +1,76 @@
+"""`StructuredOutputsConfig`: the engine's structured-output backend and its defaults
+(`--structured-outputs-config`, vLLM's keys)::
+
+    {"backend": "auto" | "xgrammar", "disable_any_whitespace": false}
+
+Only xgrammar (vLLM's default backend) ships with this engine: "guidance",
+"outlines" and "lm-format-enforcer" are refused at start-up by name.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+from vllm.config.frozen import FrozenConfig
+
+# vLLM's backend names; this engine runs the first two ("auto" = xgrammar).
+KNOWN_BACKENDS = ("auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer")
+AVAILABLE_BACKENDS = ("auto", "xgrammar")
+
+
+@dataclass
+class StructuredOutputsConfig(FrozenConfig):
+    """How constraints compile.
+
+    Attributes:
+        backend: "auto" or "xgrammar" (the same here).
+        disable_any_whitespace: every JSON constraint is compact (no optional
+            whitespace), as if each request set `disable_any_whitespace`; keeps
+            small models from looping on whitespace.
+
+    Raises:
+        ValueError: an unknown key, a backend that is not available (named), a
+            value of the wrong type.
+    """
+
+    backend: str = "auto"
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backend not in AVAILABLE_BACKENDS:
+            known = "is not available in this engine" if self.backend in KNOWN_BACKENDS else \
+                "is unknown"
+            raise ValueError(
+                f"structured_outputs_config: backend {self.backend!r} {known}; "
+                f"use one of {list(AVAILABLE_BACKENDS)} (xgrammar)")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError("structured_outputs_config: disable_any_whitespace must be a "
+                             f"bool, got {self.disable_any_whitespace!r}")
+
+    @classmethod
+    def coerce(cls, value: Any) -> StructuredOutputsConfig:
+        """None (the defaults), a dict, a JSON string or a config -> a config.
+
+        Raises:
+            ValueError: see the class; also JSON that does not parse or is not an object.
+        """
+        if value is None:
+            return cls()
+        if isinstance(value, StructuredOutputsConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"structured_outputs_config: not valid JSON ({e}): "
+                                 f"{value!r}") from e
+        if not isinstance(value, dict):
+            raise ValueError(f"structured_outputs_config must be a JSON object, got {value!r}")
+        allowed = [f.name for f in fields(cls)]
+        unknown = sorted(set(value) - set(allowed))
+        if unknown:
+            raise ValueError(f"structured_outputs_config: unknown keys {unknown}; "
+                             f"supported: {allowed}")
+        return cls(**value)

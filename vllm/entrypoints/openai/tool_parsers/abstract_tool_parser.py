@@ -1,0 +1,130 @@
+"""The tool-call parser interface and its registry (`--tool-call-parser NAME`).
+
+A parser reads a reply's content (after any reasoning) and finds the tool calls
+the model wrote in its format. It does so in one place, `parse`, over the text
+so far: the content that is certainly not part of a call, and the calls as far
+as they are written (`PartialCall`). Whole replies (`extract_tool_calls`) and
+streams (`ToolCallStream` in tool_call_stream.py) both use it, so the deltas of a
+streamed reply join to the whole reply's calls.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # imported when used: the CLI reads the names without pydantic models
+    from vllm.entrypoints.openai.protocol import ToolCall
+
+# name -> "module:Class", imported on first use (the CLI checks names without importing).
+_PARSERS = {
+    "hermes": "vllm.entrypoints.openai.tool_parsers.hermes_tool_parser:Hermes2ProToolParser",
+    "llama3_json": "vllm.entrypoints.openai.tool_parsers.llama_tool_parser:"
+                   "Llama3JsonToolParser",
+}
+
+
+class ToolParserManager:
+    """The registry of tool-call parsers by `--tool-call-parser` name."""
+
+    @staticmethod
+    def names() -> list[str]:
+        return sorted(_PARSERS)
+
+    @staticmethod
+    def get_tool_parser(name: str) -> type[ToolParser]:
+        """The parser class registered as `name`.
+
+        Raises:
+            KeyError: no parser of that name (the message lists the names).
+        """
+        if name not in _PARSERS:
+            raise KeyError(f"unknown tool call parser {name!r}; choose from "
+                           f"{', '.join(ToolParserManager.names())}")
+        module, cls = _PARSERS[name].split(":")
+        return getattr(import_module(module), cls)
+
+
+@dataclass
+class PartialCall:
+    """A tool call as far as the model has written it.
+
+    Attributes:
+        name: the function's name, once written whole (None before).
+        arguments: the arguments parsed so far (a partial JSON value: open strings,
+            objects and arrays closed), None before any.
+        complete: the call is written whole; `arguments` is final.
+    """
+
+    name: str | None = None
+    arguments: Any = None
+    complete: bool = False
+
+
+@dataclass
+class ExtractedToolCallInformation:
+    """The tool calls of a whole reply (vLLM's name).
+
+    Attributes:
+        tools_called: the reply is tool calls (False: it is all content).
+        tool_calls: the calls, arguments as JSON text.
+        content: the text before the calls (None when there is none).
+    """
+
+    tools_called: bool
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    content: str | None = None
+
+
+def random_tool_call_id() -> str:
+    """A tool call's id (vLLM's form: `chatcmpl-tool-<32 hex>`)."""
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+def arguments_json(arguments: Any) -> str:
+    """A call's arguments as the JSON text the API returns (`{}` when none)."""
+    return json.dumps({} if arguments is None else arguments, ensure_ascii=False)
+
+
+class ToolParser:
+    """Finds a model's tool calls in its reply's content.
+
+    Subclasses implement `parse`. Args: tokenizer (unused by the built-in
+    parsers, which read text; kept for vLLM's signature).
+    """
+
+    def __init__(self, tokenizer: Any = None) -> None:
+        self.tokenizer = tokenizer
+
+    def parse(self, text: str, final: bool) -> tuple[str, list[PartialCall]]:
+        """(content, calls) of the reply's text so far (`final`: all of it).
+
+        `content` is the text that is certainly not part of a call (a tag that may
+        still be starting is held back until `final`); `calls` the calls begun so
+        far. A call whose JSON turns out malformed is dropped; a whole reply with
+        no well-formed call is all content.
+        """
+        content, calls = self._parse(text, final)
+        if final:
+            calls = [c for c in calls if c.complete and c.name is not None]
+            if not calls:
+                return text, []
+        return content, calls
+
+    def _parse(self, text: str, final: bool) -> tuple[str, list[PartialCall]]:
+        """`parse` in the parser's format (before the whole-reply rule)."""
+        raise NotImplementedError
+
+    def extract_tool_calls(self, model_output: str) -> ExtractedToolCallInformation:
+        """The calls of a whole reply; a reply without a well-formed call is all content."""
+        from vllm.entrypoints.openai.protocol import FunctionCall, ToolCall
+
+        content, calls = self.parse(model_output, final=True)
+        if not calls:
+            return ExtractedToolCallInformation(False, [], model_output)
+        tool_calls = [ToolCall(id=random_tool_call_id(), function=FunctionCall(
+            name=c.name, arguments=arguments_json(c.arguments))) for c in calls]
+        return ExtractedToolCallInformation(True, tool_calls, content or None)
