@@ -9,7 +9,8 @@ EngineArgs --create_engine_config()--> VllmConfig
                                         |- compilation_config  CompilationConfig
                                         |- device_config       DeviceConfig
                                         |- kv_transfer_config  KVTransferConfig | None
-                                        '- speculative_config  SpeculativeConfig | None
+                                        |- speculative_config  SpeculativeConfig | None
+                                        '- multimodal_config   MultiModalConfig (images)
 ```
 
 Each sub-config checks its own ranges when built; `__post_init__` here does
@@ -33,6 +34,7 @@ from vllm.config.device import DeviceConfig
 from vllm.config.frozen import FrozenConfig
 from vllm.config.kv_transfer import KNOWN_KV_CONNECTORS, KVTransferConfig
 from vllm.config.model import ModelConfig
+from vllm.config.multimodal import MultiModalConfig
 from vllm.config.parallel import ParallelConfig
 from vllm.config.scheduler import SchedulerConfig
 from vllm.config.speculative import SpeculativeConfig
@@ -57,6 +59,7 @@ class VllmConfig(FrozenConfig):
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     kv_transfer_config: KVTransferConfig | None = None
     speculative_config: SpeculativeConfig | None = None
+    multimodal_config: MultiModalConfig = field(default_factory=MultiModalConfig)
 
     def __post_init__(self) -> None:
         from vllm import platforms

@@ -69,8 +69,11 @@ class LLM:
         """Generate completions for one or many prompts; outputs in input order.
 
         A prompt is a string, a list of token ids, or a dict with "prompt" or
-        "prompt_token_ids". A list of strings / token-id lists / dicts is many
-        prompts. `sampling_params` is one for all or one per prompt; None =
+        "prompt_token_ids" (and, for a multimodal model, "multi_modal_data":
+        {"image": a PIL image or a list of them}, one
+        <|vision_start|><|image_pad|><|vision_end|> in the prompt per image).
+        A list of strings / token-id lists / dicts is many prompts. `sampling_params`
+        is one for all or one per prompt; None =
         `get_default_sampling_params()`.
 
         Raises:
@@ -99,7 +102,12 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
     ) -> list[RequestOutput]:
-        """Generate replies to conversations through the model's chat template."""
+        """Generate replies to conversations through the model's chat template.
+
+        A multimodal model takes image content parts: {"type": "image_url",
+        "image_url": {"url": "data:...|http(s)://...|file://..."}} or
+        {"type": "image_pil", "image_pil": <PIL.Image>}.
+        """
         conversations = (
             [messages] if messages and isinstance(messages[0], dict) else list(messages)
         )
@@ -122,7 +130,8 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
     ) -> dict:
-        """A conversation as a prompt dict (text + token ids) via the chat template."""
+        """A conversation as a prompt dict (text + token ids, and its images' as
+        "multi_modal_data") via the chat template."""
         from vllm.transformers_utils.chat_templates import apply_chat_template
 
         return apply_chat_template(
@@ -131,6 +140,7 @@ class LLM:
             chat_template=chat_template,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
+            mm_processor=self.llm_engine.processor.mm_processor,
         )
 
     # ------------------------------------------------------------------ sleep

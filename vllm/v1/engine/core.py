@@ -30,6 +30,7 @@ from vllm import envs
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.v1.core.elastic import ElasticKVPolicy
+from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler, SchedulerStats
 from vllm.v1.engine.startup import start_workers
@@ -117,6 +118,8 @@ class EngineCore:
             num_lookahead_tokens=spec.num_lookahead_slots if spec else 0,
             async_scheduling=bool(sched.async_scheduling),
             elastic=elastic,
+            encoder=(EncoderCacheManager(self.plan.encoder_cache_size, self.plan.encoder_budget)
+                     if self.plan.encoder_budget else None),
         )
         scheduler.prefill_policy.log()
         return scheduler

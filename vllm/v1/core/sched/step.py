@@ -60,6 +60,7 @@ def package_plan(
             sampling_params=r.sampling_params,
             block_ids=get_block_ids(r.request_id),
             num_computed_tokens=r.num_computed_tokens,
+            mm_features=r.mm_features,
         )
         for r in plan.new_reqs
     ]
