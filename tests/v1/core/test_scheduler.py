@@ -9,7 +9,7 @@ from tests.v1.core.fake_runner import (
     run_until_done,
     step,
 )
-from vllm.v1.core.elastic import ElasticKVPolicy
+from vllm.v1.core.elastic import ElasticKVPolicy, blocks_wanted
 from vllm.v1.outputs import FinishReason
 from vllm.v1.request import RequestStatus
 
@@ -326,22 +326,28 @@ def test_requests_are_checked_against_the_elastic_limit_not_the_committed_blocks
     assert elastic.get_num_unfinished_requests() == 1
 
 
+def _target(sched):
+    wanted = blocks_wanted(sched.waiting, sched.running, sched.block_size)
+    return sched.elastic.target(sched.kv_cache_manager, wanted, allow_shrink=True)
+
+
 def test_the_elastic_policy_drives_the_pool_through_one_verb():
-    """The scheduler says what count its policy wants; resize_kv_cache adopts a count
-    (the pool and the policy together); a shrink target never drops a block in use."""
+    """The policy says what count it wants from the scheduler's requests; resize_kv_cache
+    adopts a count (the pool and the policy together); a shrink target never drops a block
+    in use."""
     policy = ElasticKVPolicy(committed=4, floor=4, limit=16, chunk=4, shrink_delay_s=0.0)
     sched = make_scheduler(num_blocks=4, elastic=policy)
     runner = FakeRunner(block_size=4)
     sched.add_request(make_request("a", _prompt(20, 1000), max_tokens=4))
-    assert sched.kv_cache_target() == 8  # 3 free blocks, 5 wanted: grow by a chunk
+    assert _target(sched) == 8  # 3 free blocks, 5 wanted: grow by a chunk
     sched.resize_kv_cache(8)
     assert (sched.num_blocks, policy.committed) == (8, 8)
     assert (policy.num_grows, policy.num_shrinks) == (1, 0)
     run_until_done(sched, runner)
-    assert sched.kv_cache_target() == 4  # all free again: back to the floor
+    assert _target(sched) == 4  # all free again: back to the floor
     sched.resize_kv_cache(4)
     assert (sched.num_blocks, (policy.num_grows, policy.num_shrinks)) == (4, (1, 1))
-    assert sched.kv_cache_target() is None
+    assert _target(sched) is None
 
 
 def test_constructor_rejects_bad_sizes():

@@ -1,8 +1,8 @@
 """The elastic KV cache's policy: when to commit more blocks and when to return some.
 
 Torch-free; a component of the `Scheduler` (its `elastic` field): between
-steps (and at every idle poll) the engine core asks the scheduler what count
-the policy wants (`Scheduler.kv_cache_target`), carries it out on the workers
+steps (and at every idle poll) the engine core asks the policy what count it
+wants (`ElasticKVPolicy.target`), carries it out on the workers
 (`Worker.grow_kv_cache` / `shrink_kv_cache`) and has the scheduler adopt it
 (`Scheduler.resize_kv_cache`, which calls `adopt`). Numbers are block counts
 counting the null block.
@@ -33,9 +33,24 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.request import Request
 
 DEFAULT_SHRINK_DELAY_S = 10.0
+
+
+def blocks_wanted(waiting: Iterable[Request], running: Iterable[Request], block_size: int) -> int:
+    """Blocks the requests ask for next (the policy's demand signal).
+
+    Every waiting request's uncomputed tokens (prefix-cache hits not counted)
+    plus one block per running request (a decode crosses into a new block at
+    most once per step).
+    """
+    waiting_blocks = sum(-(-(r.num_tokens - r.num_computed_tokens) // block_size)
+                         for r in waiting)
+    return waiting_blocks + sum(1 for _ in running)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from typing import Any
 from vllm import envs
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
-from vllm.v1.core.elastic import ElasticKVPolicy
+from vllm.v1.core.elastic import ElasticKVPolicy, blocks_wanted
 from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler, SchedulerStats
@@ -267,7 +267,9 @@ class EngineCore:
         """
         if not self.scheduler.is_elastic or self.is_sleeping():
             return False
-        target = self.scheduler.kv_cache_target(allow_shrink=not self._batch_queue)
+        s = self.scheduler
+        wanted = blocks_wanted(s.waiting, s.running, s.block_size)
+        target = s.elastic.target(s.kv_cache_manager, wanted, allow_shrink=not self._batch_queue)
         if target is None:
             return False
         changed = (self._grow_kv_cache(target) if target > self.scheduler.num_blocks
@@ -332,7 +334,8 @@ class EngineCore:
         self._kv_memory = self._sleeping = None
         if self.scheduler.is_elastic:  # wake commits the floor, then grows what fits
             self._blocks_before_sleep = self.scheduler.num_blocks
-            self._shrink_kv_cache(self.scheduler.elastic_floor())
+            s = self.scheduler
+            self._shrink_kv_cache(s.elastic.lowest_now(s.kv_cache_manager))
         self.model_executor.collective_rpc(Worker.sleep, args=(level,))
 
     def wake_up(self, tags: list[str] | None = None) -> bool:

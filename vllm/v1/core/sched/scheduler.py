@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.logger import init_logger
 from vllm.v1.core.elastic import ElasticKVPolicy
 from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
-from vllm.v1.core.kv_cache_manager import KVCacheManager, cdiv
+from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.sched.kv_connector import SchedulerKVConnector
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -28,7 +28,7 @@ from vllm.v1.core.sched.partial_prefills import PartialPrefills
 from vllm.v1.core.sched.spec_decode import drafts_to_verify, settle_drafts
 from vllm.v1.core.sched.stats import SchedulerStats
 from vllm.v1.core.sched.step import StepPlan, make_engine_core_output, package_plan
-from vllm.v1.core.sched.utils import check_fits_cache, check_prompt, check_stop
+from vllm.v1.core.sched.utils import check_fits_cache, check_positive, check_prompt, check_stop
 from vllm.v1.outputs import EngineCoreOutput, FinishReason, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.spec_decode.metrics import SpecDecodingStats
@@ -79,12 +79,11 @@ class Scheduler:
             A request that stops (EOS, stop token, stop string, abort) at step
             N may already be in step N+1: that step's output for it is dropped.
         elastic: the elastic KV cache's policy (`ElasticKVPolicy`), or None
-            for a fixed cache. With one, `kv_cache_target()` says what block
-            count the policy wants, `resize_kv_cache()` adopts what the workers
+            for a fixed cache. With one, the engine core asks the policy what
+            block count it wants, `resize_kv_cache()` adopts what the workers
             committed, and requests are admitted against what the cache may
             grow to (`max_num_blocks`), not what it holds now.
-        encoder: a multimodal model's encoder budget and cache (`EncoderCacheManager`;
-            None: no images): a chunk stops before an image it cannot encode now.
+        encoder: images' encoder budget and cache (`EncoderCacheManager`), or None.
 
     Raises:
         ValueError: a value is out of range or the combination can never work.
@@ -110,7 +109,7 @@ class Scheduler:
         elastic: ElasticKVPolicy | None = None,
         encoder: EncoderCacheManager | None = None,
     ) -> None:
-        _check_positive(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+        check_positive(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
         if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({max_num_batched_tokens}) is smaller than "
@@ -130,8 +129,7 @@ class Scheduler:
         self.async_scheduling = async_scheduling
         self.kv_cache_manager = KVCacheManager(
             num_blocks, block_size, enable_prefix_caching, max_model_len)
-        self.elastic = elastic
-        self.encoder = encoder or EncoderCacheManager(0, 0)
+        self.elastic, self.encoder = elastic, encoder or EncoderCacheManager(0, 0)
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()  # FCFS; preempted requests go to the front
         # Admission order: arrival order, except that with concurrent partial prefills a
@@ -580,33 +578,7 @@ class Scheduler:
         if self.elastic is not None:
             self.elastic.adopt(num_blocks)
 
-    def kv_cache_target(self, allow_shrink: bool = True) -> int | None:
-        """The block count the elastic policy wants now (None: keep the count);
-        see `ElasticKVPolicy.target`."""
-        return self.elastic.target(self.kv_cache_manager, self.kv_blocks_wanted(), allow_shrink)
-
-    def elastic_floor(self) -> int:
-        """The fewest blocks the elastic cache can shrink to now (its floor, or more
-        while tail blocks are in use)."""
-        return self.elastic.lowest_now(self.kv_cache_manager)
-
-    def kv_blocks_wanted(self) -> int:
-        """Blocks the requests ask for next (the elastic policy's demand signal).
-
-        Every waiting request's uncomputed tokens (prefix-cache hits not
-        counted) plus one block per running request (a decode crosses into a
-        new block at most once per step).
-        """
-        bs = self.block_size
-        waiting = sum(cdiv(r.num_tokens - r.num_computed_tokens, bs) for r in self.waiting)
-        return waiting + len(self.running)
-
     def reset_prefix_cache(self) -> bool:
         """Forget all cached blocks; False while any request holds blocks."""
         return self.kv_cache_manager.reset_prefix_cache()
 
-
-def _check_positive(**values: int) -> None:
-    for name, value in values.items():
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
