@@ -16,15 +16,24 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from tests.model_dirs import llama3_8b_config, make_model_dir, smollm2_config  # noqa: E402
+from tests.multimodal.qwen2_vl_checkpoint import (  # noqa: E402
+    make_qwen2_vl_config_dir,
+    qwen2_vl_2b_config,
+)
 
 SHAPES = {"smollm2": smollm2_config, "llama3_8b": llama3_8b_config}
+# Image-taking shapes (their directories also hold the image processor's config).
+MULTIMODAL_SHAPES = {"qwen2_vl_2b": qwen2_vl_2b_config}
 
 
 def model_dir_for(shape: str) -> str:
     """A config-only model directory for `shape` (load with load_format="dummy")."""
     directory = Path(tempfile.gettempdir()) / f"vllm-bench-{shape}-v2"
     if not (directory / "config.json").exists():
-        make_model_dir(directory, SHAPES[shape](), weights=False)
+        if shape in MULTIMODAL_SHAPES:
+            make_qwen2_vl_config_dir(directory, MULTIMODAL_SHAPES[shape]())
+        else:
+            make_model_dir(directory, SHAPES[shape](), weights=False)
     return str(directory)
 
 

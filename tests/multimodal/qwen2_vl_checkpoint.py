@@ -46,10 +46,7 @@ def qwen2_vl_config():
 
 def make_qwen2_vl_dir(directory: Path, seed: int = 0) -> Path:
     """config.json, model.safetensors (fp32, N(0, 0.2), norms near 1), tokenizer, processor."""
-    from transformers import PreTrainedTokenizerFast, Qwen2VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
+    from transformers import Qwen2VLForConditionalGeneration
 
     directory.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
@@ -61,16 +58,61 @@ def make_qwen2_vl_dir(directory: Path, seed: int = 0) -> Path:
             else:
                 param.normal_(0.0, 0.2)
     model.save_pretrained(directory)
-    write_tokenizer(directory, model_vocab_size=IMAGE_TOKEN_ID)
+    _write_tokenizer_and_processor(directory, model.config, MIN_PIXELS, MAX_PIXELS)
+    return directory
+
+
+def qwen2_vl_2b_config():
+    """Qwen2-VL-2B-Instruct's shape (config.json of the hub checkpoint)."""
+    from transformers import Qwen2VLConfig
+
+    return Qwen2VLConfig(
+        text_config=dict(
+            vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+            num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
+            rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=151643,
+            eos_token_id=151645, rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                  "mrope_section": [16, 24, 24]},
+        ),
+        vision_config=dict(depth=32, embed_dim=1280, hidden_size=1536, num_heads=16,
+                           mlp_ratio=4, patch_size=14, spatial_merge_size=2,
+                           temporal_patch_size=2, in_channels=3, hidden_act="quick_gelu"),
+        image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
+        vision_end_token_id=151653, tie_word_embeddings=True, bos_token_id=151643,
+        eos_token_id=151645, architectures=["Qwen2VLForConditionalGeneration"],
+    )
+
+
+def make_qwen2_vl_config_dir(directory: Path, config, min_pixels: int = 3136,
+                             max_pixels: int = 12845056) -> Path:
+    """A config-only Qwen2-VL directory (load with load_format="dummy"): config, tokenizer
+    with the vision tokens at the config's ids, the image processor (Qwen2-VL's defaults)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(directory)
+    _write_tokenizer_and_processor(directory, config, min_pixels, max_pixels)
+    return directory
+
+
+def _write_tokenizer_and_processor(directory: Path, config, min_pixels: int,
+                                   max_pixels: int) -> None:
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    tokens = {config.vision_start_token_id: "<|vision_start|>",
+              config.vision_end_token_id: "<|vision_end|>",
+              config.image_token_id: "<|image_pad|>", config.video_token_id: "<|video_pad|>"}
+    start = min(tokens)
+    write_tokenizer(directory, model_vocab_size=start)
     tok = PreTrainedTokenizerFast.from_pretrained(directory)
-    tok.add_special_tokens({"additional_special_tokens": [
-        "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"]})
-    assert tok.convert_tokens_to_ids("<|image_pad|>") == IMAGE_TOKEN_ID
+    ordered = [tokens.get(i, f"<|reserved_{i}|>") for i in range(start, max(tokens) + 1)]
+    tok.add_special_tokens({"additional_special_tokens": ordered})
+    assert tok.convert_tokens_to_ids("<|image_pad|>") == config.image_token_id
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(directory)
-    Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS).save_pretrained(
+    Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels).save_pretrained(
         directory)
-    return directory
 
 
 def image(width: int, height: int, seed: int):
