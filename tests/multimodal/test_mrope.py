@@ -49,3 +49,4 @@ def test_rotation_matches_transformers():
                                           k.view(1, 4, 2, head).transpose(1, 2), cos, sin)
     torch.testing.assert_close(got_q, want_q.transpose(1, 2).reshape(4, -1))
     torch.testing.assert_close(got_k, want_k.transpose(1, 2).reshape(4, -1))
+

@@ -136,3 +136,12 @@ def test_text_only_model_refuses_images(bundled_llm):
         bundled_llm.generate({"prompt": "hi", "multi_modal_data": {"image": image(50, 50, 0)}},
                              GREEDY, use_tqdm=False)
     assert info.value.parameter == "multi_modal_data"
+
+
+def test_spec_decode_with_a_multimodal_model_is_refused(qwen2_vl_dir):
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=str(qwen2_vl_dir), dtype="float32", max_model_len=256,
+                      speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="speculative_config is not supported with a multi"):
+        args.create_engine_config()

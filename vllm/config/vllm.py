@@ -86,6 +86,12 @@ class VllmConfig(FrozenConfig):
                 "speculative_config: method 'draft_model' runs on one rank only "
                 f"(tensor_parallel_size={self.parallel_config.tensor_parallel_size})"
             )
+        if (spec is not None or self.kv_transfer_config is not None) and (
+                self.model_config.is_multimodal_model):
+            raise ValueError(
+                f"{'speculative_config' if spec is not None else 'kv_transfer_config'} is "
+                "not supported with a multimodal model yet (its steps carry image rows "
+                "and M-RoPE positions that drafts and KV transfers do not)")
         self._check_kv_transfer()
         self._resolve_async_scheduling(platform)
         self._freeze_all()

@@ -33,7 +33,7 @@ class MultiModalFeatureSpec:
 
     Attributes:
         modality: "image".
-        identifier: hex digest of the processed pixels and grid (the `mm_hash`).
+        identifier: hex digest of the decoded image and its grid (the `mm_hash`).
         mm_position: its placeholder tokens in the prompt; `length` is also the
             number of encoder output rows (tokens) it produces.
         data: the processor's output for it: "pixel_values" (torch.Tensor

@@ -143,6 +143,7 @@ class MultiModalProcessor:
         for k, (pad, image) in enumerate(zip(pads, images, strict=True)):
             feature_where = f"{where}.image.{k}" if len(images) > 1 else f"{where}.image"
             pixel_values, grid = self._pixels(image, feature_where)
+            identifier = _hash(image, grid)
             length = grid[0] * grid[1] * grid[2] // self.merge_size ** 2
             if length > self.max_tokens_per_item:
                 raise VLLMValidationError(
@@ -150,7 +151,7 @@ class MultiModalProcessor:
                     f"{self.max_tokens_per_item} one image may take", parameter=feature_where)
             ids.extend(prompt_token_ids[last:pad])
             features.append(MultiModalFeatureSpec(
-                modality="image", identifier=_hash(pixel_values, grid),
+                modality="image", identifier=identifier,
                 mm_position=PlaceholderRange(len(ids), length),
                 data={"pixel_values": pixel_values, "image_grid_thw": grid}))
             ids.extend([self.image_token_id] * length)
@@ -199,9 +200,13 @@ def load_image_processor(model_path: str) -> Any:
     return AutoImageProcessor.from_pretrained(model_path)
 
 
-def _hash(pixel_values: Any, grid: tuple[int, int, int]) -> str:
-    digest = hashlib.sha256(repr(grid).encode())
-    digest.update(pixel_values.contiguous().numpy().tobytes())
+def _hash(image: Any, grid: tuple[int, int, int]) -> str:
+    """The image's content hash (its mode, size and decoded pixels, and the grid the
+    processor made of it): equal images share encoder outputs and prefix-cache blocks.
+    The decoded pixels, not the processed ones: 8x fewer bytes (uint8, before the
+    float32 patches), the same answer for one engine's processor."""
+    digest = hashlib.sha256(f"{image.mode}|{image.size}|{grid}".encode())
+    digest.update(image.tobytes())
     return digest.hexdigest()
 
 

@@ -63,6 +63,8 @@ class MRotaryEmbedding(RotaryEmbedding):
             raise ValueError(f"mrope_section {list(mrope_section)} must be 3 sections summing "
                              f"to rotary_dim / 2 = {rotary_dim // 2}")
         self.mrope_section = list(mrope_section)
+        # Frequency bounds of the t, h, w sections: [0, s_t, s_t + s_h, rotary_dim / 2].
+        self.section_bounds = [0, *torch.tensor(self.mrope_section).cumsum(0).tolist()]
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,7 +76,7 @@ class MRotaryEmbedding(RotaryEmbedding):
         half = self.rotary_dim // 2
         cos_sin = self.cos_sin_cache[positions]  # [3, T, rotary_dim]
         cos3, sin3 = cos_sin[..., :half], cos_sin[..., half:]
-        bounds = torch.tensor([0, *self.mrope_section]).cumsum(0).tolist()
+        bounds = self.section_bounds
         cos = torch.cat([cos3[j, :, bounds[j]:bounds[j + 1]] for j in range(3)], dim=-1)
         sin = torch.cat([sin3[j, :, bounds[j]:bounds[j + 1]] for j in range(3)], dim=-1)
         cos = cos.to(query.dtype).unsqueeze(1)
