@@ -15,15 +15,11 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from vllm.exceptions import VLLMValidationError
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.multimodal.media import MediaConnector
-
-if TYPE_CHECKING:
-    from vllm.config import ModelConfig
-    from vllm.config.multimodal import MultiModalConfig
 
 # The modalities a prompt's "multi_modal_data" may hold.
 SUPPORTED_MODALITIES = ("image",)
@@ -62,13 +58,14 @@ class MultiModalProcessor:
         self.max_tokens_per_item = max_tokens_per_item
 
     @classmethod
-    def from_config(cls, model_config: ModelConfig, mm_config: MultiModalConfig,
-                    max_tokens_per_item: int) -> MultiModalProcessor:
-        """The processor of the checkpoint at `model_config.model` (its preprocessor config)."""
-        hf = model_config.hf_config
-        return cls(load_image_processor(model_config.model), int(hf.image_token_id),
-                   int(hf.vision_config.spatial_merge_size), mm_config.limit_mm_per_prompt,
-                   max_tokens_per_item, MediaConnector(mm_config.allowed_local_media_path))
+    def for_checkpoint(cls, model_path: str, hf_config: Any, limit_per_prompt: dict[str, int],
+                       max_tokens_per_item: int, allowed_local_media_path: str | None
+                       ) -> MultiModalProcessor:
+        """The processor of the checkpoint at `model_path` (its preprocessor config) with
+        its HF config's image token and merge size."""
+        return cls(load_image_processor(model_path), int(hf_config.image_token_id),
+                   int(hf_config.vision_config.spatial_merge_size), limit_per_prompt,
+                   max_tokens_per_item, MediaConnector(allowed_local_media_path))
 
     def chat_images(self, conversation: list[Any]) -> tuple[list[Any], list[Any]]:
         """(the conversation with every image part replaced by a text part holding the

@@ -100,8 +100,10 @@ class Processor:
         if model_config.is_multimodal_model:
             from vllm.multimodal.processing import MultiModalProcessor
 
-            mm_processor = MultiModalProcessor.from_config(
-                model_config, vllm_config.multimodal_config, max_model_len)
+            mm = vllm_config.multimodal_config
+            mm_processor = MultiModalProcessor.for_checkpoint(
+                model_config.model, model_config.hf_config, mm.limit_mm_per_prompt,
+                max_model_len, mm.allowed_local_media_path)
         return cls(
             tokenizer,
             max_model_len,
