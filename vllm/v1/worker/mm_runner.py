@@ -63,9 +63,9 @@ class MultiModalRunner:
         self.free_rows: list[int] = []
         self.rows: dict[str, torch.Tensor] = {}  # mm_hash -> [length] int64 cache rows
         self.images: dict[str, _Images] = {}  # req_id -> its images
-        # The step `prepare` built: positions [3, total] int64, and (flat token indices,
-        # encoder cache rows) of its image tokens or None.
-        self.step_positions: torch.Tensor | None = None
+        # The step `prepare` built: positions [3, total] int64 (host), and (flat token
+        # indices, encoder cache rows) of its image tokens or None.
+        self.step_positions: np.ndarray | None = None
         self.step_image_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ---------------------------------------------------------------- cache
@@ -164,7 +164,7 @@ class MultiModalRunner:
                         first = lo - f.mm_position.offset
                         src.append(self.rows[f.identifier][first:first + hi - lo])
             start += n
-        self.step_positions = torch.from_numpy(mrope).to(self.device)
+        self.step_positions = mrope  # uploaded by forward_args: a graph replay reads none
         self.step_image_rows = None
         if dst:
             self.step_image_rows = (torch.from_numpy(np.concatenate(dst)).to(self.device),
@@ -175,12 +175,13 @@ class MultiModalRunner:
         """(positions [3, total] int64, inputs_embeds [total, hidden] or None) of the
         step `prepare` built, for the eager forward after `input_ids` ([total], on the
         device: with async scheduling the last sampled ids arrive there, not on the host)."""
+        positions = torch.from_numpy(self.step_positions).to(self.device)
         if self.step_image_rows is None:
-            return self.step_positions, None
+            return positions, None
         flat, rows = self.step_image_rows
         embeds = self.model.embed_input_ids(input_ids)
         embeds[flat] = self.cache[rows]
-        return self.step_positions, embeds
+        return positions, embeds
 
     # ---------------------------------------------------------------- warmup
     def worst_case_features(self, num_tokens: int, max_tokens_per_item: int,
