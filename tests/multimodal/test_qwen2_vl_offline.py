@@ -145,3 +145,24 @@ def test_spec_decode_with_a_multimodal_model_is_refused(qwen2_vl_dir):
                       speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="speculative_config is not supported with a multi"):
         args.create_engine_config()
+
+
+def test_preempted_requests_with_images_match(qwen2_vl_dir, qwen2_vl_reference):
+    """A KV cache of a few blocks: requests with images are preempted and recomputed (their
+    images encoded again or taken from the encoder cache); greedy tokens do not change."""
+    from vllm import LLM
+
+    llm = LLM(str(qwen2_vl_dir), dtype="float32", max_model_len=128, max_num_seqs=8,
+              kv_cache_memory_bytes=14 * 8192)  # 14 blocks of 16 tokens (2 layers, fp32)
+    try:
+        cases = [PROMPTS[2], PROMPTS[1], PROMPTS[2], PROMPTS[1], PROMPTS[0], PROMPTS[2]]
+        prompts = [{"prompt": t, "multi_modal_data": _mm(n)} if n else t for t, n in cases]
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.llm_engine.get_scheduler_stats().num_preemptions > 0
+        for out, (text, names) in zip(outs, cases, strict=True):
+            ids = llm.get_tokenizer().encode(text)
+            assert list(out.outputs[0].token_ids) == qwen2_vl_reference(
+                ids, [IMAGES[n] for n in names], 24)
+    finally:
+        llm.llm_engine.shutdown()
