@@ -41,3 +41,36 @@ def test_cuda_greedy_matches_transformers(qwen2_vl_dir, qwen2_vl_reference, no_t
         assert llm.llm_engine.engine_core.plan.encoder_budget >= 16
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_image_requests_compile_no_triton_kernel(qwen2_vl_dir):
+    """After start-up, image requests of every size and chunking compile nothing (the vision
+    tower is torch; the language model's kernels were warmed up on its own path)."""
+    import triton
+
+    from tests.multimodal.qwen2_vl_checkpoint import IMAGE_PLACEHOLDER, image
+    from tests.v1.attention.test_attention_warmup import _num_compiled, _our_kernels
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(str(qwen2_vl_dir), load_format="dummy", dtype="bfloat16", max_model_len=256,
+              max_num_seqs=8, max_num_batched_tokens=32, kv_cache_memory_bytes=64 * 2**20)
+    compiled: list[str] = []
+    kernels = _our_kernels()
+    before = _num_compiled(kernels)
+    knobs = getattr(getattr(triton, "knobs", None), "runtime", None)
+    previous = getattr(knobs, "jit_post_compile_hook", None)
+    if knobs is not None:
+        knobs.jit_post_compile_hook = lambda *a, **k: compiled.append(k.get("repr", "?"))
+    try:
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        for batch, (w, h) in [(1, (50, 50)), (3, (90, 50)), (8, (120, 110)), (2, (56, 200))]:
+            prompts = [{"prompt": f"text {i} {IMAGE_PLACEHOLDER} more text " * 2,
+                        "multi_modal_data": {"image": [image(w, h, i), image(h, w, i + 50)]}}
+                       for i in range(batch)]
+            llm.generate(prompts, params, use_tqdm=False)
+        grown = _num_compiled(kernels) - before
+    finally:
+        if knobs is not None:
+            knobs.jit_post_compile_hook = previous
+        llm.llm_engine.shutdown()
+    assert compiled == [] and grown == 0
