@@ -13,6 +13,7 @@ modules are collected first, so that no worker ends with a long one while the ot
 """
 
 import os
+import tempfile
 
 import pytest
 
@@ -43,6 +44,9 @@ def _cuda_available() -> bool:
 
 def pytest_configure(config):
     _isolate_xdist_worker()
+    # Elastic engines of this run (and of this xdist worker) share a registry of their
+    # own, never the registry of engines the machine runs outside the tests.
+    os.environ["VLLM_KV_REGISTRY_DIR"] = tempfile.mkdtemp(prefix="vllm-kv-registry-")
     config.addinivalue_line("markers", "cuda: needs an NVIDIA GPU (CUDA); skipped without one")
     if not _cuda_available():
         # The test process computes (transformers references, model tests) with the

@@ -238,6 +238,18 @@ _declare("VLLM_ELASTIC_KV_SHRINK_DELAY_S", _number(0, False, "a number of second
     free (or hold only evictable prefix-cache entries) before they are released (0: as
     soon as they are).""")
 
+_declare("VLLM_ELASTIC_KV_SHARING", _flag, True, """
+    With --enable-elastic-kv-cache: 1/true/on: the engine joins its device's registry of
+    elastic engines (what `vllm kv-top` reads), asks the others for memory when it cannot
+    grow and releases reclaimable blocks when another asks. 0/false/off: it does neither
+    (timed idle release only). Any other value, blank included, is an error.""",
+         blank_is_unset=False)
+
+_declare("VLLM_KV_REGISTRY_DIR", _path, None, """
+    Directory of the per-device registry files of elastic engines (vllm-kv-<device>).
+    Default /dev/shm where it exists, else the temp directory. Engines share a device's
+    registry only when they use the same directory.""")
+
 _declare("VLLM_NIXL_SIDE_CHANNEL_HOST", _text, "127.0.0.1", """
     Address the NixlConnector producer's handshake socket (ZMQ REP) listens on when
     kv_connector_extra_config has no side_channel_host.""")

@@ -29,6 +29,16 @@ class CudaAlikePlatform(Platform):
     def device_count(self) -> int:
         return torch.cuda.device_count()
 
+    def device_key(self, device_index: int = 0) -> str:
+        """The GPU's UUID (the same in every process, whatever CUDA_VISIBLE_DEVICES says);
+        the PCI address where torch does not report it."""
+        uuid, pci = torch_device_identity(device_index)
+        if uuid:
+            return uuid
+        if pci:
+            return f"pci-{pci[0]:04x}-{pci[1]:02x}-{pci[2]:02x}"
+        return f"{self.device_type}-{device_index}"
+
     def mem_get_info(self, device_index: int = 0) -> tuple[int, int]:
         free, total = torch.cuda.mem_get_info(device_index)
         return int(free), int(total)

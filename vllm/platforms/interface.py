@@ -65,6 +65,11 @@ class Platform:
         """Devices this process can see (the host counts as one device)."""
         return 1
 
+    def device_key(self, device_index: int = 0) -> str:
+        """A name of the physical device that every process sees alike ("host" for the
+        CPU): what the registry of elastic engines on it is keyed by."""
+        return "host"
+
     def get_vmm_driver(self, device_index: int = 0) -> VmmDriver:
         """The VMM driver for this platform (always returned; `probe()` says if usable)."""
         raise NotImplementedError

@@ -122,6 +122,12 @@ class KVCacheMemory:
         num_blocks: committed blocks, counting the null block.
         num_grows / num_shrinks: how often the elastic cache grew / released
             memory while serving (0 without it).
+        in_use_bytes / reclaimable_bytes / limit_bytes: the elastic cache's
+            blocks that requests hold, that it could release now (free tail
+            blocks, or ones holding only evictable prefix-cache entries, above
+            its floor), and the most it may hold; bytes summed over the ranks
+            (0 without it).
+        num_reclaims: times it released blocks for another engine on the device.
     """
 
     committed_bytes: int
@@ -129,3 +135,7 @@ class KVCacheMemory:
     num_blocks: int
     num_grows: int = 0
     num_shrinks: int = 0
+    in_use_bytes: int = 0
+    reclaimable_bytes: int = 0
+    limit_bytes: int = 0
+    num_reclaims: int = 0

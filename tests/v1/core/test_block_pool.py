@@ -215,3 +215,40 @@ def test_pool_of_only_the_null_block_grows():
     assert _ids(pool.get_new_blocks(2)) == [1, 2]
     with pytest.raises(ValueError, match="num_blocks must be >= 1"):
         BlockPool(0, enable_caching=True)
+
+
+def test_free_tail_count_matches_a_walk_under_random_takes_frees_touches_and_resizes():
+    """num_free_tail_blocks (a lazy max-heap of taken ids, no walk over the pool)
+    agrees with the definition after every operation."""
+    import random
+
+    def walk(pool):
+        n = 0
+        for block in reversed(pool.blocks):
+            if block.is_null or block.ref_cnt:
+                break
+            n += 1
+        return n
+
+    rng = random.Random(7)
+    pool = BlockPool(num_blocks=40, enable_caching=False)
+    held: list = []
+    for _ in range(3000):
+        op = rng.random()
+        if op < 0.35 and pool.get_num_free_blocks():
+            held += pool.get_new_blocks(rng.randint(1, min(4, pool.get_num_free_blocks())))
+        elif op < 0.65 and held:
+            pool.free_blocks([held.pop(rng.randrange(len(held)))])
+        elif op < 0.75 and held:  # a second reference, as a prefix-cache hit takes
+            block = rng.choice(held)
+            pool.touch([block])
+            held.append(block)
+        elif op < 0.85:
+            pool.resize(pool.num_blocks + rng.randint(1, 8))
+        elif op < 0.95:
+            tail = pool.num_free_tail_blocks()
+            pool.resize(pool.num_blocks - rng.randint(0, tail))
+        else:
+            pool.prefer_blocks_below(rng.choice([None, pool.num_blocks // 2]))
+        assert pool.num_free_tail_blocks() == walk(pool)
+    assert len(pool._taken_ids) <= 2 * pool.num_blocks + 64 + 4  # stale entries are bounded

@@ -93,3 +93,65 @@ def test_a_limit_below_what_is_committed_shrinks_at_once_when_the_tail_is_free()
 def test_bad_bounds_are_refused():
     with pytest.raises(ValueError, match="floor"):
         ElasticKVPolicy(committed=10, floor=20, limit=40, chunk=4)
+
+
+class _Pool:
+    """What the policy reads of a KV cache manager: counts only."""
+
+    def __init__(self, num_blocks: int, num_free: int, num_free_tail: int) -> None:
+        self.num_blocks, self.num_free, self.num_free_tail = num_blocks, num_free, num_free_tail
+        self.preferred = None
+
+    def get_num_free_blocks(self) -> int:
+        return self.num_free
+
+    def num_free_tail_blocks(self) -> int:
+        return self.num_free_tail
+
+    def prefer_blocks_below(self, num_blocks) -> None:
+        self.preferred = num_blocks
+
+
+def test_a_timed_shrink_goes_back_to_a_growth_boundary_never_into_one():
+    clock = Clock()
+    p = _policy(clock, shrink_delay_s=0.0)
+    p.adopt(117)
+    p.adopt(149)
+    # Blocks 140.. free, 139 in use: the growth 117..148 cannot go whole, so nothing goes.
+    assert p.target(_Pool(149, 60, 9), blocks_wanted=0) is None
+    # The whole growth free: back to its start.
+    assert p.target(_Pool(149, 60, 32), blocks_wanted=0) == 117
+    # A step in flight (async scheduling) was scheduled when only 10 tail blocks were
+    # free: the blocks freed since may still be written by it, so nothing goes yet.
+    assert p.target(_Pool(149, 60, 32), blocks_wanted=0, safe_tail=10) is None
+    assert p.target(_Pool(149, 60, 32), blocks_wanted=0, safe_tail=32) == 117
+
+
+def test_reclaim_target_gives_a_peer_whole_growths_at_once_and_keeps_the_low_water_mark():
+    clock = Clock()
+    p = _policy(clock)  # shrink_delay_s 5: reclaim does not wait for it
+    for b in (117, 149, 181):
+        p.adopt(b)
+    assert p.boundaries == [85, 117, 149, 181]
+    idle = _Pool(181, 180, 180)
+    # A peer lacks 20 blocks: the last growth (32) is the least that covers it.
+    assert p.reclaim_target(idle, blocks=20, blocks_wanted=0) == 149
+    # It lacks 50: two growths.
+    assert p.reclaim_target(idle, blocks=50, blocks_wanted=0) == 117
+    # It lacks more than everything above the floor: all of it goes.
+    assert p.reclaim_target(idle, blocks=500, blocks_wanted=0) == 85
+    # Block 160 in use (a free tail of 20): no whole growth lies above it.
+    assert p.reclaim_target(_Pool(181, 150, 20), blocks=20, blocks_wanted=0) is None
+    # Its own waiting requests want 120 blocks: it keeps them free (180 - 120 = 60 go at most).
+    assert p.reclaim_target(idle, blocks=500, blocks_wanted=120) == 149
+    # A step in flight saw 40 free tail blocks when it was scheduled: only 141.. may go.
+    assert p.reclaim_target(idle, blocks=500, blocks_wanted=0, safe_tail=40) == 149
+    assert p.num_shrinks == 0  # deciding changes nothing
+
+
+def test_shortfall_is_the_demand_beyond_the_free_blocks_within_the_limit():
+    p = _policy(Clock())  # low water 8, limit 341
+    assert p.shortfall(_Pool(85, 84, 84), blocks_wanted=0) == 0
+    assert p.shortfall(_Pool(85, 4, 0), blocks_wanted=0) == 4  # below the low-water mark
+    assert p.shortfall(_Pool(85, 10, 0), blocks_wanted=100) == 90
+    assert p.shortfall(_Pool(85, 0, 0), blocks_wanted=10_000) == 341 - 85  # the limit caps it

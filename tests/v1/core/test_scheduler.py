@@ -328,7 +328,7 @@ def test_requests_are_checked_against_the_elastic_limit_not_the_committed_blocks
 
 def _target(sched):
     wanted = blocks_wanted(sched.waiting, sched.running, sched.block_size)
-    return sched.elastic.target(sched.kv_cache_manager, wanted, allow_shrink=True)
+    return sched.elastic.target(sched.kv_cache_manager, wanted)
 
 
 def test_the_elastic_policy_drives_the_pool_through_one_verb():

@@ -88,9 +88,11 @@ def test_ranks_with_different_block_sizes_agree_on_floor_chunk_and_limit():
         assert bounds == [ElasticBounds(128, LIMIT, LIMIT, 32)] * 2
 
         # Grow and shrink then move both ranks alike (the engine core asks both
-        # for one count): to 160, back to the floor, never below it.
-        assert [e.grow(160) for e in elastic] == [160, 160]
-        assert [kv.committed_blocks for kv in caches] == [160, 160]
+        # for one count, and takes the smallest reached): asked for 160, each rank
+        # grows to the end of the granules that commits (256 here: rank 0's second
+        # granule, inside rank 1's first), back to the floor, never below it.
+        assert [e.grow(160) for e in elastic] == [256, 256]
+        assert [kv.committed_blocks for kv in caches] == [256, 256]
         assert [e.shrink(64) for e in elastic] == [128, 128]
         assert [kv.committed_blocks for kv in caches] == [128, 128]
     finally:

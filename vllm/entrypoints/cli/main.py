@@ -1,4 +1,5 @@
-"""The `vllm` console script: `vllm serve [MODEL] [flags]`, `vllm --help`, `vllm --version`.
+"""The `vllm` console script: `vllm serve [MODEL] [flags]`, `vllm bench`, `vllm kv-top`,
+`vllm --help`, `vllm --version`.
 
 Parsing imports only argparse and the (torch-free) EngineArgs, so `--help`
 and `--version` answer in a fraction of a second; the server (FastAPI,
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from vllm.entrypoints.cli import kv_top
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.version import __version__
 
@@ -71,6 +73,7 @@ def make_parser() -> argparse.ArgumentParser:
     make_arg_parser(serve)
     serve.set_defaults(dispatch=_cmd_serve)
     _add_bench(subparsers)
+    kv_top.add_parser(subparsers)
     parser.epilog = _options_summary(serve, "serve")
     return parser
 

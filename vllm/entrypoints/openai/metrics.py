@@ -134,6 +134,7 @@ class PrometheusStatLogger:
         self._spec: SpecDecodingProm | None = None  # created with the first spec stats
         self._last_grows = 0
         self._last_shrinks = 0
+        self._last_reclaims = 0
 
     def _add_state_metrics(self, make: _LabelledMetrics) -> None:
         """The batch and the KV cache as they are now (gauges), and the elastic cache's
@@ -166,6 +167,20 @@ class PrometheusStatLogger:
         self.kv_cache_elastic_shrinks = make.counter(
             "vllm:kv_cache_elastic_shrinks",
             "Times the elastic KV cache released free tail blocks.")
+        self.kv_cache_in_use_bytes = make.gauge(
+            "vllm:kv_cache_in_use_bytes",
+            "Elastic KV cache: bytes of the blocks requests hold.")
+        self.kv_cache_reclaimable_bytes = make.gauge(
+            "vllm:kv_cache_reclaimable_bytes",
+            "Elastic KV cache: bytes it could release now (free tail blocks, or ones holding "
+            "only evictable prefix-cache entries, above its floor).")
+        self.kv_cache_limit_bytes = make.gauge(
+            "vllm:kv_cache_limit_bytes",
+            "Elastic KV cache: the most it may commit, bytes (POST /kv_cache/limit sets it).")
+        self.kv_cache_elastic_reclaims = make.counter(
+            "vllm:kv_cache_elastic_reclaims",
+            "Times the elastic KV cache released blocks because another engine on the device "
+            "asked for memory.")
 
     def _add_token_counters(self, make: _LabelledMetrics) -> None:
         """Tokens processed, preemptions, prefix-cache and KV-connector lookups, and
@@ -278,6 +293,11 @@ class PrometheusStatLogger:
                                         self._last_grows)
             self._last_shrinks = _advance(self.kv_cache_elastic_shrinks,
                                           kv_cache_memory.num_shrinks, self._last_shrinks)
+            self._last_reclaims = _advance(self.kv_cache_elastic_reclaims,
+                                           kv_cache_memory.num_reclaims, self._last_reclaims)
+            self.kv_cache_in_use_bytes.set(kv_cache_memory.in_use_bytes)
+            self.kv_cache_reclaimable_bytes.set(kv_cache_memory.reclaimable_bytes)
+            self.kv_cache_limit_bytes.set(kv_cache_memory.limit_bytes)
         else:
             self.kv_cache_num_blocks.set(s.num_blocks)
         if iteration_stats is not None:

@@ -15,6 +15,7 @@ Invariants (checked by tests/v1/core/test_block_pool.py):
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable, Iterator, Sequence
 
 from vllm.logger import init_logger
@@ -100,6 +101,10 @@ class BlockPool:
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         # Elastic cache: hand out ids below this first, so the tail can be released.
         self._prefer_below: int | None = None
+        # Ids of blocks taken (negated: a max-heap), pushed whenever a block's ref_cnt
+        # leaves 0 and dropped lazily once freed: the highest block in use in O(log n),
+        # so the free tail is known every step without a walk over the pool.
+        self._taken_ids: list[int] = []
 
     @property
     def num_blocks(self) -> int:
@@ -139,6 +144,7 @@ class BlockPool:
             self._evict_cached_block(block)
             assert block.ref_cnt == 0, block
             block.ref_cnt = 1
+            heapq.heappush(self._taken_ids, -block.block_id)
         return blocks
 
     def prefer_blocks_below(self, num_blocks: int | None) -> None:
@@ -173,6 +179,7 @@ class BlockPool:
                 continue
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
+                heapq.heappush(self._taken_ids, -block.block_id)
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
@@ -270,13 +277,17 @@ class BlockPool:
         self.free_block_queue.append_n(new_blocks)
 
     def num_free_tail_blocks(self) -> int:
-        """How many blocks at the end of the id range are free (ref_cnt 0): what may shrink."""
-        n = 0
-        for block in reversed(self.blocks):
-            if block.is_null or block.ref_cnt:
-                break
-            n += 1
-        return n
+        """How many blocks at the end of the id range are free (ref_cnt 0): what may shrink.
+
+        O(log n) amortised: the highest taken id, stale entries dropped on the way.
+        """
+        heap, blocks = self._taken_ids, self.blocks
+        while heap and (-heap[0] >= len(blocks) or blocks[-heap[0]].ref_cnt == 0):
+            heapq.heappop(heap)
+        if len(heap) > 2 * len(blocks) + 64:  # stale entries below the top: rebuild
+            heap[:] = [-b.block_id for b in blocks if b.ref_cnt and not b.is_null]
+            heapq.heapify(heap)
+        return len(blocks) - 1 - (-heap[0] if heap else 0)
 
     def _drop_tail(self, num_blocks: int) -> None:
         tail = self.blocks[num_blocks:]

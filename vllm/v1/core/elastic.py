@@ -144,27 +144,70 @@ class ElasticKVPolicy:
             return ElasticDecision("shrink", target)
         return None
 
-    def target(self, kv: KVCacheManager, blocks_wanted: int, allow_shrink: bool) -> int | None:
+    def target(self, kv: KVCacheManager, blocks_wanted: int,
+               safe_tail: int | None = None) -> int | None:
         """The block count to resize to now, or None, from the KV cache manager's pool.
 
-        A shrink target never drops a block in use (it stops at the last one).
-        While a shrink is possible (or wanted but not allowed now: a step in
-        flight may still write a freed block), allocation prefers the ids
-        below it, so the tail empties.
+        Called before every step. A shrink goes back to a growth's boundary
+        (whole driver allocations are released) and never drops a block in
+        use, nor one of the last `safe_tail` that a step in flight may still
+        write (see `lowest_now`). While a shrink is possible, allocation
+        prefers the ids below it, so the tail empties.
         """
-        decision = self.decide(kv.get_num_free_blocks(), kv.num_free_tail_blocks(),
+        decision = self.decide(kv.get_num_free_blocks(), self._free_tail(kv, safe_tail),
                                blocks_wanted)
-        if decision is None or (decision.action == "shrink" and not allow_shrink):
+        if decision is None:
             kv.prefer_blocks_below(self.shrink_target())
             return None
         if decision.action == "grow":
             return decision.num_blocks
-        return max(decision.num_blocks, self.lowest_now(kv))
+        target = self._boundary_at_or_above(
+            max(decision.num_blocks, self.lowest_now(kv, safe_tail)))
+        return None if target >= self.committed else target
 
-    def lowest_now(self, kv: KVCacheManager) -> int:
-        """The fewest blocks the pool can shrink to now: the floor, or more while
-        tail blocks are in use."""
-        return max(self.floor, kv.num_blocks - kv.num_free_tail_blocks())
+    def lowest_now(self, kv: KVCacheManager, safe_tail: int | None = None) -> int:
+        """The fewest blocks the pool can shrink to now: the floor, or more while tail
+        blocks are in use.
+
+        Args:
+            safe_tail: with steps in flight (async scheduling), the fewest free
+                tail blocks any of them saw when it was scheduled: a block freed
+                since may still be written by it. None: no step in flight.
+        """
+        return max(self.floor, kv.num_blocks - self._free_tail(kv, safe_tail))
+
+    @staticmethod
+    def _free_tail(kv: KVCacheManager, safe_tail: int | None) -> int:
+        tail = kv.num_free_tail_blocks()
+        return tail if safe_tail is None else min(tail, safe_tail)
+
+    def shortfall(self, kv: KVCacheManager, blocks_wanted: int) -> int:
+        """Blocks the requests ask for beyond the free ones (with the low-water mark),
+        within the limit: what an engine that cannot grow asks its peers for."""
+        need = max(self.low_water, blocks_wanted) - kv.get_num_free_blocks()
+        return max(0, min(need, self.limit - self.committed))
+
+    def reclaim_target(self, kv: KVCacheManager, blocks: int, blocks_wanted: int,
+                       safe_tail: int | None = None) -> int | None:
+        """The count to shrink to now so that a peer gets `blocks` blocks' worth.
+
+        Reclaim on demand (a peer on the device cannot grow): no delay, whole
+        growths only (a boundary), never a block in use, and the engine keeps
+        max(low-water mark, what its own requests ask for) free. The boundary
+        that releases `blocks` or more and keeps the most, else everything
+        that can go. None: nothing can go now. `safe_tail`: see `lowest_now`.
+        """
+        committed, num_free = self.committed, kv.get_num_free_blocks()
+        keep_free, lowest = max(self.low_water, blocks_wanted), self.lowest_now(kv, safe_tail)
+        feasible = [b for b in self.boundaries[:-1]
+                    if b >= lowest and num_free - (committed - b) >= keep_free]
+        if not feasible:
+            return None
+        enough = [b for b in feasible if committed - b >= blocks]
+        return max(enough) if enough else min(feasible)
+
+    def _boundary_at_or_above(self, num_blocks: int) -> int:
+        return min((b for b in self.boundaries if b >= num_blocks), default=self.committed)
 
     def adopt(self, num_blocks: int) -> None:
         """Record the count the workers reached (after a grow or a shrink)."""

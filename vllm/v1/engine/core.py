@@ -23,16 +23,19 @@ come back from the call that launches step N+1.
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from dataclasses import replace
 from typing import Any
 
 from vllm import envs
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
-from vllm.v1.core.elastic import ElasticKVPolicy, blocks_wanted
+from vllm.v1.core.elastic import ElasticKVPolicy
 from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler, SchedulerStats
+from vllm.v1.engine.elastic_kv import ElasticKVController
 from vllm.v1.engine.startup import start_workers
 from vllm.v1.executor import Executor
 from vllm.v1.outputs import (
@@ -47,6 +50,11 @@ from vllm.v1.worker.gpu_worker import Worker
 from vllm.version import __version__
 
 logger = init_logger(__name__)
+
+# An idle elastic engine in a device registry looks for its peers' demands this
+# often (a read of a few KiB of shared memory; ~0 CPU): an idle engine holding
+# memory another one needs answers within this, not at its next request.
+ELASTIC_IDLE_POLL_S = 0.02
 
 
 class EngineCore:
@@ -85,9 +93,18 @@ class EngineCore:
             self.model_executor.shutdown()  # no rank keeps its memory after a failed start
             raise
         self.scheduler = self._make_scheduler(bounds)
+        self.elastic_kv: ElasticKVController | None = None
+        if self.scheduler.elastic is not None:
+            share_as = (vllm_config.model_config.served_model_name
+                        if envs.VLLM_ELASTIC_KV_SHARING else None)
+            self.elastic_kv = ElasticKVController(
+                self.scheduler, self.model_executor.collective_rpc, share_as, time.monotonic)
         self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
         # Async scheduling: steps launched whose outputs are not yet applied (at most 2).
-        self._batch_queue: deque[tuple[SchedulerOutput, Any]] = deque()
+        # Each entry: the step, its output to come, and the pool's free tail blocks when it
+        # was scheduled (an elastic shrink may drop only blocks free then: the step may
+        # write any block that was taken).
+        self._batch_queue: deque[tuple[SchedulerOutput, Any, int]] = deque()
         self._scheduled_req_ids: list[str] = []  # of the last (possibly failed) step
         self._kv_memory: KVCacheMemory | None = None  # cached; None = read it again
         self._sleeping: bool | None = False
@@ -228,17 +245,18 @@ class EngineCore:
                 self._scheduled_req_ids = list(scheduler_output.num_scheduled_tokens)
                 runner_output = self._execute(scheduler_output)
                 if not scheduler_output.is_empty:
-                    queue.append((scheduler_output, runner_output))
+                    tail = self.scheduler.kv_cache_manager.num_free_tail_blocks()
+                    queue.append((scheduler_output, runner_output, tail))
                     launched = True
             if not queue or (launched and len(queue) == 1):
                 return []  # nothing was in flight: launch the next step before waiting
-            scheduler_output, runner_output = queue[0]
+            scheduler_output, runner_output, _ = queue[0]
             outputs = self.scheduler.update_from_output(
                 scheduler_output, _resolve(runner_output))
             queue.popleft()
             return outputs
         except BaseException:
-            in_flight = [r for so, _ in queue for r in so.num_scheduled_tokens]
+            in_flight = [r for so, _, _ in queue for r in so.num_scheduled_tokens]
             self._scheduled_req_ids = list(dict.fromkeys([*in_flight, *self._scheduled_req_ids]))
             queue.clear()
             raise
@@ -246,56 +264,30 @@ class EngineCore:
     def _drain_batch_queue(self) -> None:
         """Wait for the steps in flight and apply their outputs (before memory goes away)."""
         while self._batch_queue:
-            scheduler_output, runner_output = self._batch_queue.popleft()
+            scheduler_output, runner_output, _ = self._batch_queue.popleft()
             self.scheduler.update_from_output(scheduler_output, _resolve(runner_output))
 
     # ------------------------------------------------------ the elastic cache
     def adjust_kv_cache(self) -> bool:
-        """Grow or shrink the elastic cache as its policy asks (a no-op otherwise).
+        """Grow, shrink or release for a peer engine as the elastic policy asks (a no-op
+        without the elastic cache, or asleep); see `ElasticKVController.adjust`.
 
-        Called before every step and at every idle poll of the engine loop.
-        Growth: the workers commit first (each as far as its free memory
-        allows; the ranks agree on the smallest count), then the scheduler
-        adopts the count. Shrink: the scheduler's block pool drops the free
-        tail first (evicting prefix-cache entries there), then the workers
-        release the pages. With async scheduling a shrink waits until no step
-        is in flight (a block freed after a step was launched can be one that
-        step writes).
+        Called before every step and at every idle poll of the engine loop. With
+        async scheduling a shrink waits until no step is in flight (a block freed
+        after a step was launched can be one that step writes).
 
         Returns:
-            True when the committed block count changed.
+            True when the committed block count, or a figure `kv_cache_memory()`
+            reports (in use, reclaimable), changed.
         """
-        if not self.scheduler.is_elastic or self.is_sleeping():
+        if self.elastic_kv is None or self.is_sleeping():
             return False
-        s = self.scheduler
-        wanted = blocks_wanted(s.waiting, s.running, s.block_size)
-        target = s.elastic.target(s.kv_cache_manager, wanted, allow_shrink=not self._batch_queue)
-        if target is None:
-            return False
-        changed = (self._grow_kv_cache(target) if target > self.scheduler.num_blocks
-                   else self._shrink_kv_cache(target))
+        in_flight = [tail for _, _, tail in self._batch_queue]
+        version = self.elastic_kv.figures_version
+        changed = self.elastic_kv.adjust(min(in_flight) if in_flight else None)
         if changed:
             self._kv_memory = None
-        return changed
-
-    def _grow_kv_cache(self, num_blocks: int) -> bool:
-        run = self.model_executor.collective_rpc
-        per_rank = run(Worker.grow_kv_cache, args=(num_blocks,))
-        reached = min(per_rank)
-        if max(per_rank) > reached:
-            # A rank that reached more gives the excess back: every rank holds the same count.
-            reached = min(run(Worker.shrink_kv_cache, args=(reached,)))
-        if reached <= self.scheduler.num_blocks:
-            return False
-        self.scheduler.resize_kv_cache(reached)
-        return True
-
-    def _shrink_kv_cache(self, num_blocks: int) -> bool:
-        if num_blocks >= self.scheduler.num_blocks:
-            return False
-        self.scheduler.resize_kv_cache(num_blocks)  # only free tail blocks go
-        self.model_executor.collective_rpc(Worker.shrink_kv_cache, args=(num_blocks,))
-        return True
+        return changed or self.elastic_kv.figures_version != version
 
     def set_kv_cache_limit(self, limit_bytes: int | None) -> int:
         """A runtime ceiling for the elastic cache in bytes (None: the start-up limit).
@@ -310,15 +302,18 @@ class EngineCore:
             RuntimeError: the elastic cache is off.
             ValueError: a negative limit.
         """
-        if not self.scheduler.is_elastic:
+        if self.elastic_kv is None:
             raise RuntimeError("a KV cache limit needs --enable-elastic-kv-cache")
-        bounds = self.model_executor.collective_rpc(
-            Worker.set_kv_cache_limit, args=(limit_bytes,))
-        limit = min(b.limit for b in bounds)
-        self.scheduler.elastic.set_limit(limit)
-        self.adjust_kv_cache()
+        limit = self.elastic_kv.set_limit(limit_bytes)
         self._kv_memory = None
         return limit
+
+    @property
+    def idle_poll_s(self) -> float | None:
+        """How often the idle engine loop must call `adjust_kv_cache` (None: only when
+        woken): an engine in a device registry answers its peers' demands."""
+        sharing = self.elastic_kv is not None and self.elastic_kv.sharing is not None
+        return ELASTIC_IDLE_POLL_S if sharing else None
 
     # ----------------------------------------------------------------- sleep
     def sleep(self, level: int = 1) -> None:
@@ -332,10 +327,8 @@ class EngineCore:
         # workers deregister and release), the prefix cache emptied.
         self.scheduler.prepare_for_sleep()
         self._kv_memory = self._sleeping = None
-        if self.scheduler.is_elastic:  # wake commits the floor, then grows what fits
-            self._blocks_before_sleep = self.scheduler.num_blocks
-            s = self.scheduler
-            self._shrink_kv_cache(s.elastic.lowest_now(s.kv_cache_manager))
+        if self.elastic_kv is not None:  # wake commits the floor, then grows what fits
+            self._blocks_before_sleep = self.elastic_kv.before_sleep()
         self.model_executor.collective_rpc(Worker.sleep, args=(level,))
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
@@ -351,8 +344,8 @@ class EngineCore:
         if kv_was_asleep and not self._kv_cache_asleep():
             # The workers registered the woken KV memory again: new transfer metadata.
             self.connector.set_xfer_handshake_metadata(self._connector_handshake())
-        if self.scheduler.is_elastic and not self.is_sleeping():
-            self._grow_kv_cache(self._blocks_before_sleep)
+        if self.elastic_kv is not None and not self.is_sleeping():
+            self.elastic_kv.after_wake(self._blocks_before_sleep)
             self._kv_memory = None
         return reload
 
@@ -391,7 +384,17 @@ class EngineCore:
                 num_grows=num_grows,
                 num_shrinks=num_shrinks,
             )
-        return self._kv_memory
+        if self.elastic_kv is None:
+            return self._kv_memory
+        # What the requests use and what could go now change every step: from the
+        # controller's last publication (no worker round trip).
+        ekv, kv = self.elastic_kv, self.scheduler.kv_cache_manager
+        in_use = kv.num_blocks - 1 - kv.get_num_free_blocks()
+        return replace(self._kv_memory,
+                       in_use_bytes=in_use * ekv.block_bytes,
+                       reclaimable_bytes=ekv.figures["reclaimable"] * ekv.block_bytes,
+                       limit_bytes=self.scheduler.elastic.limit * ekv.block_bytes,
+                       num_reclaims=ekv.num_reclaims)
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
@@ -400,6 +403,8 @@ class EngineCore:
         """Stop every worker (their device memory returns; processes are reaped)."""
         if self.connector is not None:
             self.connector.shutdown()
+        if self.elastic_kv is not None:
+            self.elastic_kv.close()
         self._batch_queue.clear()
         self.model_executor.shutdown()
 

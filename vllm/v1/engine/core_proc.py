@@ -155,10 +155,10 @@ class EngineCoreProc:
             elif core.has_pending_kv_transfers():
                 timeout = _TRANSFER_POLL_S
             else:
-                timeout = _IDLE_POLL_S
+                timeout = core.idle_poll_s or _IDLE_POLL_S
             if not self._drain_inputs(timeout):
                 return self.dead_reason
-            if not busy and core.adjust_kv_cache():  # the elastic cache shrinks while idle
+            if not busy and core.adjust_kv_cache():  # shrinks, or answers a peer, while idle
                 self._send_outputs()
             if core.has_unfinished_requests() or core.has_pending_kv_transfers():
                 self._step()

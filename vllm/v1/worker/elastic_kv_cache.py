@@ -11,6 +11,11 @@ too (the start-up sizing is kv_cache_sizing.py's):
                less a headroom (`kv_cache_sizing.elastic_growth_blocks`) and
                never past the limit (gpu_memory_utilization x total, the use
                cap, a runtime limit); returns the count it reached
+    grow_ahead(n)  the same on a helper thread (what serving uses): returns at
+               once with the count usable now and whether a growth runs; the
+               next call after it ended reports the new count, so the
+               scheduler adopts the blocks at a step boundary and no step
+               waits for the driver's create / map / set-access / zeroing
     shrink(n)  release the tail blocks n.. (the block pool gave them up
                first); memory returns in whole driver allocations
 
@@ -21,11 +26,16 @@ too (the start-up sizing is kv_cache_sizing.py's):
 
 Live blocks never move and the base address never changes, so CUDA graphs
 captured at start-up stay valid (nothing is re-captured: growth and shrink
-happen between steps, outside any graph).
+happen between steps, outside any graph; a background growth maps pages past
+every block the scheduler hands out, and its blocks are handed out only
+after it ended). Everything else (shrink, sync grow, limit, sleep) first
+waits for a growth in flight.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -153,6 +163,9 @@ class ElasticKVCache:
         self.kv_cache = kv_cache
         self.memory = memory
         self.agree = agree or _alone
+        self._growth: threading.Thread | None = None
+        self._blocks_before_growth = 0
+        self.thread_init: Callable[[], None] = lambda: None  # the device, current on the thread
         config = kv_cache.config
         floor = elastic_floor_blocks(
             max_limit, max_blocks_per_request, config.block_stride, config.num_segments,
@@ -179,6 +192,7 @@ class ElasticKVCache:
         Raises:
             ValueError: a negative limit.
         """
+        self.wait_for_growth()
         b = self.bounds
         if limit_bytes is None:
             limit = b.max_limit
@@ -199,28 +213,80 @@ class ElasticKVCache:
 
     def grow(self, num_blocks: int) -> int:
         """Commit up to `num_blocks` blocks where memory is free now; returns the count reached."""
+        self.wait_for_growth()
+        target = self._growth_target(num_blocks)
+        if target is not None:
+            self._extend(target)
+        return self.kv_cache.committed_blocks
+
+    def grow_ahead(self, num_blocks: int) -> tuple[int, bool]:
+        """Start committing up to `num_blocks` on a helper thread, unless one runs.
+
+        Returns:
+            (blocks committed and usable now, whether a growth is in flight).
+            A growth that ended since the last call is included in the count.
+        """
+        if self._growth is not None:
+            if self._growth.is_alive():
+                return self._blocks_before_growth, True
+            self.wait_for_growth()
+        target = self._growth_target(num_blocks)
+        if target is None:
+            return self.kv_cache.committed_blocks, False
+        self._blocks_before_growth = self.kv_cache.committed_blocks
+        self._growth = threading.Thread(target=self._grow_on_thread, args=(target,),
+                                        name="elastic-kv-growth", daemon=True)
+        self._growth.start()
+        return self._blocks_before_growth, True
+
+    def wait_for_growth(self) -> None:
+        """Wait for a growth in flight to end (a failure was logged by it)."""
+        if self._growth is not None:
+            self._growth.join()
+            self._growth = None
+
+    def _grow_on_thread(self, target: int) -> None:
+        try:
+            self.thread_init()
+            self._extend(target)
+        except BaseException as e:  # reported by the log; the count stays
+            logger.warning("Elastic KV cache: growth to %d blocks failed (%s)", target, e)
+
+    def _growth_target(self, num_blocks: int) -> int | None:
+        """The count to commit now (what fits into free memory, within the limits), or
+        None when that is not more than what is committed."""
         kv = self.kv_cache
-        before = kv.committed_blocks
         fits = elastic_growth_blocks(
             free=self.memory.free_bytes(), total=self.memory.total,
             committed_bytes=kv.committed_bytes, block_stride=kv.config.block_stride,
             num_segments=kv.config.num_segments, granularity=kv.granularity,
         )
-        target = min(num_blocks, self.bounds.limit, kv.capacity_blocks, fits)
-        if target <= before:
-            return before
-        bytes_before = kv.committed_bytes
+        bound = min(self.bounds.limit, kv.capacity_blocks, fits)
+        # Up to the end of the granules the growth commits anyway: those blocks cost no
+        # more bytes, and every growth then ends on a granule, so the shrink back to
+        # it releases memory (a shrink inside a granule released nothing, issue #48).
+        target = min(sizing.blocks_filling_granules(
+            min(num_blocks, bound), kv.config.block_stride, kv.config.num_segments,
+            kv.granularity), bound)
+        return target if target > kv.committed_blocks else None
+
+    def _extend(self, target: int) -> None:
+        kv = self.kv_cache
+        before, bytes_before = kv.committed_blocks, kv.committed_bytes
+        start = time.perf_counter()
         try:
             kv.extend_kv_cache(target)
         except VmmError as e:  # another process took the memory first: stay as we are
             logger.warning("Elastic KV cache: could not grow to %d blocks (%s)", target, e)
-            return kv.committed_blocks
-        logger.info("Elastic KV cache: grew %s (%d -> %d blocks)",
-                    _change(bytes_before, kv.committed_bytes), before, target)
-        return target
+            return
+        where = "on a helper thread" if threading.current_thread() is self._growth else "now"
+        logger.info("Elastic KV cache: grew %s (%d -> %d blocks) in %.1f ms, %s",
+                    _change(bytes_before, kv.committed_bytes), before, target,
+                    (time.perf_counter() - start) * 1e3, where)
 
     def shrink(self, num_blocks: int) -> int:
         """Release blocks `num_blocks..` (free in the block pool); returns the count kept."""
+        self.wait_for_growth()
         kv = self.kv_cache
         before, bytes_before = kv.committed_blocks, kv.committed_bytes
         num_blocks = max(num_blocks, self.bounds.floor)

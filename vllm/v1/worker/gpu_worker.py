@@ -392,8 +392,10 @@ class Worker:
         per_request = -(-self.config.model_config.max_model_len // block_size)
         self.elastic = ElasticKVCache(self.kv_cache, self.memory, limit, per_request,
                                       agree=self.agree_num_blocks)
+        self.elastic.thread_init = lambda: self.platform.init_device(self.device)
         floor = self.elastic.bounds.floor  # agreed across ranks
         self.extend_kv_cache(floor)
+        self._bound_kv_blocks = floor  # the count the runner's views were last bound at
         logger.info(
             "Elastic KV cache: committed %.2f GiB (%d blocks) at start-up; grows while serving "
             "up to %d blocks, in chunks of %d blocks, into memory free at the time",
@@ -407,11 +409,31 @@ class Worker:
         return None if self.elastic is None else self.elastic.bounds
 
     @rpc
+    def kv_cache_device(self) -> tuple[str, int]:
+        """(the device's key for the elastic engines' registry, bytes of one KV block here)."""
+        config = self.kv_cache.config
+        return (self.platform.device_key(self.device.index or 0),
+                config.block_stride * config.num_segments)
+
+    @rpc
     def grow_kv_cache(self, num_blocks: int) -> int:
         """Commit up to `num_blocks` blocks where memory is free now; returns the count reached."""
         reached = self.elastic.grow(num_blocks)
         self.model_runner.bind_kv_cache(self.kv_cache.views)
         return reached
+
+    @rpc
+    def grow_kv_cache_ahead(self, num_blocks: int) -> tuple[int, bool]:
+        """Commit up to `num_blocks` blocks on a helper thread (see `ElasticKVCache.grow_ahead`).
+
+        Returns:
+            (blocks usable now, their views bound; whether a growth is in flight).
+        """
+        reached, in_flight = self.elastic.grow_ahead(num_blocks)
+        if reached != self._bound_kv_blocks:
+            self.model_runner.bind_kv_cache(self.kv_cache.views)
+            self._bound_kv_blocks = reached
+        return reached, in_flight
 
     @rpc
     def shrink_kv_cache(self, num_blocks: int) -> int:
@@ -470,6 +492,8 @@ class Worker:
         """
         if self.sleep_state is None:
             raise RuntimeError("sleep needs enable_sleep_mode=True and the extensible KV cache")
+        if self.elastic is not None:
+            self.elastic.wait_for_growth()  # no page may be mapped while they are released
         self.sleep_state.sleep(level, self.kv_connector)
 
     @rpc
@@ -499,6 +523,8 @@ class Worker:
 
     # -------------------------------------------------------------- shutdown
     def shutdown(self) -> None:
+        if self.elastic is not None:
+            self.elastic.wait_for_growth()
         if self.kv_connector is not None:
             self.kv_connector.shutdown()  # deregister before the memory goes
             self.kv_connector = None

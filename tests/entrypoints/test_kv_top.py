@@ -1,0 +1,52 @@
+"""`vllm kv-top`: the device registries as a table and as JSON (no engine, no torch)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from vllm.v1.core.device_registry import DeviceKVRegistry
+
+GiB = 1 << 30
+
+
+def _kv_top(tmp_path, *flags):
+    return subprocess.run(
+        [sys.executable, "-m", "vllm.entrypoints.cli.main", "kv-top", "--once",
+         "--registry-dir", str(tmp_path), *flags],
+        capture_output=True, text=True, timeout=60)
+
+
+def test_one_line_per_engine_and_a_device_total(tmp_path):
+    a, b = DeviceKVRegistry("GPU-1234", tmp_path), DeviceKVRegistry("GPU-1234", tmp_path)
+    a.register("Llama-3-8B")
+    a.update(committed=40 * GiB, in_use=10 * GiB, reclaimable=24 * GiB, limit=60 * GiB)
+    b.register("Qwen2.5-0.5B")
+    b.update(committed=2 * GiB, in_use=2 * GiB, limit=30 * GiB, wanted=6 * GiB)
+    try:
+        out = _kv_top(tmp_path)
+        assert out.returncode == 0, out.stderr
+        lines = out.stdout.splitlines()
+        assert lines[0].split() == ["DEVICE", "PID", "MODEL", "COMMITTED", "IN", "USE",
+                                    "RECLAIMABLE", "LIMIT", "WANTED"]
+        assert "Llama-3-8B" in lines[1] and "40.00 GiB" in lines[1] and "24.00 GiB" in lines[1]
+        assert lines[1].rstrip().endswith("-")  # no unmet demand
+        assert "Qwen2.5-0.5B" in lines[2] and lines[2].rstrip().endswith("6.00 GiB")
+        assert "(2 engines)" in lines[3] and "42.00 GiB" in lines[3]
+
+        snapshot = json.loads(_kv_top(tmp_path, "--json").stdout)
+        (engines,) = snapshot["devices"].values()
+        assert [e["name"] for e in engines] == ["Llama-3-8B", "Qwen2.5-0.5B"]
+        assert engines[1]["wanted"] == 6 * GiB
+    finally:
+        a.close()
+        b.close()
+    assert _kv_top(tmp_path).stdout.strip() == "no elastic engine is running (none registered)"
+
+
+def test_a_bad_interval_is_a_usage_error(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "vllm.entrypoints.cli.main", "kv-top", "--interval", "0"],
+        capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "must be > 0" in out.stderr

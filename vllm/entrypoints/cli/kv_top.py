@@ -1,0 +1,107 @@
+"""`vllm kv-top`: the elastic KV caches of every engine on this machine's devices, live.
+
+Reads the per-device registries (`vllm/v1/core/device_registry.py`) that
+elastic engines (`--enable-elastic-kv-cache`) keep in shared memory; starts
+no engine, touches no GPU, imports no torch. One line per engine: device,
+pid, model, committed, in use, reclaimable, limit, and an unmet demand
+(`WANTED`: it could not grow and asked the others). kvcached ships the same
+view as `kvtop`.
+
+    vllm kv-top                 # refresh every second until Ctrl-C
+    vllm kv-top --once --json   # one snapshot, machine-readable
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+
+GiB = 1 << 30
+_COLUMNS = ("DEVICE", "PID", "MODEL", "COMMITTED", "IN USE", "RECLAIMABLE", "LIMIT", "WANTED")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "kv-top",
+        help="Show the elastic KV cache of every engine on this machine's devices, live.",
+        description="One line per elastic engine (--enable-elastic-kv-cache) on each device: "
+                    "committed, in use, reclaimable and limit (GiB), and what it lacks when "
+                    "it could not grow. Read from the engines' shared-memory registry.",
+        usage="vllm kv-top [options]",
+    )
+    parser.add_argument("--interval", type=_positive, default=1.0,
+                        help="Seconds between refreshes (default: %(default)s).")
+    parser.add_argument("--once", action="store_true", help="Print one snapshot and exit.")
+    parser.add_argument("--json", action="store_true",
+                        help="JSON (one object per snapshot: device -> engines, bytes).")
+    parser.add_argument("--registry-dir", default=None,
+                        help="Where the registries are (default: VLLM_KV_REGISTRY_DIR, "
+                             "else /dev/shm).")
+    parser.set_defaults(dispatch=run)
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def snapshot(directory: str | None = None) -> dict[str, list[dict]]:
+    """{device key: [each live engine's slot as a dict, bytes]} of every registry."""
+    from vllm.v1.core.device_registry import DeviceKVRegistry, registered_devices
+
+    devices: dict[str, list[dict]] = {}
+    for key in registered_devices(directory):
+        registry = DeviceKVRegistry(key, directory)
+        try:
+            devices[key] = [asdict(slot) for slot in registry.engines()]
+        finally:
+            registry.close()
+    return devices
+
+
+def render(devices: dict[str, list[dict]]) -> str:
+    """The table (GiB), a line per engine, and a total line per device with several."""
+    rows = [_COLUMNS]
+    for key, engines in devices.items():
+        for e in engines:
+            rows.append((key[:12], str(e["pid"]), e["name"][-32:], *(
+                _gib(e[f]) for f in ("committed", "in_use", "reclaimable", "limit")),
+                _gib(e["wanted"]) if e["wanted"] else "-"))
+        if len(engines) > 1:
+            rows.append((key[:12], "", f"({len(engines)} engines)", *(
+                _gib(sum(e[f] for e in engines))
+                for f in ("committed", "in_use", "reclaimable")), "", ""))
+    if len(rows) == 1:
+        return "no elastic engine is running (none registered)"
+    widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
+    left = {0, 2}
+    return "\n".join(
+        "  ".join(c.ljust(w) if i in left else c.rjust(w)
+                  for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip()
+        for r in rows)
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / GiB:.2f} GiB"
+
+
+def run(args: argparse.Namespace) -> int:
+    live = not args.once and sys.stdout.isatty() and not args.json
+    try:
+        while True:
+            devices = snapshot(args.registry_dir)
+            text = (json.dumps({"time": time.time(), "devices": devices}) if args.json
+                    else render(devices))
+            if live:
+                sys.stdout.write("\x1b[H\x1b[2J")  # home, clear: a refreshing screen
+            print(text, flush=True)
+            if args.once:
+                return 0
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0

@@ -1,0 +1,228 @@
+"""The engine core's side of the elastic KV cache: carry the policy out, share the device.
+
+`ElasticKVController` is a component of the `EngineCore` (its `elastic_kv`
+field, with `--enable-elastic-kv-cache`). Between steps, and at every idle
+poll of the engine loop, `adjust()`:
+
+    1. asks the scheduler's policy (`ElasticKVPolicy.target`) what block count
+       it wants, from the requests' demand (`blocks_wanted`);
+    2. grows: each worker commits on a helper thread, as far as free memory
+       allows (`Worker.grow_kv_cache_ahead`); once every rank's growth ended,
+       at a step boundary, the ranks agree on the smallest count and the
+       scheduler adopts it; no step waits for the driver. What the requests
+       still lack with no growth under way is published as a demand to the
+       device's other elastic engines (`DeviceSharing.want`);
+       shrinks: the scheduler's pool drops the free tail, then the workers
+       release the pages;
+    3. answers a peer's demand: releases reclaimable tail blocks at once
+       (`ElasticKVPolicy.reclaim_target`), not after the idle timer;
+    4. publishes committed / in-use / reclaimable / limit to the registry
+       (`vllm kv-top`, /metrics), at most every `PUBLISH_S`.
+
+With async scheduling a step is in flight while this runs: only the tail
+blocks that were free when every step in flight was scheduled may go (a
+block freed since may still be one such a step writes); the workers wait for
+the device before they unmap.
+Nothing here runs inside a step; a release takes the driver calls' time
+(~0.1-0.4 ms per 1-8 GiB on the H200, docs/elastic_kv_cache.md).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from vllm.logger import init_logger
+from vllm.v1.core.elastic import blocks_wanted
+from vllm.v1.core.elastic_sharing import DeviceShare, DeviceSharing
+from vllm.v1.worker.gpu_worker import Worker
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+logger = init_logger(__name__)
+
+# How often the registry's figures of this engine are refreshed (a demand and
+# an answer are written at once, whatever this says). Reading what is reclaimable
+# walks the pool's free tail: not every step.
+PUBLISH_S = 0.25
+
+
+class ElasticKVController:
+    """Grows, shrinks and shares one engine's elastic KV cache between steps.
+
+    Args:
+        scheduler: the engine's scheduler (its `elastic` policy is set).
+        collective_rpc: the executor's `collective_rpc` (every rank answers).
+        share_as: the name this engine has in its device's registry (the
+            served model name); None: no registry (`VLLM_ELASTIC_KV_SHARING=0`).
+        clock: seconds, monotonic.
+
+    Raises:
+        OSError / RuntimeError: the registry cannot be joined (see `DeviceSharing`).
+    """
+
+    def __init__(self, scheduler: Scheduler, collective_rpc: Callable[..., list[Any]],
+                 share_as: str | None, clock: Callable[[], float]) -> None:
+        self.scheduler = scheduler
+        self.policy = scheduler.elastic
+        self.run = collective_rpc
+        self.clock = clock
+        self.sharing: DeviceSharing | None = None
+        self.block_bytes = 0  # summed over the ranks
+        # Blocks: committed, in_use, reclaimable, floor, limit, as last published.
+        self.figures: dict[str, int] = {}
+        self.figures_version = 0
+        self._published_at = float("-inf")
+        devices: dict[str, int] = {}
+        for key, block_bytes in self.run(Worker.kv_cache_device):
+            devices[key] = devices.get(key, 0) + block_bytes
+        self.block_bytes = sum(devices.values())
+        if share_as is not None:
+            self.sharing = DeviceSharing([DeviceShare(k, b) for k, b in devices.items()],
+                                         _display_name(share_as), clock=clock)
+        self.publish(force=True)
+
+    @property
+    def num_reclaims(self) -> int:
+        """Peers' demands this engine answered by releasing blocks."""
+        return 0 if self.sharing is None else self.sharing.num_reclaims
+
+    # ----------------------------------------------------------- the step
+    def adjust(self, safe_tail: int | None = None) -> bool:
+        """Grow, shrink or release for a peer as needed now; True when the count changed.
+
+        Args:
+            safe_tail: with steps in flight (async scheduling), the fewest free
+                tail blocks any of them saw when it was scheduled (only those may
+                go: a block freed since may still be written); None: none in flight.
+        """
+        s, policy = self.scheduler, self.policy
+        kv = s.kv_cache_manager
+        wanted = blocks_wanted(s.waiting, s.running, s.block_size)
+        target = policy.target(kv, wanted, safe_tail)
+        changed, lacking = False, 0
+        if target is not None and target > s.num_blocks:
+            changed, in_flight = self.grow_ahead(target)
+            # What the requests still lack once no growth of ours is under way: ask the
+            # device's other engines for it.
+            lacking = 0 if in_flight else policy.shortfall(kv, wanted)
+        elif target is not None:
+            changed = self.shrink(target)
+        if self.sharing is not None:
+            self.sharing.want(lacking)
+            if not lacking:
+                changed = self._answer_peers(wanted, safe_tail) or changed
+        self.publish(force=changed)
+        return changed
+
+    def _answer_peers(self, wanted: int, safe_tail: int | None) -> bool:
+        kv, planned = self.scheduler.kv_cache_manager, []
+
+        def release_for(blocks: int) -> int:
+            target = self.policy.reclaim_target(kv, blocks, wanted, safe_tail)
+            planned.append(target)
+            return 0 if target is None else self.scheduler.num_blocks - target
+
+        if not self.sharing.answer(release_for) or planned[-1] is None:
+            return False
+        return self.shrink(planned[-1])
+
+    def grow(self, num_blocks: int) -> bool:
+        """The workers commit up to `num_blocks` now, then the scheduler adopts what they
+        reached (wake; `grow_ahead` while serving)."""
+        return self._adopt_grown(self.run(Worker.grow_kv_cache, args=(num_blocks,)))
+
+    def grow_ahead(self, num_blocks: int) -> tuple[bool, bool]:
+        """Have each worker commit up to `num_blocks` on a helper thread; adopt a growth
+        that ended on every rank.
+
+        Returns:
+            (the count changed, a growth is still in flight on some rank).
+        """
+        replies = self.run(Worker.grow_kv_cache_ahead, args=(num_blocks,))
+        if any(in_flight for _, in_flight in replies):
+            return False, True
+        return self._adopt_grown([reached for reached, _ in replies]), False
+
+    def _adopt_grown(self, per_rank: list[int]) -> bool:
+        reached = min(per_rank)
+        if max(per_rank) > reached:
+            # A rank that reached more gives the excess back: every rank holds the same count.
+            reached = min(self.run(Worker.shrink_kv_cache, args=(reached,)))
+        if reached <= self.scheduler.num_blocks:
+            return False
+        self.scheduler.resize_kv_cache(reached)
+        return True
+
+    def shrink(self, num_blocks: int) -> bool:
+        """Drop the free tail from the scheduler's pool, then release its pages on the workers."""
+        if num_blocks >= self.scheduler.num_blocks:
+            return False
+        self.scheduler.resize_kv_cache(num_blocks)  # only free tail blocks go
+        self.run(Worker.shrink_kv_cache, args=(num_blocks,))
+        return True
+
+    def publish(self, force: bool = False) -> None:
+        """Refresh this engine's figures (what `/metrics` and the device registry show),
+        at most every `PUBLISH_S` unless forced; `figures_version` counts the changes."""
+        now = self.clock()
+        if not force and now - self._published_at < PUBLISH_S:
+            return
+        self._published_at = now
+        s, policy = self.scheduler, self.policy
+        kv = s.kv_cache_manager
+        committed = s.num_blocks
+        wanted = blocks_wanted(s.waiting, s.running, s.block_size)
+        keep = policy.reclaim_target(kv, committed, wanted)  # all that can go now
+        figures = dict(committed=committed, in_use=committed - 1 - kv.get_num_free_blocks(),
+                       reclaimable=0 if keep is None else committed - keep,
+                       floor=policy.floor, limit=policy.limit)
+        if figures == self.figures:
+            return
+        self.figures = figures
+        self.figures_version += 1
+        if self.sharing is not None:
+            self.sharing.publish(**figures)
+
+    # ------------------------------------------------------ limit, sleep
+    def set_limit(self, limit_bytes: int | None) -> int:
+        """A runtime ceiling in bytes (None: the start-up limit); returns it in blocks.
+
+        Raises:
+            ValueError: a negative limit.
+        """
+        bounds = self.run(Worker.set_kv_cache_limit, args=(limit_bytes,))
+        limit = min(b.limit for b in bounds)
+        self.policy.set_limit(limit)
+        self.adjust()
+        self.publish(force=True)
+        return limit
+
+    def before_sleep(self) -> int:
+        """Shrink to the floor (the pool is empty by now); returns the count to wake back to."""
+        before = self.scheduler.num_blocks
+        self.shrink(self.policy.lowest_now(self.scheduler.kv_cache_manager))
+        self.publish(force=True)
+        return before
+
+    def after_wake(self, num_blocks: int) -> None:
+        """Grow back towards the pre-sleep count, as far as memory is free now."""
+        self.grow(num_blocks)
+        self.publish(force=True)
+
+    def close(self) -> None:
+        """Leave the device registry (nothing of this engine stays there)."""
+        if self.sharing is not None:
+            self.sharing.close()
+            self.sharing = None
+
+
+def _display_name(model: str) -> str:
+    """A model path's last component (a GGUF file's name without ".gguf"), else `model`."""
+    if os.sep not in model:
+        return model
+    name = Path(model.rstrip(os.sep)).name
+    return name[:-len(".gguf")] if name.endswith(".gguf") else name
