@@ -166,3 +166,12 @@ def test_preempted_requests_with_images_match(qwen2_vl_dir, qwen2_vl_reference):
                 ids, [IMAGES[n] for n in names], 24)
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_start_up_plan_names_the_encoder_budget(vl_llm):
+    """Default budget: max(max_num_batched_tokens = 512 on the CPU, one worst-case image of
+    16 tokens); the cache [512, hidden 64] fp32 is held and named."""
+    plan = vl_llm.llm_engine.engine_core.plan
+    assert (plan.encoder_budget, plan.encoder_cache_size) == (512, 512)
+    assert plan.encoder_cache_bytes == 512 * 64 * 4
+    assert "encoder_budget=512 tokens, encoder_cache=512 tokens (0.00 GiB)" in plan.describe()
