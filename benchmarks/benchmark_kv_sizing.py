@@ -33,6 +33,18 @@ extensible path never OOMs and keeps <= 2 % of HBM unused; what classic at
         --out benchmarks/results/kv_sizing_spec.json
     python benchmarks/benchmark_kv_sizing.py --load spec-decode --spec-method draft_model \
         --out benchmarks/results/kv_sizing_spec_draft.json
+
+`--load multimodal` (issue 46) serves images: the Qwen2-VL-2B shape (random
+weights) at default flags, whose encoder budget warmup reserves (16,384 tokens:
+one worst-case image of max_pixels, 3584 x 3584); first one worst-case image
+alone (its TTFT), then another (the repeated TTFT), then a stream of
+`--num-images` distinct worst-case images at once, while NVML samples memory.
+Targets: zero OOM on the extensible path, unused HBM <= 2 % of the device
+(the KV cache took what warmup left, and the encoder fit beside it), first
+image TTFT <= 2x the repeated one (nothing compiles on the request path).
+
+    python benchmarks/benchmark_kv_sizing.py --load multimodal --shape qwen2_vl_2b \
+        --out benchmarks/results/kv_sizing_multimodal.json
 """
 
 from __future__ import annotations
@@ -46,7 +58,7 @@ import sys
 import threading
 import time
 
-from common import SHAPES, emit, model_dir_for
+from common import MULTIMODAL_SHAPES, SHAPES, emit, model_dir_for
 
 from vllm.benchmarks.utils import positive_int
 
@@ -122,8 +134,53 @@ def spec_decode_requests(num_seqs: int, max_model_len: int, vocab: int, seed: in
     return prompts, params
 
 
+def worst_case_image_requests(llm, num_images: int, seed: int = 0):
+    """`num_images` prompts, each one distinct random image at the processor's largest size
+    (max_pixels) between a few text tokens; 16 output tokens each."""
+    import math
+
+    import numpy as np
+    from PIL import Image
+
+    from vllm import SamplingParams
+    from vllm.multimodal.processing import image_token_limits
+
+    mm = llm.llm_engine.processor.mm_processor
+    max_tokens, (_, h, w) = image_token_limits(mm.image_processor)
+    unit = mm.image_processor.patch_size
+    rng = np.random.default_rng(seed)
+    hf = llm.llm_engine.vllm_config.model_config.hf_config
+    ids = [100, 200, hf.vision_start_token_id, hf.image_token_id, hf.vision_end_token_id, 300]
+    prompts = [{"prompt_token_ids": ids, "multi_modal_data": {"image": Image.fromarray(
+        rng.integers(0, 256, (h * unit, w * unit, 3), dtype=np.uint8))}}
+        for _ in range(num_images)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    assert math.prod((h, w)) // mm.merge_size ** 2 == max_tokens
+    return prompts, params, max_tokens
+
+
+def run_multimodal(llm, result: dict, num_images: int) -> None:
+    """First and repeated worst-case image TTFT, then a stream of them (see the docstring)."""
+    from vllm import SamplingParams
+
+    core = llm.llm_engine.engine_core
+    prompts, params, max_tokens = worst_case_image_requests(llm, num_images + 2)
+    first_token = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for key, prompt in (("first_image_ttft_s", prompts[0]), ("repeat_image_ttft_s", prompts[1])):
+        t0 = time.perf_counter()
+        llm.generate(prompt, first_token, use_tqdm=False)
+        result[key] = time.perf_counter() - t0
+    result["ttft_ratio"] = result["first_image_ttft_s"] / result["repeat_image_ttft_s"]
+    result.update(image_tokens=max_tokens, encoder_budget=core.plan.encoder_budget,
+                  encoder_cache_tokens=core.plan.encoder_cache_size,
+                  encoder_cache_bytes=core.plan.encoder_cache_bytes)
+    outs = llm.generate(prompts[2:], params, use_tqdm=False)
+    result["output_tokens"] = sum(len(c.token_ids) for o in outs for c in o.outputs)
+
+
 def run_one(mode: str, shape: str, max_model_len: int, num_seqs: int, load: str = "stress",
-            num_speculative_tokens: int = 64, spec_method: str = "ngram") -> dict:
+            num_speculative_tokens: int = 64, spec_method: str = "ngram",
+            num_images: int = 16) -> dict:
     """One engine in this process: start-up, capacity, stress (called in a child)."""
     import torch
 
@@ -156,14 +213,18 @@ def run_one(mode: str, shape: str, max_model_len: int, num_seqs: int, load: str 
     result["startup_breakdown_s"] = worker.startup_seconds
     result["spec_decode_peak_bytes"] = worker.spec_decode_peak
     vocab = llm.llm_engine.vllm_config.model_config.get_vocab_size()
-    make = spec_decode_requests if load == "spec-decode" else stress_requests
-    prompts, params = make(num_seqs, max_model_len, vocab)
+    if load != "multimodal":
+        make = spec_decode_requests if load == "spec-decode" else stress_requests
+        prompts, params = make(num_seqs, max_model_len, vocab)
     oom = None
     with NvmlPeak() as nvml:
         t0 = time.perf_counter()
         try:
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            result["output_tokens"] = sum(len(c.token_ids) for o in outs for c in o.outputs)
+            if load == "multimodal":
+                run_multimodal(llm, result, num_images)
+            else:
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                result["output_tokens"] = sum(len(c.token_ids) for o in outs for c in o.outputs)
         except torch.OutOfMemoryError as e:  # what classic guesses can run into
             oom = str(e).splitlines()[0]
         result["stress_s"] = time.perf_counter() - t0
@@ -210,15 +271,24 @@ def plot(report: dict, png: str) -> None:
     fig.savefig(png, dpi=110)
 
 
+def _modes(text: str) -> list[str]:
+    modes = text.split(",")
+    if not modes or any(m not in ("classic", "extensible") for m in modes):
+        raise argparse.ArgumentTypeError(f"--modes takes classic and/or extensible, got {text!r}")
+    return modes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", default="llama3_8b", choices=list(SHAPES),
+    parser.add_argument("--shape", default="llama3_8b",
+                        choices=[*SHAPES, *MULTIMODAL_SHAPES],
                         help="model shape (random weights)")
     parser.add_argument("--max-model-len", type=positive_int, default=8192,
                         help="the engine's max_model_len")
     parser.add_argument("--num-seqs", type=positive_int, default=256,
                         help="the engine's max_num_seqs")
-    parser.add_argument("--load", default="stress", choices=["stress", "spec-decode"],
+    parser.add_argument("--load", default="stress",
+                        choices=["stress", "spec-decode", "multimodal"],
                         help="what each engine serves after start-up (see above)")
     parser.add_argument("--num-speculative-tokens", type=positive_int, default=64,
                         help="k of the spec-decode load")
@@ -226,17 +296,28 @@ def main() -> None:
                         help="spec-decode load: ngram drafts (as many as the random-weight "
                         "model's output repeats), or the shape as its own draft model "
                         "(every decode carries k drafts: the verify batch fills)")
+    parser.add_argument("--modes", type=_modes, default=["classic", "extensible"],
+                        help="comma-separated KV cache paths to run, each in a fresh process "
+                        "(default: classic,extensible)")
+    parser.add_argument("--num-images", type=positive_int, default=16,
+                        help="multimodal load: worst-case images in the stream")
     parser.add_argument("--out", default=None, help="also write the JSON here")
     parser.add_argument("--png", default=None,
                         help="also plot both paths' KV cache, unused HBM and start-up here")
     parser.add_argument("--child", choices=["classic", "extensible"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if (args.load == "multimodal") != (args.shape in MULTIMODAL_SHAPES):
+        parser.error(f"--load multimodal goes with an image-taking --shape "
+                     f"({', '.join(MULTIMODAL_SHAPES)}), and only with one")
+    if args.load == "multimodal":  # one worst-case image (16,384 tokens) and its text
+        args.max_model_len = max(args.max_model_len, 20480)
 
     if args.child:
         print(
             "RESULT "
             + json.dumps(run_one(args.child, args.shape, args.max_model_len, args.num_seqs,
-                                 args.load, args.num_speculative_tokens, args.spec_method))
+                                 args.load, args.num_speculative_tokens, args.spec_method,
+                                 args.num_images))
         )
         return
 
@@ -248,7 +329,7 @@ def main() -> None:
                     "load": args.load}
     if args.load == "spec-decode":
         report["spec_method"] = args.spec_method
-    for mode in ("classic", "extensible"):
+    for mode in args.modes:
         cmd = [
             sys.executable,
             __file__,
@@ -266,6 +347,8 @@ def main() -> None:
             str(args.num_speculative_tokens),
             "--spec-method",
             args.spec_method,
+            "--num-images",
+            str(args.num_images),
         ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -280,10 +363,17 @@ def main() -> None:
             continue
         report[mode] = json.loads(lines[-1][len("RESULT ") :])
         sys.stderr.write(
-            "\n".join(line for line in proc.stdout.splitlines() if "KV cache" in line) + "\n"
+            "\n".join(line for line in proc.stdout.splitlines()
+                      if "KV cache" in line or "Start-up plan" in line
+                      or "Encoder reserved" in line or "encoder budget" in line) + "\n"
         )
-    c, e = report["classic"], report["extensible"]
-    if not c.get("crashed") and not e.get("crashed"):
+    e = report.get("extensible", {})
+    if args.load == "multimodal" and e and not e.get("crashed"):
+        report["targets"] = {  # the extensible path's own (issue 46)
+            "no_oom": not e["oom"], "unused_at_most_2pct": e["unused_fraction"] <= 0.02,
+            "first_image_ttft_at_most_2x": e["ttft_ratio"] <= 2.0}
+    c = report.get("classic")
+    if c and e and not c.get("crashed") and not e.get("crashed"):
         total = e["total_bytes"]
         report["comparison"] = {
             "classic_oom": c["oom"],

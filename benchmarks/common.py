@@ -21,6 +21,10 @@ from tests.model_dirs import (  # noqa: E402
     make_model_dir,
     smollm2_config,
 )
+from tests.multimodal.qwen2_vl_checkpoint import (  # noqa: E402
+    make_qwen2_vl_config_dir,
+    qwen2_vl_2b_config,
+)
 
 
 def llama3_2_1b_config():
@@ -63,13 +67,18 @@ def qwen2_5_0_5b_config():
 
 SHAPES = {"smollm2": smollm2_config, "llama3_8b": llama3_8b_config,
           "llama3_2_1b": llama3_2_1b_config, "qwen2_5_0_5b": qwen2_5_0_5b_config}
+# Image-taking shapes (their directories also hold the image processor's config).
+MULTIMODAL_SHAPES = {"qwen2_vl_2b": qwen2_vl_2b_config}
 
 
 def model_dir_for(shape: str) -> str:
     """A config-only model directory for `shape` (load with load_format="dummy")."""
     directory = Path(tempfile.gettempdir()) / f"vllm-bench-{shape}-v2"
     if not (directory / "config.json").exists():
-        make_model_dir(directory, SHAPES[shape](), weights=False)
+        if shape in MULTIMODAL_SHAPES:
+            make_qwen2_vl_config_dir(directory, MULTIMODAL_SHAPES[shape]())
+        else:
+            make_model_dir(directory, SHAPES[shape](), weights=False)
     return str(directory)
 
 

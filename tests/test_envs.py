@@ -175,6 +175,8 @@ def test_defaults(clean_env):
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
         "VLLM_NIXL_SIDE_CHANNEL_PORT": 0,
         "VLLM_NIXL_ABORT_REQUEST_TIMEOUT": 120.0,
+        "VLLM_IMAGE_FETCH_TIMEOUT": 5.0,
+        "VLLM_MAX_IMAGE_BYTES": 20 * 2**20,
     }
     assert envs.VLLM_ELASTIC_KV_SHRINK_DELAY_S == DEFAULT_SHRINK_DELAY_S  # the policy's own
 

@@ -74,7 +74,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", (
         "vllm.envs", "vllm.logger", "vllm.version", "vllm.exceptions", "vllm.inputs",
         "vllm.outputs", "vllm.logprobs", "vllm.sampling_params", "vllm.transformers_utils",
-        "vllm.v1.outputs",
+        "vllm.v1.outputs", "vllm.multimodal",
         "vllm.v1",  # the bare namespace package vllm/v1/__init__.py
     )),
 ]

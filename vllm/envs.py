@@ -265,6 +265,15 @@ _declare("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", _number(0, True, "a number of second
     abort_timeout_s (vLLM's default is 480).""")
 
 
+_declare("VLLM_IMAGE_FETCH_TIMEOUT", _number(0, True, "a number of seconds > 0"), 5.0, """
+    Seconds an http(s) image URL of a chat request may take to arrive (vLLM's
+    variable); a slower one is a 400 naming the content part.""")
+
+_declare("VLLM_MAX_IMAGE_BYTES", _number(1, False, "a number of bytes >= 1"), 20 * 2**20, """
+    Largest encoded image (bytes) a request may bring, as a data: URI, file or http(s)
+    download (default 20 MiB); a larger one is a 400 naming the content part.""")
+
+
 # ------------------------------------------------------------------------ access
 
 

@@ -68,7 +68,8 @@ def test_every_flag_has_help_shapes_have_choices_and_counts_are_positive(name, s
         if action.dest in ("shape", "shapes"):
             assert action.choices, f"{name} {flag}: no choices"
             # benchmark_gemv's shapes are projections (benchmark_decode_primitives').
-            known = {*common.SHAPES, "tiny", *getattr(module, "PROJECTIONS", ())}
+            known = {*common.SHAPES, *common.MULTIMODAL_SHAPES, "tiny",
+                     *getattr(module, "PROJECTIONS", ())}
             assert set(action.choices) <= known, (name, action.choices)
         if action.type is int:  # a bare int takes 0 and negatives
             assert action.dest in ANY_INT, f"{name} {flag}: int, not a positive int"

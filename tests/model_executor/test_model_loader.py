@@ -38,6 +38,7 @@ def test_registry_resolves_by_architecture_and_model_type():
         "LlamaForCausalLM",
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
+        "Qwen2VLForConditionalGeneration",
     ]
 
 

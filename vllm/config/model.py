@@ -206,20 +206,32 @@ class ModelConfig(FrozenConfig):
 
     # -- model shape, read from the HF config; per-rank figures are rank 0's (the largest) --
 
+    @property
+    def hf_text_config(self) -> Any:
+        """The language model's config: `text_config` of a multimodal model, else hf_config."""
+        return self.hf_config.get_text_config()
+
+    @property
+    def is_multimodal_model(self) -> bool:
+        """Whether the model takes images (vllm/multimodal)."""
+        from vllm.model_executor.models.registry import is_multimodal_config
+
+        return is_multimodal_config(self.hf_config)
+
     def get_vocab_size(self) -> int:
-        return self.hf_config.vocab_size
+        return self.hf_text_config.vocab_size
 
     def get_hidden_size(self) -> int:
-        return self.hf_config.hidden_size
+        return self.hf_text_config.hidden_size
 
     def get_num_layers(self, parallel_config: ParallelConfig | None = None) -> int:
-        return self.hf_config.num_hidden_layers
+        return self.hf_text_config.num_hidden_layers
 
     def get_num_attention_heads(self, parallel_config: ParallelConfig | None = None) -> int:
         return self._head_shard(parallel_config).num_heads
 
     def get_total_num_kv_heads(self) -> int:
-        cfg = self.hf_config
+        cfg = self.hf_text_config
         return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
 
     def get_num_kv_heads(self, parallel_config: ParallelConfig | None = None) -> int:
@@ -231,7 +243,7 @@ class ModelConfig(FrozenConfig):
 
         tp = 1 if parallel_config is None else parallel_config.tensor_parallel_size
         return partition_attention_heads(
-            self.hf_config.num_attention_heads, self.get_total_num_kv_heads(), tp, rank
+            self.hf_text_config.num_attention_heads, self.get_total_num_kv_heads(), tp, rank
         )
 
     def verify_with_parallel_config(self, parallel_config: ParallelConfig) -> None:
@@ -247,11 +259,11 @@ class ModelConfig(FrozenConfig):
             return
         for rank in range(tp):
             self._head_shard(parallel_config, rank)
-        intermediate = getattr(self.hf_config, "intermediate_size", None)
+        intermediate = getattr(self.hf_text_config, "intermediate_size", None)
         if intermediate is not None:
             divide(intermediate, tp, "intermediate_size")
 
     def get_head_size(self) -> int:
-        cfg = self.hf_config
+        cfg = self.hf_text_config
         return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 

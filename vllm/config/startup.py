@@ -66,6 +66,9 @@ class StartupPlan:
         elastic_kv_cache: the committed size moves while serving.
         num_blocks: KV blocks (counting the null block) once sized; 0 before.
         max_model_len: tokens one request may hold, fitted to the KV cache; 0 before.
+        encoder_budget: image tokens the vision encoder computes per step, as
+            reserved by warmup (0: a text-only model); encoder_cache_size: image
+            tokens of encoder output kept; encoder_cache_bytes: its memory.
     """
 
     extensible_kv_cache: bool
@@ -75,6 +78,9 @@ class StartupPlan:
     elastic_kv_cache: bool = False
     num_blocks: int = 0
     max_model_len: int = 0
+    encoder_budget: int = 0
+    encoder_cache_size: int = 0
+    encoder_cache_bytes: int = 0
 
     @classmethod
     def decide(cls, cache: CacheConfig, probes: Sequence[str | None]) -> StartupPlan:
@@ -125,6 +131,11 @@ class StartupPlan:
         """The plan once the workers agreed on `num_blocks` and max_model_len fits it."""
         return dataclasses.replace(self, num_blocks=num_blocks, max_model_len=max_model_len)
 
+    def with_encoder(self, budget: int, cache_size: int, cache_bytes: int) -> StartupPlan:
+        """The plan with what warmup reserved for the vision encoder."""
+        return dataclasses.replace(self, encoder_budget=budget, encoder_cache_size=cache_size,
+                                   encoder_cache_bytes=cache_bytes)
+
     @property
     def kv_cache_path(self) -> str:
         return "extensible" if self.extensible_kv_cache else "classic"
@@ -137,6 +148,10 @@ class StartupPlan:
                  + ("" if self.gpu_memory_utilization_explicit else " (default)")]
         if self.num_blocks:
             parts += [f"num_blocks={self.num_blocks}", f"max_model_len={self.max_model_len}"]
+        if self.encoder_budget:
+            parts.append(f"encoder_budget={self.encoder_budget} tokens, encoder_cache="
+                         f"{self.encoder_cache_size} tokens "
+                         f"({self.encoder_cache_bytes / 2**30:.2f} GiB)")
         if self.reason:
             parts.append(f"classic because {self.reason}")
         return ", ".join(parts)

@@ -9,7 +9,8 @@ EngineArgs --create_engine_config()--> VllmConfig
                                         |- compilation_config  CompilationConfig
                                         |- device_config       DeviceConfig
                                         |- kv_transfer_config  KVTransferConfig | None
-                                        '- speculative_config  SpeculativeConfig | None
+                                        |- speculative_config  SpeculativeConfig | None
+                                        '- multimodal_config   MultiModalConfig (images)
 ```
 
 Each sub-config checks its own ranges when built; `__post_init__` here does
@@ -33,6 +34,7 @@ from vllm.config.device import DeviceConfig
 from vllm.config.frozen import FrozenConfig
 from vllm.config.kv_transfer import KNOWN_KV_CONNECTORS, KVTransferConfig
 from vllm.config.model import ModelConfig
+from vllm.config.multimodal import MultiModalConfig
 from vllm.config.parallel import ParallelConfig
 from vllm.config.scheduler import SchedulerConfig
 from vllm.config.speculative import SpeculativeConfig
@@ -60,6 +62,7 @@ class VllmConfig(FrozenConfig):
     speculative_config: SpeculativeConfig | None = None
     structured_outputs_config: StructuredOutputsConfig = field(
         default_factory=StructuredOutputsConfig)
+    multimodal_config: MultiModalConfig = field(default_factory=MultiModalConfig)
 
     def __post_init__(self) -> None:
         from vllm import platforms
@@ -86,6 +89,12 @@ class VllmConfig(FrozenConfig):
                 "speculative_config: method 'draft_model' runs on one rank only "
                 f"(tensor_parallel_size={self.parallel_config.tensor_parallel_size})"
             )
+        if (spec is not None or self.kv_transfer_config is not None) and (
+                self.model_config.is_multimodal_model):
+            raise ValueError(
+                f"{'speculative_config' if spec is not None else 'kv_transfer_config'} is "
+                "not supported with a multimodal model yet (its steps carry image rows "
+                "and M-RoPE positions that drafts and KV transfers do not)")
         self._check_kv_transfer()
         self._resolve_async_scheduling(platform)
         self._freeze_all()

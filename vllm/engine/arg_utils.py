@@ -37,6 +37,7 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.config.model import DTYPE_CHOICES, LOAD_FORMAT_CHOICES
+from vllm.config.multimodal import MultiModalConfig, limit_mm_per_prompt_from_cli
 from vllm.config.parallel import DEFAULT_WORKER_CLS, EXECUTOR_BACKENDS
 from vllm.config.scheduler import DEFAULT_LIMITS, DEFAULT_MAX_NUM_PARTIAL_PREFILLS
 from vllm.config.vllm import check_kv_transfer_combination
@@ -164,6 +165,10 @@ class EngineArgs:
     swap_space: float | None = None
     quantization: str | None = None
     enable_lora: bool = False
+    limit_mm_per_prompt: dict[str, int] | None = None
+    allowed_local_media_path: str | None = None
+    max_num_encoder_input_tokens: int | None = None
+    encoder_cache_size: int | None = None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -285,6 +290,12 @@ class EngineArgs:
             speculative_config=SpeculativeConfig.coerce(self.speculative_config),
             structured_outputs_config=StructuredOutputsConfig.coerce(
                 self.structured_outputs_config),
+            multimodal_config=MultiModalConfig(
+                limit_mm_per_prompt=self.limit_mm_per_prompt or {},
+                allowed_local_media_path=self.allowed_local_media_path,
+                max_num_encoder_input_tokens=self.max_num_encoder_input_tokens,
+                encoder_cache_size=self.encoder_cache_size,
+            ),
         )
 
     def _compilation_config(self) -> CompilationConfig:
@@ -457,6 +468,19 @@ def _add_feature_args(g: argparse._ArgumentGroup) -> None:
                          help_text='Structured outputs as JSON (vLLM\'s keys): \'{"backend": '
                                    '"xgrammar", "disable_any_whitespace": false}\' (backends: '
                                    'auto = xgrammar; default: xgrammar, whitespace allowed).')
+    _add_json_config_arg(g, "--limit-mm-per-prompt", parse=limit_mm_per_prompt_from_cli,
+                         help_text='Most images per prompt as JSON, vLLM\'s form: \'{"image": '
+                                   '2}\' (default: 999 each; multimodal models only).')
+    g.add_argument("--allowed-local-media-path", type=str, default=d.allowed_local_media_path,
+                   help="Directory file:// image URLs may read from (default: refused).")
+    g.add_argument("--max-num-encoder-input-tokens", type=human_readable_int,
+                   default=d.max_num_encoder_input_tokens,
+                   help="Image tokens the vision encoder computes per step (default: "
+                        "max(--max-num-batched-tokens, one worst-case image); start-up "
+                        "halves it while the worst case does not fit the device).")
+    g.add_argument("--encoder-cache-size", type=human_readable_int, default=d.encoder_cache_size,
+                   help="Image tokens of encoder output kept until their placeholders are "
+                        "computed (default: the encoder budget).")
     g.add_argument("--disable-log-stats", action="store_true", default=d.disable_log_stats,
                    help="Do not log engine statistics periodically (default: log every 10 s).")
 

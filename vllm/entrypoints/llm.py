@@ -69,8 +69,11 @@ class LLM:
         """Generate completions for one or many prompts; outputs in input order.
 
         A prompt is a string, a list of token ids, or a dict with "prompt" or
-        "prompt_token_ids". A list of strings / token-id lists / dicts is many
-        prompts. `sampling_params` is one for all or one per prompt; None =
+        "prompt_token_ids" (and, for a multimodal model, "multi_modal_data":
+        {"image": a PIL image or a list of them}, one
+        <|vision_start|><|image_pad|><|vision_end|> in the prompt per image).
+        A list of strings / token-id lists / dicts is many prompts. `sampling_params`
+        is one for all or one per prompt; None =
         `get_default_sampling_params()`.
 
         Raises:
@@ -106,6 +109,9 @@ class LLM:
         `tools` (OpenAI function definitions) and `chat_template_kwargs` (e.g.
         `{"enable_thinking": False}`) are variables of the template; the raw text
         comes back (no tool-call or reasoning parsing: that is the server's).
+        A multimodal model takes image content parts: {"type": "image_url",
+        "image_url": {"url": "data:...|http(s)://...|file://..."}} or
+        {"type": "image_pil", "image_pil": <PIL.Image>}.
         """
         conversations = (
             [messages] if messages and isinstance(messages[0], dict) else list(messages)
@@ -133,7 +139,8 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> dict:
-        """A conversation as a prompt dict (text + token ids) via the chat template."""
+        """A conversation as a prompt dict (text + token ids, and its images' as
+        "multi_modal_data") via the chat template."""
         from vllm.transformers_utils.chat_templates import apply_chat_template
 
         return apply_chat_template(
@@ -144,6 +151,7 @@ class LLM:
             continue_final_message=continue_final_message,
             tools=tools,
             chat_template_kwargs=chat_template_kwargs,
+            mm_processor=self.llm_engine.processor.mm_processor,
         )
 
     # ------------------------------------------------------------------ sleep

@@ -21,6 +21,8 @@ from vllm.inputs import check_unicode_text, check_unicode_values
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from vllm.multimodal.processing import MultiModalProcessor
+
 # What a template's rendering raises for its own faults or the messages it was given:
 # jinja2's TemplateError family (syntax, sandbox SecurityError, undefined values,
 # transformers' raise_exception) and Python errors from expressions it evaluates
@@ -63,7 +65,9 @@ def _normalise_content(message: dict[str, Any], index: int) -> dict[str, Any]:
                 f"{where} must be a content part object, got {_type_name(part)}", parameter=where)
         if part.get("type") != "text":
             raise VLLMValidationError(
-                f"{where}.type {part.get('type')!r} is not supported; only 'text' parts are",
+                f"{where}.type {part.get('type')!r} is not supported; only 'text' parts are"
+                + (" (this model is text-only: it takes no images)"
+                   if part.get("type") in ("image_url", "image_pil") else ""),
                 parameter=f"{where}.type")
         text = part.get("text")
         if not isinstance(text, str):
@@ -150,18 +154,29 @@ def apply_chat_template(
     continue_final_message: bool = False,
     tools: list[dict[str, Any]] | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
+    mm_processor: MultiModalProcessor | None = None,
 ) -> dict[str, Any]:
-    """Render a conversation and encode it: {"prompt": text, "prompt_token_ids": ids}.
+    """Render a conversation and encode it: {"prompt": text, "prompt_token_ids": ids},
+    plus "multi_modal_data": {"image": [...]} when image parts were given.
 
     The template adds any BOS itself, so the text is encoded without special
-    tokens. Errors: those of `render_chat_template`.
+    tokens. A multimodal model's `mm_processor` loads image parts and leaves
+    its placeholder text in their place (`MultiModalProcessor.chat_images`);
+    without one an image part is refused (text-only model). Errors: those of
+    `render_chat_template` and `chat_images`.
     """
+    images: list[Any] = []
+    if mm_processor is not None:
+        conversation, images = mm_processor.chat_images(conversation)
     text = render_chat_template(
         tokenizer, conversation, chat_template=chat_template,
         add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
         tools=tools, chat_template_kwargs=chat_template_kwargs,
     )
-    return {"prompt": text, "prompt_token_ids": encode_rendered_chat(tokenizer, text)}
+    prompt = {"prompt": text, "prompt_token_ids": encode_rendered_chat(tokenizer, text)}
+    if images:
+        prompt["multi_modal_data"] = {"image": images}
+    return prompt
 
 
 def encode_rendered_chat(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:

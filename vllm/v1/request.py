@@ -105,6 +105,9 @@ class Request:
         arrival_time: seconds since the epoch; defaults to now.
         cache_salt: optional string mixed into the first block's hash, so only
             requests with the same salt share prefix-cache blocks.
+        mm_features: the prompt's images (`vllm.multimodal.inputs.MultiModalFeatureSpec`,
+            in prompt order): where their placeholder tokens are, their pixels and
+            hashes; empty for a text prompt.
 
     Attributes (vLLM's names):
         num_computed_tokens: tokens whose KV is in the cache or scheduled into
@@ -133,12 +136,14 @@ class Request:
         eos_token_id: int | None,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        mm_features: list[Any] | None = None,
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt
+        self.mm_features: list[Any] = list(mm_features or [])
 
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None

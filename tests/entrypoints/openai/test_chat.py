@@ -197,3 +197,17 @@ def test_a_slow_chat_template_holds_no_other_request(client, server):
     thread.join(120)
     assert [f[0] for f in finished] == ["small", "slow"], finished
     assert finished[1][1] == 200 and finished[1][2] > 0
+
+
+def test_text_only_model_refuses_an_image_part(server):
+    """The bundled model takes no images: an image part is a 400 naming it."""
+    content = [{"type": "text", "text": "What is this?"},
+               {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": content}]}
+    response = httpx.post(server.url_for("v1/chat/completions"), json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages.0.content.1.type", error
+    assert "text-only" in error["message"]
+    assert httpx.post(server.url_for("v1/chat/completions"), timeout=60, json={
+        "model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 2}).status_code == 200

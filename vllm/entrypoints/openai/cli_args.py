@@ -74,11 +74,10 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Log level of uvicorn, the HTTP server (default: %(default)s).")
     g.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="Do not log one line per HTTP request (default: log them).")
-    g.add_argument("--ssl-keyfile", type=str, default=None,
-                   help="Serve HTTPS with this private key (PEM; with --ssl-certfile; "
-                        "default: plain HTTP).")
-    g.add_argument("--ssl-certfile", type=str, default=None,
-                   help="The certificate (chain) of --ssl-keyfile, PEM (default: none).")
+    g.add_argument("--ssl-keyfile", type=str, default=None, help="Serve HTTPS with this "
+                   "private key (PEM; with --ssl-certfile; default: plain HTTP).")
+    g.add_argument("--ssl-certfile", type=str, default=None, help="The certificate (chain) "
+                   "of --ssl-keyfile, PEM (default: none).")
     g.add_argument("--ssl-ca-certs", type=str, default=None,
                    help="CA certificates (PEM) that client certificates are checked "
                         "against (default: none).")

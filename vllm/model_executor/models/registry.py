@@ -19,6 +19,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "Qwen2VLForConditionalGeneration": ("qwen2_vl", "Qwen2VLForConditionalGeneration"),
 }
 
 # HF model_type -> architecture, for configs that do not list architectures.
@@ -26,7 +27,11 @@ _MODEL_TYPES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
 }
+
+# Architectures that take images (their processor: vllm/multimodal/processing.py).
+MULTIMODAL_ARCHS = frozenset({"Qwen2VLForConditionalGeneration"})
 
 
 class _ModelRegistry:
@@ -53,6 +58,14 @@ class _ModelRegistry:
 
 
 ModelRegistry = _ModelRegistry()
+
+
+def is_multimodal_config(hf_config: Any) -> bool:
+    """Whether the config's architecture takes images (without importing the model)."""
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    if not architectures:
+        architectures = [_MODEL_TYPES.get(getattr(hf_config, "model_type", None), "")]
+    return any(arch in MULTIMODAL_ARCHS for arch in architectures)
 
 
 def get_model_architecture(hf_config: Any) -> tuple[type[nn.Module], str]:

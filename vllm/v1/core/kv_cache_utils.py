@@ -71,15 +71,25 @@ def hash_block_tokens(
     return BlockHash(hashlib.sha256(payload).digest())
 
 
-def request_block_extra_keys(request: Request, block_index: int) -> tuple[Hashable, ...] | None:
-    """Extra hash keys of a request's block `block_index`.
+def request_block_extra_keys(request: Request, block_index: int, block_size: int
+                             ) -> tuple[Hashable, ...] | None:
+    """Extra hash keys of a request's block `block_index` (of `block_size` tokens).
 
     Only the first block carries the request's `cache_salt`: every later hash
-    is chained through it, so the salt separates the whole sequence.
+    is chained through it, so the salt separates the whole sequence. A block
+    holding placeholder tokens of an image carries that image's hash (its
+    `identifier`): two prompts with the same placeholder ids but different
+    images must not share the block.
     """
+    keys: list[Hashable] = []
     if block_index == 0 and request.cache_salt is not None:
-        return (request.cache_salt,)
-    return None
+        keys.append(request.cache_salt)
+    start, end = block_index * block_size, (block_index + 1) * block_size
+    for feature in request.mm_features:
+        position = feature.mm_position
+        if position.offset < end and position.offset + position.length > start:
+            keys.append(feature.identifier)
+    return tuple(keys) if keys else None
 
 
 def update_request_block_hashes(request: Request, block_size: int) -> list[BlockHash]:
@@ -98,7 +108,8 @@ def update_request_block_hashes(request: Request, block_size: int) -> list[Block
     parent = hashes[-1] if hashes else None
     for i in range(len(hashes), num_full_blocks):
         block_tokens = token_ids[i * block_size : (i + 1) * block_size]
-        parent = hash_block_tokens(parent, block_tokens, request_block_extra_keys(request, i))
+        extra_keys = request_block_extra_keys(request, i, block_size)
+        parent = hash_block_tokens(parent, block_tokens, extra_keys)
         hashes.append(parent)
     return hashes
 

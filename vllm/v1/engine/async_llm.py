@@ -326,7 +326,8 @@ class AsyncLLM:
         rendering on one of `_RENDER_THREADS` threads, not on the tokenizer
         thread, lets other requests' renders and encodes run meanwhile (the
         GIL is shared between them, so a small render is slowed, not queued).
-        Returns {"prompt", "prompt_token_ids"}; errors as
+        Returns {"prompt", "prompt_token_ids"} (and "multi_modal_data" for image
+        parts of a multimodal model: `MultiModalProcessor.chat_images`); errors as
         `chat_templates.render_chat_template`, plus VLLMValidationError
         (parameter "messages") for a rendered text that cannot fit
         max_model_len tokens, found before it is encoded.
@@ -339,11 +340,19 @@ class AsyncLLM:
         text_chars = sum(len(m["content"]) for m in messages
                          if isinstance(m, dict) and isinstance(m.get("content"), str))
         self._check_prompt_chars(text_chars, "messages")
+        images: list[Any] = []
+        mm = self.processor.mm_processor
+        if mm is not None:  # image parts fetched and decoded off the event loop
+            messages, images = await self._run_on(self._render_pool,
+                                                  lambda: mm.chat_images(messages))
         tokenizer = self._input_tokenizer
         text = await self._run_on(
             self._render_pool, lambda: render_chat_template(tokenizer, messages, **kwargs))
         self._check_prompt_chars(len(text), "messages")
         token_ids = await self._tokenizer_call(lambda: encode_rendered_chat(tokenizer, text))
+        if images:
+            return {"prompt": text, "prompt_token_ids": token_ids,
+                    "multi_modal_data": {"image": images}}
         return {"prompt": text, "prompt_token_ids": token_ids}
 
     # ---------------------------------------------------- engine core utilities

@@ -32,6 +32,7 @@ from vllm import envs
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.v1.core.elastic import ElasticKVPolicy
+from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler, SchedulerStats
 from vllm.v1.engine.elastic_kv import ElasticKVController
@@ -138,6 +139,8 @@ class EngineCore:
             async_scheduling=bool(sched.async_scheduling),
             elastic=elastic,
             grammar_compiler=self.grammar_compiler,
+            encoder=(EncoderCacheManager(self.plan.encoder_cache_size, self.plan.encoder_budget)
+                     if self.plan.encoder_budget else None),
         )
         scheduler.prefill_policy.log()
         return scheduler

@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
     from vllm.config import VllmConfig
     from vllm.inputs import PromptType
+    from vllm.multimodal.inputs import MultiModalFeatureSpec
+    from vllm.multimodal.processing import MultiModalProcessor
 
 
 @dataclass
@@ -63,6 +65,9 @@ class Processor:
         block_size: tokens per KV block (what remote blocks of a transfer hold).
         compact_json: `--structured-outputs-config` disable_any_whitespace: every
             JSON constraint is compiled without optional whitespace.
+        mm_processor: the model's `MultiModalProcessor` (images -> features and
+            expanded placeholders); None for a text-only model, which refuses
+            a prompt's "multi_modal_data".
     """
 
     def __init__(
@@ -76,6 +81,7 @@ class Processor:
         kv_connector: str | None = None,
         block_size: int = 16,
         compact_json: bool = False,
+        mm_processor: MultiModalProcessor | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -87,6 +93,7 @@ class Processor:
         self.eos_token_id = tokenizer.eos_token_id
         self.generation_config = generation_config or {}
         self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
+        self.mm_processor = mm_processor
 
     @classmethod
     def from_config(
@@ -95,6 +102,14 @@ class Processor:
         """The processor of an engine whose KV cache holds `max_model_len` tokens a request."""
         model_config = vllm_config.model_config
         kv = vllm_config.kv_transfer_config
+        mm_processor = None
+        if model_config.is_multimodal_model:
+            from vllm.multimodal.processing import MultiModalProcessor
+
+            mm = vllm_config.multimodal_config
+            mm_processor = MultiModalProcessor.for_checkpoint(
+                model_config.model, model_config.hf_config, mm.limit_mm_per_prompt,
+                max_model_len, mm.allowed_local_media_path)
         return cls(
             tokenizer,
             max_model_len,
@@ -105,6 +120,7 @@ class Processor:
             kv_connector=kv.kv_connector if kv else None,
             block_size=vllm_config.cache_config.block_size,
             compact_json=vllm_config.structured_outputs_config.disable_any_whitespace,
+            mm_processor=mm_processor,
         )
 
     def process_inputs(
@@ -123,15 +139,18 @@ class Processor:
         keep = params.truncate_prompt_tokens
         if keep is not None:  # the last `keep` tokens (-1: max_model_len), as vLLM
             prompt_token_ids = prompt_token_ids[-(self.max_model_len if keep == -1 else keep):]
+        prompt_token_ids, mm_features = self.process_multimodal(prompt, prompt_token_ids)
         check_kv_transfer_request((params.extra_args or {}).get("kv_transfer_params"),
                                   len(prompt_token_ids), self.block_size, params.n)
         if params.n == 1:
-            request = self.make_request(request_id, prompt_token_ids, params)
+            request = self.make_request(request_id, prompt_token_ids, params,
+                                        mm_features=mm_features)
             return ProcessedRequest(text, prompt_token_ids, [(request, None, 0)])
         parent = ParentRequest(request_id, params.n)
         children = [
             (self.make_request(ParentRequest.child_id(i, request_id), prompt_token_ids,
-                               ParentRequest.child_params(params, i)), parent, i)
+                               ParentRequest.child_params(params, i), mm_features=mm_features),
+             parent, i)
             for i in range(params.n)
         ]
         return ProcessedRequest(text, prompt_token_ids, children)
@@ -212,12 +231,31 @@ class Processor:
             )
         return text, token_ids
 
+    def process_multimodal(self, prompt: PromptType, prompt_token_ids: list[int]
+                           ) -> tuple[list[int], list[MultiModalFeatureSpec]]:
+        """A prompt dict's "multi_modal_data" -> (token ids with the placeholders
+        expanded, the images' features); a prompt without images is returned as is.
+
+        Raises:
+            VLLMValidationError (parameter "multi_modal_data..."): images for a
+                text-only model, or what `MultiModalProcessor.process` refuses.
+        """
+        mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if not mm_data:
+            return prompt_token_ids, []
+        if self.mm_processor is None:
+            raise VLLMValidationError(
+                "multi_modal_data: this model is text-only and takes no images",
+                parameter="multi_modal_data")
+        return self.mm_processor.process(prompt_token_ids, mm_data, "multi_modal_data")
+
     def make_request(
         self,
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        mm_features: list[MultiModalFeatureSpec] | None = None,
     ) -> Request:
         """A core Request for one (child) request.
 
@@ -250,6 +288,7 @@ class Processor:
             sampling_params=params,
             eos_token_id=self.eos_token_id,
             arrival_time=arrival_time if arrival_time is not None else time.time(),
+            mm_features=mm_features,
         )
 
 

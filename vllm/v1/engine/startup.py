@@ -11,6 +11,7 @@
      compile_or_warm_up_model          warmup, graphs, (extensible) measure and extend
      run_post_kv_cache_hooks           KV connectors see the final, committed cache
      elastic_kv_cache_bounds           (elastic) floor, limit, chunk, agreed by the ranks
+     get_encoder_budget                (multimodal) what the profile reserved for the encoder
    -> plan.with_kv_cache(num_blocks, max_model_len fitted to the cache), logged once
 ```
 
@@ -59,6 +60,11 @@ def start_workers(
     num_blocks = counts[0]
     max_model_len = _fit_max_model_len(vllm_config, bounds.limit if bounds else num_blocks)
     plan = plan.with_kv_cache(num_blocks, max_model_len)
+    encoders = [b for b in run(Worker.get_encoder_budget) if b is not None]
+    if encoders:  # the ranks' smallest: every rank must hold what the scheduler sends
+        plan = plan.with_encoder(min(b.max_num_encoder_input_tokens for b in encoders),
+                                 min(b.encoder_cache_size for b in encoders),
+                                 max(b.cache_bytes for b in encoders))
     logger.info("Start-up plan: %s", plan.describe())
     return plan, bounds
 

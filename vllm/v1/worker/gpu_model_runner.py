@@ -50,6 +50,7 @@ from vllm.v1.worker.cuda_graph import CUDAGraphManager, DecodeGraphOutput
 from vllm.v1.worker.draft_model import DraftModelProposer, attention_layers
 from vllm.v1.worker.grammar_bitmask import GrammarBitmask
 from vllm.v1.worker.input_batch import CachedRequestState, InputBatch
+from vllm.v1.worker.mm_runner import MultiModalRunner
 from vllm.v1.worker.spec_decode import SpecDecoder
 from vllm.v1.worker.step_buffers import StepBuffers
 from vllm.v1.worker.verify_rows import VerifyRows
@@ -122,6 +123,9 @@ class GPUModelRunner:
         # Structured outputs: one grammar matcher per constrained request, the step's bitmask.
         k = spec_decoder.k if spec_decoder is not None else 0
         self.grammar = GrammarBitmask(max_num_reqs * (k + 1), vocab_size, device)
+        # Images (a multimodal model): encoder cache, M-RoPE positions, image rows.
+        self.mm = MultiModalRunner(model, device, dtype, model.config.hidden_size) if getattr(
+            model, "is_multimodal", False) else None
         self.cuda_graphs = CUDAGraphManager(capture_sizes, self._decode_graph_forward)
         # Verify batches: B requests x (k + 1) tokens each (short drafts padded), own graphs.
         self.verify_rows = None if spec_decoder is None else VerifyRows(
@@ -176,6 +180,8 @@ class GPUModelRunner:
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
         self.grammar.remove(so.finished_req_ids)
+        if self.mm is not None:
+            self.mm.remove(so.finished_req_ids)
         batch.remove(so.finished_req_ids)
         # Rows are rebuilt around what runs this step: drop finished and
         # unscheduled (incl. preempted) requests; their state stays in
@@ -197,6 +203,8 @@ class GPUModelRunner:
                 num_computed_tokens=new.num_computed_tokens,
             )
             self.requests[new.req_id] = state
+            if new.mm_features:
+                self.mm.add_request(new.req_id, state.prompt_token_ids, new.mm_features)
             batch.add(state)
             if new.grammar is not None:
                 self.grammar.add(new.req_id, new.grammar)
@@ -241,13 +249,17 @@ class GPUModelRunner:
         else:
             num_sched, total, cu, req_indices, positions = self._flat_tokens(so, computed)
 
+        token_ids = batch.token_ids[req_indices, positions]
+        slots = batch.block_table.slot_mapping(req_indices, positions)
+        if self.mm is not None:  # the positions the model sees (M-RoPE), image rows
+            positions = self.mm.prepare(batch.req_ids, req_indices, positions, num_sched,
+                                        computed)
         # A decode batch that replays a graph of `size` > num_reqs requests gets its
         # padding (harmless requests: id 0, no KV slot, no keys) in the same copies.
         size = self._decode_graph_size(num_reqs, total)
         seq_lens = computed + num_sched
-        buf.upload(num_reqs, total, total if size is None else size,
-                   batch.token_ids[req_indices, positions], positions,
-                   batch.block_table.slot_mapping(req_indices, positions), cu, seq_lens)
+        buf.upload(num_reqs, total, total if size is None else size, token_ids, positions,
+                   slots, cu, seq_lens)
         block_table = batch.block_table.copy_to_device(num_reqs)
         if self.async_state is not None:
             self.async_state.feed(buf.input_ids, batch, num_sched, computed, cu)
@@ -296,7 +308,8 @@ class GPUModelRunner:
 
     def _decode_graph_size(self, num_reqs: int, total: int) -> int | None:
         """The captured decode graph an all-decode batch replays (its padded size), or None."""
-        if not self.use_cuda_graph or total != num_reqs:
+        if not self.use_cuda_graph or total != num_reqs or (
+                self.mm is not None and self.mm.step_image_rows is not None):
             return None
         return self.cuda_graphs.padded_size(num_reqs)
 
@@ -322,6 +335,9 @@ class GPUModelRunner:
             return self.verify_rows.replay(verify, total), None
         buf = self.buffers
         with set_forward_context(metadata):
+            if self.mm is not None:
+                ids = buf.input_ids[:total]
+                return self.model(ids, *self.mm.forward_args(ids)), None
             return self.model(buf.input_ids[:total], buf.positions[:total]), None
 
     def _graph_forward(self, size: int, query_len: int = 1) -> torch.Tensor:
@@ -381,8 +397,10 @@ class GPUModelRunner:
         async_state, spec = self.async_state, self.spec_decoder
         if async_state is not None:
             async_state.wait_inputs_copied()  # the pinned buffers are free to rewrite
-        # 1. update states
+        # 1. update states (and the step's images through the vision encoder)
         self._update_states(so)
+        if self.mm is not None:
+            self.mm.execute_encoder(so)
         if so.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
         batch = self.input_batch

@@ -45,6 +45,7 @@ from vllm.v1.worker import kv_cache_sizing as sizing
 from vllm.v1.worker import ranks, sharing
 from vllm.v1.worker import spec_decode_worker as spec_decode
 from vllm.v1.worker.elastic_kv_cache import ElasticBounds, ElasticKVCache
+from vllm.v1.worker.encoder_sizing import EncoderBudget, EncoderSizing, encoder_sizing
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.kv_cache import KVCacheBuffers
 from vllm.v1.worker.kv_cache_setup import KVCacheSetup
@@ -108,6 +109,8 @@ class Worker:
         self.sleep_state: SleepState | None = None  # with enable_sleep_mode
         self.elastic: ElasticKVCache | None = None  # with enable_elastic_kv_cache
         self.kv_connector: WorkerKVConnector | None = None  # with kv_transfer_config
+        self.encoder: EncoderSizing | None = None  # a multimodal model's vision encoder
+        self.encoder_budget: EncoderBudget | None = None  # what _profile reserved for it
 
     # ---------------------------------------------------------------- device
     @rpc
@@ -130,6 +133,11 @@ class Worker:
         sharing.check_sharing(self.platform, self.device, self.config.cache_config)
         self.memory = DeviceMemory(self.platform, self.device)
         self.startup_seconds["init_device"] = time.perf_counter() - t0
+
+    @rpc
+    def get_encoder_budget(self) -> EncoderBudget | None:
+        """What the profile reserved for the vision encoder (None: a text-only model)."""
+        return self.encoder_budget
 
     @rpc
     def probe_kv_cache_path(self) -> str | None:
@@ -167,6 +175,8 @@ class Worker:
                                                        draft_model),
             async_scheduling=bool(sc.async_scheduling),
         )
+        if self.model_runner.mm is not None:
+            self.encoder = encoder_sizing(self.model_runner.mm, self.config, self.platform)
         if self.config.cache_config.enable_sleep_mode:
             driver = self.platform.get_vmm_driver(self.device.index or 0)
             self.weight_arena = WeightArena(model, driver)
@@ -196,9 +206,13 @@ class Worker:
         max_num_seqs = self.config.scheduler_config.max_num_seqs
         runner = self.model_runner
         num_tokens, num_reqs = self._worst_case_batch()
+        if self.encoder is not None:  # its cache held, its worst case in the peak below
+            self.encoder_budget = self.encoder.reserve()
         logger.info("Profiling memory: a worst-case forward of %d tokens and the sampler over "
                     "%d sequences ...", num_tokens, max_num_seqs)
         with self.memory.measure_peak() as peak:
+            if self.encoder_budget is not None:
+                self.encoder.run_worst_case(self.encoder_budget.max_num_encoder_input_tokens)
             hidden = runner.warmup.dummy_run(num_tokens, num_reqs, with_kv=False)
             runner.warmup.dummy_sampler_run(hidden, max_num_seqs)
         spec_peak = spec_decode.profile_verify(runner, self.memory, hidden, max_num_seqs,
@@ -208,6 +222,7 @@ class Worker:
         profile = sizing.MemoryProfile(
             total=self.memory.total,
             weights=self.weights_bytes,
+            encoder_cache=self.model_runner.mm.cache_bytes if self.model_runner.mm else 0,
             activation_peak=max(peak.torch_peak, spec_peak.torch_peak),
             non_torch=max(peak.non_torch_growth, spec_peak.non_torch_growth),
         )
@@ -354,6 +369,8 @@ class Worker:
         # The graph pool exists only where graphs were captured (not on CPU, not eager).
         if graphs.captured:
             parts.append(("CUDA graph pool", graphs.pool_bytes))
+        if self.encoder_budget is not None:
+            parts.append(("encoder cache", self.encoder_budget.cache_bytes))
         return parts
 
     def extend_kv_cache(self, num_blocks: int) -> None:

@@ -101,6 +101,8 @@ class MemoryProfile:
     Attributes:
         total: device memory.
         weights: bytes the model's weights took.
+        encoder_cache: bytes of the vision encoder's cache (a multimodal model; held
+            for the engine's life, like the weights).
         activation_peak: transient peak of the worst-case forward plus the
             sampler over max_num_seqs, above the steady state after loading.
         non_torch: device memory that grew outside torch's allocator during
@@ -111,10 +113,11 @@ class MemoryProfile:
     weights: int
     activation_peak: int
     non_torch: int
+    encoder_cache: int = 0
 
     @property
     def non_kv(self) -> int:
-        return self.weights + self.activation_peak + self.non_torch
+        return self.weights + self.encoder_cache + self.activation_peak + self.non_torch
 
 
 @dataclass(frozen=True)

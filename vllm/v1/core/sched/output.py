@@ -23,6 +23,8 @@ class NewRequestData:
     # The compiled structured-output grammar (vllm.v1.structured_output.CompiledGrammar)
     # whose bitmask masks the request's logits, or None.
     grammar: Any = None
+    # The prompt's images (vllm.multimodal.inputs.MultiModalFeatureSpec), in prompt order.
+    mm_features: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -61,6 +63,11 @@ class SchedulerOutput:
     # req_id -> draft tokens to verify this step (speculative decoding); their
     # count is included in num_scheduled_tokens (1 + len(drafts) for a decode).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # req_id -> indices into its mm_features whose encoder outputs are computed this
+    # step (before the forward); see v1/core/encoder_cache_manager.py.
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    # Encoder outputs (by mm_hash) the runner drops before this step's encoding.
+    free_encoder_mm_hashes: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 from vllm.v1.core.elastic import ElasticKVPolicy
+from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.sched.kv_connector import SchedulerKVConnector
@@ -86,6 +87,7 @@ class Scheduler:
             grow to (`max_num_blocks`), not what it holds now.
         grammar_compiler: compiles structured-output constraints off the step (a request
             waits in WAITING_FOR_FSM meanwhile); None: such requests are refused.
+        encoder: images' encoder budget and cache (`EncoderCacheManager`), or None.
 
     Raises:
         ValueError: a value is out of range or the combination can never work.
@@ -110,6 +112,7 @@ class Scheduler:
         async_scheduling: bool = False,
         elastic: ElasticKVPolicy | None = None,
         grammar_compiler: GrammarSource | None = None,
+        encoder: EncoderCacheManager | None = None,
     ) -> None:
         check_positive(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
         if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
@@ -131,7 +134,7 @@ class Scheduler:
         self.async_scheduling = async_scheduling
         self.kv_cache_manager = KVCacheManager(
             num_blocks, block_size, enable_prefix_caching, max_model_len)
-        self.elastic = elastic
+        self.elastic, self.encoder = elastic, encoder or EncoderCacheManager(0, 0)
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()  # FCFS; preempted requests go to the front
         # Admission order: arrival order, except that with concurrent partial prefills a
@@ -140,7 +143,7 @@ class Scheduler:
         # preempted first.
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # finished since the last schedule()
-        self.num_preemptions = 0  # cumulative
+        self.num_preemptions = self.num_prefill_tokens = 0  # cumulative (prefill: by chunk)
         self.connector = (None if connector is None
                           else SchedulerKVConnector(connector, self.kv_cache_manager))
         self.prompt_tokens_by_source = {
@@ -149,7 +152,6 @@ class Scheduler:
         self.num_lookahead_tokens = num_lookahead_tokens
         self.spec_decoding_stats = (SpecDecodingStats(num_speculative_tokens)
                                     if num_speculative_tokens else None)
-        self.num_prefill_tokens = 0  # cumulative: prompt tokens scheduled, chunk by chunk
         self.structured_outputs = SchedulerStructuredOutputs(grammar_compiler)
 
     # ---- requests in and out ----
@@ -290,6 +292,7 @@ class Scheduler:
             request = self.running[req_index]
             to_compute = self._num_tokens_to_compute(request)
             num_new = min(policy.num_new_tokens(to_compute, plan.prefills), plan.token_budget)
+            num_new = self.encoder.fit(request, request.num_computed_tokens, num_new)
             if num_new == 0:
                 req_index += 1
                 continue
@@ -347,6 +350,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Free the request's blocks and put it at the front of the waiting queue."""
         self.kv_cache_manager.free(request)
+        self.encoder.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
@@ -392,11 +396,13 @@ class Scheduler:
             if policy.over_limits(plan.prefills, long, partial=num_new < to_compute):
                 skipped.append(self.waiting.popleft())
                 continue
-            new_blocks = kv.allocate_slots(
+            num_new = self.encoder.fit(request, num_hit_tokens, num_new)
+            new_blocks = None if num_new == 0 else kv.allocate_slots(
                 request, num_new, num_hit_tokens - request.num_computed_tokens, hits,
                 num_external, num_lookahead_tokens=self.num_lookahead_tokens,
             )
             if new_blocks is None:
+                self.encoder.free(request)
                 break
             self.waiting.popleft()
             if not request.num_computed_tokens:  # not a finished load: noted at its start
@@ -463,6 +469,8 @@ class Scheduler:
                     >= request.num_tokens + request.num_output_placeholders):
                 request.num_output_placeholders += 1  # this step samples its next token
         self.finished_req_ids = set()
+        output.scheduled_encoder_inputs, output.free_encoder_mm_hashes = (
+            self.encoder.step_output())
         if self.connector is not None:
             output.kv_connector_metadata = self.connector.build_meta(output)
         return output
@@ -491,6 +499,7 @@ class Scheduler:
             delay_free, kv_transfer_params = self.connector.request_finished(request)
         if free_blocks and not delay_free:
             self.kv_cache_manager.free(request)
+        self.encoder.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
         return kv_transfer_params

@@ -61,6 +61,7 @@ def package_plan(
             block_ids=get_block_ids(r.request_id),
             num_computed_tokens=r.num_computed_tokens,
             grammar=r.grammar,
+            mm_features=r.mm_features,
         )
         for r in plan.new_reqs
     ]
