@@ -68,7 +68,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="llama3_8b", choices=list(SHAPES),
                         help="model shape, random weights")
-    parser.add_argument("--batch-size", type=positive_int, default=32)
+    parser.add_argument("--batch-size", type=positive_int, default=32,
+                        help="requests decoding together")
     parser.add_argument("--input-len", type=positive_int, default=16, help="prompt tokens")
     parser.add_argument("--output-len", type=positive_int, default=128, help="output tokens")
     parser.add_argument("--repeats", type=positive_int, default=3,

@@ -163,6 +163,11 @@ class ExtensibleTensor:
         return self._capacity
 
     @property
+    def reserved_bytes(self) -> int:
+        """Address space reserved: the capacity rounded up to the granularity."""
+        return self._res.size
+
+    @property
     def base(self) -> int:
         """Address of byte 0; equals `full_view().data_ptr()` for the object's lifetime."""
         return self._res.va

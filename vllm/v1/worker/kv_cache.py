@@ -351,7 +351,10 @@ class ExtensibleKVCacheBuffers(KVCacheBuffers):
 
     @property
     def reserved_bytes(self) -> int:
-        return self.config.size_bytes
+        """Address space reserved (the layout's bytes rounded up to the granularity)."""
+        if self.tensor is not None:
+            return self.tensor.reserved_bytes
+        return -(-self.config.size_bytes // self.granularity) * self.granularity
 
     @property
     def is_released(self) -> bool:
