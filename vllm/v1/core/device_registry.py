@@ -191,13 +191,6 @@ class DeviceKVRegistry:
         with _locked(self._fd, exclusive=False):
             return self._read(index)
 
-    def peers(self) -> list[EngineSlot]:
-        """Every live engine but this one."""
-        me = self.slot_index
-        with _locked(self._fd, exclusive=False):
-            slots = [(i, self._read(i)) for i in range(NUM_SLOTS)]
-        return [s for i, s in slots if i != me and s.pid and s.is_alive()]
-
     # ------------------------------------------------------------- writing
     def register(self, name: str) -> EngineSlot:
         """Claim a slot for this process (an empty one, or one whose process died).

@@ -79,22 +79,18 @@ class DeviceSharing:
         except BaseException:
             self.close()
             raise
-        self._published: tuple[int, ...] | None = None
         self._wanted = 0  # blocks
         self._wanted_since = 0.0
         self.num_reclaims = 0  # demands this engine answered by releasing blocks
 
     def publish(self, *, committed: int, in_use: int, reclaimable: int, floor: int,
                 limit: int) -> None:
-        """Write this engine's figures (blocks) to every device's registry, if they changed."""
-        figures = (committed, in_use, reclaimable, floor, limit)
-        if figures == self._published:
-            return
+        """Write this engine's figures (blocks) to every device's registry (the controller
+        calls it when they changed)."""
         for device, registry in zip(self.devices, self.registries, strict=True):
             b = device.block_bytes
             registry.update(committed=committed * b, in_use=in_use * b,
                             reclaimable=reclaimable * b, floor=floor * b, limit=limit * b)
-        self._published = figures
 
     def want(self, blocks: int) -> None:
         """Publish the blocks this engine lacks and could not commit (0: none)."""

@@ -154,18 +154,21 @@ class ElasticKVCache:
             (the Worker's `agree_num_blocks`, a collective with several ranks;
             default: this rank's own). The floor and every runtime limit pass
             through it, so every rank holds the same bounds.
+        thread_init: run first on the growth thread (makes the device current
+            there); default: nothing.
     """
 
     def __init__(
         self, kv_cache: ExtensibleKVCacheBuffers, memory: DeviceMemory, max_limit: int,
         max_blocks_per_request: int, agree: Callable[[int], int] | None = None,
+        thread_init: Callable[[], None] | None = None,
     ) -> None:
         self.kv_cache = kv_cache
         self.memory = memory
         self.agree = agree or _alone
         self._growth: threading.Thread | None = None
         self._blocks_before_growth = 0
-        self.thread_init: Callable[[], None] = lambda: None  # the device, current on the thread
+        self.thread_init = thread_init or (lambda: None)
         config = kv_cache.config
         floor = elastic_floor_blocks(
             max_limit, max_blocks_per_request, config.block_stride, config.num_segments,

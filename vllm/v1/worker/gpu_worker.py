@@ -390,9 +390,9 @@ class Worker:
         """Commit the elastic floor; `limit` (sized after warmup) bounds later growth."""
         block_size = self.config.cache_config.block_size
         per_request = -(-self.config.model_config.max_model_len // block_size)
-        self.elastic = ElasticKVCache(self.kv_cache, self.memory, limit, per_request,
-                                      agree=self.agree_num_blocks)
-        self.elastic.thread_init = lambda: self.platform.init_device(self.device)
+        self.elastic = ElasticKVCache(
+            self.kv_cache, self.memory, limit, per_request, agree=self.agree_num_blocks,
+            thread_init=lambda: self.platform.init_device(self.device))
         floor = self.elastic.bounds.floor  # agreed across ranks
         self.extend_kv_cache(floor)
         self._bound_kv_blocks = floor  # the count the runner's views were last bound at
