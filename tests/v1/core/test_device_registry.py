@@ -10,7 +10,12 @@ import signal
 import pytest
 
 from vllm.v1.core.device_registry import NUM_SLOTS, DeviceKVRegistry, EngineSlot, registered_devices
-from vllm.v1.core.elastic_sharing import DEMAND_RENEW_S, DeviceShare, DeviceSharing
+from vllm.v1.core.elastic_sharing import (
+    DEMAND_RENEW_S,
+    DeviceShare,
+    DeviceSharing,
+    preempt_floor,
+)
 
 MiB = 1 << 20
 
@@ -102,7 +107,7 @@ def test_a_demand_is_covered_once_even_with_two_givers(tmp_path):
     asked = []
 
     def give(n):
-        def release_for(blocks):
+        def release_for(blocks, keep):
             asked.append(blocks)
             return min(blocks, n)
         return release_for
@@ -127,8 +132,8 @@ def test_a_giver_with_nothing_to_release_records_nothing(tmp_path):
     clock = Clock()
     asker, busy, idle = (_sharing(tmp_path, n, clock) for n in ("asker", "busy", "idle"))
     asker.want(8)
-    assert not busy.answer(lambda blocks: 0)
-    assert idle.answer(lambda blocks: blocks)  # the whole demand is still open to it
+    assert not busy.answer(lambda blocks, keep: 0)
+    assert idle.answer(lambda blocks, keep: blocks)  # the whole demand is still open to it
     for s in (asker, busy, idle):
         s.close()
 
@@ -140,3 +145,18 @@ def test_figures_are_written_in_bytes_per_device(tmp_path):
     assert (slot.committed, slot.in_use, slot.reclaimable, slot.floor, slot.limit) == (
         30 * MiB, 12 * MiB, 15 * MiB, 6 * MiB, 120 * MiB)
     s.close()
+
+
+def test_preemption_floor_is_the_fair_share_and_never_below_the_asker():
+    def slot(committed, in_use=0, wanted=0):
+        return EngineSlot(pid=1, committed=committed, in_use=in_use, wanted=wanted)
+
+    big, small, idle = slot(80, in_use=70), slot(10, in_use=10, wanted=30), slot(10)
+    engines = [big, small, idle]
+    # 100 committed over the two busy engines: 50 each (the idle one counts for nothing).
+    assert preempt_floor(big, small, engines) == 50
+    # Three busy engines: the midpoint (45) is above the share (33).
+    busy = slot(10, in_use=5)
+    assert preempt_floor(big, small, [big, small, busy]) == 45
+    # An asker holding as much: no preemption for it.
+    assert preempt_floor(small, slot(10, wanted=5), engines) is None

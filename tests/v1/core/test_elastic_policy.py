@@ -2,7 +2,7 @@
 
 import pytest
 
-from vllm.v1.core.elastic import ElasticDecision, ElasticKVPolicy
+from vllm.v1.core.elastic import ElasticDecision, ElasticKVPolicy, growth_points
 
 
 class Clock:
@@ -155,3 +155,30 @@ def test_shortfall_is_the_demand_beyond_the_free_blocks_within_the_limit():
     assert p.shortfall(_Pool(85, 4, 0), blocks_wanted=0) == 4  # below the low-water mark
     assert p.shortfall(_Pool(85, 10, 0), blocks_wanted=100) == 90
     assert p.shortfall(_Pool(85, 0, 0), blocks_wanted=10_000) == 341 - 85  # the limit caps it
+
+
+def test_a_growth_over_several_chunks_can_go_back_a_chunk_at_a_time():
+    """The worker commits one allocation per chunk point crossed (`growth_points`), the
+    policy records the same points as boundaries: a 40 GiB burst growth need not go back
+    whole."""
+    assert growth_points(85, 32, 85, 200) == [117, 149, 181]
+    assert growth_points(85, 32, 100, 149) == [117]  # strictly between start and end
+    assert growth_points(85, 32, 117, 118) == []
+    p = _policy(Clock())
+    # The worker's pieces ended on granules (119, 170 of 85 + 32 k) and reached 200;
+    # ends outside the growth are not boundaries.
+    p.adopt(200, boundaries=[170, 119, 60, 200])
+    assert p.boundaries == [85, 119, 170, 200] and p.num_grows == 1
+    assert p.reclaim_target(_Pool(200, 199, 199), blocks=19, blocks_wanted=0) == 170
+
+
+def test_preempt_target_keeps_the_fair_share_and_releases_what_the_peer_lacks():
+    p = _policy(Clock())
+    p.adopt(341, boundaries=range(117, 341, 32))  # boundaries 85, 117, ..., 309, 341
+    # The peer lacks 50 blocks; this engine may keep no less than 200: 341 - 277 = 64.
+    assert p.preempt_target(blocks=50, keep=200) == 277
+    # It lacks 500: everything down to the lowest boundary at or above the share.
+    assert p.preempt_target(blocks=500, keep=200) == 213
+    # Never below the floor; nothing below what is committed: None.
+    assert p.preempt_target(blocks=500, keep=0) == 85
+    assert p.preempt_target(blocks=10, keep=341) is None

@@ -433,3 +433,32 @@ def test_a_step_never_schedules_zero_tokens_of_a_request():
     with pytest.raises(RuntimeError, match="request b scheduled 0 tokens"):
         plan.add(make_request("b", _prompt(4, 20)), 0)
     assert plan.num_scheduled_tokens == {"a": 1} and plan.token_budget == 7
+
+
+def test_preempt_for_shrink_frees_the_tail_and_the_next_step_reports_it():
+    """The elastic cache answering a peer engine: the running requests holding a block at
+    or above the boundary are preempted (by recompute), the tail is free, the next step
+    names them preempted and admits nobody, and outputs do not change."""
+    def run(shrink):
+        sched = make_scheduler(num_blocks=16, max_num_seqs=4)
+        for i, name in enumerate("ABC"):
+            sched.add_request(make_request(name, _prompt(8, 1000 * (i + 1)), max_tokens=6))
+        runner = FakeRunner(block_size=4)
+        res = step(sched, runner)  # A [1, 2], B [3, 4], C [5, 6]
+        if shrink:
+            assert sched.preempt_for_shrink(4) == 2  # B and C hold blocks >= 4
+            assert [r.request_id for r in sched.running] == ["A"]
+            assert [r.request_id for r in sched.waiting] == ["B", "C"]
+            assert sched.kv_cache_manager.num_free_tail_blocks() == 16 - 3
+            sched.resize_kv_cache(4)
+            step(sched, runner, res)
+            so = res.scheduler_outputs[1]
+            assert so.preempted_req_ids == {"B", "C"}
+            assert set(so.num_scheduled_tokens) == {"A"}  # nobody admitted in that step
+            sched.resize_kv_cache(16)
+        return run_until_done(sched, runner, res).outputs, sched
+
+    shrunk, sched = run(shrink=True)
+    plain, _ = run(shrink=False)
+    assert shrunk == plain and all(len(t) == 6 for t in shrunk.values())
+    assert sched.get_stats().num_preemptions == 2

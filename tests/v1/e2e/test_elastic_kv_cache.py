@@ -81,9 +81,9 @@ def test_committed_bytes_and_rss_follow_the_load_up_and_down(elastic_llm, offlin
     pool = core.scheduler.kv_cache_manager.block_pool
     resize, evicted = core.scheduler.resize_kv_cache, []
 
-    def traced_resize(num_blocks):
+    def traced_resize(num_blocks, boundaries=()):
         cached = len(pool.cached_block_hash_to_block)
-        resize(num_blocks)
+        resize(num_blocks, boundaries)
         evicted.append(cached - len(pool.cached_block_hash_to_block))
 
     core.scheduler.resize_kv_cache = traced_resize
@@ -213,6 +213,61 @@ def test_an_engine_that_cannot_grow_asks_its_peers_and_withdraws_when_it_grew(
     core.adjust_kv_cache()
     assert _my_slot(core).wanted == 0
     core.abort_requests(ids)
+
+
+def test_a_busy_engine_above_its_share_preempts_for_a_peer_holding_less(elastic_llm):
+    """Reclaim by preemption (issue #49): this engine grew for a burst and every request
+    still runs, so no free tail can go; a peer holding less lacks memory. It preempts
+    (by recompute) the requests above a chunk boundary at or above its fair share,
+    releases the tail at once (no timer, no waiting for the decodes to end), and the
+    preempted requests' outputs do not change."""
+    core = elastic_llm.llm_engine.engine_core
+    ekv, policy = core.elastic_kv, core.scheduler.elastic
+    tokenizer = elastic_llm.get_tokenizer()
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    expected = [o.outputs[0].token_ids for o in elastic_llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], GREEDY_LONG, use_tqdm=False)]
+    _idle_until_floor(elastic_llm, core)
+    policy.shrink_delay_s = 1e9  # only the demand may release
+    from vllm.v1.request import Request
+    for i, p in enumerate(prompts):
+        core.add_request(Request(request_id=f"p{i}", prompt_token_ids=p,
+                                 sampling_params=GREEDY_LONG, eos_token_id=None))
+    got: dict[str, list[int]] = {f"p{i}": [] for i in range(len(prompts))}
+
+    def step():
+        for out in core.step():
+            got[out.request_id] += out.new_token_ids
+
+    peer = DeviceSharing([DeviceShare("host", ekv.block_bytes)], "peer")
+    try:
+        for _ in range(40):  # until it grew and every request runs
+            if len(core.scheduler.running) == len(prompts) and core.num_blocks > policy.floor:
+                break
+            step()
+        grown, preemptions = core.num_blocks, core.scheduler.num_preemptions
+        assert core.scheduler.kv_cache_manager.num_free_tail_blocks() < grown - policy.floor
+        ekv.publish(force=True)
+        peer.want(grown)  # more than can go: this engine keeps its fair share
+        assert core.adjust_kv_cache()
+        released = grown - core.num_blocks
+        assert released > 0 and core.worker.kv_cache.committed_blocks == core.num_blocks
+        assert core.num_blocks >= grown // 2  # the midpoint of the two: its share
+        assert core.scheduler.num_preemptions > preemptions
+        assert _my_slot(core).gave_bytes == released * ekv.block_bytes
+        peer.want(0)
+        policy.shrink_delay_s = 0.0
+        for _ in range(200):
+            if not core.scheduler.has_requests():
+                break
+            step()
+    finally:
+        peer.close()
+        policy.shrink_delay_s = 0.0
+    assert [got[f"p{i}"] for i in range(len(prompts))] == [list(t) for t in expected]
+
+
+GREEDY_LONG = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 
 def _request(request_id):

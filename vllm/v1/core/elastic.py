@@ -13,6 +13,11 @@ counting the null block.
             reach less (memory is free only now, less a headroom); the
             scheduler then queues or preempts as it does whenever the cache
             is full.
+    points  a growth that spans several chunks is committed as one driver
+            allocation per chunk (the worker splits it at `growth_points`,
+            each rounded up to whole granules, and reports where its pieces
+            end: the growth's inner boundaries), so memory can go back a chunk
+            at a time
     shrink  when every block of the last growth (the tail, [b, committed)) has
             been free, or held only evictable prefix-cache entries, for
             `shrink_delay_s`, and the blocks below b still leave the low-water
@@ -39,6 +44,19 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 DEFAULT_SHRINK_DELAY_S = 10.0
+
+
+def growth_points(floor: int, chunk: int, start: int, end: int) -> list[int]:
+    """The chunk points floor + k x chunk strictly between `start` and `end` (block counts).
+
+    A growth from `start` to `end` is committed in pieces ending at these points
+    (each rounded up to whole granules by the worker, `ElasticKVCache`), so a
+    shrink back to one of them returns the pieces above it: memory goes back a
+    chunk at a time, not only a whole growth (a 40 GiB burst growth could
+    otherwise only go back whole).
+    """
+    k = max((start - floor) // chunk + 1, 1)
+    return list(range(floor + k * chunk, end, chunk))
 
 
 def blocks_wanted(waiting: Iterable[Request], running: Iterable[Request], block_size: int) -> int:
@@ -206,13 +224,36 @@ class ElasticKVPolicy:
         enough = [b for b in feasible if committed - b >= blocks]
         return max(enough) if enough else min(feasible)
 
+    def preempt_target(self, blocks: int, keep: int) -> int | None:
+        """The count to shrink to, preempting the requests above it, so a peer gets `blocks`.
+
+        For a peer that holds less than this engine (`DeviceSharing.answer` sets
+        `keep`, this engine's fair share: never below the peer): the boundary at
+        or above max(keep, floor) that releases `blocks` or more and keeps the
+        most, else the lowest such boundary. None: no boundary below what is
+        committed. The caller preempts the running requests holding a block at
+        or above it (`Scheduler.preempt_for_shrink`), as vLLM preempts by
+        recompute when blocks run out.
+        """
+        candidates = [b for b in self.boundaries[:-1] if b >= max(keep, self.floor)]
+        if not candidates:
+            return None
+        enough = [b for b in candidates if self.committed - b >= blocks]
+        return max(enough) if enough else min(candidates)
+
     def _boundary_at_or_above(self, num_blocks: int) -> int:
         return min((b for b in self.boundaries if b >= num_blocks), default=self.committed)
 
-    def adopt(self, num_blocks: int) -> None:
-        """Record the count the workers reached (after a grow or a shrink)."""
+    def adopt(self, num_blocks: int, boundaries: Iterable[int] = ()) -> None:
+        """Record the count the workers reached (after a grow or a shrink).
+
+        Args:
+            boundaries: a growth's inner allocation ends (where the workers
+                split it, `growth_points`): counts a shrink may go back to.
+        """
         self._tail_free_since = None
         if num_blocks > self.committed:
+            self.boundaries += sorted(b for b in boundaries if self.committed < b < num_blocks)
             self.boundaries.append(num_blocks)
             self.num_grows += 1
         elif num_blocks < self.committed:

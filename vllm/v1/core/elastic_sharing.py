@@ -16,7 +16,11 @@ steps, and at every idle poll:
              the registry's lock, so two givers never both cover it in full)
              releases reclaimable tail blocks now (whole growths, never a
              block in use, keeping its own low-water mark; the policy's
-             `reclaim_target`), and records what it gave
+             `reclaim_target`), and records what it gave; an engine that
+             holds more than the asker may also preempt requests to release
+             more, down to `keep`: max(its fair share, the midpoint of the
+             two), so the asker never ends above it and the two never
+             preempt back and forth
 
 The asker's next growth attempt (its next step) finds the memory free. The
 timed idle release (`VLLM_ELASTIC_KV_SHRINK_DELAY_S`) stays as the fallback
@@ -116,9 +120,13 @@ class DeviceSharing:
 
         Args:
             release_for: takes the blocks a peer still lacks (in this engine's
-                blocks, rounded up), returns the blocks this engine will release
-                for it now (0: none). Called under the registry's lock: it only
-                decides; the caller releases them after `answer` returns True.
+                blocks, rounded up) and `keep`, returns the blocks this engine
+                will release for it now (0: none). `keep` (blocks) is the least
+                this engine may keep if it preempts requests to release more:
+                max(fair share, midpoint), see `preempt_floor`; None when the
+                peer holds as much as this engine (no preemption for it).
+                Called under the registry's lock: it only decides; the caller
+                releases them after `answer` returns True.
 
         Returns:
             True when this engine promised blocks (recorded in its slot).
@@ -136,7 +144,8 @@ class DeviceSharing:
                     lacking = peer.wanted - covered
                     if lacking <= 0:
                         continue
-                    blocks = release_for(-(-lacking // b))
+                    keep = preempt_floor(me, peer, [me] + [p for _, p in peers])
+                    blocks = release_for(-(-lacking // b), None if keep is None else -(-keep // b))
                     if blocks <= 0:
                         return False
                     registry.put(_gave(me, index + 1, peer.demand_seq, blocks * b))
@@ -152,6 +161,22 @@ class DeviceSharing:
         for registry in self.registries:
             registry.close()
         self.registries = []
+
+
+def preempt_floor(me: EngineSlot, asker: EngineSlot, engines: list[EngineSlot]) -> int | None:
+    """The fewest bytes `me` keeps when it preempts requests for `asker`, or None (it may not).
+
+    max(fair share, midpoint): the fair share is the device's committed KV
+    bytes over the engines that hold requests or ask (at least the two); the
+    midpoint of the two engines' committed bytes keeps the asker from ending
+    above `me` (it gets at most what `me` releases), so it never preempts
+    back. None when `me` does not hold more than the asker.
+    """
+    if me.committed <= asker.committed:
+        return None
+    busy = sum(1 for s in engines if s.in_use or s.wanted)
+    share = sum(s.committed for s in engines) // max(busy, 2)
+    return max(share, (me.committed + asker.committed) // 2)
 
 
 def _gave(me: EngineSlot, to: int, seq: int, nbytes: int) -> EngineSlot:

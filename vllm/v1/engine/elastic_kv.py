@@ -15,14 +15,23 @@ poll of the engine loop, `adjust()`:
        shrinks: the scheduler's pool drops the free tail, then the workers
        release the pages;
     3. answers a peer's demand: releases reclaimable tail blocks at once
-       (`ElasticKVPolicy.reclaim_target`), not after the idle timer;
+       (`ElasticKVPolicy.reclaim_target`), not after the idle timer; when
+       that is not enough and this engine holds more than the asker and its
+       fair share (`DeviceSharing.answer`'s `keep`), it also preempts, by
+       recompute, the running requests above a chunk boundary and releases
+       down to it (`ElasticKVPolicy.preempt_target`,
+       `Scheduler.preempt_for_shrink`): an engine that got the device first
+       no longer keeps it while its queue refills it (issue #49's engine B
+       waited 24 s for engine A's 1,024-token decodes to end);
     4. publishes committed / in-use / reclaimable / limit to the registry
        (`vllm kv-top`, /metrics), at most every `PUBLISH_S`.
 
 With async scheduling a step is in flight while this runs: only the tail
 blocks that were free when every step in flight was scheduled may go (a
 block freed since may still be one such a step writes); the workers wait for
-the device before they unmap.
+the device before they unmap. Blocks freed by preemption leave the
+scheduler's pool at once but reach the workers' release at the next call,
+when no step in flight was scheduled with them.
 Nothing here runs inside a step; a release takes the driver calls' time
 (~0.1-0.4 ms per 1-8 GiB on the H200, docs/elastic_kv_cache.md).
 """
@@ -76,6 +85,7 @@ class ElasticKVController:
         self.figures: dict[str, int] = {}
         self.figures_version = 0
         self._published_at = float("-inf")
+        self._release_pending: int | None = None  # blocks the workers shrink to next call
         devices: dict[str, int] = {}
         for key, block_bytes in self.run(Worker.kv_cache_device):
             devices[key] = devices.get(key, 0) + block_bytes
@@ -99,6 +109,7 @@ class ElasticKVController:
                 tail blocks any of them saw when it was scheduled (only those may
                 go: a block freed since may still be written); None: none in flight.
         """
+        self._release_now()
         s, policy = self.scheduler, self.policy
         kv = s.kv_cache_manager
         wanted = blocks_wanted(s.waiting, s.running, s.block_size)
@@ -119,16 +130,32 @@ class ElasticKVController:
         return changed
 
     def _answer_peers(self, wanted: int, safe_tail: int | None) -> bool:
-        kv, planned = self.scheduler.kv_cache_manager, []
+        s, policy = self.scheduler, self.policy
+        kv, planned = s.kv_cache_manager, []
 
-        def release_for(blocks: int) -> int:
-            target = self.policy.reclaim_target(kv, blocks, wanted, safe_tail)
+        def release_for(blocks: int, keep: int | None) -> int:
+            target = policy.reclaim_target(kv, blocks, wanted, safe_tail)
+            freed = 0 if target is None else s.num_blocks - target
+            deeper = None if keep is None or freed >= blocks else policy.preempt_target(
+                blocks, keep)
+            # Preempt only for at least a chunk (or all the peer lacks), not for crumbs.
+            if deeper is not None and s.num_blocks - deeper >= max(
+                    freed + 1, min(blocks, policy.chunk)):
+                target, freed = deeper, s.num_blocks - deeper
             planned.append(target)
-            return 0 if target is None else self.scheduler.num_blocks - target
+            return freed
 
         if not self.sharing.answer(release_for) or planned[-1] is None:
             return False
-        return self.shrink(planned[-1])
+        target = planned[-1]
+        if target >= policy.lowest_now(kv, safe_tail):
+            return self.shrink(target)
+        preempted = s.preempt_for_shrink(target)
+        if target < policy.lowest_now(kv):  # a block above it is held by a loading request
+            return False
+        logger.info("Elastic KV cache: preempted %d requests to release blocks %d.. for a peer",
+                    preempted, target)
+        return self.shrink(target, release_now=safe_tail is None)
 
     def grow(self, num_blocks: int) -> bool:
         """The workers commit up to `num_blocks` now, then the scheduler adopts what they
@@ -143,27 +170,38 @@ class ElasticKVController:
             (the count changed, a growth is still in flight on some rank).
         """
         replies = self.run(Worker.grow_kv_cache_ahead, args=(num_blocks,))
-        if any(in_flight for _, in_flight in replies):
+        if any(in_flight for _, in_flight, _ in replies):
             return False, True
-        return self._adopt_grown([reached for reached, _ in replies]), False
+        return self._adopt_grown([(reached, ends) for reached, _, ends in replies]), False
 
-    def _adopt_grown(self, per_rank: list[int]) -> bool:
-        reached = min(per_rank)
-        if max(per_rank) > reached:
+    def _adopt_grown(self, per_rank: list[tuple[int, list[int]]]) -> bool:
+        """Adopt the smallest count the ranks reached; the allocation ends every rank has
+        become the policy's boundaries (a shrink to one returns memory on every rank)."""
+        reached = min(r for r, _ in per_rank)
+        if max(r for r, _ in per_rank) > reached:
             # A rank that reached more gives the excess back: every rank holds the same count.
             reached = min(self.run(Worker.shrink_kv_cache, args=(reached,)))
         if reached <= self.scheduler.num_blocks:
             return False
-        self.scheduler.resize_kv_cache(reached)
+        ends = set.intersection(*(set(e) for _, e in per_rank))
+        self.scheduler.resize_kv_cache(reached, sorted(e for e in ends if e < reached))
         return True
 
-    def shrink(self, num_blocks: int) -> bool:
-        """Drop the free tail from the scheduler's pool, then release its pages on the workers."""
+    def shrink(self, num_blocks: int, release_now: bool = True) -> bool:
+        """Drop the free tail from the scheduler's pool, then release its pages on the workers
+        (now, or at the next `adjust` when a step in flight may still write them)."""
         if num_blocks >= self.scheduler.num_blocks:
             return False
         self.scheduler.resize_kv_cache(num_blocks)  # only free tail blocks go
-        self.run(Worker.shrink_kv_cache, args=(num_blocks,))
+        self._release_pending = num_blocks
+        if release_now:
+            self._release_now()
         return True
+
+    def _release_now(self) -> None:
+        if self._release_pending is not None:
+            self.run(Worker.shrink_kv_cache, args=(self._release_pending,))
+            self._release_pending = None
 
     def publish(self, force: bool = False) -> None:
         """Refresh this engine's figures (what `/metrics` and the device registry show),
@@ -203,6 +241,7 @@ class ElasticKVController:
 
     def before_sleep(self) -> int:
         """Shrink to the floor (the pool is empty by now); returns the count to wake back to."""
+        self._release_now()
         before = self.scheduler.num_blocks
         self.shrink(self.policy.lowest_now(self.scheduler.kv_cache_manager))
         self.publish(force=True)
@@ -210,11 +249,13 @@ class ElasticKVController:
 
     def after_wake(self, num_blocks: int) -> None:
         """Grow back towards the pre-sleep count, as far as memory is free now."""
+        self._release_now()
         self.grow(num_blocks)
         self.publish(force=True)
 
     def close(self) -> None:
         """Leave the device registry (nothing of this engine stays there)."""
+        self._release_pending = None  # the workers release everything as they stop
         if self.sharing is not None:
             self.sharing.close()
             self.sharing = None

@@ -15,7 +15,10 @@ too (the start-up sizing is kv_cache_sizing.py's):
                once with the count usable now and whether a growth runs; the
                next call after it ended reports the new count, so the
                scheduler adopts the blocks at a step boundary and no step
-               waits for the driver's create / map / set-access / zeroing
+               waits for the driver's create / map / set-access / zeroing;
+               a growth over several chunks commits one allocation per
+               chunk point it crosses (`growth_points`), so memory can go
+               back a chunk at a time
     shrink(n)  release the tail blocks n.. (the block pool gave them up
                first); memory returns in whole driver allocations
 
@@ -41,6 +44,7 @@ from dataclasses import dataclass
 
 from vllm.device_allocator.vmm import VmmError
 from vllm.logger import init_logger
+from vllm.v1.core.elastic import growth_points
 from vllm.v1.worker import kv_cache_sizing as sizing
 from vllm.v1.worker.kv_cache import ExtensibleKVCacheBuffers
 from vllm.v1.worker.memory import DeviceMemory
@@ -168,6 +172,9 @@ class ElasticKVCache:
         self.agree = agree or _alone
         self._growth: threading.Thread | None = None
         self._blocks_before_growth = 0
+        # Counts at which the driver allocations of growths end, ascending: a shrink to
+        # one of them returns everything above it (the policy's boundaries).
+        self.piece_ends: list[int] = []
         self.thread_init = thread_init or (lambda: None)
         config = kv_cache.config
         floor = elastic_floor_blocks(
@@ -277,14 +284,26 @@ class ElasticKVCache:
         kv = self.kv_cache
         before, bytes_before = kv.committed_blocks, kv.committed_bytes
         start = time.perf_counter()
-        try:
-            kv.extend_kv_cache(target)
-        except VmmError as e:  # another process took the memory first: stay as we are
-            logger.warning("Elastic KV cache: could not grow to %d blocks (%s)", target, e)
+        config, b = kv.config, self.bounds
+        # One driver allocation per chunk point crossed (the policy's boundaries), so a
+        # shrink can return a chunk at a time; each piece ends on whole granules.
+        pieces = [sizing.blocks_filling_granules(p, config.block_stride, config.num_segments,
+                                                 kv.granularity)
+                  for p in growth_points(b.floor, b.chunk, before, target)]
+        for piece in [p for p in pieces if before < p < target] + [target]:
+            if piece <= kv.committed_blocks:
+                continue
+            try:
+                kv.extend_kv_cache(piece)
+            except VmmError as e:  # another process took the memory first: keep what we have
+                logger.warning("Elastic KV cache: could not grow to %d blocks (%s)", piece, e)
+                break
+            self.piece_ends.append(piece)
+        if kv.committed_blocks == before:
             return
         where = "on a helper thread" if threading.current_thread() is self._growth else "now"
         logger.info("Elastic KV cache: grew %s (%d -> %d blocks) in %.1f ms, %s",
-                    _change(bytes_before, kv.committed_bytes), before, target,
+                    _change(bytes_before, kv.committed_bytes), before, kv.committed_blocks,
                     (time.perf_counter() - start) * 1e3, where)
 
     def shrink(self, num_blocks: int) -> int:
@@ -296,6 +315,7 @@ class ElasticKVCache:
         if num_blocks >= before:
             return before
         kv.release_tail_blocks(num_blocks)
+        self.piece_ends = [e for e in self.piece_ends if e <= num_blocks]
         logger.info("Elastic KV cache: released %s (%d -> %d blocks)",
                     _change(bytes_before, kv.committed_bytes), before, num_blocks)
         return num_blocks

@@ -416,24 +416,30 @@ class Worker:
                 config.block_stride * config.num_segments)
 
     @rpc
-    def grow_kv_cache(self, num_blocks: int) -> int:
-        """Commit up to `num_blocks` blocks where memory is free now; returns the count reached."""
+    def grow_kv_cache(self, num_blocks: int) -> tuple[int, list[int]]:
+        """Commit up to `num_blocks` blocks where memory is free now.
+
+        Returns:
+            (the count reached, the counts below it where this rank's growth
+            allocations end: where a shrink returns memory).
+        """
         reached = self.elastic.grow(num_blocks)
         self.model_runner.bind_kv_cache(self.kv_cache.views)
-        return reached
+        return reached, [e for e in self.elastic.piece_ends if e < reached]
 
     @rpc
-    def grow_kv_cache_ahead(self, num_blocks: int) -> tuple[int, bool]:
+    def grow_kv_cache_ahead(self, num_blocks: int) -> tuple[int, bool, list[int]]:
         """Commit up to `num_blocks` blocks on a helper thread (see `ElasticKVCache.grow_ahead`).
 
         Returns:
-            (blocks usable now, their views bound; whether a growth is in flight).
+            (blocks usable now, their views bound; whether a growth is in flight;
+            the allocation ends below that count, as `grow_kv_cache`).
         """
         reached, in_flight = self.elastic.grow_ahead(num_blocks)
         if reached != self._bound_kv_blocks:
             self.model_runner.bind_kv_cache(self.kv_cache.views)
             self._bound_kv_blocks = reached
-        return reached, in_flight
+        return reached, in_flight, [e for e in self.elastic.piece_ends if e < reached]
 
     @rpc
     def shrink_kv_cache(self, num_blocks: int) -> int:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
@@ -144,6 +144,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # finished since the last schedule()
         self.num_preemptions = self.num_prefill_tokens = 0  # cumulative (prefill: by chunk)
+        self._preempted_between_steps: set[str] = set()  # for a peer engine (elastic)
         self.connector = (None if connector is None
                           else SchedulerKVConnector(connector, self.kv_cache_manager))
         self.prompt_tokens_by_source = {
@@ -223,6 +224,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         self.structured_outputs.promote()
         plan = StepPlan(budget, self.prefill_policy.start_step(budget, self.running, self.waiting))
+        plan.preempted_req_ids, self._preempted_between_steps = self._preempted_between_steps, set()
         self._schedule_running(plan)
         if not plan.preempted_req_ids:
             self._schedule_waiting(plan)
@@ -564,24 +566,33 @@ class Scheduler:
         (its limit), else the blocks there are."""
         return self.elastic.limit if self.elastic is not None else self.num_blocks
 
-    @property
-    def is_elastic(self) -> bool:
-        return self.elastic is not None
-
-    def resize_kv_cache(self, num_blocks: int) -> None:
+    def resize_kv_cache(self, num_blocks: int, boundaries: Sequence[int] = ()) -> None:
         """Adopt a new KV block count: the worker committed more, or free tail blocks go.
 
         The one way the pool's size changes after start-up (the elastic cache
         commits and releases blocks while serving). See `BlockPool.resize`: a
         shrink must only drop free tail blocks (cached ones are evicted); live
-        blocks never move. The elastic policy records the new count.
+        blocks never move. The elastic policy records the new count (and a
+        growth's inner `boundaries`, see `ElasticKVPolicy.adopt`).
 
         Raises:
             ValueError: a shrink over a block in use.
         """
         self.kv_cache_manager.resize(num_blocks)
         if self.elastic is not None:
-            self.elastic.adopt(num_blocks)
+            self.elastic.adopt(num_blocks, boundaries)
+
+    def preempt_for_shrink(self, num_blocks: int) -> int:
+        """Preempt (by recompute) every running request holding a block id >= `num_blocks`,
+        newest first, so the elastic cache can give that tail to a peer engine; the next
+        step reports them preempted and admits nobody. Returns how many."""
+        held = self.kv_cache_manager.get_block_ids
+        victims = [r for r in self.running if max(held(r.request_id), default=0) >= num_blocks]
+        for request in reversed(victims):
+            self.running.remove(request)
+            self._preempt(request)
+            self._preempted_between_steps.add(request.request_id)
+        return len(victims)
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached blocks; False while any request holds blocks."""
