@@ -123,7 +123,7 @@ class OpenAIServingCompletion(OpenAIServing):
         )
         request_id = random_id("cmpl")
         as_ids = self.tokens_as_ids(request)
-        streams = await self.admit_all(request_id, prompts, params)
+        streams = await self.admit_all(request_id, prompts, params, priority=request.priority)
         if stream:
             return sse_response(self._stream(request_id, model_name, streams, params,
                                              bool(request.echo), include_usage,

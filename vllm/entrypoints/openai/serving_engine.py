@@ -70,7 +70,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
     "logits_processors": (None, []),
-    "priority": (None, 0),
     "vllm_xargs": (None, {}),
     "mm_processor_kwargs": (None, {}),
     "documents": (None, []),
@@ -257,16 +256,18 @@ class OpenAIServing:
     async def admit(
         self, request_id: str, prompt: PromptType, params: SamplingParams,
         prompt_param: str = "prompt", length_param: str = "max_tokens",
-        renamed: dict[str, str] | None = None,
+        renamed: dict[str, str] | None = None, priority: int = 0,
     ) -> RequestOutputStream:
         """Hand a request to the engine; validation failures become APIError(400).
 
         `prompt_param` / `length_param` name the request fields a prompt or a
         length error is about (chat: "messages", "max_completion_tokens");
-        `renamed` maps other SamplingParams fields (chat: logprobs -> top_logprobs).
+        `renamed` maps other SamplingParams fields (chat: logprobs -> top_logprobs);
+        `priority` is the request's (`--scheduling-policy priority`).
         """
         try:
-            return await self.engine_client.add_request(request_id, prompt, params)
+            return await self.engine_client.add_request(request_id, prompt, params,
+                                                        priority=priority)
         except ValueError as e:
             raise validation_error(e, {**(renamed or {}), "prompt": prompt_param,
                                        "max_tokens": length_param}) from e
@@ -276,7 +277,7 @@ class OpenAIServing:
     async def admit_all(
         self, request_id: str, prompts: list[PromptType], params: SamplingParams,
         prompt_param: str = "prompt", length_param: str = "max_tokens",
-        renamed: dict[str, str] | None = None,
+        renamed: dict[str, str] | None = None, priority: int = 0,
     ) -> list[RequestOutputStream]:
         """Admit several prompts as `{request_id}-{i}`; all or none (earlier ones aborted)."""
         streams: list[RequestOutputStream] = []
@@ -284,7 +285,7 @@ class OpenAIServing:
             for i, prompt in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 streams.append(await self.admit(rid, prompt, params, prompt_param, length_param,
-                                                renamed))
+                                                renamed, priority))
         except BaseException:
             self.engine_client.abort([s.request_id for s in streams])
             raise
