@@ -1,10 +1,12 @@
 """`StructuredOutputsConfig`: the engine's structured-output backend and its defaults
 (`--structured-outputs-config`, vLLM's keys)::
 
-    {"backend": "auto" | "xgrammar", "disable_any_whitespace": false}
+    {"backend": "auto" | "xgrammar" | "guidance", "disable_any_whitespace": false}
 
-Only xgrammar (vLLM's default backend) ships with this engine: "guidance",
-"outlines" and "lm-format-enforcer" are refused at start-up by name.
+xgrammar (vLLM's default) and llguidance ("guidance"; this fork also takes
+"llguidance") ship with this engine; "auto" is xgrammar with llguidance for what
+xgrammar cannot parse. "outlines" and "lm-format-enforcer" are refused at start-up by
+name.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ from typing import Any
 
 from vllm.config.frozen import FrozenConfig
 
-# vLLM's backend names; this engine runs the first two ("auto" = xgrammar).
+# vLLM's backend names; this engine runs the first three (and "llguidance" = "guidance").
 KNOWN_BACKENDS = ("auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer")
-AVAILABLE_BACKENDS = ("auto", "xgrammar")
+AVAILABLE_BACKENDS = ("auto", "xgrammar", "guidance", "llguidance")
 
 
 @dataclass
@@ -25,7 +27,8 @@ class StructuredOutputsConfig(FrozenConfig):
     """How constraints compile.
 
     Attributes:
-        backend: "auto" or "xgrammar" (the same here).
+        backend: "auto" (xgrammar, falling back to llguidance per constraint, as in
+            vLLM), "xgrammar", or "guidance" / "llguidance" (llguidance).
         disable_any_whitespace: every JSON constraint is compact (no optional
             whitespace), as if each request set `disable_any_whitespace`; keeps
             small models from looping on whitespace.
@@ -44,7 +47,7 @@ class StructuredOutputsConfig(FrozenConfig):
                 "is unknown"
             raise ValueError(
                 f"structured_outputs_config: backend {self.backend!r} {known}; "
-                f"use one of {list(AVAILABLE_BACKENDS)} (xgrammar)")
+                f"use one of {list(AVAILABLE_BACKENDS)}")
         if not isinstance(self.disable_any_whitespace, bool):
             raise ValueError("structured_outputs_config: disable_any_whitespace must be a "
                              f"bool, got {self.disable_any_whitespace!r}")

@@ -466,9 +466,9 @@ def _add_feature_args(g: argparse._ArgumentGroup) -> None:
                                    '5, "prompt_lookup_min": 2}\' (default: none).')
     _add_json_config_arg(g, "--structured-outputs-config",
                          parse=StructuredOutputsConfig.coerce,
-                         help_text='Structured outputs as JSON (vLLM\'s keys): \'{"backend": '
-                                   '"xgrammar", "disable_any_whitespace": false}\' (backends: '
-                                   'auto = xgrammar; default: xgrammar, whitespace allowed).')
+                         help_text='vLLM\'s JSON: \'{"backend": "xgrammar", "disable_any_'
+                                   'whitespace": false}\' (guidance = llguidance; default: auto '
+                                   '= xgrammar, else llguidance; whitespace allowed).')
     _add_json_config_arg(g, "--limit-mm-per-prompt", parse=limit_mm_per_prompt_from_cli,
                          help_text='Most images per prompt as JSON, vLLM\'s form: \'{"image": '
                                    '2}\' (default: 999 each; multimodal models only).')

@@ -1,6 +1,7 @@
 """`GrammarBitmask` (the runner's matchers) and the sampler's bitmask, on a tiny vocabulary.
 
-Real xgrammar matchers over a five-token raw vocabulary and the regex "ab+c":
+Real xgrammar and llguidance matchers (each test runs with both backends) over a
+five-token raw vocabulary and the regex "ab+c":
 the mask of each row is what the grammar allows next, drafts get one row per
 position (a draft the grammar refuses is then rejected by the rejection
 sampler, and the matcher is rolled back), EOS is allowed only at the end, and
@@ -14,12 +15,12 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from vllm.sampling_params import SamplingParams
+from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm.v1.sample.metadata import build_sampling_metadata
 from vllm.v1.sample.ops.bitmask import apply_bitmask
 from vllm.v1.sample.rejection_sampler import RejectionSampler
 from vllm.v1.sample.sampler import Sampler
-from vllm.v1.structured_output import CompiledGrammar
+from vllm.v1.structured_output import CompiledGrammar, guidance
 from vllm.v1.worker.grammar_bitmask import GrammarBitmask
 
 xgr = pytest.importorskip("xgrammar")
@@ -34,10 +35,35 @@ class State:  # the fields of CachedRequestState the bitmask reads
     output_token_ids: list[int] = field(default_factory=list)
 
 
+class _RawTokenizer:
+    """llguidance's view of VOCAB (what `llguidance.TokenizerWrapper` reads)."""
+
+    eos_token_id, bos_token_id, special_token_ids = EOS, None, [EOS]
+    tokens = [b"\xff[0]", *(t.encode() for t in VOCAB[1:])]
+
+    def __call__(self, text):
+        text = text.decode() if isinstance(text, bytes) else text
+        return [VOCAB.index(ch) if ch in VOCAB else X for ch in text]
+
+
+@pytest.fixture(scope="module", params=["xgrammar", "guidance"])
+def grammar(request, monkeypatch_module):
+    if request.param == "xgrammar":
+        info = xgr.TokenizerInfo(VOCAB, vocab_type=xgr.VocabType.RAW, stop_token_ids=[EOS])
+        return CompiledGrammar(xgr.GrammarCompiler(info).compile_regex("ab+c"))
+    llg = pytest.importorskip("llguidance")
+    # The backend's tokenizer cache, seeded with the raw vocabulary under a made-up path
+    # (a pickled grammar finds it there too, as a worker process finds its model's).
+    monkeypatch_module.setitem(guidance._TOKENIZERS, ("raw-vocab", len(VOCAB), (EOS,)), (
+        llg.LLTokenizer(llg.TokenizerWrapper(_RawTokenizer())), frozenset({EOS})))
+    text = guidance.build_guidance_grammar(StructuredOutputsParams(regex="ab+c"))
+    return guidance.GuidanceGrammar("raw-vocab", len(VOCAB), [EOS], text)
+
+
 @pytest.fixture(scope="module")
-def grammar() -> CompiledGrammar:
-    info = xgr.TokenizerInfo(VOCAB, vocab_type=xgr.VocabType.RAW, stop_token_ids=[EOS])
-    return CompiledGrammar(xgr.GrammarCompiler(info).compile_regex("ab+c"))
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
 
 
 def _allowed(bitmask: torch.Tensor) -> list[set[int]]:
@@ -106,7 +132,8 @@ def test_a_bitmask_of_the_wrong_shape_is_refused():
 
 
 def test_a_compiled_grammar_pickles_for_worker_processes(grammar):
-    """Worker processes (mp / ray executors) get the grammar pickled: xgrammar's JSON."""
+    """Worker processes (mp / ray executors) get the grammar pickled: xgrammar's JSON, or
+    llguidance's grammar text and the tokenizer's path."""
     import pickle
 
     copy = pickle.loads(pickle.dumps(grammar))

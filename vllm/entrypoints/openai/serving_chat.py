@@ -201,7 +201,7 @@ class OpenAIServingChat(OpenAIServing):
             renamed={"logprobs": "top_logprobs", "max_tokens": length_param},
             defaults=self.default_sampling_params,
             prompt_logprobs=request.prompt_logprobs,
-            structured_outputs=structured,
+            structured_outputs=structured, backend=self.structured_outputs_backend,
         )
 
     def _reply_parser(self, request: ChatCompletionRequest, prompt: str,

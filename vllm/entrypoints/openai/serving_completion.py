@@ -120,6 +120,7 @@ class OpenAIServingCompletion(OpenAIServing):
             request, stream, self.vocab_size,
             max_tokens=request.max_tokens, logprobs=request.logprobs,
             defaults=self.default_sampling_params, prompt_logprobs=prompt_logprobs,
+            backend=self.structured_outputs_backend,
         )
         request_id = random_id("cmpl")
         as_ids = self.tokens_as_ids(request)

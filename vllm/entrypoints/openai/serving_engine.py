@@ -123,6 +123,7 @@ def build_sampling_params(
     defaults: dict[str, Any] | None = None,
     prompt_logprobs: int | None = None,
     structured_outputs: StructuredOutputsParams | None = None,
+    backend: str = "auto",
 ) -> SamplingParams:
     """SamplingParams from the request's fields; SamplingParams itself checks the ranges.
 
@@ -138,6 +139,8 @@ def build_sampling_params(
             used for the fields the request leaves unset, as vLLM does.
         structured_outputs: a constraint the endpoint adds (chat's tool_choice
             required / named), for a request that sets none itself.
+        backend: the engine's structured-output backend (`--structured-outputs-config`),
+            which parses the request's constraint.
 
     Raises:
         APIError(400): a value SamplingParams rejects; `param` names the request field.
@@ -147,7 +150,7 @@ def build_sampling_params(
         kwargs.setdefault(name, value)
     # response_format / structured_outputs / guided_*: parsed and validated (400 naming
     # the field) before the engine sees the request.
-    structured_outputs = structured_outputs_from_request(request) or structured_outputs
+    structured_outputs = structured_outputs_from_request(request, backend) or structured_outputs
     if structured_outputs is not None:
         kwargs["structured_outputs"] = structured_outputs
     if request.kv_transfer_params is not None:
@@ -226,6 +229,9 @@ class OpenAIServing:
         self.return_tokens_as_token_ids = return_tokens_as_token_ids
         self.max_model_len = engine_client.max_model_len  # fitted to the KV cache
         self.vocab_size = engine_client.model_config.get_vocab_size()
+        # --structured-outputs-config's backend: constraints are parsed by it (a 400 here).
+        self.structured_outputs_backend = (
+            engine_client.vllm_config.structured_outputs_config.backend)
         # The generation config's temperature, top_p, ... for fields a request leaves unset.
         self.default_sampling_params = engine_client.model_config.get_diff_sampling_param()
 

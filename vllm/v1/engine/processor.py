@@ -70,6 +70,8 @@ class Processor:
             a prompt's "multi_modal_data".
         scheduling_policy: "fcfs" or "priority" (`--scheduling-policy`); under
             fcfs a request's priority must be 0.
+        structured_outputs_backend: `--structured-outputs-config`'s backend, which
+            must parse a request's constraint.
     """
 
     def __init__(
@@ -85,6 +87,7 @@ class Processor:
         compact_json: bool = False,
         mm_processor: MultiModalProcessor | None = None,
         scheduling_policy: str = "fcfs",
+        structured_outputs_backend: str = "auto",
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -98,6 +101,7 @@ class Processor:
         self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
         self.mm_processor = mm_processor
         self.scheduling_policy = scheduling_policy
+        self.structured_outputs_backend = structured_outputs_backend
 
     @classmethod
     def from_config(
@@ -126,6 +130,7 @@ class Processor:
             compact_json=vllm_config.structured_outputs_config.disable_any_whitespace,
             mm_processor=mm_processor,
             scheduling_policy=vllm_config.scheduler_config.policy,
+            structured_outputs_backend=vllm_config.structured_outputs_config.backend,
         )
 
     def process_inputs(
@@ -189,8 +194,8 @@ class Processor:
             VLLMValidationError (parameter "kv_transfer_params"): malformed, or
                 sent to an engine without a KV connector.
             VLLMValidationError (parameter "json", "regex", "choice", "grammar" or
-                "structural_tag"): a structured-output constraint xgrammar cannot
-                parse; decided here, so it never reaches the engine.
+                "structural_tag"): a structured-output constraint the engine's
+                backend cannot parse; decided here, so it never reaches the engine.
         """
         for name, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
             asked = getattr(params, name)
@@ -201,7 +206,7 @@ class Processor:
                     f"{self.max_logprobs} (--max-logprobs; -1 asks for the whole vocabulary)",
                     parameter=name,
                 )
-        validate_structured_outputs(params.structured_outputs)
+        validate_structured_outputs(params.structured_outputs, self.structured_outputs_backend)
         extra = params.extra_args or {}
         check_kv_transfer_params(extra.get("kv_transfer_params"), self.kv_connector)
         if params.n > self.max_num_seqs:

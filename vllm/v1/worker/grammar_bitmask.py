@@ -1,10 +1,12 @@
-"""`GrammarBitmask`: the runner's structured-output state, one xgrammar matcher per request.
+"""`GrammarBitmask`: the runner's structured-output state, one grammar matcher per request
+(xgrammar's `GrammarMatcher` or llguidance's behind the same verbs: the compiled grammar's
+`new_matcher()`).
 
 Each step, for the rows that sample::
 
     matcher(R) catches up with R's output tokens (accepted since the last step)
     bitmask [rows, ceil(V / 32)] int32 (host, pinned): row i = the tokens the grammar
-        allows next for R_i (xgrammar's fill_next_token_bitmask); -1 (all allowed)
+        allows next for R_i (the matcher's fill_next_token_bitmask); -1 (all allowed)
         for an unconstrained row
     -> one copy to the device -> the sampler sets refused logits to -inf
        (xgrammar's apply_token_bitmask_inplace: CUDA / Triton kernel on the GPU,
@@ -28,6 +30,7 @@ from vllm.logger import init_logger
 
 if TYPE_CHECKING:
     from vllm.v1.structured_output import CompiledGrammar
+    from vllm.v1.structured_output.guidance import GuidanceGrammar
     from vllm.v1.worker.input_batch import CachedRequestState
 
 logger = init_logger(__name__)
@@ -36,10 +39,8 @@ logger = init_logger(__name__)
 class _Matcher:
     """One request's matcher and how many of its output tokens it has accepted."""
 
-    def __init__(self, grammar: CompiledGrammar) -> None:
-        import xgrammar as xgr
-
-        self.matcher = xgr.GrammarMatcher(grammar.grammar)
+    def __init__(self, grammar: CompiledGrammar | GuidanceGrammar) -> None:
+        self.matcher = grammar.new_matcher()
         self.num_accepted = 0
         self.broken = False  # a token the grammar refused was appended (should not happen)
 
@@ -73,7 +74,7 @@ class GrammarBitmask:
         self._host: list[torch.Tensor | None] = [None, None]
         self.matchers: dict[str, _Matcher] = {}
 
-    def add(self, req_id: str, grammar: CompiledGrammar) -> None:
+    def add(self, req_id: str, grammar: CompiledGrammar | GuidanceGrammar) -> None:
         self.matchers[req_id] = _Matcher(grammar)
 
     def remove(self, req_ids) -> None:

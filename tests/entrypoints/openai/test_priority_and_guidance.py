@@ -1,17 +1,24 @@
-"""`priority` over HTTP (completions and chat) with `--scheduling-policy priority`, and
-its 400 under the default fcfs policy (vLLM refuses it there too)."""
+"""Issue 47's engine options over HTTP, on one scripted-model server (one start-up):
+`priority` (completions and chat) with `--scheduling-policy priority`, and its 400
+under the default fcfs policy (vLLM refuses it there too); structured outputs with
+`--structured-outputs-config '{"backend": "llguidance"}'` (streaming or not, a request
+naming another backend is a 400 as in vLLM V1)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
+import unicodedata
 
 import httpx
+import jsonschema
 import pytest
 
 from tests.entrypoints.openai.scripted_model import build_scripted_model
 from tests.entrypoints.openai.utils import RemoteServer
+from tests.v1.structured_output.schemas import SCHEMA
 
 pytestmark = pytest.mark.slow  # real engines
 MODEL = "scripted"
@@ -24,7 +31,9 @@ def priority_server(tmp_path_factory):
     args = [str(model_dir), "--served-model-name", MODEL, "--max-model-len", "512",
             "--max-num-seqs", "1", "--max-num-batched-tokens", "128",
             "--kv-cache-memory-bytes", "16MiB", "--uvicorn-log-level", "warning",
-            "--disable-log-stats", "--scheduling-policy", "priority"]
+            "--disable-log-stats", "--scheduling-policy", "priority",
+            "--structured-outputs-config",
+            '{"backend": "llguidance", "disable_any_whitespace": true}']
     with RemoteServer(args) as remote:
         yield remote
 
@@ -92,3 +101,31 @@ def test_nonzero_priority_is_a_400_under_fcfs(server):
     bad = httpx.post(server.url_for("v1", "completions"), timeout=60,
                      json={"prompt": "Hi", "max_tokens": 2, "priority": "high"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority", bad.text
+
+
+def test_llguidance_backend_over_http(priority_server):
+    """JSON schema (chat, streamed and not) and regex (completions) replies conform;
+    a constraint only llguidance parses is served; naming xgrammar per request is a 400."""
+    client = priority_server.get_client()
+    response_format = {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA}}
+    messages = [{"role": "user", "content": "A pet"}]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60,
+                                           response_format=response_format)
+    jsonschema.validate(json.loads(reply.choices[0].message.content), SCHEMA)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60,
+                                            response_format=response_format, stream=True)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert json.loads(text) == json.loads(reply.choices[0].message.content)  # greedy
+    texts = [client.completions.create(
+        model=MODEL, prompt="Code:", max_tokens=12,
+        extra_body={"structured_outputs": {"regex": regex}}).choices[0].text
+        for regex in (r"[0-9]{3}-[a-z]{2}", r"\p{Lu}{2}")]  # the second: not xgrammar's syntax
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", texts[0]), texts[0]
+    assert len(texts[1]) == 2 and all(unicodedata.category(c) == "Lu" for c in texts[1])
+    url = priority_server.url_for("v1", "completions")
+    for backend, status in [("guidance", 200), ("xgrammar", 400)]:
+        response = httpx.post(url, timeout=60, json={
+            "model": MODEL, "prompt": "Code:", "max_tokens": 8, "guided_regex": "[0-9]+",
+            "guided_decoding_backend": backend})
+        assert response.status_code == status, response.text
+    assert response.json()["error"]["param"] == "guided_decoding_backend"
