@@ -229,3 +229,36 @@ def test_both_backends_walk_a_reply_on_the_bundled_tokenizer(
         assert [m.accept_token(wrong) for m in matchers] == [False, False]
         assert [m.accept_token(token) for m in matchers] == [True, True]
         assert [m.is_terminated() for m in matchers] == [token == 2] * 2
+
+
+def test_where_a_reply_starts_is_read_from_the_prompts_tail():
+    from vllm.v1.structured_output.reasoning import (
+        BEFORE,
+        CONTENT,
+        REASONING,
+        ReasoningTokens,
+    )
+
+    think, end, blank, word = 5, 6, 7, 8
+    qwen3 = ReasoningTokens(think, end, False, frozenset({blank}))
+    deepseek = ReasoningTokens(think, end, True, frozenset({blank}))
+    assert qwen3.state_after([word, think, end, blank, blank]) == CONTENT  # thinking off
+    assert qwen3.state_after([word, think, blank]) == REASONING  # the template opened it
+    # Tags earlier in the conversation do not count: only the generation prompt's tail.
+    assert qwen3.state_after([think, end, word]) == BEFORE
+    assert deepseek.state_after([think, end, word]) == REASONING
+    assert deepseek.state_after([word, end]) == CONTENT
+
+
+def test_reasoning_tokens_of_a_tokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
+    from tests.entrypoints.openai.scripted_model import build_scripted_model
+    from vllm.v1.structured_output.reasoning import REASONING_TAGS, ReasoningTokens
+
+    tokenizer = AutoTokenizer.from_pretrained(build_scripted_model(tmp_path))
+    tokens = ReasoningTokens.of(REASONING_TAGS["qwen3"], tokenizer)
+    assert tokenizer.decode([tokens.start_id, tokens.end_id]) == "<think></think>"
+    assert tokenizer.encode("\n")[0] in tokens.whitespace_ids
+    with pytest.raises(VLLMValidationError, match=r"\['<nope>'\] are not tokens"):
+        ReasoningTokens.of(("<nope>", "</think>", False), tokenizer)

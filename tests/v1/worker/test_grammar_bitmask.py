@@ -21,12 +21,13 @@ from vllm.v1.sample.ops.bitmask import apply_bitmask
 from vllm.v1.sample.rejection_sampler import RejectionSampler
 from vllm.v1.sample.sampler import Sampler
 from vllm.v1.structured_output import CompiledGrammar, guidance
+from vllm.v1.structured_output.reasoning import ReasoningTokens
 from vllm.v1.worker.grammar_bitmask import GrammarBitmask
 
 xgr = pytest.importorskip("xgrammar")
 
-EOS, A, B, C, X = range(5)
-VOCAB = ["</s>", "a", "b", "c", "x"]
+EOS, A, B, C, X, THINK, END = range(7)
+VOCAB = ["</s>", "a", "b", "c", "x", "<think>", "</think>"]
 
 
 @dataclass
@@ -38,8 +39,8 @@ class State:  # the fields of CachedRequestState the bitmask reads
 class _RawTokenizer:
     """llguidance's view of VOCAB (what `llguidance.TokenizerWrapper` reads)."""
 
-    eos_token_id, bos_token_id, special_token_ids = EOS, None, [EOS]
-    tokens = [b"\xff[0]", *(t.encode() for t in VOCAB[1:])]
+    eos_token_id, bos_token_id, special_token_ids = EOS, None, [EOS, THINK, END]
+    tokens = [b"\xff[0]", *(t.encode() for t in VOCAB[1:5]), b"\xff[5]", b"\xff[6]"]
 
     def __call__(self, text):
         text = text.decode() if isinstance(text, bytes) else text
@@ -124,6 +125,39 @@ def test_the_sampler_never_samples_a_refused_token(grammar):
     for _ in range(5):
         out = Sampler()(logits.clone(), md)
         assert out.sampled_token_ids.tolist() == [B, B]
+
+
+def _thinking(grammar):
+    """The same grammar, applied after Qwen3-style reasoning (`--reasoning-parser qwen3`)."""
+    tokens = ReasoningTokens(THINK, END, starts_in_reasoning=False, whitespace_ids=frozenset())
+    if isinstance(grammar, CompiledGrammar):
+        return CompiledGrammar(grammar.grammar, tokens)
+    return guidance.GuidanceGrammar(*grammar.__reduce__()[1][:4], tokens)
+
+
+def test_with_a_reasoning_parser_the_grammar_applies_after_the_reasoning(grammar):
+    everything = set(range(len(VOCAB)))
+    masks = GrammarBitmask(max_rows=8, vocab_size=len(VOCAB), device=torch.device("cpu"))
+    masks.add("r", _thinking(grammar), prompt_token_ids=[X, A])
+    state = State("r")
+    # The first token may open the reasoning, or be the answer's first (the grammar's).
+    assert _allowed(masks.bitmask([state])) == [{A, THINK}]
+    state.output_token_ids += [THINK, X, C]  # reasoning: anything goes
+    assert _allowed(masks.bitmask([state])) == [everything]
+    state.output_token_ids += [END]  # the grammar starts after the end tag
+    assert _allowed(masks.bitmask([state])) == [{A}]
+    state.output_token_ids += [A]
+    assert _allowed(masks.bitmask([state])) == [{B}]
+    # Drafts through the reasoning: free up to the drafted end tag, the grammar after it.
+    masks.add("d", _thinking(grammar), prompt_token_ids=[X])
+    rows = _allowed(masks.bitmask([State("d")], [[THINK, X, END, A, X]]))
+    assert rows == [{A, THINK}, everything, everything, {A}, {B}, everything]
+    # A prompt that closed the reasoning (enable_thinking: false): the grammar at once;
+    # a first token that is not the start tag is the answer's.
+    masks.add("closed", _thinking(grammar), prompt_token_ids=[X, THINK, END])
+    masks.add("direct", _thinking(grammar), prompt_token_ids=[X])
+    direct = State("direct", [A])
+    assert _allowed(masks.bitmask([State("closed"), direct])) == [{A}, {B}]
 
 
 def test_a_bitmask_of_the_wrong_shape_is_refused():

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.exceptions import VLLMValidationError
 from vllm.logger import init_logger
 from vllm.sampling_params import StructuredOutputsParams
+from vllm.v1.structured_output.reasoning import REASONING_TAGS, ReasoningTokens
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -167,10 +168,14 @@ class CompiledGrammar:
 
     Attributes:
         grammar: the `xgrammar.CompiledGrammar`.
+        reasoning: the reasoning tags' ids when the grammar applies only after the
+            reasoning (`reasoning.ReasoningTokens`), else None.
     """
 
-    def __init__(self, grammar: xgr.CompiledGrammar) -> None:
+    def __init__(self, grammar: xgr.CompiledGrammar,
+                 reasoning: ReasoningTokens | None = None) -> None:
         self.grammar = grammar
+        self.reasoning = reasoning
 
     def new_matcher(self) -> xgr.GrammarMatcher:
         """A request's matcher (accept_token, fill_next_token_bitmask, rollback,
@@ -181,14 +186,16 @@ class CompiledGrammar:
 
     def __reduce__(self):
         return (_rebuild_compiled_grammar, (
-            self.grammar.serialize_json(), self.grammar.tokenizer_info.serialize_json()))
+            self.grammar.serialize_json(), self.grammar.tokenizer_info.serialize_json(),
+            self.reasoning))
 
 
-def _rebuild_compiled_grammar(grammar_json: str, tokenizer_json: str) -> CompiledGrammar:
+def _rebuild_compiled_grammar(grammar_json: str, tokenizer_json: str,
+                              reasoning: ReasoningTokens | None) -> CompiledGrammar:
     import xgrammar as xgr
 
     info = xgr.TokenizerInfo.deserialize_json(tokenizer_json)
-    return CompiledGrammar(xgr.CompiledGrammar.deserialize_json(grammar_json, info))
+    return CompiledGrammar(xgr.CompiledGrammar.deserialize_json(grammar_json, info), reasoning)
 
 
 class GrammarCompiler:
@@ -208,12 +215,18 @@ class GrammarCompiler:
             "guidance" / "llguidance").
         tokenizer_path: the tokenizer's path, which llguidance's grammars carry (a
             worker process rebuilds its tokenizer from it); needed for "guidance"/"auto".
+        reasoning_tags: `--reasoning-parser`'s `REASONING_TAGS` entry: every grammar then
+            applies after the end tag only (its compiled grammar carries their ids);
+            None: from the reply's first token.
     """
 
     def __init__(self, tokenizer_factory, vocab_size: int, stop_token_ids: list[int],
                  max_workers: int = 2, backend: str = "auto",
-                 tokenizer_path: str | None = None) -> None:
+                 tokenizer_path: str | None = None,
+                 reasoning_tags: tuple[str, str, bool] | None = None) -> None:
         self.backend = backend
+        self.reasoning_tags = reasoning_tags
+        self._reasoning: list[ReasoningTokens | None] = []  # resolved by the first job
         self.tokenizer_path = tokenizer_path
         self._tokenizer_factory = tokenizer_factory
         self.vocab_size = vocab_size
@@ -252,11 +265,22 @@ class GrammarCompiler:
                 if backend != "auto" or choose_backend(params, backend) != "guidance":
                     raise
             else:
-                return CompiledGrammar(self._get_compiler().compile_grammar(grammar))
+                return CompiledGrammar(self._get_compiler().compile_grammar(grammar),
+                                       self._reasoning_tokens())
         from vllm.v1.structured_output.guidance import GuidanceGrammar, build_guidance_grammar
 
         return GuidanceGrammar(self.tokenizer_path, self.vocab_size, self.stop_token_ids,
-                               build_guidance_grammar(params))
+                               build_guidance_grammar(params), self._reasoning_tokens())
+
+    def _reasoning_tokens(self) -> ReasoningTokens | None:
+        """The reasoning tags' ids (looked up in the tokenizer once, in the pool)."""
+        if self.reasoning_tags is None:
+            return None
+        with self._compiler_lock:
+            if not self._reasoning:
+                self._reasoning.append(
+                    ReasoningTokens.of(self.reasoning_tags, self._tokenizer_factory()))
+            return self._reasoning[0]
 
     def _get_compiler(self) -> xgr.GrammarCompiler:
         with self._compiler_lock:
@@ -282,10 +306,10 @@ def grammar_compiler_for(vllm_config: Any) -> GrammarCompiler:
     tokenizer's."""
     from vllm.transformers_utils.tokenizer import get_tokenizer
 
-    model_config = vllm_config.model_config
+    model_config, config = vllm_config.model_config, vllm_config.structured_outputs_config
     eos = (model_config.try_get_generation_config() or {}).get("eos_token_id")
     eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     return GrammarCompiler(lambda: get_tokenizer(model_config.tokenizer),
                            model_config.get_vocab_size(), eos_ids,
-                           backend=vllm_config.structured_outputs_config.backend,
-                           tokenizer_path=model_config.tokenizer)
+                           backend=config.backend, tokenizer_path=model_config.tokenizer,
+                           reasoning_tags=REASONING_TAGS.get(config.reasoning_parser))

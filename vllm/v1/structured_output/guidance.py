@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import StructuredOutputsParams
+from vllm.v1.structured_output.reasoning import ReasoningTokens
 
 if TYPE_CHECKING:
     import torch
@@ -166,6 +167,7 @@ class GuidanceGrammar:
         vocab_size: the logits' width.
         stop_token_ids: tokens that end the output (EOS ids).
         grammar: llguidance's grammar definition (`build_guidance_grammar`).
+        reasoning: see `CompiledGrammar.reasoning`.
 
     Raises:
         VLLMValidationError (parameter "structured_outputs"): the grammar does not
@@ -173,10 +175,11 @@ class GuidanceGrammar:
     """
 
     def __init__(self, tokenizer_path: str, vocab_size: int, stop_token_ids: list[int],
-                 grammar: str) -> None:
+                 grammar: str, reasoning: ReasoningTokens | None = None) -> None:
         import llguidance as llg
         import torch
 
+        self.reasoning = reasoning
         self._args = (tokenizer_path, vocab_size, tuple(sorted(set(stop_token_ids))), grammar)
         tokenizer, self.stop_token_ids = _ll_tokenizer(*self._args[:3])
         self._template = llg.LLMatcher(tokenizer, grammar)
@@ -194,4 +197,4 @@ class GuidanceGrammar:
 
     def __reduce__(self):
         path, vocab, stops, grammar = self._args
-        return (GuidanceGrammar, (path, vocab, list(stops), grammar))
+        return (GuidanceGrammar, (path, vocab, list(stops), grammar, self.reasoning))
