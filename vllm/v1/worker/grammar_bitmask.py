@@ -17,6 +17,9 @@ the mask after drafts 0..j-1, so the rejection sampler refuses a draft the
 grammar refuses (its target probability is 0); the matcher is rolled back
 after filling, and only the tokens finally emitted are accepted, next step.
 EOS is allowed only where the grammar may end (the matcher's stop tokens).
+With a reasoning parser (`CompiledGrammar.reasoning`) a reply's reasoning rows
+stay all-allowed and the grammar starts after the end tag
+(vllm/v1/structured_output/reasoning.py).
 """
 
 from __future__ import annotations
