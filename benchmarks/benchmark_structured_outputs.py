@@ -13,6 +13,9 @@ the measured runs compiled nothing (the grammar cache answered).
     python benchmarks/benchmark_structured_outputs.py --shape llama3_8b --batch-size 32 \
         --out benchmarks/results/structured_outputs_h100.json
 
+`--backend guidance` measures llguidance instead of xgrammar (the engine's
+`--structured-outputs-config` backend).
+
 Random weights (`load_format="dummy"`): the mask decides the structure, the
 model picks among what it allows.
 """
@@ -74,6 +77,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=positive_int, default=128, help="output tokens")
     parser.add_argument("--repeats", type=positive_int, default=3,
                         help="measured runs each; the best is reported")
+    parser.add_argument("--backend", default="xgrammar", choices=["xgrammar", "guidance"],
+                        help="structured-output backend (guidance = llguidance)")
     parser.add_argument("--out", default=None, help="also write the JSON here")
     args = parser.parse_args()
 
@@ -82,7 +87,8 @@ def main() -> None:
 
     llm = LLM(model_dir_for(args.shape), load_format="dummy",
               max_model_len=args.input_len + args.output_len + 16,
-              max_num_seqs=args.batch_size)
+              max_num_seqs=args.batch_size,
+              structured_outputs_config={"backend": args.backend})
     vocab = llm.llm_engine.vllm_config.model_config.get_vocab_size()
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(args.input_len)]}
@@ -99,7 +105,8 @@ def main() -> None:
     compiles_before = compiler.num_compiles
     grammar = run(llm, prompts, constrained, args.repeats)
     report = {
-        "shape": args.shape, "batch_size": args.batch_size, "input_len": args.input_len,
+        "shape": args.shape, "backend": args.backend, "batch_size": args.batch_size,
+        "input_len": args.input_len,
         "output_len": args.output_len, "unconstrained": unconstrained, "json_schema": grammar,
         "step_ratio_constrained_to_unconstrained":
             grammar["ms_per_step"] / unconstrained["ms_per_step"],

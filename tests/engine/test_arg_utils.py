@@ -69,8 +69,10 @@ def test_no_forms():
         (["--kv-transfer-config", "{bad"], "not valid JSON"),
         (["--kv-transfer-config", '{"kv_rank": 0}'], "unknown keys ['kv_rank']"),
         (["-O", '{"level": 3}'], "unknown keys ['level']"),
-        (["--structured-outputs-config", '{"backend": "guidance"}'],
-         "backend 'guidance' is not available in this engine; use one of ['auto', 'xgrammar']"),
+        (["--structured-outputs-config", '{"backend": "outlines"}'],
+         "backend 'outlines' is not available in this engine; use one of ['auto', 'xgrammar', "
+         "'guidance', 'llguidance']"),
+        (["--scheduling-policy", "lifo"], "invalid choice: 'lifo'"),
         (["--structured-outputs-config", '{"backend": "nope"}'], "backend 'nope' is unknown"),
         (["--structured-outputs-config", '{"reasoning": 1}'], "unknown keys ['reasoning']"),
         (["--structured-outputs-config", '{"disable_any_whitespace": 1}'],

@@ -1,5 +1,7 @@
 """The offline `LLM.chat` passes `tools` and `chat_template_kwargs` to the chat template
-(the raw text comes back: parsing tool calls and reasoning is the server's)."""
+(the raw text comes back: parsing tool calls and reasoning is the server's); with
+`structured_outputs_config={"reasoning_parser": "qwen3"}` a grammar applies after the
+reasoning."""
 
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ def llm(tmp_path_factory):
 
     engine = LLM(model=str(build_scripted_model(tmp_path_factory.mktemp("scripted"))),
                  max_model_len=256, max_num_seqs=4, max_num_batched_tokens=128,
-                 kv_cache_memory_bytes=16 * 2**20)
+                 kv_cache_memory_bytes=16 * 2**20,
+                 structured_outputs_config={"reasoning_parser": "qwen3"})
     yield engine
     engine.llm_engine.shutdown()
 
@@ -50,3 +53,15 @@ def test_reserved_template_kwargs_are_refused(llm):
     with pytest.raises(VLLMValidationError) as info:
         _text(llm, chat_template_kwargs={"tokenize": True})
     assert info.value.parameter == "chat_template_kwargs.tokenize"
+
+
+def test_a_grammar_applies_after_the_reasoning(llm):
+    from vllm.sampling_params import StructuredOutputsParams
+
+    params = SamplingParams(temperature=0, max_tokens=30, structured_outputs=(
+        StructuredOutputsParams(choice=["It is rainy.", "Cloudy."])))
+    thinking, plain = (llm.chat(ASK, params, use_tqdm=False, chat_template_kwargs={
+        "enable_thinking": on})[0].outputs[0].text for on in (True, False))
+    # Thinking: the reasoning is the model's own, the answer after </think> the grammar's.
+    assert thinking == "<think> The user asks about the weather.</think>It is rainy."
+    assert plain == "It is rainy."  # the prompt closed <think></think>: from the start

@@ -53,3 +53,15 @@ def test_streamed_reply_joins_to_the_whole_split(parser, prompt, reply, expected
 def test_unknown_parser_names_the_choices():
     with pytest.raises(KeyError, match="choose from deepseek_r1, qwen3"):
         ReasoningParserManager.get_reasoning_parser("nope")
+
+
+def test_the_engines_reasoning_tags_are_the_parsers():
+    """The engine applies grammars after the end tag (REASONING_TAGS, below the frontend):
+    the same tags and starting state as the parsers that split the replies."""
+    from vllm.v1.structured_output.reasoning import REASONING_TAGS
+
+    assert sorted(REASONING_TAGS) == ReasoningParserManager.names()
+    for name, (start, end, starts_inside) in REASONING_TAGS.items():
+        parser = ReasoningParserManager.get_reasoning_parser(name)
+        assert (parser.start_token, parser.end_token, parser.starts_in_reasoning) == (
+            start, end, starts_inside)

@@ -24,6 +24,8 @@ DEFAULT_LIMITS = {"cuda": (256, 8192), "cpu": (64, 512)}
 # alone still takes the whole budget. benchmarks/benchmark_prefill_ttft.py
 # measures the TTFT with both.
 DEFAULT_MAX_NUM_PARTIAL_PREFILLS = 4
+# vLLM's --scheduling-policy choices (v1/core/sched/request_queue.py builds each).
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 def default_limits(device_type: str) -> tuple[int, int]:
@@ -63,9 +65,12 @@ class SchedulerConfig(FrozenConfig):
             (vLLM's `--async-scheduling`; see v1/engine/README.md). None = on
             where it is correct and helps (CUDA-like device, uni executor, no
             speculative decoding); `VllmConfig` resolves it to a bool.
+        policy: vLLM's `--scheduling-policy`: "fcfs" (arrival order) or "priority"
+            (requests' `priority`, lower first, ties by arrival; the worst running
+            request is preempted first); see v1/core/sched/request_queue.py.
 
     Raises:
-        ValueError: limits < 1, max_num_batched_tokens < max_num_seqs, or
+        ValueError: limits < 1, an unknown policy, max_num_batched_tokens < max_num_seqs, or
             (chunked prefill off) max_num_batched_tokens < max_model_len.
     """
 
@@ -77,12 +82,16 @@ class SchedulerConfig(FrozenConfig):
     long_prefill_token_threshold: int = 0
     max_model_len: int | None = None
     async_scheduling: bool | None = None
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         _check_positive_int("max_num_seqs", self.max_num_seqs)
         _check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _check_positive_int("max_num_partial_prefills", self.max_num_partial_prefills)
         _check_positive_int("max_long_partial_prefills", self.max_long_partial_prefills)
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.policy!r}")
         if self.async_scheduling not in (None, True, False):
             raise ValueError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
         threshold = self.long_prefill_token_threshold

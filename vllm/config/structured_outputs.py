@@ -1,10 +1,14 @@
 """`StructuredOutputsConfig`: the engine's structured-output backend and its defaults
 (`--structured-outputs-config`, vLLM's keys)::
 
-    {"backend": "auto" | "xgrammar", "disable_any_whitespace": false}
+    {"backend": "auto" | "xgrammar" | "guidance", "disable_any_whitespace": false,
+     "reasoning_parser": null | "qwen3" | "deepseek_r1"}
 
-Only xgrammar (vLLM's default backend) ships with this engine: "guidance",
-"outlines" and "lm-format-enforcer" are refused at start-up by name.
+xgrammar (vLLM's default) and llguidance ("guidance"; this fork also takes
+"llguidance") ship with this engine; "auto" is xgrammar with llguidance for what
+xgrammar cannot parse. "outlines" and "lm-format-enforcer" are refused at start-up by
+name. With a `reasoning_parser` (`vllm serve --reasoning-parser` sets it, as in vLLM),
+a grammar constrains only what follows the reasoning's end tag.
 """
 
 from __future__ import annotations
@@ -14,10 +18,11 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from vllm.config.frozen import FrozenConfig
+from vllm.v1.structured_output.reasoning import REASONING_TAGS
 
-# vLLM's backend names; this engine runs the first two ("auto" = xgrammar).
+# vLLM's backend names; this engine runs the first three (and "llguidance" = "guidance").
 KNOWN_BACKENDS = ("auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer")
-AVAILABLE_BACKENDS = ("auto", "xgrammar")
+AVAILABLE_BACKENDS = ("auto", "xgrammar", "guidance", "llguidance")
 
 
 @dataclass
@@ -25,10 +30,14 @@ class StructuredOutputsConfig(FrozenConfig):
     """How constraints compile.
 
     Attributes:
-        backend: "auto" or "xgrammar" (the same here).
+        backend: "auto" (xgrammar, falling back to llguidance per constraint, as in
+            vLLM), "xgrammar", or "guidance" / "llguidance" (llguidance).
         disable_any_whitespace: every JSON constraint is compact (no optional
             whitespace), as if each request set `disable_any_whitespace`; keeps
             small models from looping on whitespace.
+        reasoning_parser: a `REASONING_TAGS` name, or None: a constrained reply of a
+            reasoning model is free until the end tag (`</think>`) and constrained
+            after it (vLLM's rule; v1/structured_output/reasoning.py).
 
     Raises:
         ValueError: an unknown key, a backend that is not available (named), a
@@ -37,6 +46,7 @@ class StructuredOutputsConfig(FrozenConfig):
 
     backend: str = "auto"
     disable_any_whitespace: bool = False
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in AVAILABLE_BACKENDS:
@@ -44,7 +54,10 @@ class StructuredOutputsConfig(FrozenConfig):
                 "is unknown"
             raise ValueError(
                 f"structured_outputs_config: backend {self.backend!r} {known}; "
-                f"use one of {list(AVAILABLE_BACKENDS)} (xgrammar)")
+                f"use one of {list(AVAILABLE_BACKENDS)}")
+        if self.reasoning_parser not in (None, *REASONING_TAGS):
+            raise ValueError(f"structured_outputs_config: reasoning_parser "
+                             f"{self.reasoning_parser!r} is not one of {sorted(REASONING_TAGS)}")
         if not isinstance(self.disable_any_whitespace, bool):
             raise ValueError("structured_outputs_config: disable_any_whitespace must be a "
                              f"bool, got {self.disable_any_whitespace!r}")

@@ -144,6 +144,7 @@ class EngineArgs:
     max_long_partial_prefills: int = 1
     long_prefill_token_threshold: int = 0
     async_scheduling: bool | None = None
+    scheduling_policy: str = "fcfs"
     enforce_eager: bool = False
     compilation_config: CompilationConfig | dict[str, Any] | None = None
     tensor_parallel_size: int = 1
@@ -273,12 +274,11 @@ class EngineArgs:
         return dict(
             cache_config=cache_config,
             scheduler_config=SchedulerConfig(
-                max_num_seqs=self.max_num_seqs,
-                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                 max_num_partial_prefills=self.max_num_partial_prefills,
                 max_long_partial_prefills=self.max_long_partial_prefills,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
-                async_scheduling=self.async_scheduling,
+                async_scheduling=self.async_scheduling, policy=self.scheduling_policy,
             ),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
@@ -386,8 +386,7 @@ def _add_scheduler_args(g: argparse._ArgumentGroup) -> None:
     """Scheduler: requests and tokens per step, partial prefills, async scheduling."""
     d = EngineArgs
     bool_flag = argparse.BooleanOptionalAction
-    (cuda_seqs, cuda_tokens), (cpu_seqs, cpu_tokens) = (DEFAULT_LIMITS["cuda"],
-                                                        DEFAULT_LIMITS["cpu"])
+    (cuda_seqs, cuda_tokens), (cpu_seqs, cpu_tokens) = DEFAULT_LIMITS["cuda"], DEFAULT_LIMITS["cpu"]
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                    help=f"Most requests per step, and the most samples (n) of one "
                         f"request (default: {cuda_seqs} on CUDA, {cpu_seqs} on CPU).")
@@ -414,6 +413,8 @@ def _add_scheduler_args(g: argparse._ArgumentGroup) -> None:
                         "one; sampled tokens feed the next step on the device (default: "
                         "on for CUDA with the 'uni' executor, off elsewhere; unsupported "
                         "combinations fall back to synchronous with a warning).")
+    g.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=d.scheduling_policy,
+                   help="Request order: fcfs, or priority (lower first; default: %(default)s).")
 
 
 def _add_execution_args(g: argparse._ArgumentGroup) -> None:
@@ -465,9 +466,9 @@ def _add_feature_args(g: argparse._ArgumentGroup) -> None:
                                    '5, "prompt_lookup_min": 2}\' (default: none).')
     _add_json_config_arg(g, "--structured-outputs-config",
                          parse=StructuredOutputsConfig.coerce,
-                         help_text='Structured outputs as JSON (vLLM\'s keys): \'{"backend": '
-                                   '"xgrammar", "disable_any_whitespace": false}\' (backends: '
-                                   'auto = xgrammar; default: xgrammar, whitespace allowed).')
+                         help_text='vLLM\'s JSON: \'{"backend": "xgrammar", "disable_any_'
+                                   'whitespace": false}\' (guidance = llguidance; default: auto '
+                                   '= xgrammar, else llguidance; whitespace allowed).')
     _add_json_config_arg(g, "--limit-mm-per-prompt", parse=limit_mm_per_prompt_from_cli,
                          help_text='Most images per prompt as JSON, vLLM\'s form: \'{"image": '
                                    '2}\' (default: 999 each; multimodal models only).')
@@ -483,7 +484,6 @@ def _add_feature_args(g: argparse._ArgumentGroup) -> None:
                         "computed (default: the encoder budget).")
     g.add_argument("--disable-log-stats", action="store_true", default=d.disable_log_stats,
                    help="Do not log engine statistics periodically (default: log every 10 s).")
-
 
 
 def _add_vllm_compat_args(g: argparse._ArgumentGroup) -> None:

@@ -65,6 +65,7 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions for one or many prompts; outputs in input order.
 
@@ -74,10 +75,12 @@ class LLM:
         <|vision_start|><|image_pad|><|vision_end|> in the prompt per image).
         A list of strings / token-id lists / dicts is many prompts. `sampling_params`
         is one for all or one per prompt; None =
-        `get_default_sampling_params()`.
+        `get_default_sampling_params()`. `priority` (vLLM's): one int per prompt,
+        lower scheduled first, for an engine built with scheduling_policy="priority".
 
         Raises:
-            ValueError: an invalid prompt or parameters (nothing is run then).
+            ValueError: an invalid prompt or parameters, a priority list of another
+                length, a non-zero priority under the fcfs policy (nothing is run then).
         """
         prompt_list = self._as_prompt_list(prompts)
         if sampling_params is None:
@@ -90,7 +93,10 @@ class LLM:
                 raise ValueError(
                     f"got {len(params_list)} sampling params for {len(prompt_list)} prompts"
                 )
-        request_ids = self._add_requests(prompt_list, params_list)
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompt_list)} prompts")
+        request_ids = self._add_requests(prompt_list, params_list,
+                                         priority or [0] * len(prompt_list))
         return self._run_engine(request_ids, use_tqdm)
 
     def chat(
@@ -197,13 +203,14 @@ class LLM:
             raise ValueError("no prompts given")
         return prompt_list
 
-    def _add_requests(self, prompts: list, params_list: list[SamplingParams]) -> list[str]:
+    def _add_requests(self, prompts: list, params_list: list[SamplingParams],
+                      priorities: list[int]) -> list[str]:
         engine = self.llm_engine
         ids: list[str] = []
         try:
-            for prompt, params in zip(prompts, params_list, strict=True):
+            for prompt, params, priority in zip(prompts, params_list, priorities, strict=True):
                 request_id = str(next(self._counter))
-                engine.add_request(request_id, prompt, params)
+                engine.add_request(request_id, prompt, params, priority=priority)
                 ids.append(request_id)
         except Exception:
             engine.abort_request(ids)

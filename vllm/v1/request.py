@@ -108,6 +108,9 @@ class Request:
         mm_features: the prompt's images (`vllm.multimodal.inputs.MultiModalFeatureSpec`,
             in prompt order): where their placeholder tokens are, their pixels and
             hashes; empty for a text prompt.
+        priority: the scheduling priority under `--scheduling-policy priority`:
+            lower is admitted first and preempted last, ties by arrival_time
+            (v1/core/sched/request_queue.py); 0 under fcfs.
 
     Attributes (vLLM's names):
         num_computed_tokens: tokens whose KV is in the cache or scheduled into
@@ -137,8 +140,10 @@ class Request:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         mm_features: list[Any] | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
+        self.priority = priority
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = time.time() if arrival_time is None else arrival_time

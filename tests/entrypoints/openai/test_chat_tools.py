@@ -70,6 +70,24 @@ def test_default_chat_template_kwargs_and_request_kwargs_win(client, server):
         assert "".join(response.json()["token_strs"]).endswith(end)
 
 
+def test_a_grammar_constrains_only_the_content_after_the_reasoning(client):
+    """--reasoning-parser qwen3 reaches the engine: the reasoning is written freely, the
+    grammar (a choice) applies after </think>; with thinking off (the prompt closes
+    <think></think>) it applies from the first token."""
+    choices = ["It is rainy.", "Cloudy."]
+    body = {"chat_template_kwargs": {"enable_thinking": True},
+            "structured_outputs": {"choice": choices}}
+    message = _chat(client, extra_body=body).choices[0].message
+    assert (message.reasoning_content, message.content) == (REASONING, "It is rainy.")
+    deltas = [c.choices[0].delta for c in _chat(client, extra_body=body, stream=True)
+              if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == REASONING
+    assert "".join(d.content or "" for d in deltas) == "It is rainy."
+    plain = _chat(client, extra_body={"structured_outputs": {"choice": choices}}).choices[0]
+    assert getattr(plain.message, "reasoning_content", None) is None
+    assert plain.message.content == "It is rainy."
+
+
 @pytest.mark.parametrize(("kwargs", "param"), [
     ({"tokenize": True}, "chat_template_kwargs.tokenize"),
     ({"add_generation_prompt": False}, "chat_template_kwargs.add_generation_prompt"),

@@ -675,3 +675,22 @@ def test_sigterm_fails_in_flight_requests_cleanly(key_server):
             "request(s) with 503") in log, log
     assert "Traceback" not in log and "CancelledError" not in log, log
     assert "timeout graceful shutdown exceeded" not in log, log  # nothing was cancelled
+
+
+def test_reasoning_parser_reaches_the_engines_structured_outputs_config():
+    """--reasoning-parser also tells the engine where the reasoning ends (a grammar applies
+    after it), as vLLM's StructuredOutputsConfig.reasoning_parser."""
+    args = make_parser().parse_args(["serve", "--reasoning-parser", "qwen3",
+                                     "--structured-outputs-config", '{"backend": "guidance"}'])
+    validate_parsed_serve_args(args)
+    config = args.structured_outputs_config
+    assert (config.reasoning_parser, config.backend) == ("qwen3", "guidance")
+    args = make_parser().parse_args(["serve"])
+    validate_parsed_serve_args(args)
+    assert args.structured_outputs_config is None
+    args = make_parser().parse_args(["serve", "--reasoning-parser", "qwen3",
+                                     "--structured-outputs-config",
+                                     '{"reasoning_parser": "deepseek_r1"}'])
+    with pytest.raises(ValueError, match="--reasoning-parser qwen3 and --structured-outputs-"
+                                         "config reasoning_parser deepseek_r1 disagree"):
+        validate_parsed_serve_args(args)

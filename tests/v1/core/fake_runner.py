@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.request_queue import PriorityRequestQueue
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import EngineCoreOutput, FinishReason, LogprobsLists, ModelRunnerOutput
 from vllm.v1.request import Request
@@ -35,6 +36,7 @@ def make_request(
     eos_token_id: int | None = EOS,
     cache_salt: str | None = None,
     arrival_time: float | None = None,
+    priority: int = 0,
     **sampling_kwargs,
 ) -> Request:
     """A Request over the real SamplingParams; `prompt` may be a length (tokens 100, 101, ...)."""
@@ -48,6 +50,7 @@ def make_request(
         eos_token_id,
         arrival_time=arrival_time,
         cache_salt=cache_salt,
+        priority=priority,
     )
 
 
@@ -270,6 +273,9 @@ def check_invariants(scheduler: Scheduler) -> None:
         holders_ids |= set(c.loading) | set(c.aborted_loads) | set(c.sending)
         holders_ids |= {r.request_id for r in scheduler.waiting if r.num_computed_tokens}
     assert set(kv.req_to_blocks) == holders_ids
-    if not scheduler.prefill_policy.concurrent:  # else short prompts may jump ahead
+    if isinstance(scheduler.waiting, PriorityRequestQueue):  # the worst is preempted first
+        order = [(r.priority, r.arrival_time) for r in scheduler.running]
+        assert order == sorted(order), "running must stay in (priority, arrival) order"
+    elif not scheduler.prefill_policy.concurrent:  # else short prompts may jump ahead
         order = [r.arrival_time for r in scheduler.running]
         assert order == sorted(order), "running must stay in arrival order"

@@ -43,3 +43,19 @@ def test_n_up_to_max_num_seqs(processor):
         with pytest.raises(ValueError) as e:
             processor.validate_params(SamplingParams(n=n))
         assert str(e.value).startswith(f"n ({n}) must be <= max_num_seqs ({MAX_NUM_SEQS})")
+
+
+def test_priority_needs_the_priority_policy(processor):
+    """vLLM's rule: a non-zero priority under fcfs is refused (not ignored), naming the field."""
+    params = SamplingParams(max_tokens=4)
+    assert processor.process_inputs("ok", "Hi", params, priority=0).children[0][0].priority == 0
+    for priority, message in [(1, "Got priority 1 but priority scheduling is not enabled"),
+                              (True, "priority must be an integer")]:
+        with pytest.raises(ValueError, match=message) as e:
+            processor.process_inputs("r", "Hi", params, priority=priority)
+        assert e.value.parameter == "priority"
+    tokenizer = processor.tokenizer
+    prioritized = Processor(tokenizer, max_model_len=256, vocab_size=len(tokenizer),
+                            max_num_seqs=MAX_NUM_SEQS, scheduling_policy="priority")
+    children = prioritized.process_inputs("p", "Hi", SamplingParams(n=2), priority=-3).children
+    assert [request.priority for request, _, _ in children] == [-3, -3]

@@ -1,6 +1,8 @@
-"""Constraint -> xgrammar grammar (`build_grammar`) and the compile pool (`GrammarCompiler`),
-without an engine: every kind parses, a bad one names its field, identical constraints
-share one compile, a failed compile's future raises, the cache is bounded."""
+"""Constraint -> xgrammar grammar (`build_grammar`) or llguidance grammar
+(`guidance.build_guidance_grammar`), and the compile pool (`GrammarCompiler`), without an
+engine: every kind parses, a bad one names its field, "auto" falls back to llguidance for
+what xgrammar cannot parse, identical constraints share one compile, a failed compile's
+future raises, the cache is bounded, both backends' matchers agree on a real tokenizer."""
 
 from __future__ import annotations
 
@@ -9,7 +11,13 @@ import pytest
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1 import structured_output
-from vllm.v1.structured_output import GrammarCompiler, build_grammar, check_backend
+from vllm.v1.structured_output import (
+    GrammarCompiler,
+    build_grammar,
+    check_backend,
+    choose_backend,
+    guidance,
+)
 
 xgr = pytest.importorskip("xgrammar")
 
@@ -69,11 +77,73 @@ def test_malformed_params_name_the_field(fields, field):
         StructuredOutputsParams.from_dict({"regex": "a", "nope": 1})
 
 
-def test_backends():
-    check_backend(None)
-    check_backend("xgrammar")
-    with pytest.raises(VLLMValidationError, match="'outlines' is not available"):
-        check_backend("outlines")
+def test_a_request_may_only_name_the_engines_backend():
+    """vLLM V1's rule for guided_decoding_backend (no per-request backend)."""
+    check_backend(None, "guidance")
+    check_backend("xgrammar", "xgrammar")
+    check_backend("guidance", "llguidance")  # the same backend, two spellings
+    for requested, engine in [("outlines", "auto"), ("guidance", "xgrammar"),
+                              ("xgrammar", "guidance")]:
+        with pytest.raises(VLLMValidationError, match="cannot be chosen per request") as e:
+            check_backend(requested, engine, "guided_decoding_backend")
+        assert e.value.parameter == "guided_decoding_backend"
+
+
+@pytest.mark.parametrize("fields", [
+    {"json": {"type": "object", "properties": {"a": {"enum": [1, 2]}}}},
+    {"json": '{"type": "array", "items": {"type": "string"}}'},
+    {"regex": "[a-z]{2}"},
+    {"choice": ["a", 'b "quoted"', "c\\d"]},
+    {"grammar": 'root ::= "x" | "y"'},  # GBNF, as xgrammar's
+    {"grammar": 'start: "x" | "y"'},  # Lark
+    {"json_object": True},
+])
+def test_every_kind_but_structural_tags_parses_with_llguidance(fields):
+    params = StructuredOutputsParams(**fields)
+    llg = pytest.importorskip("llguidance")
+    text = guidance.build_guidance_grammar(params)  # Lark text or llguidance's JSON
+    assert text and llg.LLMatcher.validate_grammar(text) == ""
+    assert choose_backend(params, "guidance") == "guidance"
+
+
+def test_llguidance_schemas_refuse_unnamed_properties_as_xgrammar_does():
+    schema = {"type": "object", "properties": {"o": {"type": "object", "properties": {
+        "additionalProperties": {"type": "integer"}}}, "e": {"enum": [{"x": 1}]}}}
+    assert guidance._closed(schema) == {"type": "object", "additionalProperties": False,
+                                        "properties": {"o": {
+                                            "type": "object", "additionalProperties": False,
+                                            "properties": {"additionalProperties": {
+                                                "type": "integer"}}},
+                                            "e": {"enum": [{"x": 1}]}}}
+    assert guidance._closed({"type": "object", "additionalProperties": True}) == {
+        "type": "object", "additionalProperties": True}
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"json": {"type": "no-such-type"}}, "json"),
+    ({"json": '{"type": '}, "json"),
+    ({"regex": "(a"}, "regex"),
+    ({"grammar": "root ::= missing"}, "grammar"),
+    ({"structural_tag": {"structures": [TAG], "triggers": ["<f>"]}}, "structural_tag"),
+])
+def test_a_constraint_llguidance_cannot_parse_names_its_field(fields, field):
+    with pytest.raises(VLLMValidationError) as info:
+        choose_backend(StructuredOutputsParams(**fields), "llguidance")
+    assert info.value.parameter == field and "llguidance" in str(info.value)
+
+
+def test_auto_takes_xgrammar_and_falls_back_to_llguidance():
+    unicode_class = StructuredOutputsParams(regex=r"\p{L}+")  # not in xgrammar's syntax
+    pattern = StructuredOutputsParams(json={"type": "string", "pattern": r"^\p{L}+$"})
+    assert choose_backend(StructuredOutputsParams(regex="ab"), "auto") == "xgrammar"
+    for params in (unicode_class, pattern):
+        assert choose_backend(params, "auto") == "guidance"
+        with pytest.raises(VLLMValidationError, match="xgrammar") as info:
+            choose_backend(params, "xgrammar")
+        assert info.value.parameter == params.kind
+    bad = StructuredOutputsParams(regex="(a")
+    with pytest.raises(VLLMValidationError, match="xgrammar"):  # neither: xgrammar's reason
+        choose_backend(bad, "auto")
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +184,81 @@ def test_the_cache_is_bounded(compiler, monkeypatch):
     assert len(compiler._cache) == 2
     assert compiler.submit(StructuredOutputsParams(regex="a2")) is futures[2]
     assert compiler.submit(StructuredOutputsParams(regex="a0")) is not futures[0]
+
+
+@pytest.fixture(scope="module")
+def guidance_compiler():
+    from vllm.transformers_utils.config import get_bundled_model_path
+    from vllm.transformers_utils.tokenizer import get_tokenizer
+
+    path = get_bundled_model_path()
+    compiler = GrammarCompiler(lambda: get_tokenizer(path), 49152, [2], backend="llguidance",
+                               tokenizer_path=path)
+    yield compiler
+    compiler.shutdown()
+
+
+@pytest.mark.parametrize("fields, text", [
+    ({"regex": r"[0-9]{3}-[a-z]{2}"}, "123-ab"),
+    ({"choice": ["yes, sure", "no"]}, "yes, sure"),
+])
+def test_both_backends_walk_a_reply_on_the_bundled_tokenizer(
+        compiler, guidance_compiler, fields, text):
+    """Along a reply's tokens (then the stop token, 2), xgrammar's and llguidance's masks
+    allow each next token and refuse "#" and the stop token before the end; the stop
+    token terminates both. (Their masks are not equal: llguidance also refuses tokens
+    that would spell a forced string in a non-canonical way, e.g. " s" before "ure".)"""
+    import torch
+
+    params = StructuredOutputsParams(**fields)
+    matchers = [c.submit(params).result(timeout=120).new_matcher()
+                for c in (compiler, guidance_compiler)]
+    assert type(guidance_compiler.submit(params).result()).__name__ == "GuidanceGrammar"
+    tokenizer = compiler._tokenizer_factory()
+    tokens, (wrong,) = tokenizer.encode(text) + [2], tokenizer.encode("#")
+    masks = torch.zeros(2, 49152 // 32, dtype=torch.int32)
+
+    def allows(row: int, token: int) -> bool:
+        return bool((int(masks[row, token // 32]) >> (token % 32)) & 1)
+
+    for token in tokens:
+        for row, matcher in enumerate(matchers):
+            matcher.fill_next_token_bitmask(masks, row)
+            assert allows(row, token) and not allows(row, wrong)
+            assert allows(row, 2) == (token == 2)
+        assert [m.accept_token(wrong) for m in matchers] == [False, False]
+        assert [m.accept_token(token) for m in matchers] == [True, True]
+        assert [m.is_terminated() for m in matchers] == [token == 2] * 2
+
+
+def test_where_a_reply_starts_is_read_from_the_prompts_tail():
+    from vllm.v1.structured_output.reasoning import (
+        BEFORE,
+        CONTENT,
+        REASONING,
+        ReasoningTokens,
+    )
+
+    think, end, blank, word = 5, 6, 7, 8
+    qwen3 = ReasoningTokens(think, end, False, frozenset({blank}))
+    deepseek = ReasoningTokens(think, end, True, frozenset({blank}))
+    assert qwen3.state_after([word, think, end, blank, blank]) == CONTENT  # thinking off
+    assert qwen3.state_after([word, think, blank]) == REASONING  # the template opened it
+    # Tags earlier in the conversation do not count: only the generation prompt's tail.
+    assert qwen3.state_after([think, end, word]) == BEFORE
+    assert deepseek.state_after([think, end, word]) == REASONING
+    assert deepseek.state_after([word, end]) == CONTENT
+
+
+def test_reasoning_tokens_of_a_tokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
+    from tests.entrypoints.openai.scripted_model import build_scripted_model
+    from vllm.v1.structured_output.reasoning import REASONING_TAGS, ReasoningTokens
+
+    tokenizer = AutoTokenizer.from_pretrained(build_scripted_model(tmp_path))
+    tokens = ReasoningTokens.of(REASONING_TAGS["qwen3"], tokenizer)
+    assert tokenizer.decode([tokens.start_id, tokens.end_id]) == "<think></think>"
+    assert tokenizer.encode("\n")[0] in tokens.whitespace_ids
+    with pytest.raises(VLLMValidationError, match=r"\['<nope>'\] are not tokens"):
+        ReasoningTokens.of(("<nope>", "</think>", False), tokenizer)

@@ -1,10 +1,12 @@
-"""Structured outputs through the offline `LLM` on the bundled model (xgrammar).
+"""Structured outputs through the offline `LLM` on the bundled model.
 
 100 sampled replies to a JSON schema with a nested object, enums and an array
 all validate (`jsonschema`), also with ngram speculative decoding (drafts the
 grammar refuses are rejected); regex and choice replies match; a grammar whose
 compile is held back does not stop another request from stepping; a
-constraint xgrammar cannot parse is refused before the engine, naming the field.
+constraint the backend cannot parse is refused before the engine, naming the field.
+The JSON, regex, choice, grammar and refusal tests run with both backends
+(`backend_llm`: xgrammar, the default, and llguidance, `{"backend": "guidance"}`).
 """
 
 from __future__ import annotations
@@ -39,10 +41,28 @@ def _assert_all_validate(outputs) -> None:
     assert len(set(texts)) > 1, "sampled replies should differ"
 
 
-def test_100_json_schema_replies_validate(bundled_llm):
-    outputs = bundled_llm.generate([PROMPT] * NUM_REPLIES, _json_params(NUM_REPLIES),
-                                   use_tqdm=False)
-    assert len(outputs) == NUM_REPLIES
+@pytest.fixture(scope="module")
+def guidance_llm():
+    from vllm import LLM
+
+    llm = LLM(**ENGINE_KWARGS, structured_outputs_config={"backend": "guidance"})
+    yield llm
+    llm.llm_engine.shutdown()
+
+
+@pytest.fixture(params=["xgrammar", "guidance"])
+def backend_llm(request):
+    """The bundled engine with each backend (xgrammar: the session's shared engine)."""
+    return request.getfixturevalue("bundled_llm" if request.param == "xgrammar"
+                                   else "guidance_llm")
+
+
+def test_100_json_schema_replies_validate(backend_llm):
+    # llguidance: 32 replies (100 took 40 s on the 2-core CPU; 100 of 100 validated).
+    backend = backend_llm.llm_engine.vllm_config.structured_outputs_config.backend
+    n = NUM_REPLIES if backend == "auto" else 32
+    outputs = backend_llm.generate([PROMPT] * n, _json_params(n), use_tqdm=False)
+    assert len(outputs) == n
     _assert_all_validate(outputs)
 
 
@@ -54,7 +74,7 @@ def test_unconstrained_replies_are_not_json(bundled_llm):
     assert not any(t.startswith('{"k"') for t in texts)
 
 
-def test_regex_and_choice_replies_match(bundled_llm):
+def test_regex_and_choice_replies_match(backend_llm):
     regex = r"(\d{3})-[a-z]{2,5}"
     sampled = [SamplingParams(temperature=1.0, seed=i, max_tokens=20,
                               structured_outputs=StructuredOutputsParams(regex=regex))
@@ -63,7 +83,7 @@ def test_regex_and_choice_replies_match(bundled_llm):
     chosen = [SamplingParams(temperature=1.0, seed=i, max_tokens=20,
                              structured_outputs=StructuredOutputsParams(choice=choices))
               for i in range(4)]
-    outputs = bundled_llm.generate(["Call me at:"] * 4 + ["Will you?"] * 4, sampled + chosen,
+    outputs = backend_llm.generate(["Call me at:"] * 4 + ["Will you?"] * 4, sampled + chosen,
                                    use_tqdm=False)
     for out in outputs[:4]:
         assert re.fullmatch(regex, out.outputs[0].text), out.outputs[0].text
@@ -71,13 +91,13 @@ def test_regex_and_choice_replies_match(bundled_llm):
         assert out.outputs[0].text in choices
 
 
-def test_grammar_ebnf_and_json_object(bundled_llm):
+def test_grammar_ebnf_and_json_object(backend_llm):
     grammar = 'root ::= "x=" [0-9] [0-9]? ";"'
     obj_params = StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
     params = [SamplingParams(temperature=0, max_tokens=10,
                              structured_outputs=StructuredOutputsParams(grammar=grammar)),
               SamplingParams(temperature=0, max_tokens=60, structured_outputs=obj_params)]
-    ebnf, obj = bundled_llm.generate(["Set x:", "An object:"], params, use_tqdm=False)
+    ebnf, obj = backend_llm.generate(["Set x:", "An object:"], params, use_tqdm=False)
     assert re.fullmatch(r"x=[0-9][0-9]?;", ebnf.outputs[0].text)
     if obj.outputs[0].finish_reason == "stop":  # a free-form object may run past max_tokens
         assert isinstance(json.loads(obj.outputs[0].text), dict)
@@ -89,13 +109,13 @@ def test_grammar_ebnf_and_json_object(bundled_llm):
     ({"regex": "(unclosed"}, "regex"),
     ({"grammar": "root ::= undefined_rule"}, "grammar"),
 ])
-def test_a_constraint_xgrammar_cannot_parse_is_refused_before_the_engine(
-        bundled_llm, constraint, field):
+def test_a_constraint_the_backend_cannot_parse_is_refused_before_the_engine(
+        backend_llm, constraint, field):
     params = SamplingParams(structured_outputs=StructuredOutputsParams(**constraint))
-    core = bundled_llm.llm_engine.engine_core
+    core = backend_llm.llm_engine.engine_core
     compiles = core.grammar_compiler.num_compiles
     with pytest.raises(VLLMValidationError) as info:
-        bundled_llm.generate(["x"], params, use_tqdm=False)
+        backend_llm.generate(["x"], params, use_tqdm=False)
     assert info.value.parameter == field
     assert core.grammar_compiler.num_compiles == compiles  # never reached the engine
 
@@ -175,11 +195,13 @@ def test_json_schema_replies_validate_with_async_scheduling():
 
 
 @pytest.mark.cuda
-def test_100_json_schema_replies_validate_on_cuda_defaults():
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_100_json_schema_replies_validate_on_cuda_defaults(backend):
     """The GPU defaults (CUDA graphs, async scheduling): 100 of 100 validate."""
     from vllm import LLM
 
-    llm = LLM(max_model_len=512, max_num_seqs=128)
+    llm = LLM(max_model_len=512, max_num_seqs=128,
+              structured_outputs_config={"backend": backend})
     try:
         outputs = llm.generate([PROMPT] * NUM_REPLIES, _json_params(NUM_REPLIES),
                                use_tqdm=False)

@@ -1,6 +1,7 @@
 """`GrammarBitmask` (the runner's matchers) and the sampler's bitmask, on a tiny vocabulary.
 
-Real xgrammar matchers over a five-token raw vocabulary and the regex "ab+c":
+Real xgrammar and llguidance matchers (each test runs with both backends) over a
+five-token raw vocabulary and the regex "ab+c":
 the mask of each row is what the grammar allows next, drafts get one row per
 position (a draft the grammar refuses is then rejected by the rejection
 sampler, and the matcher is rolled back), EOS is allowed only at the end, and
@@ -14,18 +15,19 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from vllm.sampling_params import SamplingParams
+from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 from vllm.v1.sample.metadata import build_sampling_metadata
 from vllm.v1.sample.ops.bitmask import apply_bitmask
 from vllm.v1.sample.rejection_sampler import RejectionSampler
 from vllm.v1.sample.sampler import Sampler
-from vllm.v1.structured_output import CompiledGrammar
+from vllm.v1.structured_output import CompiledGrammar, guidance
+from vllm.v1.structured_output.reasoning import ReasoningTokens
 from vllm.v1.worker.grammar_bitmask import GrammarBitmask
 
 xgr = pytest.importorskip("xgrammar")
 
-EOS, A, B, C, X = range(5)
-VOCAB = ["</s>", "a", "b", "c", "x"]
+EOS, A, B, C, X, THINK, END = range(7)
+VOCAB = ["</s>", "a", "b", "c", "x", "<think>", "</think>"]
 
 
 @dataclass
@@ -34,10 +36,35 @@ class State:  # the fields of CachedRequestState the bitmask reads
     output_token_ids: list[int] = field(default_factory=list)
 
 
+class _RawTokenizer:
+    """llguidance's view of VOCAB (what `llguidance.TokenizerWrapper` reads)."""
+
+    eos_token_id, bos_token_id, special_token_ids = EOS, None, [EOS, THINK, END]
+    tokens = [b"\xff[0]", *(t.encode() for t in VOCAB[1:5]), b"\xff[5]", b"\xff[6]"]
+
+    def __call__(self, text):
+        text = text.decode() if isinstance(text, bytes) else text
+        return [VOCAB.index(ch) if ch in VOCAB else X for ch in text]
+
+
+@pytest.fixture(scope="module", params=["xgrammar", "guidance"])
+def grammar(request, monkeypatch_module):
+    if request.param == "xgrammar":
+        info = xgr.TokenizerInfo(VOCAB, vocab_type=xgr.VocabType.RAW, stop_token_ids=[EOS])
+        return CompiledGrammar(xgr.GrammarCompiler(info).compile_regex("ab+c"))
+    llg = pytest.importorskip("llguidance")
+    # The backend's tokenizer cache, seeded with the raw vocabulary under a made-up path
+    # (a pickled grammar finds it there too, as a worker process finds its model's).
+    monkeypatch_module.setitem(guidance._TOKENIZERS, ("raw-vocab", len(VOCAB), (EOS,)), (
+        llg.LLTokenizer(llg.TokenizerWrapper(_RawTokenizer())), frozenset({EOS})))
+    text = guidance.build_guidance_grammar(StructuredOutputsParams(regex="ab+c"))
+    return guidance.GuidanceGrammar("raw-vocab", len(VOCAB), [EOS], text)
+
+
 @pytest.fixture(scope="module")
-def grammar() -> CompiledGrammar:
-    info = xgr.TokenizerInfo(VOCAB, vocab_type=xgr.VocabType.RAW, stop_token_ids=[EOS])
-    return CompiledGrammar(xgr.GrammarCompiler(info).compile_regex("ab+c"))
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
 
 
 def _allowed(bitmask: torch.Tensor) -> list[set[int]]:
@@ -100,13 +127,47 @@ def test_the_sampler_never_samples_a_refused_token(grammar):
         assert out.sampled_token_ids.tolist() == [B, B]
 
 
+def _thinking(grammar):
+    """The same grammar, applied after Qwen3-style reasoning (`--reasoning-parser qwen3`)."""
+    tokens = ReasoningTokens(THINK, END, starts_in_reasoning=False, whitespace_ids=frozenset())
+    if isinstance(grammar, CompiledGrammar):
+        return CompiledGrammar(grammar.grammar, tokens)
+    return guidance.GuidanceGrammar(*grammar.__reduce__()[1][:4], tokens)
+
+
+def test_with_a_reasoning_parser_the_grammar_applies_after_the_reasoning(grammar):
+    everything = set(range(len(VOCAB)))
+    masks = GrammarBitmask(max_rows=8, vocab_size=len(VOCAB), device=torch.device("cpu"))
+    masks.add("r", _thinking(grammar), prompt_token_ids=[X, A])
+    state = State("r")
+    # The first token may open the reasoning, or be the answer's first (the grammar's).
+    assert _allowed(masks.bitmask([state])) == [{A, THINK}]
+    state.output_token_ids += [THINK, X, C]  # reasoning: anything goes
+    assert _allowed(masks.bitmask([state])) == [everything]
+    state.output_token_ids += [END]  # the grammar starts after the end tag
+    assert _allowed(masks.bitmask([state])) == [{A}]
+    state.output_token_ids += [A]
+    assert _allowed(masks.bitmask([state])) == [{B}]
+    # Drafts through the reasoning: free up to the drafted end tag, the grammar after it.
+    masks.add("d", _thinking(grammar), prompt_token_ids=[X])
+    rows = _allowed(masks.bitmask([State("d")], [[THINK, X, END, A, X]]))
+    assert rows == [{A, THINK}, everything, everything, {A}, {B}, everything]
+    # A prompt that closed the reasoning (enable_thinking: false): the grammar at once;
+    # a first token that is not the start tag is the answer's.
+    masks.add("closed", _thinking(grammar), prompt_token_ids=[X, THINK, END])
+    masks.add("direct", _thinking(grammar), prompt_token_ids=[X])
+    direct = State("direct", [A])
+    assert _allowed(masks.bitmask([State("closed"), direct])) == [{A}, {B}]
+
+
 def test_a_bitmask_of_the_wrong_shape_is_refused():
     with pytest.raises(ValueError, match="does not fit"):
         apply_bitmask(torch.zeros(2, 40), torch.zeros(2, 1, dtype=torch.int32))
 
 
 def test_a_compiled_grammar_pickles_for_worker_processes(grammar):
-    """Worker processes (mp / ray executors) get the grammar pickled: xgrammar's JSON."""
+    """Worker processes (mp / ray executors) get the grammar pickled: xgrammar's JSON, or
+    llguidance's grammar text and the tokenizer's path."""
     import pickle
 
     copy = pickle.loads(pickle.dumps(grammar))

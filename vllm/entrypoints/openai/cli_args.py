@@ -9,11 +9,13 @@ bad flag or a taken port fails in a fraction of a second.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import socket
 from pathlib import Path
 
 from vllm import envs
+from vllm.config import StructuredOutputsConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.entrypoints.openai.tool_parsers.abstract_tool_parser import ToolParserManager
 from vllm.reasoning import ReasoningParserManager
@@ -123,6 +125,8 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
             args.reasoning_parser not in ReasoningParserManager.names()):
         raise ValueError(f"--reasoning-parser {args.reasoning_parser!r} is not one of "
                          f"{', '.join(ReasoningParserManager.names())}")
+    args.structured_outputs_config = _with_reasoning_parser(args.structured_outputs_config,
+                                                            args.reasoning_parser)
     if args.tool_call_parser is not None and (
             args.tool_call_parser not in ToolParserManager.names()):
         raise ValueError(f"--tool-call-parser {args.tool_call_parser!r} is not one of "
@@ -224,6 +228,23 @@ def _check_template_syntax(template: str, source: str) -> str:
         raise ValueError(f"--chat-template{where} is not a valid Jinja template: {e.message} "
                          f"(line {e.lineno})") from e
     return template
+
+
+def _with_reasoning_parser(config: StructuredOutputsConfig | None,
+                           reasoning_parser: str | None) -> StructuredOutputsConfig | None:
+    """--reasoning-parser also tells the engine where a reply's reasoning ends (grammars
+    apply after it), as vLLM's StructuredOutputsConfig.reasoning_parser.
+
+    Raises:
+        ValueError: --structured-outputs-config names another reasoning_parser.
+    """
+    if reasoning_parser is None:
+        return config
+    config = config or StructuredOutputsConfig()
+    if config.reasoning_parser not in (None, reasoning_parser):
+        raise ValueError(f"--reasoning-parser {reasoning_parser} and --structured-outputs-"
+                         f"config reasoning_parser {config.reasoning_parser} disagree")
+    return dataclasses.replace(config, reasoning_parser=reasoning_parser)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -155,8 +155,10 @@ class SamplingFields(OpenAIRequest):
     use_beam_search: Any = None
     length_penalty: Any = None
     logits_processors: Any = None
-    priority: Any = None
     vllm_xargs: Any = None
+    # vLLM's: lower is scheduled first under --scheduling-policy priority; with the
+    # default fcfs policy a non-zero value is a 400 (as vLLM refuses it).
+    priority: int = 0
     # KV transfer (disaggregated prefill): passed to the KV connector as
     # SamplingParams.extra_args["kv_transfer_params"]; answered in the response.
     kv_transfer_params: dict[str, Any] | None = None

@@ -145,7 +145,8 @@ class OpenAIServingChat(OpenAIServing):
         length_param = ("max_completion_tokens" if request.max_completion_tokens is not None
                         else "max_tokens")
         (engine_stream,) = await self.admit_all(request_id, [prompt], params, "messages",
-                                                length_param, {"logprobs": "top_logprobs"})
+                                                length_param, {"logprobs": "top_logprobs"},
+                                                request.priority)
         parsers = [self._reply_parser(request, prompt["prompt"], tool_choice)
                    for _ in range(params.n)]
         if stream:
@@ -200,7 +201,7 @@ class OpenAIServingChat(OpenAIServing):
             renamed={"logprobs": "top_logprobs", "max_tokens": length_param},
             defaults=self.default_sampling_params,
             prompt_logprobs=request.prompt_logprobs,
-            structured_outputs=structured,
+            structured_outputs=structured, backend=self.structured_outputs_backend,
         )
 
     def _reply_parser(self, request: ChatCompletionRequest, prompt: str,

@@ -120,10 +120,11 @@ class OpenAIServingCompletion(OpenAIServing):
             request, stream, self.vocab_size,
             max_tokens=request.max_tokens, logprobs=request.logprobs,
             defaults=self.default_sampling_params, prompt_logprobs=prompt_logprobs,
+            backend=self.structured_outputs_backend,
         )
         request_id = random_id("cmpl")
         as_ids = self.tokens_as_ids(request)
-        streams = await self.admit_all(request_id, prompts, params)
+        streams = await self.admit_all(request_id, prompts, params, priority=request.priority)
         if stream:
             return sse_response(self._stream(request_id, model_name, streams, params,
                                              bool(request.echo), include_usage,

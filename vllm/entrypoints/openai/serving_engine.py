@@ -70,7 +70,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
     "logits_processors": (None, []),
-    "priority": (None, 0),
     "vllm_xargs": (None, {}),
     "mm_processor_kwargs": (None, {}),
     "documents": (None, []),
@@ -124,6 +123,7 @@ def build_sampling_params(
     defaults: dict[str, Any] | None = None,
     prompt_logprobs: int | None = None,
     structured_outputs: StructuredOutputsParams | None = None,
+    backend: str = "auto",
 ) -> SamplingParams:
     """SamplingParams from the request's fields; SamplingParams itself checks the ranges.
 
@@ -139,6 +139,8 @@ def build_sampling_params(
             used for the fields the request leaves unset, as vLLM does.
         structured_outputs: a constraint the endpoint adds (chat's tool_choice
             required / named), for a request that sets none itself.
+        backend: the engine's structured-output backend (`--structured-outputs-config`),
+            which parses the request's constraint.
 
     Raises:
         APIError(400): a value SamplingParams rejects; `param` names the request field.
@@ -148,7 +150,7 @@ def build_sampling_params(
         kwargs.setdefault(name, value)
     # response_format / structured_outputs / guided_*: parsed and validated (400 naming
     # the field) before the engine sees the request.
-    structured_outputs = structured_outputs_from_request(request) or structured_outputs
+    structured_outputs = structured_outputs_from_request(request, backend) or structured_outputs
     if structured_outputs is not None:
         kwargs["structured_outputs"] = structured_outputs
     if request.kv_transfer_params is not None:
@@ -227,6 +229,9 @@ class OpenAIServing:
         self.return_tokens_as_token_ids = return_tokens_as_token_ids
         self.max_model_len = engine_client.max_model_len  # fitted to the KV cache
         self.vocab_size = engine_client.model_config.get_vocab_size()
+        # --structured-outputs-config's backend: constraints are parsed by it (a 400 here).
+        self.structured_outputs_backend = (
+            engine_client.vllm_config.structured_outputs_config.backend)
         # The generation config's temperature, top_p, ... for fields a request leaves unset.
         self.default_sampling_params = engine_client.model_config.get_diff_sampling_param()
 
@@ -257,16 +262,18 @@ class OpenAIServing:
     async def admit(
         self, request_id: str, prompt: PromptType, params: SamplingParams,
         prompt_param: str = "prompt", length_param: str = "max_tokens",
-        renamed: dict[str, str] | None = None,
+        renamed: dict[str, str] | None = None, priority: int = 0,
     ) -> RequestOutputStream:
         """Hand a request to the engine; validation failures become APIError(400).
 
         `prompt_param` / `length_param` name the request fields a prompt or a
         length error is about (chat: "messages", "max_completion_tokens");
-        `renamed` maps other SamplingParams fields (chat: logprobs -> top_logprobs).
+        `renamed` maps other SamplingParams fields (chat: logprobs -> top_logprobs);
+        `priority` is the request's (`--scheduling-policy priority`).
         """
         try:
-            return await self.engine_client.add_request(request_id, prompt, params)
+            return await self.engine_client.add_request(request_id, prompt, params,
+                                                        priority=priority)
         except ValueError as e:
             raise validation_error(e, {**(renamed or {}), "prompt": prompt_param,
                                        "max_tokens": length_param}) from e
@@ -276,7 +283,7 @@ class OpenAIServing:
     async def admit_all(
         self, request_id: str, prompts: list[PromptType], params: SamplingParams,
         prompt_param: str = "prompt", length_param: str = "max_tokens",
-        renamed: dict[str, str] | None = None,
+        renamed: dict[str, str] | None = None, priority: int = 0,
     ) -> list[RequestOutputStream]:
         """Admit several prompts as `{request_id}-{i}`; all or none (earlier ones aborted)."""
         streams: list[RequestOutputStream] = []
@@ -284,7 +291,7 @@ class OpenAIServing:
             for i, prompt in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 streams.append(await self.admit(rid, prompt, params, prompt_param, length_param,
-                                                renamed))
+                                                renamed, priority))
         except BaseException:
             self.engine_client.abort([s.request_id for s in streams])
             raise

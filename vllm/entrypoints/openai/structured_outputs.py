@@ -9,9 +9,10 @@ vLLM's three spellings, one of them per request::
     guided_*            guided_json, guided_regex, guided_choice, guided_grammar
                         (+ guided_whitespace_pattern, guided_decoding_backend)
 
-The constraint is parsed by the backend (xgrammar) before the request reaches
-the engine: one it cannot compile is a 400 whose `param` is the field the
-client sent.
+The constraint is parsed by the engine's backend (`--structured-outputs-config`:
+xgrammar, llguidance, or auto) before the request reaches the engine: one it cannot
+compile is a 400 whose `param` is the field the client sent. `guided_decoding_backend`
+may only name the engine's backend (vLLM V1's rule).
 """
 
 from __future__ import annotations
@@ -28,15 +29,18 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
                  "guided_grammar": "grammar"}
 
 
-def structured_outputs_from_request(request: Any) -> StructuredOutputsParams | None:
-    """The request's constraint, validated; None when it asks for none.
+def structured_outputs_from_request(request: Any, backend: str = "auto"
+                                    ) -> StructuredOutputsParams | None:
+    """The request's constraint, validated by `backend` (the engine's); None when it
+    asks for none.
 
     Raises:
         APIError(400, param = the field sent): two kinds of constraint at once, a
-            malformed `response_format` / `structured_outputs`, an unknown
-            backend, or a constraint xgrammar cannot compile.
+            malformed `response_format` / `structured_outputs`, a
+            `guided_decoding_backend` other than the engine's, or a constraint the
+            backend cannot compile.
     """
-    check = _checked(request)
+    check = _checked(request, backend)
     sources = [(name, value) for name, value in check if value is not None]
     if not sources:
         return None
@@ -47,7 +51,7 @@ def structured_outputs_from_request(request: Any) -> StructuredOutputsParams | N
     field, build = sources[0]
     try:
         params = build()
-        validate_structured_outputs(params)
+        validate_structured_outputs(params, backend)
     except VLLMValidationError as e:
         if e.parameter == "whitespace_pattern" and field in GUIDED_FIELDS:
             field = "guided_whitespace_pattern"
@@ -55,10 +59,10 @@ def structured_outputs_from_request(request: Any) -> StructuredOutputsParams | N
     return params
 
 
-def _checked(request: Any) -> list[tuple[str, Any]]:
+def _checked(request: Any, backend: str) -> list[tuple[str, Any]]:
     """(field, a builder of its StructuredOutputsParams or None) per spelling."""
     try:
-        check_backend(request.guided_decoding_backend, "guided_decoding_backend")
+        check_backend(request.guided_decoding_backend, backend, "guided_decoding_backend")
     except VLLMValidationError as e:
         raise APIError(400, str(e), "guided_decoding_backend") from e
     guided = {GUIDED_FIELDS[name]: getattr(request, name) for name in GUIDED_FIELDS

@@ -193,8 +193,12 @@ class AsyncLLM:
         prompt: PromptType,
         params: SamplingParams,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> RequestOutputStream:
         """Admit a request; returns its output stream once the engine accepted it.
+
+        `priority`: vLLM's; lower is scheduled first under `--scheduling-policy
+        priority`, and must be 0 under fcfs.
 
         Raises:
             ValueError: invalid prompt or parameters (the engine's own validation,
@@ -209,7 +213,7 @@ class AsyncLLM:
             raise EngineSleepingError("the engine is asleep; wake it up (POST /wake_up) first")
         if request_id in self._handler.streams:
             raise ValueError(f"request id {request_id!r} is already running")
-        processed = self.processor.process_inputs(request_id, prompt, params)
+        processed = self.processor.process_inputs(request_id, prompt, params, priority)
         stream = RequestOutputStream(request_id, asyncio.get_running_loop(), self.abort,
                                      self._handler.forget)
         self._handler.start()
@@ -238,13 +242,15 @@ class AsyncLLM:
         sampling_params: SamplingParams,
         request_id: str,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs (per `sampling_params.output_kind`) until it finishes.
 
         Validation errors (ValueError) are raised before the first output;
         closing or cancelling the generator aborts the request and frees its blocks.
         """
-        stream = await self.add_request(request_id, prompt, sampling_params, arrival_time)
+        stream = await self.add_request(request_id, prompt, sampling_params, arrival_time,
+                                        priority)
         async for output in stream:
             yield output
 

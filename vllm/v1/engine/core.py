@@ -137,6 +137,7 @@ class EngineCore:
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
             num_lookahead_tokens=spec.num_lookahead_slots if spec else 0,
             async_scheduling=bool(sched.async_scheduling),
+            scheduling_policy=sched.policy,
             elastic=elastic,
             grammar_compiler=self.grammar_compiler,
             encoder=(EncoderCacheManager(self.plan.encoder_cache_size, self.plan.encoder_budget)

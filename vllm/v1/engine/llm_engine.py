@@ -81,8 +81,12 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         """Validate and queue a request (n > 1 fans out into n child requests).
+
+        `priority`: vLLM's; lower is scheduled first under `--scheduling-policy
+        priority`, and must be 0 under fcfs.
 
         Raises:
             ValueError: invalid prompt, n > max_num_seqs, prompt + max_tokens
@@ -100,7 +104,7 @@ class LLMEngine:
                 "the weights were discarded by sleep(level=2) and not loaded again: call "
                 "reload_weights() after wake_up() before generating"
             )
-        processed = self.processor.process_inputs(request_id, prompt, params)
+        processed = self.processor.process_inputs(request_id, prompt, params, priority)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         added: list[str] = []
         try:

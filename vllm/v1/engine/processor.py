@@ -68,6 +68,10 @@ class Processor:
         mm_processor: the model's `MultiModalProcessor` (images -> features and
             expanded placeholders); None for a text-only model, which refuses
             a prompt's "multi_modal_data".
+        scheduling_policy: "fcfs" or "priority" (`--scheduling-policy`); under
+            fcfs a request's priority must be 0.
+        structured_outputs_backend: `--structured-outputs-config`'s backend, which
+            must parse a request's constraint.
     """
 
     def __init__(
@@ -82,6 +86,8 @@ class Processor:
         block_size: int = 16,
         compact_json: bool = False,
         mm_processor: MultiModalProcessor | None = None,
+        scheduling_policy: str = "fcfs",
+        structured_outputs_backend: str = "auto",
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -94,6 +100,8 @@ class Processor:
         self.generation_config = generation_config or {}
         self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
         self.mm_processor = mm_processor
+        self.scheduling_policy = scheduling_policy
+        self.structured_outputs_backend = structured_outputs_backend
 
     @classmethod
     def from_config(
@@ -121,19 +129,25 @@ class Processor:
             block_size=vllm_config.cache_config.block_size,
             compact_json=vllm_config.structured_outputs_config.disable_any_whitespace,
             mm_processor=mm_processor,
+            scheduling_policy=vllm_config.scheduler_config.policy,
+            structured_outputs_backend=vllm_config.structured_outputs_config.backend,
         )
 
     def process_inputs(
-        self, request_id: str, prompt: PromptType, params: SamplingParams
+        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
     ) -> ProcessedRequest:
         """Validate and tokenize a request; n > 1 fans out into n child requests.
 
         Every child is validated before any is returned, so a rejection queues
-        nothing.
+        nothing. `priority` (vLLM's): lower is scheduled first under
+        `--scheduling-policy priority`; every child has it.
 
         Raises:
-            VLLMValidationError: see `validate_params`, `tokenize`, `make_request`.
+            VLLMValidationError: see `validate_params`, `tokenize`, `make_request`;
+                parameter "priority": not an int, or non-zero under the fcfs policy
+                (vLLM refuses it there too).
         """
+        self.validate_priority(priority)
         self.validate_params(params)
         text, prompt_token_ids = self.tokenize(prompt)
         keep = params.truncate_prompt_tokens
@@ -144,16 +158,27 @@ class Processor:
                                   len(prompt_token_ids), self.block_size, params.n)
         if params.n == 1:
             request = self.make_request(request_id, prompt_token_ids, params,
-                                        mm_features=mm_features)
+                                        mm_features=mm_features, priority=priority)
             return ProcessedRequest(text, prompt_token_ids, [(request, None, 0)])
         parent = ParentRequest(request_id, params.n)
         children = [
             (self.make_request(ParentRequest.child_id(i, request_id), prompt_token_ids,
-                               ParentRequest.child_params(params, i), mm_features=mm_features),
+                               ParentRequest.child_params(params, i), mm_features=mm_features,
+                               priority=priority),
              parent, i)
             for i in range(params.n)
         ]
         return ProcessedRequest(text, prompt_token_ids, children)
+
+    def validate_priority(self, priority: int) -> None:
+        """A request's priority: an int (any sign), 0 unless the policy is "priority"."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise VLLMValidationError(f"priority must be an integer, got {priority!r:.40}",
+                                      parameter="priority")
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise VLLMValidationError(
+                f"Got priority {priority} but priority scheduling is not enabled: start the "
+                "engine with --scheduling-policy priority (default: fcfs)", parameter="priority")
 
     def validate_params(self, params: SamplingParams) -> None:
         """Engine limits SamplingParams cannot know: `n` <= max_num_seqs, logprobs <= max.
@@ -169,8 +194,8 @@ class Processor:
             VLLMValidationError (parameter "kv_transfer_params"): malformed, or
                 sent to an engine without a KV connector.
             VLLMValidationError (parameter "json", "regex", "choice", "grammar" or
-                "structural_tag"): a structured-output constraint xgrammar cannot
-                parse; decided here, so it never reaches the engine.
+                "structural_tag"): a structured-output constraint the engine's
+                backend cannot parse; decided here, so it never reaches the engine.
         """
         for name, what in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
             asked = getattr(params, name)
@@ -181,7 +206,7 @@ class Processor:
                     f"{self.max_logprobs} (--max-logprobs; -1 asks for the whole vocabulary)",
                     parameter=name,
                 )
-        validate_structured_outputs(params.structured_outputs)
+        validate_structured_outputs(params.structured_outputs, self.structured_outputs_backend)
         extra = params.extra_args or {}
         check_kv_transfer_params(extra.get("kv_transfer_params"), self.kv_connector)
         if params.n > self.max_num_seqs:
@@ -256,6 +281,7 @@ class Processor:
         params: SamplingParams,
         arrival_time: float | None = None,
         mm_features: list[MultiModalFeatureSpec] | None = None,
+        priority: int = 0,
     ) -> Request:
         """A core Request for one (child) request.
 
@@ -289,6 +315,7 @@ class Processor:
             eos_token_id=self.eos_token_id,
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             mm_features=mm_features,
+            priority=priority,
         )
 
 

@@ -13,10 +13,14 @@
                               refused tokens to -inf (v1/worker/grammar_bitmask.py)
 ```
 
-The backend is xgrammar (vLLM's default). Its `Grammar.from_*` parsers only
-read the constraint; `GrammarCompiler` needs the tokenizer's vocabulary and
-takes milliseconds to seconds (a large schema), which is why it runs off the
-engine step.
+Two backends, chosen by `--structured-outputs-config '{"backend": ...}'` (vLLM's names):
+xgrammar (the default) and llguidance ("guidance"; "llguidance" is accepted too,
+guidance.py). "auto", as in vLLM, takes xgrammar and falls back to llguidance for a
+constraint xgrammar cannot parse (`choose_backend`). Both fill the same int32 bitmask
+([rows, ceil(V / 32)], bit t = token t allowed), so the sampler's path is one. xgrammar's
+`Grammar.from_*` parsers only read the constraint; its `GrammarCompiler` needs the
+tokenizer's vocabulary and takes milliseconds to seconds (a large schema), which is
+why compiles run off the engine step.
 """
 
 from __future__ import annotations
@@ -29,14 +33,17 @@ from typing import TYPE_CHECKING, Any
 from vllm.exceptions import VLLMValidationError
 from vllm.logger import init_logger
 from vllm.sampling_params import StructuredOutputsParams
+from vllm.v1.structured_output.reasoning import REASONING_TAGS, ReasoningTokens
 
 if TYPE_CHECKING:
     import xgrammar as xgr
 
 logger = init_logger(__name__)
 
-# Backends `--structured-outputs-config '{"backend": ...}'` accepts; "auto" means xgrammar.
-STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar")
+# Backends `--structured-outputs-config '{"backend": ...}'` accepts -> the one that runs
+# ("auto": xgrammar, else llguidance, per constraint; "llguidance": this fork's alias).
+STRUCTURED_OUTPUT_BACKENDS = {"auto": "auto", "xgrammar": "xgrammar", "guidance": "guidance",
+                              "llguidance": "guidance"}
 # Compiled grammars kept (least recently used dropped first); a JSON-schema grammar for a
 # 50k vocabulary is ~10-100 KiB.
 GRAMMAR_CACHE_SIZE = 1024
@@ -94,27 +101,62 @@ def _structural_tag_grammar(value: str | dict) -> xgr.Grammar:
     return xgr.Grammar.from_structural_tag(tag)
 
 
-def validate_structured_outputs(params: StructuredOutputsParams | None) -> None:
-    """Check in the frontend that the backend can compile the constraint (None: nothing).
+def choose_backend(params: StructuredOutputsParams, backend: str = "auto") -> str:
+    """The backend that compiles `params` on an engine configured with `backend`:
+    "xgrammar" or "guidance" (parsed here, so the choice is known to work).
 
     Raises:
-        VLLMValidationError: see `build_grammar`.
+        VLLMValidationError: the backend cannot parse the constraint (`build_grammar`,
+            `guidance.build_guidance_grammar`); under "auto", xgrammar's error when
+            neither can.
+    """
+    from vllm.v1.structured_output.guidance import build_guidance_grammar
+
+    backend = STRUCTURED_OUTPUT_BACKENDS.get(backend, backend)
+    if backend == "guidance":
+        build_guidance_grammar(params)
+        return backend
+    try:
+        build_grammar(params)
+        return "xgrammar"
+    except VLLMValidationError:
+        if backend != "auto" or params.kind == "structural_tag":
+            raise
+        try:
+            build_guidance_grammar(params)
+        except VLLMValidationError:
+            pass
+        else:
+            return "guidance"
+        raise
+
+
+def validate_structured_outputs(params: StructuredOutputsParams | None,
+                                backend: str = "auto") -> None:
+    """Check in the frontend that the engine's backend can compile the constraint
+    (None: nothing).
+
+    Raises:
+        VLLMValidationError: see `choose_backend`.
     """
     if params is not None:
-        build_grammar(params)
+        choose_backend(params, backend)
 
 
-def check_backend(backend: str | None, parameter: str = "backend") -> None:
-    """Refuse a structured-output backend this engine does not ship.
+def check_backend(requested: str | None, engine_backend: str = "auto",
+                  parameter: str = "backend") -> None:
+    """A request's own backend choice (vLLM's `guided_decoding_backend`): as in vLLM V1,
+    only the engine's backend (`--structured-outputs-config`) may be named.
 
     Raises:
-        VLLMValidationError (`parameter`): not one of `STRUCTURED_OUTPUT_BACKENDS`
-            (None also passes: the default).
+        VLLMValidationError (`parameter`): another backend (None passes: the engine's).
     """
-    if backend is not None and backend not in STRUCTURED_OUTPUT_BACKENDS:
+    resolve = STRUCTURED_OUTPUT_BACKENDS.get
+    if requested is not None and resolve(requested, requested) != resolve(engine_backend):
         raise VLLMValidationError(
-            f"structured output backend {backend!r} is not available in this engine; "
-            f"use one of {list(STRUCTURED_OUTPUT_BACKENDS)} (xgrammar)", parameter=parameter)
+            f"structured output backend {requested!r} cannot be chosen per request: this "
+            f"engine runs {engine_backend!r} (--structured-outputs-config); leave the field "
+            "out or restart with that backend", parameter=parameter)
 
 
 class CompiledGrammar:
@@ -126,21 +168,34 @@ class CompiledGrammar:
 
     Attributes:
         grammar: the `xgrammar.CompiledGrammar`.
+        reasoning: the reasoning tags' ids when the grammar applies only after the
+            reasoning (`reasoning.ReasoningTokens`), else None.
     """
 
-    def __init__(self, grammar: xgr.CompiledGrammar) -> None:
+    def __init__(self, grammar: xgr.CompiledGrammar,
+                 reasoning: ReasoningTokens | None = None) -> None:
         self.grammar = grammar
+        self.reasoning = reasoning
+
+    def new_matcher(self) -> xgr.GrammarMatcher:
+        """A request's matcher (accept_token, fill_next_token_bitmask, rollback,
+        is_terminated); `guidance.GuidanceGrammar` makes one with the same verbs."""
+        import xgrammar as xgr
+
+        return xgr.GrammarMatcher(self.grammar)
 
     def __reduce__(self):
         return (_rebuild_compiled_grammar, (
-            self.grammar.serialize_json(), self.grammar.tokenizer_info.serialize_json()))
+            self.grammar.serialize_json(), self.grammar.tokenizer_info.serialize_json(),
+            self.reasoning))
 
 
-def _rebuild_compiled_grammar(grammar_json: str, tokenizer_json: str) -> CompiledGrammar:
+def _rebuild_compiled_grammar(grammar_json: str, tokenizer_json: str,
+                              reasoning: ReasoningTokens | None) -> CompiledGrammar:
     import xgrammar as xgr
 
     info = xgr.TokenizerInfo.deserialize_json(tokenizer_json)
-    return CompiledGrammar(xgr.CompiledGrammar.deserialize_json(grammar_json, info))
+    return CompiledGrammar(xgr.CompiledGrammar.deserialize_json(grammar_json, info), reasoning)
 
 
 class GrammarCompiler:
@@ -156,10 +211,23 @@ class GrammarCompiler:
         vocab_size: the logits' width (the model's vocabulary, >= the tokenizer's).
         stop_token_ids: tokens that end a grammar's output (the model's EOS ids).
         max_workers: compile threads.
+        backend: the engine's backend (`STRUCTURED_OUTPUT_BACKENDS`: "auto", "xgrammar",
+            "guidance" / "llguidance").
+        tokenizer_path: the tokenizer's path, which llguidance's grammars carry (a
+            worker process rebuilds its tokenizer from it); needed for "guidance"/"auto".
+        reasoning_tags: `--reasoning-parser`'s `REASONING_TAGS` entry: every grammar then
+            applies after the end tag only (its compiled grammar carries their ids);
+            None: from the reply's first token.
     """
 
     def __init__(self, tokenizer_factory, vocab_size: int, stop_token_ids: list[int],
-                 max_workers: int = 2) -> None:
+                 max_workers: int = 2, backend: str = "auto",
+                 tokenizer_path: str | None = None,
+                 reasoning_tags: tuple[str, str, bool] | None = None) -> None:
+        self.backend = backend
+        self.reasoning_tags = reasoning_tags
+        self._reasoning: list[ReasoningTokens | None] = []  # resolved by the first job
+        self.tokenizer_path = tokenizer_path
         self._tokenizer_factory = tokenizer_factory
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
@@ -187,9 +255,32 @@ class GrammarCompiler:
                 del self._cache[next(iter(self._cache))]
         return future
 
-    def _compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
-        grammar = build_grammar(params)
-        return CompiledGrammar(self._get_compiler().compile_grammar(grammar))
+    def _compile(self, params: StructuredOutputsParams):
+        """A `CompiledGrammar` (xgrammar) or a `guidance.GuidanceGrammar`."""
+        backend = STRUCTURED_OUTPUT_BACKENDS.get(self.backend, self.backend)
+        if backend != "guidance":
+            try:
+                grammar = build_grammar(params)
+            except VLLMValidationError:
+                if backend != "auto" or choose_backend(params, backend) != "guidance":
+                    raise
+            else:
+                return CompiledGrammar(self._get_compiler().compile_grammar(grammar),
+                                       self._reasoning_tokens())
+        from vllm.v1.structured_output.guidance import GuidanceGrammar, build_guidance_grammar
+
+        return GuidanceGrammar(self.tokenizer_path, self.vocab_size, self.stop_token_ids,
+                               build_guidance_grammar(params), self._reasoning_tokens())
+
+    def _reasoning_tokens(self) -> ReasoningTokens | None:
+        """The reasoning tags' ids (looked up in the tokenizer once, in the pool)."""
+        if self.reasoning_tags is None:
+            return None
+        with self._compiler_lock:
+            if not self._reasoning:
+                self._reasoning.append(
+                    ReasoningTokens.of(self.reasoning_tags, self._tokenizer_factory()))
+            return self._reasoning[0]
 
     def _get_compiler(self) -> xgr.GrammarCompiler:
         with self._compiler_lock:
@@ -215,8 +306,10 @@ def grammar_compiler_for(vllm_config: Any) -> GrammarCompiler:
     tokenizer's."""
     from vllm.transformers_utils.tokenizer import get_tokenizer
 
-    model_config = vllm_config.model_config
+    model_config, config = vllm_config.model_config, vllm_config.structured_outputs_config
     eos = (model_config.try_get_generation_config() or {}).get("eos_token_id")
     eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     return GrammarCompiler(lambda: get_tokenizer(model_config.tokenizer),
-                           model_config.get_vocab_size(), eos_ids)
+                           model_config.get_vocab_size(), eos_ids,
+                           backend=config.backend, tokenizer_path=model_config.tokenizer,
+                           reasoning_tags=REASONING_TAGS.get(config.reasoning_parser))

@@ -207,7 +207,7 @@ class GPUModelRunner:
                 self.mm.add_request(new.req_id, state.prompt_token_ids, new.mm_features)
             batch.add(state)
             if new.grammar is not None:
-                self.grammar.add(new.req_id, new.grammar)
+                self.grammar.add(new.req_id, new.grammar, state.prompt_token_ids)
 
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):

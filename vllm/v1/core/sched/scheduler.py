@@ -14,7 +14,6 @@ components: `connector` (kv_connector.py), `prefill_policy` (partial_prefills.py
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +25,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.sched.kv_connector import SchedulerKVConnector
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.partial_prefills import PartialPrefills
+from vllm.v1.core.sched.request_queue import create_request_queue
 from vllm.v1.core.sched.spec_decode import drafts_to_verify, settle_drafts
 from vllm.v1.core.sched.stats import SchedulerStats
 from vllm.v1.core.sched.step import StepPlan, make_engine_core_output, package_plan
@@ -44,7 +44,7 @@ __all__ = ["Scheduler", "SchedulerStats"]
 
 
 class Scheduler:
-    """FCFS continuous-batching scheduler with chunked prefill and preemption by recompute.
+    """Continuous batching (fcfs or priority order), chunked prefill, preemption by recompute.
 
     Args (plain ints, no config objects):
         max_num_seqs: most requests running at once.
@@ -88,6 +88,8 @@ class Scheduler:
         grammar_compiler: compiles structured-output constraints off the step (a request
             waits in WAITING_FOR_FSM meanwhile); None: such requests are refused.
         encoder: images' encoder budget and cache (`EncoderCacheManager`), or None.
+        scheduling_policy: "fcfs" or "priority": the order of `waiting` and `running`
+            (`RequestQueue`, request_queue.py: admission and preemption order).
 
     Raises:
         ValueError: a value is out of range or the combination can never work.
@@ -113,6 +115,7 @@ class Scheduler:
         elastic: ElasticKVPolicy | None = None,
         grammar_compiler: GrammarSource | None = None,
         encoder: EncoderCacheManager | None = None,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         check_positive(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
         if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
@@ -136,11 +139,10 @@ class Scheduler:
             num_blocks, block_size, enable_prefix_caching, max_model_len)
         self.elastic, self.encoder = elastic, encoder or EncoderCacheManager(0, 0)
         self.requests: dict[str, Request] = {}  # every unfinished request
-        self.waiting: deque[Request] = deque()  # FCFS; preempted requests go to the front
-        # Admission order: arrival order, except that with concurrent partial prefills a
-        # short prompt may be admitted before a long one that arrived earlier (the long
-        # one keeps its place in `waiting`). running[-1], the newest admitted, is
-        # preempted first.
+        self.waiting = create_request_queue(scheduling_policy)  # preempted ones go back first
+        # Placed by `waiting.place_running`: fcfs admission order (concurrent partial prefills
+        # may admit a short prompt before an earlier long one), or (priority, arrival) order.
+        # running[-1] is preempted first.
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # finished since the last schedule()
         self.num_preemptions = self.num_prefill_tokens = 0  # cumulative (prefill: by chunk)
@@ -158,7 +160,7 @@ class Scheduler:
     # ---- requests in and out ----
 
     def add_request(self, request: Request) -> None:
-        """Queue a new request (FCFS).
+        """Queue a new request (`waiting.add`: its place under the scheduling policy).
 
         Raises:
             ValueError: duplicate id. VLLMValidationError (a ValueError whose
@@ -173,7 +175,7 @@ class Scheduler:
                          self.num_lookahead_tokens)
         self.structured_outputs.start(request)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def finish_requests(
         self, request_ids: str | Iterable[str], finished_status: RequestStatus
@@ -215,10 +217,10 @@ class Scheduler:
         There are no prefill and decode modes: every request is scheduled up to
         `num_tokens - num_computed_tokens` tokens (a whole prompt, a chunk of
         one, or the one token sampled last step) under one token budget of
-        max_num_batched_tokens. Running requests go first, in admission order;
-        when blocks run out the newest running request is preempted (its blocks
-        freed, recomputed later). Only if nobody was preempted are waiting
-        requests admitted, FCFS, reusing prefix-cache hits, until the budget,
+        max_num_batched_tokens. Running requests go first, in `running`'s order;
+        when blocks run out the last one (newest; priority: worst) is preempted
+        (blocks freed, recomputed later). Only if nobody was preempted are waiting
+        requests admitted in the queue's order, reusing prefix-cache hits, until the budget,
         max_num_seqs or the free blocks run out.
         """
         budget = self.max_num_batched_tokens
@@ -350,7 +352,7 @@ class Scheduler:
                 return None
 
     def _preempt(self, request: Request) -> None:
-        """Free the request's blocks and put it at the front of the waiting queue."""
+        """Free the request's blocks and put it back first in the waiting queue (its place)."""
         self.kv_cache_manager.free(request)
         self.encoder.free(request)
         request.status = RequestStatus.PREEMPTED
@@ -360,11 +362,11 @@ class Scheduler:
         request.num_output_placeholders = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.prepend(request)
         logger.debug("preempted %s (%d tokens)", request.request_id, request.num_tokens)
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
-        """Admit waiting requests FCFS; stop at the first that does not fit.
+        """Admit waiting requests in the queue's order; stop at the first that does not fit.
 
         With concurrent partial prefills, a request that would exceed
         max_long_partial_prefills or max_num_partial_prefills is skipped for
@@ -375,9 +377,9 @@ class Scheduler:
         kv, policy = self.kv_cache_manager, self.prefill_policy
         skipped: list[Request] = []
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+            request = self.waiting.peek()
             if RequestStatus.waits_in_background(request.status):
-                skipped.append(self.waiting.popleft())
+                skipped.append(self.waiting.pop())
                 continue
             hits, num_hit_tokens, num_external, load_async = self._lookup(request)
             to_compute = request.num_tokens - num_hit_tokens - num_external
@@ -387,7 +389,7 @@ class Scheduler:
                                      num_lookahead_tokens=self.num_lookahead_tokens) is None:
                     break
                 self._start_load(request, num_hit_tokens, num_external)
-                skipped.append(self.waiting.popleft())
+                skipped.append(self.waiting.pop())
                 continue
             num_new = policy.num_new_tokens(to_compute, plan.prefills)
             if num_new > plan.token_budget:
@@ -396,7 +398,7 @@ class Scheduler:
                 num_new = plan.token_budget
             long = policy.is_long(to_compute)
             if policy.over_limits(plan.prefills, long, partial=num_new < to_compute):
-                skipped.append(self.waiting.popleft())
+                skipped.append(self.waiting.pop())
                 continue
             num_new = self.encoder.fit(request, num_hit_tokens, num_new)
             new_blocks = None if num_new == 0 else kv.allocate_slots(
@@ -406,13 +408,13 @@ class Scheduler:
             if new_blocks is None:
                 self.encoder.free(request)
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
             if not request.num_computed_tokens:  # not a finished load: noted at its start
                 self._note_allocated(request, num_hit_tokens, num_external)
             self._admit(request, num_hit_tokens + num_external, plan)
             plan.add(request, num_new)
             policy.note(plan.prefills, to_compute, num_new, long)
-        self.waiting.extendleft(reversed(skipped))
+        self.waiting.prepend_all(skipped)
 
     def _lookup(self, request: Request) -> tuple[list[KVCacheBlock], int, int, bool]:
         """(prefix-cache hits, their tokens, the connector's tokens after them, whether it
@@ -451,7 +453,7 @@ class Scheduler:
         request.num_computed_tokens = num_hit_tokens
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit_tokens
-        self.running.append(request)
+        self.waiting.place_running(self.running, request)
         if resumed:
             block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
             plan.cached_reqs.append((request, True, block_ids))
@@ -569,11 +571,10 @@ class Scheduler:
     def resize_kv_cache(self, num_blocks: int, boundaries: Sequence[int] = ()) -> None:
         """Adopt a new KV block count: the worker committed more, or free tail blocks go.
 
-        The one way the pool's size changes after start-up (the elastic cache
-        commits and releases blocks while serving). See `BlockPool.resize`: a
-        shrink must only drop free tail blocks (cached ones are evicted); live
-        blocks never move. The elastic policy records the new count (and a
-        growth's inner `boundaries`, see `ElasticKVPolicy.adopt`).
+        The one way the pool's size changes after start-up (the elastic cache commits and
+        releases blocks while serving). See `BlockPool.resize`: a shrink must only drop free
+        tail blocks (cached ones are evicted); live blocks never move. The elastic policy
+        records the new count (and a growth's inner `boundaries`, `ElasticKVPolicy.adopt`).
 
         Raises:
             ValueError: a shrink over a block in use.
@@ -583,9 +584,8 @@ class Scheduler:
             self.elastic.adopt(num_blocks, boundaries)
 
     def preempt_for_shrink(self, num_blocks: int) -> int:
-        """Preempt (by recompute) every running request holding a block id >= `num_blocks`,
-        newest first, so the elastic cache can give that tail to a peer engine; the next
-        step reports them preempted and admits nobody. Returns how many."""
+        """Preempt (recompute) the running requests holding a block >= `num_blocks`, newest first
+        (the elastic cache gives that tail to a peer); the next step reports them. -> how many"""
         held = self.kv_cache_manager.get_block_ids
         victims = [r for r in self.running if max(held(r.request_id), default=0) >= num_blocks]
         for request in reversed(victims):
