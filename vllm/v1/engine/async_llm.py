@@ -8,7 +8,7 @@
  output handler (one asyncio task):                <---- OUTPUTS batches
    OutputProcessor.process_outputs -> the request's RequestOutputStream
    stop strings -> client.send(FINISH_STOPPED); figures -> stat loggers
- async for out in stream
+ async for out in stream   (the steps since the last read, as one merged output)
 ```
 
 Prompts are tokenized on a tokenizer thread of their own with a tokenizer of
@@ -42,6 +42,7 @@ from vllm.exceptions import DeviceMemoryError, VLLMValidationError
 from vllm.inputs import check_unicode_text
 from vllm.logger import init_logger
 from vllm.outputs import RequestOutput
+from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.core_client import AsyncMPClient
 from vllm.v1.engine.exceptions import (
     EngineDeadError,
@@ -211,7 +212,8 @@ class AsyncLLM:
             raise ValueError(f"request id {request_id!r} is already running")
         processed = self.processor.process_inputs(request_id, prompt, params)
         stream = RequestOutputStream(request_id, asyncio.get_running_loop(), self.abort,
-                                     self._handler.forget)
+                                     self._handler.forget,
+                                     delta=params.output_kind == RequestOutputKind.DELTA)
         self._handler.start()
         self._handler.streams[request_id] = stream
         for request, parent, index in processed.children:
