@@ -155,3 +155,58 @@ def test_completions_sse_of_merged_outputs_carries_every_token_and_right_usage()
     assert [c["usage"]["completion_tokens"] for c in content] == [3, 6]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {
         "prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
+
+
+def test_a_handler_behind_the_engine_drains_merges_and_still_yields_the_loop():
+    """An engine core whose batches are always ready (recv never waits): the handler
+    merges several steps into the stream, yet the consumer reads while the engine
+    keeps sending (the handler yields at least every HANDLER_TURN_S)."""
+    import time
+
+    from vllm.v1.engine.output_processor import OutputProcessor
+    from vllm.v1.engine.output_stream import HANDLER_TURN_S, OutputHandler
+    from vllm.v1.engine.protocol import EngineCoreOutputs, EngineCoreReplyType
+    from vllm.v1.outputs import EngineCoreOutput
+
+    num_steps = 400
+
+    class BusyClient:
+        """Every recv returns at once, as pyzmq does for a batch already in the socket."""
+
+        dead_reason = None
+
+        def __init__(self) -> None:
+            self.sent = 0
+
+        async def recv(self):
+            if self.sent == num_steps:
+                await asyncio.sleep(3600)
+            self.sent += 1
+            time.sleep(HANDLER_TURN_S / 20)  # a step's processing takes a while
+            finished = "length" if self.sent == num_steps else None
+            out = EngineCoreOutput("r", [self.sent], finish_reason=finished)
+            return EngineCoreReplyType.OUTPUTS, EngineCoreOutputs(outputs=[out])
+
+        def send(self, *args) -> None:
+            pass
+
+    async def main():
+        client = BusyClient()
+        processor = OutputProcessor(tokenizer=None)
+        handler = OutputHandler(client, processor, [])
+        stream, _, _ = _stream()
+        params = SamplingParams(max_tokens=num_steps, detokenize=False,
+                                output_kind=RequestOutputKind.DELTA)
+        processor.add_request("r", None, [1, 2, 3], params, time.monotonic(), queue=stream)
+        handler.start()
+        reads = []  # (steps the engine had sent, tokens in the output read)
+        async for out in stream:
+            reads.append((client.sent, len(out.outputs[0].token_ids)))
+        handler.stop(1)
+        return reads
+
+    reads = asyncio.run(main())
+    assert sum(n for _, n in reads) == num_steps  # every token, once
+    assert any(n > 1 for _, n in reads)  # steps merged
+    assert reads[0][0] < num_steps  # the first read came while the engine still sent
+    assert len(reads) > 2

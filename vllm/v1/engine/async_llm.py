@@ -18,7 +18,10 @@ it longer than `max_model_len` tokens is rejected without being tokenized at
 all (`transformers_utils.tokenizer.min_num_tokens`). Chat templates render on
 render threads (a slow template holds no one's encode) and the rendered text
 is encoded on the tokenizer thread. Detokenization runs in the output handler
-on the event loop (as in vLLM V1), in one pass per engine step.
+on the event loop (as in vLLM V1), in one pass per engine step (a few
+microseconds a token, measured: docs/benchmarks.md "Frontend"); outputs a
+stream's consumer has not read yet are merged into one (`RequestOutputStream`),
+so a busy loop writes one SSE chunk per request per turn, not one per step.
 
 Faults are decided in the engine core (`faults.py`): the requests of a failed
 step get `EngineGenerateError`; a dead engine ends every stream with

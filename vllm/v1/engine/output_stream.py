@@ -10,6 +10,14 @@
  every 10 s: every stat logger's log() ("Avg prompt throughput ...")
 ```
 
+A batch already in the socket is read without an event-loop turn (pyzmq
+hands it back at once), so a handler behind the engine drains every waiting
+batch into the streams, which merge them (`RequestOutputStream`), before the
+streams write: one SSE chunk per request per turn however many steps it
+covers. It yields the loop at least every `HANDLER_TURN_S` of such draining,
+so the streams' writes and new requests are never starved by an engine that
+steps faster than the handler reads.
+
 The handler task lives on the event loop that admits requests; when a loop
 ends (tests run several `asyncio.run`s over one engine), the next admission
 starts a task on the new loop, and batches wait in the socket meanwhile.
@@ -20,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections.abc import AsyncGenerator, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +46,8 @@ logger = init_logger(__name__)
 
 # Period of the stat loggers' log() (the "Avg prompt throughput ..." line), seconds.
 LOG_STATS_INTERVAL_S = 10.0
+# Longest the output handler processes batches without yielding the event loop, seconds.
+HANDLER_TURN_S = 0.01
 
 
 class RequestOutputStream:
@@ -171,6 +182,7 @@ class OutputHandler:
 
     async def _run(self) -> None:
         client = self.client
+        turn_start = time.monotonic()  # (reset by every yield; a wait in recv counts too)
         try:
             while True:
                 kind, payload = await client.recv()
@@ -178,6 +190,9 @@ class OutputHandler:
                     client.resolve(payload)
                 else:
                     self._process(payload)
+                if time.monotonic() - turn_start >= HANDLER_TURN_S:
+                    await asyncio.sleep(0)  # the streams write, requests come in
+                    turn_start = time.monotonic()
         except asyncio.CancelledError:
             raise
         except Exception:  # a closed socket at shutdown ends it; anything else is a bug
