@@ -20,12 +20,14 @@ back. Prints (and with --out writes) JSON:
       "output_throughput": tok/s, "ttft_ms": {"mean", "p50", "p99"},
       "itl_ms": {...}, "e2e_ms": {...}, "tokens_per_chunk", "num_requests", "failed",
       "duration_s", "offline_output_throughput": tok/s, "vs_offline": ratio,
-      "server_cpu_us_per_token", "server_cpu_share"}, ...]}
+      "server_cpu_us_per_token", "server_cpu_share", "client_cpu_share"}, ...]}
 
 The last two when the script started the server: the API server process's CPU
 time (all its threads, not the engine core's process) per output token, and
 over the level's duration (1.0: one core busy; near it the frontend is the
-bottleneck).
+bottleneck). `client_cpu_share` is this script's own (one event loop parsing
+every chunk): near 1.0 the client, not the server, sets the pace, and its
+ITLs read bursts (chunks timed when its loop gets to them).
 
 Examples:
     vllm serve &  python benchmarks/benchmark_serving.py --base-url http://127.0.0.1:8000
@@ -44,6 +46,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's vllm
@@ -79,8 +82,10 @@ async def sweep(args: argparse.Namespace, model: str, headers: dict[str, str],
         n = max(args.num_prompts, concurrency)
         prompts = make_prompts(n, args.input_words, args.seed + concurrency)
         cpu_start = _cpu_s(server) if server is not None else 0.0
+        client_start = time.process_time()
         level = await run_level(args.base_url, model, concurrency, prompts, args.output_tokens,
                                 not args.no_ignore_eos, headers)
+        level["client_cpu_share"] = (time.process_time() - client_start) / level["duration_s"]
         if server is not None:
             cpu = _cpu_s(server) - cpu_start
             level["server_cpu_us_per_token"] = cpu / max(level["total_output_tokens"], 1) * 1e6
@@ -88,7 +93,9 @@ async def sweep(args: argparse.Namespace, model: str, headers: dict[str, str],
         print(f"concurrency {concurrency}: {level['request_throughput']:.2f} req/s, "
               f"{level['output_throughput']:.1f} tok/s, TTFT p50 {level['ttft_ms']['p50']:.1f} "
               f"ms, ITL p50 {level['itl_ms']['p50']:.2f} ms, "
-              f"{level['tokens_per_chunk']:.2f} tokens a chunk, failed {level['failed']}",
+              f"{level['tokens_per_chunk']:.2f} tokens a chunk, CPU share: server "
+              f"{level.get('server_cpu_share', float('nan')):.2f}, client "
+              f"{level['client_cpu_share']:.2f}, failed {level['failed']}",
               file=sys.stderr)
         results.append(level)
     return results
