@@ -180,8 +180,8 @@ async def run_mixed(url: str, model: str, load: MixedLoad) -> dict:
 def _window(results: list[RequestResult], end: float, duration_s: float) -> dict:
     """A group's figures (`G` in the docstring): tokens and ITL gaps up to `end` only."""
     ok = [r for r in results if r.ok]
-    # chunk_times ascend, so the gaps that end inside the window are the first ones.
-    counts = [sum(1 for t in r.chunk_times() if t <= end) for r in ok]
+    # token_times ascend, so the gaps that end inside the window are the first ones.
+    counts = [sum(1 for t in r.token_times() if t <= end) for r in ok]
     tokens = sum(counts)
     return {
         "completed": len(ok),

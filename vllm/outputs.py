@@ -99,6 +99,40 @@ class RequestOutput:
             f"num_cached_tokens={self.num_cached_tokens})"
         )
 
+    def merge(self, later: RequestOutput) -> None:
+        """Fold a later DELTA output of the same request into this one, in place.
+
+        Per completion index: text and token ids (and logprobs) are appended,
+        the cumulative logprob, finish and stop reasons are the later ones'; an
+        index not seen yet is appended. `finished`, the prompt logprobs, the
+        cached-token count and the KV connector's params become the later
+        output's (the last two only when it has them). The result is what one
+        DELTA output covering both steps would have been: a stream consumer
+        that fell behind reads one merged delta instead of several.
+        """
+        by_index = {c.index: c for c in self.outputs}
+        for new in later.outputs:
+            old = by_index.get(new.index)
+            if old is None:
+                self.outputs.append(new)
+                by_index[new.index] = new
+                continue
+            old.text += new.text
+            old.token_ids = [*old.token_ids, *new.token_ids]
+            if new.logprobs is not None:
+                old.logprobs = [*(old.logprobs or []), *new.logprobs]
+            old.cumulative_logprob = new.cumulative_logprob
+            old.finish_reason = new.finish_reason
+            old.stop_reason = new.stop_reason
+        self.finished = later.finished
+        self.prompt_logprobs = later.prompt_logprobs
+        if later.num_cached_tokens is not None:
+            self.num_cached_tokens = later.num_cached_tokens
+        if later.kv_transfer_params is not None:
+            self.kv_transfer_params = later.kv_transfer_params
+        if later.metrics is not None:
+            self.metrics = later.metrics
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, RequestOutput) and vars(self) == vars(other)
 

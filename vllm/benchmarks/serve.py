@@ -317,10 +317,11 @@ def calculate_metrics(results: list, duration: float, samples: list, percentiles
                       goodput: dict[str, float], start: float) -> dict:
     """vLLM's aggregate figures (ms for latencies) of one run's `RequestResult`s.
 
-    TPOT of a request = (latency - TTFT) / (output tokens - 1); ITL = the gaps
-    between its content chunks; an empty statistic is 0 (as vLLM). The peak
-    output throughput is the most output tokens in one 1-second window from
-    `start` (each request's tokens spread over its content chunks), and
+    TPOT of a request = (latency - TTFT) / (output tokens - 1); ITL per token
+    (a chunk of k tokens counts k gaps of gap / k, `serve_client`); an empty
+    statistic is 0 (as vLLM). The peak output throughput is the most output
+    tokens in one 1-second window from `start` (each request's tokens spread
+    over its token times), and
     `max_concurrent_requests` the most requests in flight at one instant (vLLM
     counts the requests active during any part of a second, which can exceed
     --max-concurrency).
@@ -367,7 +368,7 @@ def _peak(ok: list, start: float) -> dict:
         return {"max_output_tokens_per_s": 0.0, "max_concurrent_requests": 0}
     per_second: dict[int, float] = {}
     for r in ok:
-        times = r.chunk_times()
+        times = r.token_times()
         weight = r.output_tokens / len(times) if r.output_tokens else 1.0
         for t in times:
             second = int(t - start)

@@ -2,11 +2,19 @@
 
 `run_level` sends a list of prompts to `/v1/completions` with at most C in
 flight (optionally at a Poisson request rate), every request streaming, so each
-one measures its time to first token (TTFT), the gaps between its content
-chunks (inter-token latency, ITL), its time per output token after the first
-(TPOT) and its end-to-end latency; token counts come from the usage chunk.
-`benchmarks/benchmark_serving.py` (a concurrency sweep) and `vllm bench serve`
-are both built on it.
+one measures its time to first token (TTFT), its inter-token latencies (ITL),
+its time per output token after the first (TPOT) and its end-to-end latency;
+token counts come from the usage chunk. `benchmarks/benchmark_serving.py` (a
+concurrency sweep) and `vllm bench serve` are both built on it.
+
+ITL is per token, not per chunk: every request asks for
+`stream_options.continuous_usage_stats`, so each chunk says how many tokens
+it carries (k, the change of `usage.completion_tokens`), and a chunk of k
+tokens arriving `gap` seconds after the previous one counts k ITLs of gap / k
+(as SGLang's bench_serving splits multi-token chunks). A server that
+coalesces several steps' tokens into one chunk thus reads its per-token
+pace, not one long gap per chunk. The first chunk's tokens count in TTFT
+only; a chunk of no token (a finish reason alone) counts none.
 """
 
 from __future__ import annotations
@@ -40,14 +48,17 @@ class RequestResult:
     start_s: float = 0.0  # when it was sent
     ttft_s: float = 0.0
     e2e_s: float = 0.0
-    itl_s: list[float] = field(default_factory=list)  # gaps between content chunks
+    itl_s: list[float] = field(default_factory=list)  # per token after the first chunk's
+    num_chunks: int = 0  # content chunks (output_tokens / num_chunks: tokens per chunk)
     output_tokens: int = 0  # from the usage chunk
     prompt_tokens: int = 0
     text: str = ""
     error: str = ""
 
-    def chunk_times(self) -> list[float]:
-        """Arrival time of each content chunk (seconds on the perf_counter clock)."""
+    def token_times(self) -> list[float]:
+        """Arrival time of the first chunk, then of each later token (seconds on the
+        perf_counter clock; the tokens of one chunk spread evenly over the gap
+        before it, as `itl_s` counts them)."""
         if not self.ok:
             return []
         first = self.start_s + self.ttft_s
@@ -96,7 +107,8 @@ def _request_body(model: str, prompt: str | list[int], max_tokens: int, ignore_e
                   chat: bool, body_extra: dict | None) -> dict:
     """A streaming request with a usage chunk, greedy unless `body_extra` says otherwise."""
     body: dict = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                  "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
+                  "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+                  "ignore_eos": ignore_eos}
     if chat:
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
@@ -107,10 +119,12 @@ def _request_body(model: str, prompt: str | list[int], max_tokens: int, ignore_e
 
 async def _read_stream(response: httpx.Response, result: RequestResult, start: float,
                        chat: bool) -> list[str] | None:
-    """Read the SSE events into `result` (TTFT, ITLs, the usage's token counts); the
-    tokens' texts, or None after an error event (its message in `result.error`)."""
+    """Read the SSE events into `result` (TTFT, per-token ITLs, the usage's token
+    counts); the chunks' texts, or None after an error event (its message in
+    `result.error`)."""
     last = None
     texts = []
+    tokens_seen = 0  # usage.completion_tokens so far (continuous usage stats)
     async for line in response.aiter_lines():
         if not line.startswith("data: ") or line == "data: [DONE]":
             continue
@@ -119,9 +133,12 @@ async def _read_stream(response: httpx.Response, result: RequestResult, start: f
             result.error = chunk["error"]["message"]
             return None
         now = time.perf_counter()
+        num_tokens = 1  # a server without continuous usage stats: one token a chunk
         if chunk.get("usage"):
             result.output_tokens = chunk["usage"]["completion_tokens"]
             result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+            num_tokens = result.output_tokens - tokens_seen
+            tokens_seen = result.output_tokens
         if not chunk.get("choices"):
             continue
         choice = chunk["choices"][0]
@@ -135,8 +152,11 @@ async def _read_stream(response: httpx.Response, result: RequestResult, start: f
         texts.append(text or "")
         if last is None:
             result.ttft_s = now - start
+        elif num_tokens > 0:
+            result.itl_s.extend([(now - last) / num_tokens] * num_tokens)
         else:
-            result.itl_s.append(now - last)
+            continue  # no token in it (a finish reason alone): no ITL, the gap goes on
+        result.num_chunks += 1
         last = now
     return texts
 
@@ -220,6 +240,7 @@ async def run_level(base_url: str, model: str, concurrency: int, prompts: list[s
                                 for r in ok if r.output_tokens > 1]),
         "ttft_ms": _summary_ms([r.ttft_s for r in ok]),
         "itl_ms": _summary_ms([gap for r in ok for gap in r.itl_s]),
+        "tokens_per_chunk": output_tokens / max(sum(r.num_chunks for r in ok), 1),
         "e2e_ms": _summary_ms([r.e2e_s for r in ok]),
     }
 

@@ -287,6 +287,44 @@ def test_a_slow_chat_template_render_holds_no_other_request(engine, monkeypatch)
     assert len(outputs[-1].outputs[0].token_ids) == 6
 
 
+def test_a_slow_consumer_reads_merged_deltas_equal_to_the_final_output(engine):
+    """A DELTA consumer that reads slower than the engine steps gets fewer outputs than
+    tokens (several steps merged), and their concatenation (texts, token ids, logprobs,
+    for each of n = 2 choices) is the FINAL_ONLY output of the same request."""
+    params = dict(max_tokens=12, n=2, logprobs=2)
+
+    async def slow(request_id: str) -> list:
+        outputs = []
+        async for out in engine.generate(PROMPT, _params(RequestOutputKind.DELTA, **params),
+                                         request_id):
+            outputs.append(out)
+            # Read again only once the engine has finished the request: every later
+            # step's output waits in the stream meanwhile (however slow the steps are).
+            while any(rid.endswith(request_id) for rid in engine.output_processor.states):
+                await asyncio.sleep(0.02)
+        return outputs
+
+    async def main():
+        (final,) = await _collect(engine, "slow-final", _params(**params))
+        return final, await slow("slow-delta")
+
+    final, deltas = asyncio.run(main())
+    assert len(deltas) <= 2  # the first read, then everything else merged into one
+    assert deltas[-1].finished and not any(o.finished for o in deltas[:-1])
+    for choice in final.outputs:
+        parts = [c for o in deltas for c in o.outputs if c.index == choice.index]
+        assert len(parts) < len(choice.token_ids)  # merged: fewer outputs than tokens
+        assert "".join(c.text for c in parts) == choice.text
+        assert [t for c in parts for t in c.token_ids] == list(choice.token_ids)
+        streamed = [step for c in parts for step in c.logprobs]
+        assert [list(step) for step in streamed] == [list(step) for step in choice.logprobs]
+        assert [lp.logprob for step in streamed for lp in step.values()] == pytest.approx(
+            [lp.logprob for step in choice.logprobs for lp in step.values()], abs=1e-4)
+        assert parts[-1].finish_reason == choice.finish_reason == "length"
+        assert parts[-1].cumulative_logprob == pytest.approx(choice.cumulative_logprob)
+    assert _idle(engine)
+
+
 def test_shutdown_ends_inflight_requests(engine):
     async def main():
         gen = engine.generate(PROMPT, _params(RequestOutputKind.DELTA, max_tokens=200), "last")
@@ -326,4 +364,5 @@ def test_device_error_kills_the_engine(fault_file):
         assert engine.client.process.exitcode == 1  # the core process exited with it
     finally:
         engine.shutdown()
+
 

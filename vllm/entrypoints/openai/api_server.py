@@ -28,8 +28,8 @@ import secrets
 import signal
 import socket
 import threading
-from collections.abc import Generator
-from typing import TYPE_CHECKING
+from collections.abc import Coroutine, Generator
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from fastapi import FastAPI, Query, Request
@@ -427,6 +427,17 @@ def _start_engine(vllm_config: VllmConfig, args: argparse.Namespace) -> AsyncLLM
         )
 
 
+def _run_loop(main: Coroutine[Any, Any, None]) -> None:
+    """Run the server's event loop: uvloop's where installed (libuv's loop and C
+    transports: less time a chunk written), else asyncio's, as vLLM does."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+        return
+    uvloop.run(main)
+
+
 def run_server(
     args: argparse.Namespace,
     vllm_config: VllmConfig | None = None,
@@ -467,7 +478,7 @@ def run_server(
             )
             server = _Server(config, url, engine, shutdown_timeout)
             engine.add_dead_callback(server.exit_after_engine_death)
-            asyncio.run(server.serve(sockets=[sock]))
+            _run_loop(server.serve(sockets=[sock]))
             return server.exit_code
         finally:
             engine.shutdown()

@@ -8,7 +8,7 @@
  output handler (one asyncio task):                <---- OUTPUTS batches
    OutputProcessor.process_outputs -> the request's RequestOutputStream
    stop strings -> client.send(FINISH_STOPPED); figures -> stat loggers
- async for out in stream
+ async for out in stream   (the steps since the last read, as one merged output)
 ```
 
 Prompts are tokenized on a tokenizer thread of their own with a tokenizer of
@@ -18,7 +18,10 @@ it longer than `max_model_len` tokens is rejected without being tokenized at
 all (`transformers_utils.tokenizer.min_num_tokens`). Chat templates render on
 render threads (a slow template holds no one's encode) and the rendered text
 is encoded on the tokenizer thread. Detokenization runs in the output handler
-on the event loop (as in vLLM V1), in one pass per engine step.
+on the event loop (as in vLLM V1), in one pass per engine step (a few
+microseconds a token, measured: docs/benchmarks.md "Frontend"); outputs a
+stream's consumer has not read yet are merged into one (`RequestOutputStream`),
+so a busy loop writes one SSE chunk per request per turn, not one per step.
 
 Faults are decided in the engine core (`faults.py`): the requests of a failed
 step get `EngineGenerateError`; a dead engine ends every stream with
@@ -42,6 +45,7 @@ from vllm.exceptions import DeviceMemoryError, VLLMValidationError
 from vllm.inputs import check_unicode_text
 from vllm.logger import init_logger
 from vllm.outputs import RequestOutput
+from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.core_client import AsyncMPClient
 from vllm.v1.engine.exceptions import (
     EngineDeadError,
@@ -215,7 +219,8 @@ class AsyncLLM:
             raise ValueError(f"request id {request_id!r} is already running")
         processed = self.processor.process_inputs(request_id, prompt, params, priority)
         stream = RequestOutputStream(request_id, asyncio.get_running_loop(), self.abort,
-                                     self._handler.forget)
+                                     self._handler.forget,
+                                     delta=params.output_kind == RequestOutputKind.DELTA)
         self._handler.start()
         self._handler.streams[request_id] = stream
         for request, parent, index in processed.children:

@@ -10,6 +10,14 @@
  every 10 s: every stat logger's log() ("Avg prompt throughput ...")
 ```
 
+A batch already in the socket is read without an event-loop turn (pyzmq
+hands it back at once), so a handler behind the engine drains every waiting
+batch into the streams, which merge them (`RequestOutputStream`), before the
+streams write: one SSE chunk per request per turn however many steps it
+covers. It yields the loop at least every `HANDLER_TURN_S` of such draining,
+so the streams' writes and new requests are never starved by an engine that
+steps faster than the handler reads.
+
 The handler task lives on the event loop that admits requests; when a loop
 ends (tests run several `asyncio.run`s over one engine), the next admission
 starts a task on the new loop, and batches wait in the socket meanwhile.
@@ -20,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections.abc import AsyncGenerator, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +46,8 @@ logger = init_logger(__name__)
 
 # Period of the stat loggers' log() (the "Avg prompt throughput ..." line), seconds.
 LOG_STATS_INTERVAL_S = 10.0
+# Longest the output handler processes batches without yielding the event loop, seconds.
+HANDLER_TURN_S = 0.01
 
 
 class RequestOutputStream:
@@ -47,11 +58,20 @@ class RequestOutputStream:
     Leaving the iteration early (client disconnect, cancellation, `aclose`)
     aborts the request in the engine.
 
+    Outputs the consumer has not taken yet are coalesced, so a consumer that
+    falls behind the engine (a busy event loop, a slow client) reads one output
+    per turn whatever the number of steps since its last read: DELTA outputs
+    are merged (`RequestOutput.merge`: texts and token ids appended, one delta
+    that covers every step); CUMULATIVE and FINAL_ONLY ones hold everything so
+    far, and the latest replaces the one waiting. An exception is delivered
+    after the output waiting before it.
+
     Args:
         request_id: the request id (the parent's, for n > 1).
         loop: the event loop that consumes the outputs.
         abort: called (on the event loop) to abort an unfinished request.
         on_done: called once the last item is queued.
+        delta: the request's outputs are DELTA ones (merged, not replaced).
     """
 
     def __init__(
@@ -60,35 +80,61 @@ class RequestOutputStream:
         loop: asyncio.AbstractEventLoop,
         abort: Callable[[str], None],
         on_done: Callable[[str], None],
+        delta: bool = False,
     ) -> None:
         self.request_id = request_id
         self.finished = False  # the final output or an error was taken by the consumer
+        self.delta = delta
         self._loop = loop
         self._loop_thread = threading.get_ident()  # built on the loop's thread
         self._abort = abort
         self._on_done = on_done
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._output: RequestOutput | None = None  # not taken yet (merged, for DELTA)
+        self._error: BaseException | None = None  # ends the stream after _output
+        self._waiter: asyncio.Future | None = None  # the consumer's, while nothing is ready
 
     def put_nowait(self, item: RequestOutput | BaseException) -> None:
         """Queue an output, or an exception that ends the request."""
         if isinstance(item, BaseException) or item.finished:
             self._on_done(self.request_id)
         if threading.get_ident() == self._loop_thread:
-            self._queue.put_nowait(item)
+            self._put(item)
             return
         # A closed loop (RuntimeError) means nobody is listening any more.
         with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            self._loop.call_soon_threadsafe(self._put, item)
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(item, BaseException):
+            if self._error is None:
+                self._error = item
+        elif self._error is not None:
+            return  # the request already ended with an error
+        elif self._output is None or not self.delta:
+            self._output = item
+        else:
+            self._output.merge(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def get(self) -> RequestOutput:
-        """The next output; raises the exception that ended the request, if any."""
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
+        """The next output (every step since the last `get`, coalesced); raises the
+        exception that ended the request, if any."""
+        while self._output is None and self._error is None:
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        output = self._output
+        if output is None:
             self.finished = True
-            raise item
-        if item.finished:
+            raise self._error
+        self._output = None
+        if output.finished:
             self.finished = True
-        return item
+        return output
 
     async def __aiter__(self) -> AsyncGenerator[RequestOutput, None]:
         try:
@@ -136,6 +182,7 @@ class OutputHandler:
 
     async def _run(self) -> None:
         client = self.client
+        turn_start = time.monotonic()  # (reset by every yield; a wait in recv counts too)
         try:
             while True:
                 kind, payload = await client.recv()
@@ -143,6 +190,9 @@ class OutputHandler:
                     client.resolve(payload)
                 else:
                     self._process(payload)
+                if time.monotonic() - turn_start >= HANDLER_TURN_S:
+                    await asyncio.sleep(0)  # the streams write, requests come in
+                    turn_start = time.monotonic()
         except asyncio.CancelledError:
             raise
         except Exception:  # a closed socket at shutdown ends it; anything else is a bug
