@@ -228,7 +228,12 @@ def apply_cpu_thread_plan(plan: CpuThreadPlan) -> CpuThreadGovernor | None:
         os.sched_setaffinity(0, saved)
     if not plan.adaptive:
         return None
-    governor = CpuThreadGovernor(plan.cpus)
+    try:
+        governor = CpuThreadGovernor(plan.cpus)
+    except OSError as e:  # no /proc/stat: the team's full size stays
+        logger.warning("CPU threads: cannot read the cores' load (%s); computing on all %d",
+                       e, plan.num_threads)
+        return None
     time.sleep(_FIRST_READING_S)
     governor.adjust(force=True)
     return governor
