@@ -201,6 +201,11 @@ class CpuPlatform(Platform):
             logger.info("CPU threads: OpenMP team of %d bound to CPUs %s%s (%s)",
                         plan.num_threads, ",".join(map(str, plan.cpus)), now, plan.description)
 
+    @property
+    def thread_governor(self) -> CpuThreadGovernor | None:
+        """The governor of an adaptive thread plan (None: a fixed count)."""
+        return self._governor
+
     def adjust_threads(self) -> None:
         """Before a step: the compute threads follow the idle cores (at most once a second)."""
         if self._governor is not None:
