@@ -51,9 +51,9 @@ _QUESTION = "What is the capital of France?"
 class _Server:
     """`vllm serve` (defaults, `--port 0`) from one source tree, until `stop()`."""
 
-    def __init__(self, tree: Path, timeout_s: float = 600) -> None:
+    def __init__(self, tree: Path, extra_env: dict[str, str], timeout_s: float = 600) -> None:
         self.log = tempfile.NamedTemporaryFile(prefix="cpu-serve-", suffix=".log")  # noqa: SIM115
-        env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1", **extra_env}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "--host", "127.0.0.1",
              "--port", "0", "--uvicorn-log-level", "warning"],
@@ -103,9 +103,9 @@ async def _burst(url: str, requests: int, max_tokens: int) -> float:
         return sum(tokens) / (time.perf_counter() - start)
 
 
-def _run(tree: Path, args: argparse.Namespace) -> dict:
+def _run(tree: Path, extra_env: dict[str, str], args: argparse.Namespace) -> dict:
     load = os.getloadavg()[0]
-    server = _Server(tree)
+    server = _Server(tree, extra_env)
     try:
         time.sleep(2.0)
         rss = server.tree_rss()
@@ -117,12 +117,25 @@ def _run(tree: Path, args: argparse.Namespace) -> dict:
     return {"load_1min": load, "idle_rss_bytes": rss, "tok_s": tok_s, "threads": threads}
 
 
+def _env_pair(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=VALUE")
+    return name, value
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--before", type=Path, required=True,
                    help="Source tree of the fork to compare against (e.g. a git worktree).")
     p.add_argument("--after", type=Path, default=ROOT,
                    help="Source tree measured as 'after' (default: this checkout).")
+    p.add_argument("--before-env", type=_env_pair, action="append", default=[],
+                   metavar="NAME=VALUE", help="An environment variable of the 'before' "
+                   "servers (repeatable), e.g. VLLM_CPU_NUM_OF_RESERVED_CPU=1 with --before "
+                   "this tree: a setting against the default.")
+    p.add_argument("--after-env", type=_env_pair, action="append", default=[],
+                   metavar="NAME=VALUE", help="The same for the 'after' servers.")
     p.add_argument("--reps", type=positive_int, default=2,
                    help="Servers per tree, alternating (default: %(default)s).")
     p.add_argument("--requests", type=positive_int, default=16,
@@ -136,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"{tree} is not a source tree of the fork (no vllm/__init__.py)")
     runs: dict[str, list[dict]] = {"before": [], "after": []}
     for _ in range(args.reps):
-        runs["before"].append(_run(args.before.resolve(), args))
-        runs["after"].append(_run(args.after.resolve(), args))
+        runs["before"].append(_run(args.before.resolve(), dict(args.before_env), args))
+        runs["after"].append(_run(args.after.resolve(), dict(args.after_env), args))
     result: dict = {"config": {k: str(v) for k, v in vars(args).items() if k != "out"},
                     "cpus_allowed": len(os.sched_getaffinity(0))}
     for name, items in runs.items():
