@@ -11,6 +11,8 @@ PYTHONPATH set to the tree. For each server:
     tokens/s   `--requests` chat requests of the quick start ("What is the capital of
                France?", greedy, `--max-tokens` tokens each, ignore_eos) sent at once
                after one warm-up request: completion tokens / wall seconds
+    cores      CPU seconds of the server's processes over the timed requests / wall
+               seconds (above 1: more than one core computed)
     threads    the server's "CPU threads:" start-up line
 
 and the machine's 1-minute load average before each run (the engine shares the
@@ -71,9 +73,15 @@ class _Server:
     def text(self) -> str:
         return Path(self.log.name).read_text(errors="replace")
 
-    def tree_rss(self) -> int:
+    def _tree(self) -> list[psutil.Process]:
         root = psutil.Process(self.proc.pid)
-        return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+        return [root, *root.children(recursive=True)]
+
+    def tree_rss(self) -> int:
+        return sum(p.memory_info().rss for p in self._tree())
+
+    def tree_cpu_seconds(self) -> float:
+        return sum(sum(p.cpu_times()[:2]) for p in self._tree())
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -109,12 +117,15 @@ def _run(tree: Path, extra_env: dict[str, str], args: argparse.Namespace) -> dic
     try:
         time.sleep(2.0)
         rss = server.tree_rss()
+        cpu, start = server.tree_cpu_seconds(), time.perf_counter()
         tok_s = asyncio.run(_burst(server.url, args.requests, args.max_tokens))
+        cores = (server.tree_cpu_seconds() - cpu) / (time.perf_counter() - start)
         threads = next((line.split("CPU threads:", 1)[1].strip()
                         for line in server.text().splitlines() if "CPU threads:" in line), None)
     finally:
         server.stop()
-    return {"load_1min": load, "idle_rss_bytes": rss, "tok_s": tok_s, "threads": threads}
+    return {"load_1min": load, "idle_rss_bytes": rss, "tok_s": tok_s,
+            "server_cores_busy": cores, "threads": threads}
 
 
 def _env_pair(text: str) -> tuple[str, str]:
