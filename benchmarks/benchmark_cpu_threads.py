@@ -4,8 +4,9 @@ Issue 17 saw the offline `LLM` on a loaded 2-core machine take 5-9 s for 8
 tokens with torch's default threads and 0.6-0.8 s with OMP_NUM_THREADS=1.
 This script runs the same generation in fresh processes, alternating:
 
-    rules:  VLLM_CPU_OMP_THREADS_BIND=auto (the default: one thread per
-            physical core the process may use, one core reserved)
+    rules:  VLLM_CPU_OMP_THREADS_BIND=auto (the default: a team of one thread
+            per physical core the process may use, as many computing as other
+            processes leave idle; before issue 48: one core reserved)
     peer:   VLLM_CPU_OMP_THREADS_BIND=nobind (torch's default count)
 
 and prints JSON {"rules": {"threads", "seconds": [...], "median_s"}, "peer": {...},

@@ -210,15 +210,17 @@ _declare("VLLM_CPU_KVCACHE_SPACE", _number(0, False, "a non-negative number of G
 _declare("VLLM_CPU_OMP_THREADS_BIND", _cpu_binding, "auto", """
     Compute threads on the CPU platform, as in vLLM. "auto": one thread per physical
     core the process may use, on the first NUMA node that has such cores, bound to
-    those cores, less VLLM_CPU_NUM_OF_RESERVED_CPU. "nobind": the thread count is
-    torch's (OMP_NUM_THREADS, else one per core) and nothing is bound. A CPU list
+    those cores, less VLLM_CPU_NUM_OF_RESERVED_CPU; with that unset, as many of them
+    compute as other processes leave idle (read between steps, once a second).
+    "nobind": the thread count is torch's (OMP_NUM_THREADS, else one per core) and
+    nothing is bound. A CPU list
     such as "0-3,8" (rank i of "0-3|4-7" takes list i): one thread per listed CPU,
     bound to them; a list naming CPUs the process may not use is an error.""")
 
 _declare("VLLM_CPU_NUM_OF_RESERVED_CPU", _cores, None, """
-    Physical cores kept free of compute threads under VLLM_CPU_OMP_THREADS_BIND=auto
-    (for the HTTP event loop, tokenizer and engine loop sharing the process), a whole
-    number >= 0. Unset: 1 when the process may use more than one core, else 0.""")
+    Physical cores kept free of compute threads under VLLM_CPU_OMP_THREADS_BIND=auto,
+    a whole number >= 0 (vLLM reserves 1 for its frontend). Unset: none reserved up
+    front; the compute threads follow the cores other processes leave idle instead.""")
 
 _declare("VLLM_GEMV_PDL", _flag, True, """
     1/true/on: one-row GEMV launches of weights up to 8 MiB use programmatic

@@ -86,6 +86,41 @@ def test_host_map_makes_pages_resident_reads_zero_and_unmap_drops_pages(madvise)
     assert (d.num_mappings, d.num_reservations) == (0, 0)
 
 
+def test_host_map_without_prefault_costs_only_the_pages_written():
+    # Issue 48: the CPU's static KV cache commits lazily; a page is resident once written.
+    d = HostVmmDriver(prefault=False)
+    size = 64 * MiB
+    va = d.reserve(size)
+    h = d.create(size)
+    base_rss = rss_bytes()
+    d.map(va, size, h)
+    d.set_access(va, size)
+    assert rss_bytes() - base_rss < 4 * MiB  # committed, not resident
+    view = host_bytes(va, size)
+    view[: 8 * MiB].fill_(0xAB)
+    grown = rss_bytes() - base_rss
+    assert 7 * MiB <= grown < 12 * MiB  # the 8 MiB written, not the 64 committed
+    assert int(view[8 * MiB:].count_nonzero()) == 0  # unwritten pages read zero
+    d.unmap(va, size)
+    assert rss_bytes() - base_rss < 4 * MiB  # MADV_DONTNEED dropped what was written
+    d.release(h)
+    h2 = d.create(size)
+    d.map(va, size, h2)
+    assert int(host_bytes(va, size).count_nonzero()) == 0  # remapped: zero again
+    d.unmap(va, size)
+    d.release(h2)
+    d.free_reservation(va, size)
+
+
+def test_the_cpu_platform_commits_a_fixed_kv_cache_lazily_and_an_elastic_one_at_once():
+    from vllm.platforms.cpu import CpuPlatform
+
+    platform = CpuPlatform()
+    assert platform.get_kv_cache_vmm_driver(0).prefault is False
+    assert platform.get_kv_cache_vmm_driver(0, elastic=True) is platform.get_vmm_driver(0)
+    assert platform.get_vmm_driver(0).prefault is True  # weights arena, elastic cache
+
+
 def test_host_bookkeeping_errors_name_the_problem():
     d = HostVmmDriver()
     g = d.granularity

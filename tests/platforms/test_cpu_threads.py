@@ -1,5 +1,6 @@
-"""vLLM's CPU thread rules: one compute thread per physical core the process may use, one
-core reserved, VLLM_CPU_OMP_THREADS_BIND / VLLM_CPU_NUM_OF_RESERVED_CPU honoured."""
+"""The CPU thread rules: an OpenMP team of one thread per physical core the process may use,
+as many computing as other processes leave idle (`CpuThreadGovernor`) unless a reserve is
+set, VLLM_CPU_OMP_THREADS_BIND / VLLM_CPU_NUM_OF_RESERVED_CPU honoured."""
 
 from __future__ import annotations
 
@@ -8,14 +9,17 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.entrypoints.openai.utils import REPO_ROOT
 from vllm import envs
 from vllm.platforms.cpu_threads import (
+    CpuThreadGovernor,
     check_cpu_threads_env,
     parse_cpu_list,
     plan_cpu_threads,
     plan_cpu_threads_from_env,
+    read_busy_seconds,
 )
 
 # Four logical CPUs, two physical cores with two threads each (Linux numbers siblings
@@ -29,21 +33,94 @@ def _plan(bind="auto", reserved=None, allowed=(0, 1, 2, 3), topology=SMT, rank=0
     return plan_cpu_threads(bind, reserved, list(allowed), topology, rank)
 
 
-def test_auto_takes_one_thread_per_physical_core_less_one_reserved():
+def test_auto_takes_every_physical_core_adaptively_unless_a_reserve_is_set():
     plan = _plan()
-    assert (plan.num_threads, plan.cpus) == (1, (0,))
+    assert (plan.num_threads, plan.cpus, plan.adaptive) == (2, (0, 1), True)
+    assert "computing on those other processes leave idle" in plan.description
+    plan = _plan(reserved=1)
+    assert (plan.num_threads, plan.cpus, plan.adaptive) == (1, (0,), False)
     assert "2 physical core(s) allowed, 1 reserved" in plan.description
     plan = _plan(reserved=0)
-    assert (plan.num_threads, plan.cpus) == (2, (0, 1))
+    assert (plan.num_threads, plan.cpus, plan.adaptive) == (2, (0, 1), False)
+    assert _plan(allowed=(0,)).adaptive is False  # one CPU: nothing to adapt
 
 
 def test_auto_keeps_to_the_affinity_mask_and_the_first_numa_node():
-    assert _plan(allowed=(2, 3)).cpus == (2,)  # cpu2 and cpu3 are two cores: one reserved
-    assert _plan(allowed=(1, 3)).cpus == (1,)  # siblings of one core: one thread, none reserved
-    plan = _plan(allowed=range(8), topology=TWO_NODES)
+    assert _plan(allowed=(2, 3)).cpus == (2, 3)  # cpu2 and cpu3 are two cores
+    assert _plan(allowed=(2, 3), reserved=1).cpus == (2,)
+    plan = _plan(allowed=(1, 3))
+    assert (plan.cpus, plan.adaptive) == ((1,), False)  # siblings of one core: one thread
+    plan = _plan(allowed=range(8), topology=TWO_NODES, reserved=1)
     assert plan.cpus == (0, 1, 2)  # node 0's four cores, the last one reserved
     plan = _plan(allowed=range(4, 8), topology=TWO_NODES)
-    assert plan.cpus == (4, 5, 6)
+    assert plan.cpus == (4, 5, 6, 7)
+
+
+class _Machine:
+    """A clock, the plan's CPUs' busy seconds and this process's CPU seconds, advanced by
+    hand: `run(seconds, ours, others)` = that many wall seconds with `ours` and `others`
+    cores busy."""
+
+    def __init__(self):
+        self.now = self.busy = self.own = 0.0
+
+    def run(self, seconds, ours, others):
+        self.now += seconds
+        self.own += ours * seconds
+        self.busy += (ours + others) * seconds
+
+
+def _governor(machine, cores=2):
+    return CpuThreadGovernor(tuple(range(cores)), busy=lambda: machine.busy,
+                             own=lambda: machine.own, clock=lambda: machine.now)
+
+
+@pytest.fixture
+def keep_torch_threads():
+    saved = torch.get_num_threads()
+    yield
+    torch.set_num_threads(saved)
+
+
+@pytest.mark.usefixtures("keep_torch_threads")
+def test_the_governor_computes_on_the_cores_others_leave_idle():
+    m = _Machine()
+    g = _governor(m)
+    m.run(1.0, ours=2.0, others=0.05)  # alone but for the server's frontend
+    assert g.adjust() == 2
+    m.run(1.0, ours=1.0, others=1.0)  # another process takes a core
+    assert g.adjust() == 1 == torch.get_num_threads()
+    assert g.others_cores == pytest.approx(1.0)
+    m.run(0.5, ours=1.0, others=0.0)  # it left, but a second has not passed: no reading
+    assert g.adjust() == 1
+    m.run(0.5, ours=1.0, others=0.0)
+    assert g.adjust() == 2 == torch.get_num_threads()
+    m.run(1.0, ours=1.34, others=0.66)  # CFS shares 2 cores among our 2 threads and 1 other
+    assert g.adjust() == 1
+    m.run(1.0, ours=1.0, others=5.0)  # a heavily loaded machine: still one thread
+    assert g.adjust() == 1
+
+
+@pytest.mark.usefixtures("keep_torch_threads")
+def test_the_governor_on_a_bigger_machine_leaves_the_busy_cores():
+    m = _Machine()
+    g = _governor(m, cores=8)
+    m.run(1.0, ours=8.0, others=0.1)
+    assert g.adjust() == 8
+    m.run(1.0, ours=5.5, others=2.5)  # 2.5 cores busy elsewhere: 3 left to them
+    assert g.adjust() == 5
+
+
+def test_busy_seconds_come_from_the_plan_cpus_lines_of_proc_stat(tmp_path):
+    stat = tmp_path / "stat"
+    # cpu  user nice system idle iowait irq softirq steal ...
+    stat.write_text("cpu  900 0 900 9000 0 0 0 0 0 0\n"
+                    "cpu0 100 10 50 4000 7 1 2 3 0 0\n"
+                    "cpu1 800 0 850 5000 0 0 0 0 0 0\n"
+                    "intr 12345\n")
+    hz = os.sysconf("SC_CLK_TCK")
+    assert read_busy_seconds((0,), str(stat)) == pytest.approx(166 / hz)  # idle, iowait out
+    assert read_busy_seconds((0, 1), str(stat)) == pytest.approx((166 + 1650) / hz)
 
 
 def test_explicit_cpu_lists_per_rank():

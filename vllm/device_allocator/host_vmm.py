@@ -49,16 +49,26 @@ class HostVmmDriver(VmmDriver):
 
     reserve = mmap(PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE): costs
     no memory and traps on any access. map = mprotect(PROT_READ | PROT_WRITE)
-    then populate: madvise(MADV_POPULATE_WRITE) (Linux 5.14+), or, where the
-    kernel lacks it, a memset of the range, so every committed page is resident
-    when `map` returns, as `cuMemCreate` memory is on a GPU. That makes a
-    commit mean memory really taken: free memory read afterwards is honest,
-    and two engines on one host see each other's caches (issue #18: two
-    uncommitted-until-touched CPU engines once "committed" 41 GiB on a 23.5 GiB
-    machine without either noticing). A commit the host cannot back fails
-    here with a VmmError (ENOMEM), and the caller rolls it back. unmap =
-    madvise(MADV_DONTNEED) + mprotect(PROT_NONE): the pages are dropped (RSS
-    falls) and the range traps again; a later map sees zeros. Freshly mapped
+    then, with `prefault` (the default), populate: madvise(MADV_POPULATE_WRITE)
+    (Linux 5.14+), or, where the kernel lacks it, a memset of the range, so
+    every committed page is resident when `map` returns, as `cuMemCreate`
+    memory is on a GPU. That makes a commit mean memory really taken: free
+    memory read afterwards is honest, and two engines on one host see each
+    other's caches (issue #18: two uncommitted-until-touched CPU engines once
+    "committed" 41 GiB on a 23.5 GiB machine without either noticing); the
+    elastic cache, which grows only into memory free at that moment, relies on
+    it. A commit the host cannot back fails here with a VmmError (ENOMEM), and
+    the caller rolls it back.
+
+    `prefault=False` (the CPU platform's static KV cache, issue 48): map only
+    makes the range accessible; each page becomes resident when first written
+    and costs nothing before, so a 4 GiB cache holding 60 MiB of KV costs
+    60 MiB of RSS. The commit is then a promise: free memory read afterwards
+    does not drop, and a page the host cannot back when it is first written
+    is the kernel's OOM killer's business, not a VmmError.
+
+    unmap = madvise(MADV_DONTNEED) + mprotect(PROT_NONE): the pages are dropped
+    (RSS falls) and the range traps again; a later map sees zeros. Freshly mapped
     memory is always zero, so callers never need to write it (`fresh_pages_zeroed`).
 
     Like the GPU drivers it refuses to map a range twice or to unmap a range
@@ -68,8 +78,12 @@ class HostVmmDriver(VmmDriver):
 
     fresh_pages_zeroed = True
 
-    def __init__(self) -> None:
+    def __init__(self, prefault: bool = True) -> None:
+        """Args:
+            prefault: make committed pages resident in `map` (see the class docstring).
+        """
         self.device = torch.device("cpu")
+        self.prefault = prefault
         self._libc: Any = None
         self._reservations: dict[int, int] = {}  # va -> size
         self._mappings: dict[int, tuple[int, HostPages]] = {}  # va -> (size, handle)
@@ -158,7 +172,8 @@ class HostVmmDriver(VmmDriver):
                 )
         self._os_call("mprotect", va, size, mmap.PROT_READ | mmap.PROT_WRITE, va=va, size=size)
         try:
-            self._populate(va, size)
+            if self.prefault:
+                self._populate(va, size)
         except BaseException:
             self._load_libc().mprotect(va, size, _PROT_NONE)
             self._load_libc().madvise(va, size, mmap.MADV_DONTNEED)

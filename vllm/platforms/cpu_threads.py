@@ -2,25 +2,36 @@
 
 Environment (vLLM's names and meanings; parsed in vllm/envs.py):
 
-    VLLM_CPU_OMP_THREADS_BIND     "auto" (default): one thread per physical core this
-                                  process may use (its affinity mask), on the first
-                                  NUMA node that has such cores, bound to those cores,
-                                  less the reserved cores (the last ones).
+    VLLM_CPU_OMP_THREADS_BIND     "auto" (default): the OpenMP team has one thread per
+                                  physical core this process may use (its affinity
+                                  mask), on the first NUMA node that has such cores,
+                                  bound to those cores, less the reserved cores (the
+                                  last ones); with no reserve set, as many of them
+                                  compute as other processes leave idle (below).
                                   "nobind": leave the thread count to torch
                                   (OMP_NUM_THREADS, else one per core) and bind nothing.
                                   A CPU list, "0-3,8" (rank i of "0-3|4-7" takes list
                                   i): one thread per listed CPU, bound to them.
-    VLLM_CPU_NUM_OF_RESERVED_CPU  cores kept free of compute threads under "auto";
-                                  default 1 when the process may use more than one
-                                  core (vLLM reserves one for its scheduler process;
-                                  here the HTTP event loop, tokenizer and engine-loop
-                                  Python code share the process with the model).
+    VLLM_CPU_NUM_OF_RESERVED_CPU  cores kept free of compute threads under "auto", a
+                                  fixed count (vLLM reserves one for its frontend).
+                                  Unset (the default here): none reserved up front;
+                                  `CpuThreadGovernor` measures instead.
 
 Why it matters: the OpenMP threads of torch spin at every barrier of every op.
 With more threads than free cores (torch's default counts every logical CPU,
 and other processes or the server's own threads compete for them) each op
 waits for a descheduled thread: on a loaded 2-core machine the offline LLM ran
 ~10x slower with torch's default 2 threads than with 1 (issue 17).
+
+Both cores when the engine is alone, fewer when it is not (issue 48): the rule of a
+fixed reserve left a 2-core machine one compute thread although the server's other
+process (HTTP, tokenizer, detokenizer) used 0.01 of a core while the engine used 0.46,
+and any fixed count is wrong half the time on a shared machine: two threads beside
+one busy process ran 3-12x slower than one thread. So with no reserve set the
+engine starts the team on every core and, between steps, once a second
+(`CpuThreadGovernor`), reads how busy the plan's CPUs were (/proc/stat) less its
+own CPU time (os.times): the cores other processes keep busy. It computes with
+the plan's cores less ceil(others - 0.2) (a fifth of a core passes free), at least one.
 
 Binding: the threads of torch's OpenMP team are created with the chosen cores
 as their affinity mask (the calling thread's mask is narrowed while the team
@@ -32,11 +43,17 @@ variables") and its OpenMP process manager.
 
 from __future__ import annotations
 
+import math
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from vllm import envs
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
 
 _SYS_CPU = Path("/sys/devices/system/cpu")
 _SYS_NODE = Path("/sys/devices/system/node")
@@ -46,9 +63,10 @@ _SYS_NODE = Path("/sys/devices/system/node")
 class CpuThreadPlan:
     """The compute threads: how many, and the CPUs they are bound to (None: not bound)."""
 
-    num_threads: int | None  # None: torch's own choice (nobind)
+    num_threads: int | None  # None: torch's own choice (nobind); the team's size
     cpus: tuple[int, ...] | None
     description: str  # for the start-up log line
+    adaptive: bool = False  # the count follows the idle cores (`CpuThreadGovernor`)
 
 
 def parse_cpu_list(text: str) -> list[int]:
@@ -104,9 +122,7 @@ def _auto_cpus(allowed: list[int], topology: dict[int, tuple[int, int, int]],
         if node == first_node:
             per_core.setdefault((package, core), cpu)  # the lowest sibling of each core
     cores = sorted(per_core.values())
-    if reserved is None:
-        reserved = 1 if len(cores) > 1 else 0
-    reserved = min(reserved, len(cores) - 1)
+    reserved = min(reserved or 0, len(cores) - 1)
     return cores[: len(cores) - reserved], reserved
 
 
@@ -121,7 +137,8 @@ def plan_cpu_threads(
 
     Args:
         bind: VLLM_CPU_OMP_THREADS_BIND's value: "auto", "nobind" or CPU lists.
-        reserved: VLLM_CPU_NUM_OF_RESERVED_CPU's value (None: the default rule).
+        reserved: VLLM_CPU_NUM_OF_RESERVED_CPU's value (None: none reserved, the count
+            adaptive under "auto").
         allowed: CPUs this process may run on (default: its affinity mask).
         topology: cpu -> (NUMA node, package, core id) (default: from sysfs).
 
@@ -137,11 +154,17 @@ def plan_cpu_threads(
                                          f"from {source}, not bound")
     if bind == "auto":
         topology = _read_topology(allowed) if topology is None else topology
+        adaptive = reserved is None and len(allowed) > 1
         cpus, reserved = _auto_cpus(allowed, topology, reserved)
         cores = len(cpus) + reserved
-        why = (f"VLLM_CPU_OMP_THREADS_BIND=auto: {cores} physical core(s) allowed, {reserved} "
-               "reserved (VLLM_CPU_NUM_OF_RESERVED_CPU) for the server's other threads")
-        return CpuThreadPlan(len(cpus), tuple(cpus), why)
+        why = f"VLLM_CPU_OMP_THREADS_BIND=auto: {cores} physical core(s) allowed, "
+        if adaptive:
+            why += ("computing on those other processes leave idle (measured every second; "
+                    "VLLM_CPU_NUM_OF_RESERVED_CPU=N fixes a reserve instead)")
+        else:
+            why += (f"{reserved} reserved (VLLM_CPU_NUM_OF_RESERVED_CPU) for the server's "
+                    "other threads")
+        return CpuThreadPlan(len(cpus), tuple(cpus), why, adaptive=adaptive and len(cpus) > 1)
     lists = bind.split("|")
     if rank >= len(lists):
         raise ValueError(f"VLLM_CPU_OMP_THREADS_BIND={bind!r} has {len(lists)} CPU list(s), "
@@ -179,23 +202,116 @@ def check_cpu_threads_env() -> None:
         plan_cpu_threads(envs.VLLM_CPU_OMP_THREADS_BIND, reserved)
 
 
-def apply_cpu_thread_plan(plan: CpuThreadPlan) -> None:
+def apply_cpu_thread_plan(plan: CpuThreadPlan) -> CpuThreadGovernor | None:
     """Set torch's thread count and start its OpenMP team on the plan's CPUs.
 
     The calling thread's affinity is narrowed to the plan's CPUs while one
     parallel op starts the team (the new threads inherit the mask), then
     restored. A team that already exists keeps its threads' masks.
+
+    Returns:
+        for an adaptive plan, its governor, which has already set the count
+        from a first 0.2 s reading; else None.
     """
     import torch
 
     if plan.num_threads is None:
-        return
+        return None
     torch.set_num_threads(plan.num_threads)
     if plan.cpus is None or plan.num_threads < 2:
-        return
+        return None
     saved = os.sched_getaffinity(0)
     os.sched_setaffinity(0, plan.cpus)
     try:
         torch.ones(1 << 20).add_(1)  # large enough to run in parallel: the team starts
     finally:
         os.sched_setaffinity(0, saved)
+    if not plan.adaptive:
+        return None
+    try:
+        governor = CpuThreadGovernor(plan.cpus)
+    except OSError as e:  # no /proc/stat: the team's full size stays
+        logger.warning("CPU threads: cannot read the cores' load (%s); computing on all %d",
+                       e, plan.num_threads)
+        return None
+    time.sleep(_FIRST_READING_S)
+    governor.adjust(force=True)
+    return governor
+
+
+_FIRST_READING_S = 0.2
+_BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # user nice system irq softirq steal (proc(5), /proc/stat)
+
+
+def read_busy_seconds(cpus: tuple[int, ...], proc_stat: str = "/proc/stat") -> float:
+    """CPU seconds the given CPUs spent busy since boot, every process together.
+
+    Busy is user + nice + system + irq + softirq + steal (time the hypervisor gave
+    another guest counts: the core was not ours), in USER_HZ ticks converted to seconds.
+
+    Raises:
+        OSError: `proc_stat` cannot be read.
+    """
+    wanted = {f"cpu{cpu}" for cpu in cpus}
+    ticks = 0
+    with open(proc_stat) as f:
+        for line in f:
+            name, *fields = line.split()
+            if name in wanted:
+                ticks += sum(int(fields[i]) for i in _BUSY_FIELDS if i < len(fields))
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+class CpuThreadGovernor:
+    """Between steps: compute with the plan's cores that other processes leave idle.
+
+    `adjust()` is cheap when not due (one clock read); at most once per `interval_s`
+    it measures, over the time since the last reading,
+
+        others = (busy seconds of the plan's CPUs - this process's CPU seconds) / wall seconds
+        threads = max(1, len(cpus) - ceil(others - tolerance))
+
+    and calls torch.set_num_threads (the OpenMP team keeps its threads and their
+    masks; a smaller count leaves the rest asleep). `tolerance` (0.2 cores) lets a
+    server's own frontend and a shell's odd command pass without costing a core.
+
+    Args:
+        cpus: the plan's CPUs (the team's size is their number).
+        interval_s: seconds between readings.
+        busy: reads the CPUs' busy seconds (default: /proc/stat).
+        own: this process's CPU seconds (default: os.times, every thread).
+        clock: wall seconds (default: time.monotonic).
+    """
+
+    def __init__(self, cpus: tuple[int, ...], interval_s: float = 1.0, tolerance: float = 0.2,
+                 busy: Callable[[], float] | None = None, own: Callable[[], float] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.cpus = cpus
+        self.interval_s = interval_s
+        self.tolerance = tolerance
+        self._busy = busy or (lambda: read_busy_seconds(cpus))
+        self._own = own or (lambda: sum(os.times()[:2]))
+        self._clock = clock
+        self._last = (clock(), self._busy(), self._own())
+        self.num_threads = len(cpus)
+        self.others_cores = 0.0  # the last reading
+
+    def adjust(self, force: bool = False) -> int:
+        """Re-read the load if `interval_s` passed (or `force`); returns the thread count."""
+        now = self._clock()
+        if not force and now - self._last[0] < self.interval_s:
+            return self.num_threads
+        busy, own = self._busy(), self._own()
+        wall = max(now - self._last[0], 1e-6)
+        self.others_cores = max(0.0, (busy - self._last[1]) - (own - self._last[2])) / wall
+        self._last = (now, busy, own)
+        taken = max(0, math.ceil(self.others_cores - self.tolerance))
+        threads = max(1, len(self.cpus) - taken)
+        if threads != self.num_threads:
+            import torch
+
+            torch.set_num_threads(threads)
+            logger.debug("CPU threads: %d -> %d (other processes kept %.2f core(s) busy)",
+                         self.num_threads, threads, self.others_cores)
+            self.num_threads = threads
+        return threads

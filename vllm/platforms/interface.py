@@ -74,6 +74,13 @@ class Platform:
         """The VMM driver for this platform (always returned; `probe()` says if usable)."""
         raise NotImplementedError
 
+    def get_kv_cache_vmm_driver(self, device_index: int = 0, *, elastic: bool = False) -> VmmDriver:
+        """The driver the extensible KV cache commits through: `get_vmm_driver`'s, unless
+        the platform commits a cache that never grows lazily (CPU: pages resident once
+        written). `elastic`: the cache grows into memory free at the moment, so its
+        commits must take memory at once."""
+        return self.get_vmm_driver(device_index)
+
     def mem_get_info(self, device_index: int = 0) -> tuple[int, int]:
         """(free bytes, total bytes) of device memory, as the driver reports them now."""
         raise NotImplementedError
@@ -119,8 +126,14 @@ class Platform:
             ValueError: naming the variable.
         """
 
+    def release_freed_host_memory(self) -> None:
+        """Once start-up is over: give the host memory its temporaries freed back to the OS."""
+
     def configure_threads(self) -> None:
         """Choose (and log) the host threads that compute, before the model loads."""
+
+    def adjust_threads(self) -> None:
+        """Before each step: let the host compute threads follow the load (CPU); cheap."""
 
     def init_device(self, device: torch.device) -> None:
         """Make `device` this process's current device and create its context (if any)."""

@@ -163,9 +163,10 @@ def test_invalid_requests_are_rejected_and_engine_keeps_serving(llm):
     assert llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].text.startswith(" Paris")
 
 
-def test_cpu_threads_follow_vllm_cpu_rules(llm):
-    """On the CPU the engine computes with one thread per physical core it may use, less
-    one reserved core (vLLM's VLLM_CPU_OMP_THREADS_BIND=auto), not torch's default."""
+def test_cpu_threads_follow_the_cpu_rules(llm):
+    """On the CPU the engine's OpenMP team has one thread per physical core it may use
+    (VLLM_CPU_OMP_THREADS_BIND=auto), not torch's default; with no reserve set, as many
+    compute as the governor read idle at the last step (issue 48)."""
     import torch
 
     from vllm.platforms import current_platform
@@ -173,8 +174,15 @@ def test_cpu_threads_follow_vllm_cpu_rules(llm):
 
     if current_platform.device_type != "cpu":
         pytest.skip("host threads are chosen on the CPU platform only")
-    expected = plan_cpu_threads_from_env().num_threads
-    assert expected is not None and torch.get_num_threads() == expected
+    plan = plan_cpu_threads_from_env()
+    assert plan.num_threads is not None
+    llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)
+    governor = current_platform.thread_governor
+    assert (governor is not None) == plan.adaptive
+    if governor is None:
+        assert torch.get_num_threads() == plan.num_threads
+    else:
+        assert 1 <= torch.get_num_threads() == governor.num_threads <= plan.num_threads
 
 
 def test_a_batch_of_long_prompts_starts_in_one_step(llm, monkeypatch):

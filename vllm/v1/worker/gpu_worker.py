@@ -273,6 +273,11 @@ class Worker:
             the final number of KV blocks (counting the null block), the same on
             every rank (the elastic cache: its floor).
         """
+        num_blocks = self._warm_up_and_size()
+        self.platform.release_freed_host_memory()
+        return num_blocks
+
+    def _warm_up_and_size(self) -> int:
         t0 = time.perf_counter()
         self._warm_up()
         self.startup_seconds["warmup"] = time.perf_counter() - t0
@@ -477,6 +482,7 @@ class Worker:
     def execute_model(
         self, scheduler_output: SchedulerOutput
     ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        self.platform.adjust_threads()
         if self.kv_connector is not None:
             return self.kv_connector.execute(scheduler_output, self.model_runner.execute_model)
         return self.model_runner.execute_model(scheduler_output)

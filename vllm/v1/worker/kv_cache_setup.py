@@ -58,6 +58,7 @@ class KVCacheSetup:
         self.memory = memory
         self.world_size = world_size
         self.agree = agree
+        self.commits_lazily = False  # pages resident once written (the CPU's static cache)
         self.max_useful_blocks = sizing.max_useful_blocks(
             config.scheduler_config.max_num_seqs, config.model_config.max_model_len,
             self.cache.block_size)
@@ -100,7 +101,8 @@ class KVCacheSetup:
         return self.platform.default_kv_cache_bytes_cap()
 
     def _reserve_extensible(self, specs: dict[str, KVCacheSpec]) -> KVCacheBuffers:
-        driver = self.platform.get_vmm_driver(self.device.index or 0)
+        driver = self.platform.get_kv_cache_vmm_driver(self.device.index or 0,
+                                                       elastic=self.plan.elastic_kv_cache)
         if self._connector_reads_pages():
             # UCX's CUDA IPC exports VMM allocations as POSIX file descriptors, and a
             # NIC needs them GPUDirect-RDMA capable (both probed by the driver; the
@@ -108,6 +110,7 @@ class KVCacheSetup:
             enable = getattr(driver, "enable_transfer_flags", None)
             if enable is not None:
                 enable()
+        self.commits_lazily = not getattr(driver, "prefault", True)
         layout = get_kv_cache_config(specs, 1)
         explicit = self.cache.kv_cache_memory_bytes if self._packs_segments() else None
         capacity = sizing.capacity_blocks(
@@ -185,9 +188,11 @@ class KVCacheSetup:
         logger.info(
             "KV cache sized after warmup: budget %.2f GiB, limited by %s; free %.2f GiB, "
             "held besides KV %s, buffer %.2f GiB; "
-            "KV committed %.2f GiB of %.2f GiB reserved: %d blocks, %d tokens of capacity",
+            "KV committed %.2f GiB%s of %.2f GiB reserved: %d blocks, %d tokens of capacity",
             size.bytes.budget_bytes / GiB, size.bytes.limited_by, snapshot.free / GiB,
             sizing.describe_parts(snapshot.held_non_kv, parts), size.bytes.buffer_bytes / GiB,
-            kv_cache.committed_bytes / GiB, kv_cache.reserved_bytes / GiB,
+            kv_cache.committed_bytes / GiB,
+            " (host pages resident only once a block is written)" if self.commits_lazily else "",
+            kv_cache.reserved_bytes / GiB,
             num_blocks, (num_blocks - 1) * self.cache.block_size,
         )
