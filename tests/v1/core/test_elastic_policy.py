@@ -2,7 +2,7 @@
 
 import pytest
 
-from vllm.v1.core.elastic import ElasticDecision, ElasticKVPolicy, growth_points
+from vllm.v1.core.elastic import ElasticDecision, ElasticKVPolicy
 
 
 class Clock:
@@ -161,9 +161,6 @@ def test_a_growth_over_several_chunks_can_go_back_a_chunk_at_a_time():
     """The worker commits one allocation per chunk point crossed (`growth_points`), the
     policy records the same points as boundaries: a 40 GiB burst growth need not go back
     whole."""
-    assert growth_points(85, 32, 85, 200) == [117, 149, 181]
-    assert growth_points(85, 32, 100, 149) == [117]  # strictly between start and end
-    assert growth_points(85, 32, 117, 118) == []
     p = _policy(Clock())
     # The worker's pieces ended on granules (119, 170 of 85 + 32 k) and reached 200;
     # ends outside the growth are not boundaries.

@@ -17,7 +17,12 @@ import torch
 from vllm.device_allocator.host_vmm import HostVmmDriver
 from vllm.v1.kv_cache_interface import FullAttentionSpec, get_kv_cache_config
 from vllm.v1.worker import kv_cache_sizing as sizing
-from vllm.v1.worker.elastic_kv_cache import ElasticBounds, ElasticKVCache, elastic_floor_blocks
+from vllm.v1.worker.elastic_kv_cache import (
+    ElasticBounds,
+    ElasticKVCache,
+    elastic_floor_blocks,
+    growth_points,
+)
 from vllm.v1.worker.kv_cache import ExtensibleKVCacheBuffers
 
 MiB = 1 << 20
@@ -104,5 +109,34 @@ def test_one_rank_keeps_its_own_floor():
     kv = _cache(1)
     try:
         assert ElasticKVCache(kv, Memory(), LIMIT, PER_REQUEST).bounds.floor == 256
+    finally:
+        kv.free()
+
+
+def test_a_growth_over_several_chunks_commits_a_piece_per_chunk_and_shrinks_back_by_pieces():
+    """Issue #49: memory goes back a chunk at a time, not only a whole growth. 64 KiB
+    blocks (8 KV heads): a 2 MiB host granule holds 32 of them, the chunk is 40."""
+    assert growth_points(85, 32, 85, 200) == [117, 149, 181]
+    assert growth_points(85, 32, 100, 149) == [117]  # strictly between start and end
+    kv = _cache(8)
+    try:
+        cache = ElasticKVCache(kv, Memory(), LIMIT, PER_REQUEST)
+        floor, chunk = cache.bounds.floor, cache.bounds.chunk
+        allocations = kv.num_allocations
+        assert cache.grow(LIMIT) == LIMIT
+        points = growth_points(floor, chunk, floor, LIMIT)
+        assert len(points) >= 4 and cache.piece_ends[-1] == LIMIT
+        # Each piece ends on whole granules at or after its chunk point, one allocation
+        # per segment each.
+        assert all(e >= p for p, e in zip(points, cache.piece_ends, strict=False))
+        assert cache.piece_ends == sorted(set(cache.piece_ends))
+        pieces = len(cache.piece_ends)
+        assert kv.num_allocations - allocations == pieces * len(LAYERS)
+        # Back to an inner piece end: the pieces above it go, the ones below stay.
+        keep = cache.piece_ends[1]
+        full = kv.tensor.physical_bytes
+        assert cache.shrink(keep) == keep
+        assert kv.num_allocations - allocations == 2 * len(LAYERS)
+        assert kv.tensor.physical_bytes < full and cache.piece_ends == cache.piece_ends[:2]
     finally:
         kv.free()

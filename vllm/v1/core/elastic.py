@@ -14,8 +14,8 @@ counting the null block.
             scheduler then queues or preempts as it does whenever the cache
             is full.
     points  a growth that spans several chunks is committed as one driver
-            allocation per chunk (the worker splits it at `growth_points`,
-            each rounded up to whole granules, and reports where its pieces
+            allocation per chunk (the worker splits it, `growth_points` in
+            vllm/v1/worker/elastic_kv_cache.py, and reports where its pieces
             end: the growth's inner boundaries), so memory can go back a chunk
             at a time
     shrink  when every block of the last growth (the tail, [b, committed)) has
@@ -44,19 +44,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 DEFAULT_SHRINK_DELAY_S = 10.0
-
-
-def growth_points(floor: int, chunk: int, start: int, end: int) -> list[int]:
-    """The chunk points floor + k x chunk strictly between `start` and `end` (block counts).
-
-    A growth from `start` to `end` is committed in pieces ending at these points
-    (each rounded up to whole granules by the worker, `ElasticKVCache`), so a
-    shrink back to one of them returns the pieces above it: memory goes back a
-    chunk at a time, not only a whole growth (a 40 GiB burst growth could
-    otherwise only go back whole).
-    """
-    k = max((start - floor) // chunk + 1, 1)
-    return list(range(floor + k * chunk, end, chunk))
 
 
 def blocks_wanted(waiting: Iterable[Request], running: Iterable[Request], block_size: int) -> int:

@@ -44,7 +44,6 @@ from dataclasses import dataclass
 
 from vllm.device_allocator.vmm import VmmError
 from vllm.logger import init_logger
-from vllm.v1.core.elastic import growth_points
 from vllm.v1.worker import kv_cache_sizing as sizing
 from vllm.v1.worker.kv_cache import ExtensibleKVCacheBuffers
 from vllm.v1.worker.memory import DeviceMemory
@@ -67,6 +66,19 @@ ELASTIC_HEADROOM_FLOOR_BYTES = 256 * MiB
 # ~0.1-0.4 ms for 1-8 GiB on the H200, so large chunks), and the unit a shrink
 # returns (a driver allocation is released whole).
 ELASTIC_NUM_CHUNKS = 8
+
+
+def growth_points(floor: int, chunk: int, start: int, end: int) -> list[int]:
+    """The chunk points floor + k x chunk strictly between `start` and `end` (block counts).
+
+    A growth from `start` to `end` is committed in pieces ending at these points
+    (each rounded up to whole granules by `ElasticKVCache`), so a
+    shrink back to one of them returns the pieces above it: memory goes back a
+    chunk at a time, not only a whole growth (a 40 GiB burst growth could
+    otherwise only go back whole).
+    """
+    k = max((start - floor) // chunk + 1, 1)
+    return list(range(floor + k * chunk, end, chunk))
 
 
 def elastic_headroom_bytes(total: int) -> int:

@@ -129,8 +129,7 @@ class Scheduler:
             max_num_partial_prefills, max_long_partial_prefills, long_prefill_token_threshold,
             max_model_len, enable_chunked_prefill,
         )
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.enable_chunked_prefill = enable_chunked_prefill
