@@ -156,10 +156,12 @@ class Qwen2VLVisionAttention(nn.Module):
         k = (kf * cos + _rotate_half(kf) * sin).to(x.dtype)
         out = torch.empty_like(q)
         for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True):
-            # [heads, len, head_dim] per image: attention never crosses images.
+            # [1, heads, len, head_dim] per image: attention never crosses images. 4-D, as
+            # torch's fused (flash / memory-efficient) kernels require: with 3-D inputs SDPA
+            # falls back to the math path, whose [heads, len, len] scores took 137 GB for
+            # the worst-case image (65,536 patches) on an H100 (2026-12-07).
             out[start:end] = F.scaled_dot_product_attention(
-                q[start:end].transpose(0, 1), k[start:end].transpose(0, 1),
-                v[start:end].transpose(0, 1)).transpose(0, 1)
+                *(t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v)))[0].transpose(0, 1)
         return self.proj(out.reshape(n, -1))
 
 
