@@ -32,7 +32,12 @@ from vllm.v1.request import Request
 
 
 class RequestQueue(ABC):
-    """The waiting queue of one scheduling policy, and where it puts admitted requests."""
+    """The waiting queue of one scheduling policy, and where it puts admitted requests.
+
+    Subclasses keep the requests in admission order in `_queue` (a deque or a list).
+    """
+
+    _queue: deque[Request] | list[Request]
 
     @abstractmethod
     def add(self, request: Request) -> None:
@@ -47,27 +52,27 @@ class RequestQueue(ABC):
         for request in reversed(list(requests)):
             self.prepend(request)
 
-    @abstractmethod
     def peek(self) -> Request:
         """The next request to admit (IndexError when empty)."""
+        return self._queue[0]
 
     @abstractmethod
     def pop(self) -> Request:
         """Remove and return the next request to admit (IndexError when empty)."""
 
-    @abstractmethod
     def remove(self, request: Request) -> None:
         """Remove a request (finished or aborted while waiting); ValueError if absent."""
+        self._queue.remove(request)
 
-    @abstractmethod
-    def clear(self) -> None: ...
+    def clear(self) -> None:
+        self._queue.clear()
 
-    @abstractmethod
     def __iter__(self) -> Iterator[Request]:
         """The requests in admission order."""
+        return iter(self._queue)
 
-    @abstractmethod
-    def __len__(self) -> int: ...
+    def __len__(self) -> int:
+        return len(self._queue)
 
     def __bool__(self) -> bool:
         return len(self) > 0
@@ -90,23 +95,8 @@ class FCFSRequestQueue(RequestQueue):
     def prepend(self, request: Request) -> None:
         self._queue.appendleft(request)
 
-    def peek(self) -> Request:
-        return self._queue[0]
-
     def pop(self) -> Request:
         return self._queue.popleft()
-
-    def remove(self, request: Request) -> None:
-        self._queue.remove(request)
-
-    def clear(self) -> None:
-        self._queue.clear()
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(self._queue)
-
-    def __len__(self) -> int:
-        return len(self._queue)
 
     def place_running(self, running: list[Request], request: Request) -> None:
         running.append(request)
@@ -129,23 +119,8 @@ class PriorityRequestQueue(RequestQueue):
     def prepend(self, request: Request) -> None:
         bisect.insort_left(self._queue, request, key=priority_key)
 
-    def peek(self) -> Request:
-        return self._queue[0]
-
     def pop(self) -> Request:
         return self._queue.pop(0)
-
-    def remove(self, request: Request) -> None:
-        self._queue.remove(request)
-
-    def clear(self) -> None:
-        self._queue.clear()
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(self._queue)
-
-    def __len__(self) -> int:
-        return len(self._queue)
 
     def place_running(self, running: list[Request], request: Request) -> None:
         bisect.insort_right(running, request, key=priority_key)
