@@ -71,8 +71,8 @@ class VllmConfig(FrozenConfig):
         platform.verify_environment()
         self.scheduler_config.resolve(self.model_config.max_model_len, platform.device_type)
         self.compilation_config.resolve(
-            self.scheduler_config.max_num_seqs, graphs_supported=platform.is_cuda_alike()
-        )
+            self.scheduler_config.max_num_seqs, graphs_supported=platform.is_cuda_alike(),
+            max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens)
         self._check_kv_connector_named()
         self._resolve_parallel(platform)
         spec = self.speculative_config

@@ -309,8 +309,7 @@ class EngineArgs:
         # --enforce-eager wins when given alongside a compilation config.
         return CompilationConfig(
             enforce_eager=cc.enforce_eager or self.enforce_eager,
-            cudagraph_capture_sizes=cc.cudagraph_capture_sizes,
-        )
+            cudagraph_capture_sizes=cc.cudagraph_capture_sizes, cudagraph_mode=cc.cudagraph_mode)
 
     def _kv_transfer_config(self) -> KVTransferConfig | None:
         kv = self.kv_transfer_config
@@ -425,8 +424,8 @@ def _add_execution_args(g: argparse._ArgumentGroup) -> None:
                    help="Never capture CUDA graphs (default: off).")
     _add_json_config_arg(g, "-O", "--compilation-config", parse=_compilation_config_from_cli,
                          help_text='JSON, e.g. \'{"cudagraph_capture_sizes": [1, 2, 4, 8]}\' '
-                                   "(default: capture the decode batch sizes up to "
-                                   "--max-num-seqs).")
+                                   "(default: decode batch sizes up to --max-num-seqs and mixed "
+                                   "steps up to 256 tokens; cudagraph_mode as vLLM's).")
     g.add_argument("-tp", "--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
                    help="Devices (ranks) to shard the model over; each rank is a process "
                         "with its own KV cache (default: %(default)s).")

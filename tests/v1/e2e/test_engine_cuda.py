@@ -99,7 +99,9 @@ def test_classic_and_extensible_paths_byte_identical(tmp_path, shape):
     ext_blocks = ext.llm_engine.engine_core.num_blocks
     ext_out = _greedy(ext)
     # Graphs were captured once, before the extension, and never again.
-    assert captured == len(worker.model_runner.cuda_graphs.capture_sizes) > 0
+    runner = worker.model_runner
+    assert captured == len(runner.cuda_graphs.capture_sizes) + len(
+        runner.mixed.graphs.capture_sizes) > 0
     assert CUDAGraphManager.num_captures - captures_before == captured
     assert worker.kv_cache.committed_blocks == ext_blocks
     kv_config, granularity = worker.kv_cache.config, worker.kv_cache.driver.granularity

@@ -7,7 +7,8 @@
       3. attention metadata query_start_loc, seq_lens, block table
       4. forward            CUDA graph for decode-only batches (with the sampling head),
                             verify rows (verify_rows.py) for spec-decode batches that
-                            fit, eager otherwise
+                            fit, a mixed-batch graph (mixed_graphs.py) for other steps
+                            of up to 256 tokens, eager otherwise
       5. sample             rows whose prompt is complete; rows with drafts are
                             verified and the next drafts proposed (SpecDecoder,
                             spec_decode.py)
@@ -50,6 +51,7 @@ from vllm.v1.worker.cuda_graph import CUDAGraphManager, DecodeGraphOutput
 from vllm.v1.worker.draft_model import DraftModelProposer, attention_layers
 from vllm.v1.worker.grammar_bitmask import GrammarBitmask
 from vllm.v1.worker.input_batch import CachedRequestState, InputBatch
+from vllm.v1.worker.mixed_graphs import MixedBatchGraphs
 from vllm.v1.worker.mm_runner import MultiModalRunner
 from vllm.v1.worker.spec_decode import SpecDecoder
 from vllm.v1.worker.step_buffers import StepBuffers
@@ -72,6 +74,10 @@ class GPUModelRunner:
         max_model_len: most tokens per request.
         block_size: tokens per KV block.
         cudagraph_capture_sizes: decode batch sizes to capture; empty = eager only.
+        mixed_capture_sizes: token buckets of the mixed-batch graphs (steps with a
+            prefill chunk; `MixedBatchGraphs`), captured with the decode graphs; on a
+            device without CUDA graphs the steps that fit are padded and run
+            eagerly (the CPU tests). None of them for a multimodal model.
         spec_decoder: speculative decoding (drafts, verification), or None.
             With one, verify batches where every request has k drafts are
             captured too, at the capture sizes whose B x (k + 1) tokens fit
@@ -94,6 +100,7 @@ class GPUModelRunner:
         max_model_len: int,
         block_size: int,
         cudagraph_capture_sizes: list[int],
+        mixed_capture_sizes: list[int] | None = None,
         spec_decoder: SpecDecoder | None = None,
         async_scheduling: bool = False,
     ) -> None:
@@ -107,18 +114,16 @@ class GPUModelRunner:
         self.use_cuda_graph = device.type == "cuda" and bool(cudagraph_capture_sizes)
         capture_sizes = [s for s in cudagraph_capture_sizes if s <= max_num_reqs]
         self.max_num_tokens = max(max_num_tokens, max(capture_sizes, default=0))
-        pin = device.type == "cuda"
-
+        on_cuda = device.type == "cuda"  # pinned host twins, mixed graphs
         self.requests: dict[str, CachedRequestState] = {}
-        self.input_batch = InputBatch(max_num_reqs, max_model_len, block_size, device, pin)
+        self.input_batch = InputBatch(max_num_reqs, max_model_len, block_size, device, on_cuda)
         self.sampler = Sampler()
         # Every per-step input: CUDA graphs replay fixed addresses.
-        self.buffers = StepBuffers(self.max_num_tokens, max_num_reqs, device, pin)
+        self.buffers = StepBuffers(self.max_num_tokens, max_num_reqs, device, on_cuda)
         # The decode graphs' logits, rows [:size] of each (see _decode_graph_forward).
         self._decode_logits: torch.Tensor | None = None
-        self.async_state = (
-            AsyncStepState(max_num_reqs, device, max_model_len) if async_scheduling else None
-        )
+        self.async_state = AsyncStepState(max_num_reqs, device, max_model_len) if (
+            async_scheduling) else None
         self.spec_decoder = spec_decoder
         # Structured outputs: one grammar matcher per constrained request, the step's bitmask.
         k = spec_decoder.k if spec_decoder is not None else 0
@@ -127,16 +132,19 @@ class GPUModelRunner:
         self.mm = MultiModalRunner(model, device, dtype, model.config.hidden_size) if getattr(
             model, "is_multimodal", False) else None
         self.cuda_graphs = CUDAGraphManager(capture_sizes, self._decode_graph_forward)
+        self.mixed = MixedBatchGraphs(mixed_capture_sizes if self.mm is None else None,
+                                      max_num_reqs, self.max_num_tokens, self._graph_forward,
+                                      use_graphs=on_cuda)
         # Verify batches: B requests x (k + 1) tokens each (short drafts padded), own graphs.
         self.verify_rows = None if spec_decoder is None else VerifyRows(
             self.buffers, spec_decoder.k + 1, capture_sizes, self._graph_forward,
-            max_model_len, spec_decoder.draft is not None, device, pin,
+            max_model_len, spec_decoder.draft is not None, device, on_cuda,
         )
         # layer name -> view [num_blocks, 2, block_size, num_kv_heads, head_size]
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.warmup = RunnerWarmup(
             model, self._draft(), self.buffers, self.input_batch.block_table, self.sampler,
-            self.cuda_graphs, self.verify_rows, device=device, vocab_size=vocab_size,
+            self.cuda_graphs, self.verify_rows, self.mixed, device=device, vocab_size=vocab_size,
             block_size=block_size, max_model_len=max_model_len,
             max_num_tokens=self.max_num_tokens, use_cuda_graph=self.use_cuda_graph,
         )
@@ -255,11 +263,11 @@ class GPUModelRunner:
             positions = self.mm.prepare(batch.req_ids, req_indices, positions, num_sched,
                                         computed)
         # A decode batch that replays a graph of `size` > num_reqs requests gets its
-        # padding (harmless requests: id 0, no KV slot, no keys) in the same copies.
-        size = self._decode_graph_size(num_reqs, total)
+        # padding (harmless requests: id 0, no KV slot, no keys) in the same copies;
+        # so does a step with prefill chunks that fits a mixed-batch graph's bucket.
+        end, end_reqs = self._graph_padding(num_reqs, total)
         seq_lens = computed + num_sched
-        buf.upload(num_reqs, total, total if size is None else size, token_ids, positions,
-                   slots, cu, seq_lens)
+        buf.upload(num_reqs, total, end, token_ids, positions, slots, cu, seq_lens, end_reqs)
         block_table = batch.block_table.copy_to_device(num_reqs)
         if self.async_state is not None:
             self.async_state.feed(buf.input_ids, batch, num_sched, computed, cu)
@@ -306,6 +314,16 @@ class GPUModelRunner:
         each); `_prepare_inputs` then skips the general per-token bookkeeping."""
         return so.total_num_scheduled_tokens == num_reqs
 
+    def _graph_padding(self, num_reqs: int, total: int) -> tuple[int, int | None]:
+        """(tokens, requests) the step's buffers are padded to (`StepBuffers.upload`'s
+        end, end_reqs): a decode graph's size (requests None: one token each), a mixed
+        bucket's T and R, or (total, None) for an eager step."""
+        size = self._decode_graph_size(num_reqs, total)
+        mixed = self.mixed.bucket(total) if size is None else None
+        if mixed is not None:
+            return mixed, self.mixed.num_reqs(mixed)
+        return size or total, None
+
     def _decode_graph_size(self, num_reqs: int, total: int) -> int | None:
         """The captured decode graph an all-decode batch replays (its padded size), or None."""
         if not self.use_cuda_graph or total != num_reqs or (
@@ -317,7 +335,8 @@ class GPUModelRunner:
     def _forward(self, metadata: AttentionMetadata, num_sched: np.ndarray
                  ) -> tuple[torch.Tensor, DecodeGraphOutput | None]:
         """Hidden states [total, hidden] of the step's flat tokens: a graph replay when
-        the batch is all decodes, or fits rows of k + 1 tokens (spec decode); else eager.
+        the batch is all decodes, fits rows of k + 1 tokens (spec decode) or a mixed
+        bucket (padded by _prepare_inputs); else eager.
         A decode graph's replay also returns its sampling head's outputs (its first
         `total` rows), None otherwise."""
         num_reqs = len(num_sched)
@@ -333,6 +352,9 @@ class GPUModelRunner:
             return head.hidden, head
         if verify is not None:
             return self.verify_rows.replay(verify, total), None
+        mixed = self.mixed.bucket(total)
+        if mixed is not None:
+            return self.mixed.run(mixed)[:total], None
         buf = self.buffers
         with set_forward_context(metadata):
             if self.mm is not None:
@@ -340,12 +362,15 @@ class GPUModelRunner:
                 return self.model(ids, *self.mm.forward_args(ids)), None
             return self.model(buf.input_ids[:total], buf.positions[:total]), None
 
-    def _graph_forward(self, size: int, query_len: int = 1) -> torch.Tensor:
-        """Forward of `size` requests x `query_len` tokens from the buffers (capture target).
+    def _graph_forward(self, size: int, query_len: int = 1, num_tokens: int | None = None
+                       ) -> torch.Tensor:
+        """Forward of `size` requests of up to `query_len` tokens, `num_tokens` in all
+        (default size x query_len), from the buffers (a capture target).
 
-        query_len 1 is a decode batch; k + 1 a verify batch (rows of k + 1 tokens).
+        query_len 1 is a decode batch; k + 1 a verify batch (rows of k + 1 tokens);
+        a mixed batch has query_len = num_tokens (any layout of its tokens).
         """
-        tokens = size * query_len
+        tokens = size * query_len if num_tokens is None else num_tokens
         buf = self.buffers
         metadata = AttentionMetadata(
             num_actual_tokens=tokens,

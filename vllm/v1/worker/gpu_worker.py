@@ -165,12 +165,12 @@ class Worker:
         self.weights_bytes = max(self.memory.allocated() - before,
                                  sum(p.numel() * p.element_size() for p in params))
         comp = self.config.compilation_config
-        capture_sizes = [] if comp.enforce_eager else list(comp.cudagraph_capture_sizes or [])
         self.model_runner = GPUModelRunner(
             model, device=self.device, dtype=mc.dtype, vocab_size=mc.get_vocab_size(),
             max_num_reqs=sc.max_num_seqs, max_num_tokens=sc.max_num_batched_tokens,
             max_model_len=mc.max_model_len, block_size=self.config.cache_config.block_size,
-            cudagraph_capture_sizes=capture_sizes,
+            cudagraph_capture_sizes=comp.decode_capture_sizes,
+            mixed_capture_sizes=comp.mixed_capture_sizes,
             spec_decoder=spec_decode.make_spec_decoder(spec, mc.get_vocab_size(), self.device,
                                                        draft_model),
             async_scheduling=bool(sc.async_scheduling),
@@ -306,7 +306,8 @@ class Worker:
         logger.info("Warming up: a worst-case prefill of %d tokens with the KV cache, the "
                     "sampler%s ...", num_tokens,
                     f", then CUDA graph capture of {len(runner.cuda_graphs.capture_sizes)} decode "
-                    "sizes" if runner.use_cuda_graph else "")
+                    f"sizes and mixed steps of {runner.mixed.graphs.capture_sizes} tokens"
+                    if runner.use_cuda_graph else "")
         self._warmup_batch(num_tokens, num_reqs)
         # Every attention variant a request can select, compiled now rather
         # than while a user waits (issue 10).

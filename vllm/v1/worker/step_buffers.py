@@ -84,15 +84,19 @@ class StepBuffers:
 
     def upload(self, num_reqs: int, total: int, end: int, token_ids: np.ndarray,
                positions: np.ndarray, slots: np.ndarray, cu: np.ndarray,
-               seq_lens: np.ndarray) -> None:
+               seq_lens: np.ndarray, end_reqs: int | None = None) -> None:
         """Write a step's inputs into the host twins and copy them to the device.
 
         Args:
             num_reqs, total: the step's requests and flat tokens.
-            end: tokens (= requests) of the decode graph the step replays, >= total;
-                requests num_reqs..end are padding (id 0, slot -1, seq_len 0,
-                query_start_loc continued), written here so the same copies carry
-                them and no device op pads.
+            end: tokens of the graph the step replays, >= total; tokens total..end
+                are padding (id 0, position 0, slot -1), written here so the same
+                copies carry them and no device op pads.
+            end_reqs: None for a decode graph (`end` requests, num_reqs..end padded
+                ones of one padding token each, query_start_loc continued); else the
+                requests of a mixed-batch graph (mixed_graphs.py), num_reqs..end_reqs
+                padded ones owning no token (query_start_loc stays at `total`).
+                Padded requests have seq_len 0.
             token_ids, positions, slots: [total] the flat tokens' ids, positions, KV slots.
             cu: [num_reqs] cumsum of the scheduled tokens per request.
             seq_lens: [num_reqs] each request's length after this step.
@@ -108,6 +112,10 @@ class StepBuffers:
         if end > total:
             ids[total:end] = pos[total:end] = 0
             sl[total:end] = -1
+        if end_reqs is not None:
+            qsl[num_reqs + 1 : end_reqs + 1] = total
+            lens[num_reqs:end_reqs] = 0
+        elif end > total:
             qsl[num_reqs + 1 : end + 1] = self.arange[num_reqs + 1 : end + 1]
             lens[num_reqs:end] = 0
         head = self.head

@@ -4,7 +4,8 @@
     warmup           dummy_run(with_kv=True) of the worst case, the sampler,
                      warm_up_kernels (every attention variant), a one-token
                      dummy_run and warm_up_logits (lm_head at every row count)
-    capture_model    the decode graphs, then the verify graphs (spec decoding)
+    capture_model    the decode graphs, the verify graphs (spec decoding), then the
+                     mixed-batch graphs (steps with prefill chunks, by token bucket)
 
 None of them is a step: they run the model on the runner's persistent buffers
 with made-up inputs whose rows address only the null block and block 1 (the
@@ -30,6 +31,7 @@ from vllm.v1.worker.draft_model import attention_layers
 if TYPE_CHECKING:
     from vllm.v1.worker.block_table import BlockTable
     from vllm.v1.worker.draft_model import DraftModelProposer
+    from vllm.v1.worker.mixed_graphs import MixedBatchGraphs
     from vllm.v1.worker.step_buffers import StepBuffers
     from vllm.v1.worker.verify_rows import VerifyRows
 
@@ -42,7 +44,8 @@ class RunnerWarmup:
         draft: the draft model's proposer (its forward runs beside the target's), or None.
         buffers, block_table: the runner's persistent inputs (rewritten in place).
         sampler: the runner's sampler.
-        decode_graphs: the decode graphs; `verify_rows`: the verify graphs, or None.
+        decode_graphs: the decode graphs; `verify_rows`: the verify graphs, or None;
+            `mixed`: the mixed-batch graphs (none captured when it has no sizes).
         device: the model's device.
         vocab_size, block_size, max_model_len, max_num_tokens: as the runner's.
         use_cuda_graph: whether to capture (CUDA with capture sizes).
@@ -50,7 +53,8 @@ class RunnerWarmup:
 
     def __init__(self, model: torch.nn.Module, draft: DraftModelProposer | None,
                  buffers: StepBuffers, block_table: BlockTable, sampler: Sampler,
-                 decode_graphs: CUDAGraphManager, verify_rows: VerifyRows | None, *,
+                 decode_graphs: CUDAGraphManager, verify_rows: VerifyRows | None,
+                 mixed: MixedBatchGraphs, *,
                  device: torch.device, vocab_size: int, block_size: int, max_model_len: int,
                  max_num_tokens: int, use_cuda_graph: bool) -> None:
         self.model = model
@@ -60,6 +64,7 @@ class RunnerWarmup:
         self.sampler = sampler
         self.decode_graphs = decode_graphs
         self.verify_rows = verify_rows
+        self.mixed = mixed
         self.device = device
         self.vocab_size = vocab_size
         self.block_size = block_size
@@ -186,24 +191,34 @@ class RunnerWarmup:
         return launches
 
     def capture_model(self) -> None:
-        """Capture decode (and verify) CUDA graphs (CUDA only); rows address block 1."""
+        """Capture decode, verify and mixed-batch CUDA graphs (CUDA only); rows address
+        block 1 and write no KV (slot -1)."""
         if not self.use_cuda_graph:
             return
         self._capture(self.decode_graphs, 1)
         verify = self.verify_rows
         if verify is not None and verify.graphs.capture_sizes:
             self._capture(verify.graphs, verify.query_len)
+        if self.mixed.graphs.capture_sizes:
+            # Bucket T's requests: min(T, R_max) of one token each, the rest padding
+            # rows: a layout whose prefix is valid for every smaller bucket too.
+            largest = max(self.mixed.graphs.capture_sizes)
+            self._capture(self.mixed.graphs, 1, self.mixed.num_reqs(largest))
 
-    def _capture(self, graphs: CUDAGraphManager, query_len: int) -> None:
+    def _capture(self, graphs: CUDAGraphManager, query_len: int,
+                 num_reqs: int | None = None) -> None:
+        """Capture `graphs` over buffers holding `num_reqs` (default: the largest size)
+        requests of `query_len` tokens (each size's first rows are its own inputs)."""
         size = max(graphs.capture_sizes)
+        reqs = size if num_reqs is None else num_reqs
         buf, table = self.buffers, self.block_table.device_tensor
         with torch.inference_mode():
-            buf.seq_lens[:size].fill_(query_len)
+            buf.seq_lens[:reqs].fill_(query_len)
             buf.slot_mapping[: size * query_len].fill_(-1)
-            buf.query_start_loc[: size + 1].copy_(
-                torch.arange(size + 1, dtype=torch.int32, device=self.device) * query_len
+            buf.query_start_loc[: reqs + 1].copy_(
+                torch.arange(reqs + 1, dtype=torch.int32, device=self.device) * query_len
             )
-            table[:size].fill_(1)
+            table[:reqs].fill_(1)
             graphs.capture()
-            table[:size].zero_()
-            buf.seq_lens[:size].zero_()
+            table[:reqs].zero_()
+            buf.seq_lens[:reqs].zero_()

@@ -15,9 +15,9 @@ One step, for a batch that mixes prefills, chunked prefills and decodes:
 Decodes (q_i == 1) are batched into one SDPA call over keys padded to the
 longest of them and masked by length; requests with more query rows run one
 call each. Requests with seq_lens 0 (padding) are skipped, and output rows
-past `num_actual_tokens` are zeroed. The loops read the host copies
-(`*_cpu`) of the metadata, so this backend costs host syncs on a GPU: it is
-meant for the CPU.
+past `num_actual_tokens` or past the last request's tokens are zeroed. The
+loops read the host copies (`*_cpu`) of the metadata, so this backend costs
+host syncs on a GPU: it is meant for the CPU.
 """
 
 from __future__ import annotations
@@ -81,8 +81,8 @@ class TorchAttentionImpl(AttentionImpl):
         write_to_kv_cache(
             key[:num_actual], value[:num_actual], kv_cache, attn_metadata.slot_mapping[:num_actual]
         )
-        output[num_actual:].zero_()
         starts = attn_metadata.query_start_loc_cpu.tolist()
+        output[min(num_actual, starts[-1]):].zero_()  # padding rows (padded graph steps too)
         seq_lens = attn_metadata.seq_lens_cpu.tolist()
         decodes: list[int] = []
         for i, seq_len in enumerate(seq_lens):
