@@ -418,6 +418,32 @@ def test_cudagraph_sizes_resolution(tiny_model):
         CompilationConfig(cudagraph_capture_sizes=[0, 2])
 
 
+def test_cudagraph_mode_and_mixed_sizes():
+    # Issue 50: steps with prefill chunks replay graphs per token bucket, capped at
+    # the step's token budget; vLLM's mode names turn them (or all graphs) off.
+    c = CompilationConfig()
+    c.resolve(max_num_seqs=8, graphs_supported=True, max_num_batched_tokens=100)
+    assert c.cudagraph_mode == "FULL" and c.mixed_capture_sizes == [16, 32, 64]
+    assert c.decode_capture_sizes == [1, 2, 4, 8]
+    c = CompilationConfig(cudagraph_mode="full_and_piecewise")  # vLLM's default, same here
+    c.resolve(max_num_seqs=8, graphs_supported=True, max_num_batched_tokens=8192)
+    assert c.cudagraph_mode == "FULL_AND_PIECEWISE"
+    assert c.mixed_capture_sizes == [16, 32, 64, 128, 256]
+    c = CompilationConfig(cudagraph_mode="FULL_DECODE_ONLY")
+    c.resolve(max_num_seqs=8, graphs_supported=True, max_num_batched_tokens=8192)
+    assert c.use_cudagraph and c.mixed_capture_sizes == [] and c.decode_capture_sizes
+    c = CompilationConfig(cudagraph_mode="NONE")
+    c.resolve(max_num_seqs=8, graphs_supported=True, max_num_batched_tokens=8192)
+    assert not c.use_cudagraph and c.mixed_capture_sizes == [] == c.decode_capture_sizes
+    for off in (CompilationConfig(enforce_eager=True), CompilationConfig()):
+        off.resolve(max_num_seqs=8, graphs_supported=off.enforce_eager, max_num_batched_tokens=64)
+        assert off.mixed_capture_sizes == []  # eager, or a platform without graphs (CPU)
+    with pytest.raises(ValueError, match=r"cudagraph_mode must be one of .*use FULL"):
+        CompilationConfig(cudagraph_mode="PIECEWISE")
+    with pytest.raises(ValueError, match="cudagraph_mode must be one of"):
+        CompilationConfig(cudagraph_mode=2)
+
+
 def test_summary_says_what_was_asked(tiny_model):
     line = make(tiny_model).summary()
     assert "kv_cache=auto" in line and "gpu_memory_utilization=None" in line

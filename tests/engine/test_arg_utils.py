@@ -172,6 +172,11 @@ def test_compilation_config_dict_and_enforce_eager(tiny_model):
     assert cfg.compilation_config.cudagraph_capture_sizes == [2, 16]
     with pytest.raises(ValueError, match=r"unknown keys \['mode'\]"):
         EngineArgs(model=tiny_model, compilation_config={"mode": 3}).create_engine_config()
+    cfg = EngineArgs(model=tiny_model, enforce_eager=True, compilation_config={
+        "cudagraph_mode": "FULL_DECODE_ONLY"}).create_engine_config()
+    assert cfg.compilation_config.cudagraph_mode == "FULL_DECODE_ONLY"
+    assert parse(["-O", '{"cudagraph_mode": "NONE"}']).compilation_config == CompilationConfig(
+        cudagraph_mode="NONE")
 
 
 def test_structured_outputs_config_flag():
