@@ -1,10 +1,11 @@
-"""Full CUDA graphs for decode-only batches (and spec-decode verify batches).
+"""Full CUDA graphs for decode-only batches (and verify and mixed batches: their owners).
 
 One graph per capture size B (a decode batch of B requests, one token each;
 the runner's second manager: B requests of k + 1 tokens each).
 A decode batch of n <= max(B) requests is padded to the next captured size;
 padded requests have seq_len 0 and slot -1, so they read and write nothing.
-Mixed batches (any prefill) run eagerly.
+Mixed batches (any prefill) replay a third kind, captured per token bucket
+(`MixedBatchGraphs`, mixed_graphs.py), or run eagerly above its largest bucket.
 
 A decode graph also runs the sampling head on its B rows: `compute_logits`
 and the greedy argmax (`DecodeGraphOutput`). When every row of the step
