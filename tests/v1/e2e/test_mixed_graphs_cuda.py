@@ -3,7 +3,9 @@
 Steps with prefill chunks of <= 256 tokens replay whole-step graphs captured
 at start-up; `cudagraph_mode="FULL_DECODE_ONLY"` runs the same steps eagerly
 (decode graphs in both). fp32 (IEEE in the attention kernel) on both sides,
-same random weights: the greedy tokens are equal. A graph captured against the
+same random weights: the greedy tokens are equal, up to exact near-ties (a
+replay launches attention with the bucket's bounds, so its split of the key
+range, and the order of the fp32 sums, differs from the eager launch's). A graph captured against the
 extensible cache's small warmup prefix still writes the right blocks once the
 cache has grown under it (all of the workload's blocks lie past that prefix),
 and start-up captures one set of graphs, never more.
@@ -28,13 +30,29 @@ PROMPTS = [[0] + [5 + (i * 7 + j) % 400 for j in range(n - 1)]
            for i, n in enumerate((1, 7, 15, 16, 17, 31, 40, 63, 100, 129, 250, 300))]
 
 
-def _greedy(llm: LLM, prompts, max_tokens: int | None = None) -> list[list[int]]:
-    """Greedy ids; `max_tokens` None: 4..16 tokens, different per prompt, so requests
-    finish at different steps and the next prompts prefill beside decodes."""
+def _greedy(llm: LLM, prompts, max_tokens: int | None = None) -> list[tuple[list, list]]:
+    """Greedy ids and each position's top-2 logprobs; `max_tokens` None: 4..16 tokens,
+    different per prompt, so requests finish at different steps and the next
+    prompts prefill beside decodes."""
     params = [SamplingParams(max_tokens=max_tokens or 4 + (i * 5) % 13, temperature=0,
-                             ignore_eos=True) for i in range(len(prompts))]
+                             ignore_eos=True, logprobs=2) for i in range(len(prompts))]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
+
+
+def _assert_same_up_to_ties(got, want) -> None:
+    """Equal ids, but where a sequence first differs both tokens must be the reference's
+    top two with logprobs within 1e-3 (a tie the sum order decides); most are exact."""
+    exact = 0
+    for (ids, _), (ref, ref_logprobs) in zip(got, want, strict=True):
+        if ids == ref:
+            exact += 1
+            continue
+        i = next(j for j, (a, b) in enumerate(zip(ids, ref, strict=True)) if a != b)
+        top = {tok: lp.logprob for tok, lp in ref_logprobs[i].items()}
+        assert ids[i] in top, f"token {i}: {ids[i]} is not in the reference's top 2 {top}"
+        assert abs(top[ids[i]] - top[ref[i]]) < 1e-3, f"token {i}: no tie, {top}"
+    assert exact >= len(want) - max(1, len(want) // 10), f"{len(want) - exact} sequences differ"
 
 
 def _runner(llm: LLM):
@@ -76,7 +94,7 @@ def test_mixed_graphs_match_eager_steps(tiny_dir):
     assert runner.mixed.graphs.num_replays > replays + 5
     assert CUDAGraphManager.num_captures - before == captured  # one set per start-up
     _shutdown(llm)
-    assert got == want
+    _assert_same_up_to_ties(got, want)
 
 
 def test_mixed_graph_writes_the_grown_cache(tmp_path):
@@ -97,9 +115,10 @@ def test_mixed_graph_writes_the_grown_cache(tmp_path):
     llm = LLM(str(model_dir), **common)
     captured = CUDAGraphManager.num_captures - before
     worker = llm.llm_engine.engine_core.worker
-    assert worker.kv_cache.committed_blocks > 1000  # grown after the capture
+    # Grown after the capture (to what 8 x 1024 tokens can use: ~513 blocks).
+    assert worker.kv_cache.committed_blocks > 256
     got = _greedy(llm, prompts)
     assert worker.model_runner.mixed.graphs.num_replays >= 20
     assert CUDAGraphManager.num_captures - before == captured  # never re-captured
     _shutdown(llm)
-    assert got == want
+    _assert_same_up_to_ties(got, want)
