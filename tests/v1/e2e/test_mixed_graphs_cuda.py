@@ -5,10 +5,11 @@ at start-up; `cudagraph_mode="FULL_DECODE_ONLY"` runs the same steps eagerly
 (decode graphs in both). fp32 (IEEE in the attention kernel) on both sides,
 same random weights: the greedy tokens are equal, up to exact near-ties (a
 replay launches attention with the bucket's bounds, so its split of the key
-range, and the order of the fp32 sums, differs from the eager launch's). A graph captured against the
-extensible cache's small warmup prefix still writes the right blocks once the
-cache has grown under it (all of the workload's blocks lie past that prefix),
-and start-up captures one set of graphs, never more.
+range, and the order of the fp32 sums, differs from the eager launch's). A
+graph captured against the extensible cache's small warmup prefix still
+writes the right blocks once the cache has grown under it (all of the
+workload's blocks lie past that prefix), and start-up captures one set of
+graphs, never more.
 """
 
 from __future__ import annotations

@@ -4,9 +4,11 @@ Two CPU engines on the same tiny fp32 Llama weights run the same greedy
 workload (prompts of several lengths, chunked prefill beside decodes): one
 eager as a CPU engine is, one whose runner pads every step of <= 32 tokens
 to a bucket (8, 16 or 32 tokens, up to min(bucket, max_num_seqs) requests)
-the way a captured mixed graph replays it. Same tokens, and the same KV cache
-after the run (allclose: the padded matmuls have other row counts), so padded
-rows wrote nothing; the null block stays zero.
+the way a captured mixed graph replays it, with synchronous and with async
+scheduling (whose previous-step ids are written into the padded buffers on the
+device). Same tokens, and the same KV cache after the run (allclose: the
+padded matmuls have other row counts), so padded rows wrote nothing; the null
+block stays zero.
 """
 
 from __future__ import annotations
@@ -24,11 +26,14 @@ PROMPTS = [[0] + [5 + (i * 13 + j) % 400 for j in range(n)] for i, n in enumerat
 BUCKETS = [8, 16, 32]
 
 
-def _engine(model_dir):
+def _engine(model_dir, async_scheduling: bool = False):
     from vllm import LLM
 
-    return LLM(str(model_dir), dtype="float32", max_model_len=256, max_num_seqs=4,
-               max_num_batched_tokens=48, enable_prefix_caching=False)
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=256, max_num_seqs=4,
+              max_num_batched_tokens=48, enable_prefix_caching=False,
+              async_scheduling=async_scheduling)
+    assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling is async_scheduling
+    return llm
 
 
 def _run(llm) -> tuple[list[list[int]], dict[str, torch.Tensor]]:
@@ -46,17 +51,25 @@ def model_dir(tmp_path_factory):
     return make_model_dir(tmp_path_factory.mktemp("tiny"), llama_config(), weights=True)
 
 
-def test_padded_mixed_steps_match_eager_and_write_no_kv(model_dir, monkeypatch):
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """The eager engine's tokens and KV cache (a CPU engine pads nothing)."""
+    llm = _engine(model_dir)
+    result = _run(llm)
+    assert llm.llm_engine.engine_core.worker.model_runner.mixed.num_padded_steps == 0
+    llm.llm_engine.shutdown()
+    del llm
+    gc.collect()
+    return result
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_padded_mixed_steps_match_eager_and_write_no_kv(model_dir, reference, async_scheduling,
+                                                        monkeypatch):
     from vllm.v1.worker.mixed_graphs import MixedBatchGraphs
 
-    reference = _engine(model_dir)
-    want_tokens, want_caches = _run(reference)
-    assert reference.llm_engine.engine_core.worker.model_runner.mixed.num_padded_steps == 0
-    reference.llm_engine.shutdown()
-    del reference
-    gc.collect()
-
-    llm = _engine(model_dir)
+    want_tokens, want_caches = reference
+    llm = _engine(model_dir, async_scheduling)
     runner = llm.llm_engine.engine_core.worker.model_runner
     mixed = MixedBatchGraphs(BUCKETS, runner.max_num_reqs, runner.max_num_tokens,
                              runner._graph_forward, use_graphs=False)
