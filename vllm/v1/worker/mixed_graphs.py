@@ -73,7 +73,7 @@ class MixedBatchGraphs:
         self.graphs = CUDAGraphManager(
             self.sizes if use_graphs else [],
             lambda t: forward(self.num_reqs(t), t, t),
-            kind=f"mixed, up to {max(self.sizes, default=0)} tokens",
+            kind="mixed steps, sizes in tokens",
         )
         self.num_padded_steps = 0  # steps run through a bucket (replayed or eager); tests read it
 
