@@ -26,8 +26,8 @@ three where the server exports them). Per experiment and mode:
 
     tokens served, duration, output throughput, TTFT p50 / p99, ITL p99 (ms),
     preemptions, failed requests, OOMs (a server died or logged "out of
-    memory"), CUDA graph captures per engine ("Captured ... CUDA graphs" log
-    lines: 1 = never re-captured), the same per engine
+    memory"), CUDA graph captures per engine ("Captured ... CUDA graphs
+    (decode)" log lines: 1 = never re-captured), the same per engine
 
 and the ratios elastic / static and elastic / alone (throughput, TTFT p99, ITL
 p99), with the issue's targets checked (`targets`). JSON to stdout and `--out`
@@ -79,7 +79,9 @@ from vllm.benchmarks.utils import positive_float, positive_int
 
 _URL = re.compile(r"listening on (http://\S+)")
 _METRIC = re.compile(r'^(vllm:[a-z_]+)\{[^}]*\} ([0-9.e+-]+)$', re.M)
-_CAPTURE = re.compile(r"Captured \d+ CUDA graphs")
+# The decode graphs' line: one per start-up (the mixed-batch and verify graphs log
+# lines of their own, "(mixed steps, ...)" / "(verify, ...)", in the same capture).
+_CAPTURE = re.compile(r"Captured \d+ CUDA graphs \(decode\)")
 MODES = ("elastic", "static", "alone")
 DEFAULT_SHAPES = ("llama3_8b", "llama3_2_1b", "qwen2_5_0_5b")
 NAMES = "ABC"
