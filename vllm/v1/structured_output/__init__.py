@@ -148,6 +148,18 @@ def validate_structured_outputs(params: StructuredOutputsParams | None,
         choose_backend(params, backend)
 
 
+def prepare_parser(backend: str = "auto") -> threading.Thread:
+    """Import the backend's parser and let it parse a trivial schema once, on a daemon
+    thread: the frontend's first constrained request (`validate_structured_outputs`, in
+    the API server's process) would otherwise pay the import (xgrammar: ~2 s cold on the
+    2-core CPU). Returns the started thread."""
+    params = StructuredOutputsParams(json_object=True)
+    thread = threading.Thread(target=choose_backend, args=(params, backend), daemon=True,
+                              name="grammar-parser-import")
+    thread.start()
+    return thread
+
+
 def check_backend(requested: str | None, engine_backend: str = "auto",
                   parameter: str = "backend") -> None:
     """A request's own backend choice (vLLM's `guided_decoding_backend`): as in vLLM V1,

@@ -131,22 +131,29 @@ def _build(key: TokenizerKey) -> BackendTokenizer:
     from vllm.transformers_utils.tokenizer import get_tokenizer
 
     start = time.perf_counter()
+    # The sampler applies either backend's masks with xgrammar's kernels
+    # (v1/sample/ops/bitmask.py): imported here (~2 s cold), not by the first masked step.
+    import xgrammar as xgr
+
     tokenizer = get_tokenizer(key.path)
     stops = frozenset({*key.stop_token_ids,
                        *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])})
     if key.backend == "guidance":
+        # llguidance.torch is the masks' module (GuidanceMatcher): its import loads
+        # torch.compile's machinery, ~2 s on the 2-core CPU, which the first compile (and a
+        # worker's first grammar, on the step) paid.
         import llguidance.hf
+        import llguidance.torch
 
         info = llguidance.hf.from_tokenizer(tokenizer, n_vocab=key.vocab_size,
                                             eos_token=sorted(stops) or None)
     else:
-        import xgrammar as xgr
-
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=key.vocab_size,
                                                   stop_token_ids=sorted(stops))
     build_s = time.perf_counter() - start
-    logger.info("structured outputs: %s's tokenizer (%d tokens) built in %.2f s, in the "
-                "background", key.backend, key.vocab_size, build_s)
+    logger.info("structured outputs: %s for %d tokens built in %.2f s, in the background",
+                "llguidance's tokenizer" if key.backend == "guidance" else
+                "xgrammar's TokenizerInfo", key.vocab_size, build_s)
     return BackendTokenizer(tokenizer, info, stops, build_s)
 
 
