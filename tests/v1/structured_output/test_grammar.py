@@ -306,3 +306,40 @@ def test_reasoning_tokens_of_a_tokenizer(tmp_path):
     assert tokenizer.encode("\n")[0] in tokens.whitespace_ids
     with pytest.raises(VLLMValidationError, match=r"\['<nope>'\] are not tokens"):
         ReasoningTokens.of(("<nope>", "</think>", False), tokenizer)
+
+
+# A worker process: it unpickles the core's grammars, counting tokenizer builds and
+# xgrammar TokenizerInfo deserializations, and checks each grammar's first mask.
+_WORKER = """
+import pickle, sys, torch, xgrammar as xgr
+from vllm.v1.structured_output import backend_tokenizers
+builds, rebuilds = [], []
+build = backend_tokenizers._build
+backend_tokenizers._build = lambda key: builds.append(key) or build(key)
+deserialize = xgr.TokenizerInfo.deserialize_json
+xgr.TokenizerInfo.deserialize_json = staticmethod(
+    lambda *a: rebuilds.append(1) or deserialize(*a))
+grammars = pickle.loads(sys.stdin.buffer.read())
+mask = torch.zeros(1, 49152 // 32, dtype=torch.int32)
+for grammar in grammars:
+    grammar.new_matcher().fill_next_token_bitmask(mask, 0)
+    assert int(mask.ne(0).sum()) > 0
+print(len(builds), len(rebuilds))
+"""
+
+
+def test_a_worker_process_builds_its_tokenizer_once_for_many_grammars(compiler):
+    """Grammars pickled to another process carry their tokenizer's key: that process
+    builds its TokenizerInfo once for all of them (not one per grammar, from JSON)."""
+    import pickle
+    import subprocess
+    import sys
+
+    grammars = [compiler.submit(StructuredOutputsParams(regex=f"w{i}[0-9]+")).result(timeout=60)
+                for i in range(4)]
+    payload = pickle.dumps(grammars)
+    assert len(payload) < 100_000  # the bundled vocabulary's TokenizerInfo JSON: 1.6 MB
+    done = subprocess.run([sys.executable, "-c", _WORKER], input=payload, capture_output=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert done.stdout.decode().split()[-2:] == ["1", "0"]
