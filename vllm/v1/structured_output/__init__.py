@@ -28,6 +28,7 @@ schema), which is why compiles run off the engine step.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -184,7 +185,8 @@ class CompiledGrammar:
     ~80 KiB for the benchmark's schema) and its tokenizer's key; the other side
     rebuilds it over its own process's TokenizerInfo for that key
     (backend_tokenizers.py: built once per process, at the worker's start-up), never
-    a TokenizerInfo per grammar.
+    a TokenizerInfo per grammar, and deserializes each distinct grammar once
+    (`_REBUILT`).
 
     Args / attributes:
         grammar: the `xgrammar.CompiledGrammar`.
@@ -213,13 +215,31 @@ class CompiledGrammar:
         return (_rebuild_compiled_grammar, (self._json, self.tokenizer, self.reasoning))
 
 
+# A process's grammars rebuilt from pickles, by (tokenizer key, digest of the JSON), least
+# recently used dropped first: every request carries its grammar, and a schema many
+# requests share is deserialized once per worker process (12 ms for the benchmark's
+# schema over a 128k vocabulary, on the worker's step).
+_REBUILT: dict[tuple, Any] = {}
+_REBUILT_LOCK = threading.Lock()
+
+
 def _rebuild_compiled_grammar(grammar_json: str, tokenizer: TokenizerKey,
                               reasoning: ReasoningTokens | None) -> CompiledGrammar:
-    import xgrammar as xgr
+    key = (tokenizer, hashlib.blake2b(grammar_json.encode(), digest_size=16).digest())
+    with _REBUILT_LOCK:
+        grammar = _REBUILT.pop(key, None)
+    if grammar is None:
+        import xgrammar as xgr
 
-    info = backend_tokenizers.get(tokenizer).info
-    return CompiledGrammar(xgr.CompiledGrammar.deserialize_json(grammar_json, info),
-                           tokenizer, reasoning)
+        grammar = xgr.CompiledGrammar.deserialize_json(
+            grammar_json, backend_tokenizers.get(tokenizer).info)
+    with _REBUILT_LOCK:
+        _REBUILT[key] = grammar
+        while len(_REBUILT) > GRAMMAR_CACHE_SIZE:
+            del _REBUILT[next(iter(_REBUILT))]
+    rebuilt = CompiledGrammar(grammar, tokenizer, reasoning)
+    rebuilt._json = grammar_json
+    return rebuilt
 
 
 class GrammarCompiler:
