@@ -276,9 +276,9 @@ class GrammarCompiler:
         self.backend = STRUCTURED_OUTPUT_BACKENDS.get(backend, backend)
         self.reasoning_tags = reasoning_tags
         self._reasoning: list[ReasoningTokens | None] = []  # resolved by the first job
-        self.tokenizer_key = TokenizerKey(
-            "guidance" if self.backend == "guidance" else "xgrammar", tokenizer_path,
-            vocab_size, tuple(sorted(set(stop_token_ids))))
+        self.tokenizer_key = TokenizerKey(backend_tokenizers.built_for(backend),
+                                          tokenizer_path, vocab_size,
+                                          tuple(sorted(set(stop_token_ids))))
         self.ready = backend_tokenizers.prepare(self.tokenizer_key)
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar-compile")
         self._lock = threading.Lock()  # the cache (taken by submit, on the engine step)

@@ -157,17 +157,20 @@ def _build(key: TokenizerKey) -> BackendTokenizer:
     return BackendTokenizer(tokenizer, info, stops, build_s)
 
 
+def built_for(backend: str) -> str:
+    """Whose tokenizer an engine's backend builds at start-up: "guidance" (llguidance)
+    for "guidance" / "llguidance", else "xgrammar" ("auto" starts with xgrammar)."""
+    return "guidance" if backend in ("guidance", "llguidance") else "xgrammar"
+
+
 def tokenizer_key_for(vllm_config: Any) -> TokenizerKey:
     """The key of the engine's backend (`--structured-outputs-config`; "auto" builds
     xgrammar's, its first choice): the model's tokenizer and vocabulary, and the
     generation config's EOS ids as stop tokens."""
-    from vllm.v1.structured_output import STRUCTURED_OUTPUT_BACKENDS
-
     model_config = vllm_config.model_config
-    backend = STRUCTURED_OUTPUT_BACKENDS.get(vllm_config.structured_outputs_config.backend)
     eos = (model_config.try_get_generation_config() or {}).get("eos_token_id")
     eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-    return TokenizerKey("guidance" if backend == "guidance" else "xgrammar",
+    return TokenizerKey(built_for(vllm_config.structured_outputs_config.backend),
                         model_config.tokenizer, model_config.get_vocab_size(),
                         tuple(sorted(set(eos_ids))))
 
