@@ -6,6 +6,8 @@ future raises, the cache is bounded, both backends' matchers agree on a real tok
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from vllm.exceptions import VLLMValidationError
@@ -13,6 +15,7 @@ from vllm.sampling_params import StructuredOutputsParams
 from vllm.v1 import structured_output
 from vllm.v1.structured_output import (
     GrammarCompiler,
+    backend_tokenizers,
     build_grammar,
     check_backend,
     choose_backend,
@@ -149,11 +152,55 @@ def test_auto_takes_xgrammar_and_falls_back_to_llguidance():
 @pytest.fixture(scope="module")
 def compiler():
     from vllm.transformers_utils.config import get_bundled_model_path
-    from vllm.transformers_utils.tokenizer import get_tokenizer
 
-    compiler = GrammarCompiler(lambda: get_tokenizer(get_bundled_model_path()), 49152, [2])
+    compiler = GrammarCompiler(get_bundled_model_path(), 49152, [2])
     yield compiler
     compiler.shutdown()
+
+
+def test_the_backends_tokenizer_builds_at_start_up_and_start_up_does_not_wait(monkeypatch):
+    """Made, the compiler starts the tokenizer's build on its own thread and returns at
+    once; a compile submitted meanwhile waits for it (its request in WAITING_FOR_FSM),
+    then compiles; a second compiler for the same key reuses the build: one per process."""
+    release, calls = threading.Event(), []
+    build = backend_tokenizers._build
+
+    def held_build(key):
+        calls.append(key)
+        assert release.wait(60)
+        return build(key)
+
+    monkeypatch.setattr(backend_tokenizers, "_build", held_build)
+    monkeypatch.setattr(backend_tokenizers, "_BUILDS", {})
+    from vllm.transformers_utils.config import get_bundled_model_path
+
+    first = GrammarCompiler(get_bundled_model_path(), 49152, [2])
+    second = GrammarCompiler(get_bundled_model_path(), 49152, [2])
+    try:
+        assert not first.ready.done() and second.ready is first.ready
+        future = first.submit(StructuredOutputsParams(regex="ab+c"))
+        assert not future.done()  # no request ran: the build does not wait for one
+        release.set()
+        assert isinstance(future.result(timeout=60).grammar, xgr.CompiledGrammar)
+        assert first.ready.result().info.vocab_size == 49152
+        second.submit(StructuredOutputsParams(regex="xy+z")).result(timeout=60)
+        assert len(calls) == 1 and calls[0].backend == "xgrammar"
+    finally:
+        release.set()
+        first.shutdown()
+        second.shutdown()
+
+
+def test_a_failed_tokenizer_build_fails_the_compiles_and_is_retried(monkeypatch):
+    monkeypatch.setattr(backend_tokenizers, "_BUILDS", {})
+    compiler = GrammarCompiler("/nonexistent/tokenizer", 1000, [0])
+    try:
+        with pytest.raises(FileNotFoundError):
+            compiler.submit(StructuredOutputsParams(regex="a")).result(timeout=60)
+        assert compiler.ready.exception() is not None
+        assert backend_tokenizers.prepare(compiler.tokenizer_key) is not compiler.ready
+    finally:
+        compiler.shutdown()
 
 
 def test_identical_constraints_share_one_compile(compiler):
@@ -189,11 +236,8 @@ def test_the_cache_is_bounded(compiler, monkeypatch):
 @pytest.fixture(scope="module")
 def guidance_compiler():
     from vllm.transformers_utils.config import get_bundled_model_path
-    from vllm.transformers_utils.tokenizer import get_tokenizer
 
-    path = get_bundled_model_path()
-    compiler = GrammarCompiler(lambda: get_tokenizer(path), 49152, [2], backend="llguidance",
-                               tokenizer_path=path)
+    compiler = GrammarCompiler(get_bundled_model_path(), 49152, [2], backend="llguidance")
     yield compiler
     compiler.shutdown()
 
@@ -214,7 +258,7 @@ def test_both_backends_walk_a_reply_on_the_bundled_tokenizer(
     matchers = [c.submit(params).result(timeout=120).new_matcher()
                 for c in (compiler, guidance_compiler)]
     assert type(guidance_compiler.submit(params).result()).__name__ == "GuidanceGrammar"
-    tokenizer = compiler._tokenizer_factory()
+    tokenizer = compiler.ready.result().tokenizer
     tokens, (wrong,) = tokenizer.encode(text) + [2], tokenizer.encode("#")
     masks = torch.zeros(2, 49152 // 32, dtype=torch.int32)
 
@@ -262,3 +306,44 @@ def test_reasoning_tokens_of_a_tokenizer(tmp_path):
     assert tokenizer.encode("\n")[0] in tokens.whitespace_ids
     with pytest.raises(VLLMValidationError, match=r"\['<nope>'\] are not tokens"):
         ReasoningTokens.of(("<nope>", "</think>", False), tokenizer)
+
+
+# A worker process: it unpickles the core's grammars, counting tokenizer builds and
+# xgrammar TokenizerInfo deserializations, and checks each grammar's first mask.
+_WORKER = """
+import pickle, sys, torch, xgrammar as xgr
+from vllm.v1.structured_output import backend_tokenizers
+builds, rebuilds = [], []
+build = backend_tokenizers._build
+backend_tokenizers._build = lambda key: builds.append(key) or build(key)
+deserialize = xgr.TokenizerInfo.deserialize_json
+xgr.TokenizerInfo.deserialize_json = staticmethod(
+    lambda *a: rebuilds.append(1) or deserialize(*a))
+loads = []
+deserialize_grammar = xgr.CompiledGrammar.deserialize_json
+xgr.CompiledGrammar.deserialize_json = staticmethod(
+    lambda *a: loads.append(1) or deserialize_grammar(*a))
+mask = torch.zeros(1, 49152 // 32, dtype=torch.int32)
+for one in pickle.loads(sys.stdin.buffer.read()):  # one pickle per request
+    pickle.loads(one).new_matcher().fill_next_token_bitmask(mask, 0)
+    assert int(mask.ne(0).sum()) > 0
+print(len(builds), len(rebuilds), len(loads))
+"""
+
+
+def test_a_worker_process_builds_its_tokenizer_once_for_many_grammars(compiler):
+    """Grammars pickled to another process carry their tokenizer's key: that process
+    builds its TokenizerInfo once for all of them (not one per grammar, from JSON), and
+    deserializes each distinct grammar once (8 requests, 4 grammars)."""
+    import pickle
+    import subprocess
+    import sys
+
+    grammars = [compiler.submit(StructuredOutputsParams(regex=f"w{i}[0-9]+")).result(timeout=60)
+                for i in range(4)]
+    requests = [pickle.dumps(g) for g in grammars * 2]
+    assert max(map(len, requests)) < 100_000  # the vocabulary's TokenizerInfo JSON: 1.6 MB
+    done = subprocess.run([sys.executable, "-c", _WORKER], input=pickle.dumps(requests),
+                          capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert done.stdout.decode().split()[-3:] == ["1", "0", "4"]

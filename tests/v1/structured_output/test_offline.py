@@ -57,6 +57,22 @@ def backend_llm(request):
                                    else "guidance_llm")
 
 
+def test_the_backend_is_ready_after_start_up_without_a_structured_request(guidance_llm):
+    """Start-up started the backend's tokenizer build (llguidance's here) in the
+    background: it completes with no structured request sent and nothing compiled, and
+    the worker's start-up (same process: the uni executor) found that build by its key
+    instead of making a second one. (First in this module: guidance_llm is fresh.)"""
+    from vllm.v1.structured_output import backend_tokenizers
+
+    compiler = guidance_llm.llm_engine.engine_core.grammar_compiler
+    built = compiler.ready.result(timeout=120)
+    assert type(built.info).__name__ == "LLTokenizer" and built.build_s > 0
+    assert compiler.num_compiles == 0
+    key = backend_tokenizers.tokenizer_key_for(guidance_llm.llm_engine.vllm_config)
+    assert key == compiler.tokenizer_key and key.backend == "guidance"
+    assert backend_tokenizers.prepare(key) is compiler.ready
+
+
 def test_100_json_schema_replies_validate(backend_llm):
     # llguidance: 32 replies (100 took 40 s on the 2-core CPU; 100 of 100 validated).
     backend = backend_llm.llm_engine.vllm_config.structured_outputs_config.backend

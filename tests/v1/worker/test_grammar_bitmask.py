@@ -10,6 +10,7 @@ the sampler never samples a refused token.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import pytest
@@ -20,7 +21,8 @@ from vllm.v1.sample.metadata import build_sampling_metadata
 from vllm.v1.sample.ops.bitmask import apply_bitmask
 from vllm.v1.sample.rejection_sampler import RejectionSampler
 from vllm.v1.sample.sampler import Sampler
-from vllm.v1.structured_output import CompiledGrammar, guidance
+from vllm.v1.structured_output import CompiledGrammar, backend_tokenizers, guidance
+from vllm.v1.structured_output.backend_tokenizers import BackendTokenizer, TokenizerKey
 from vllm.v1.structured_output.reasoning import ReasoningTokens
 from vllm.v1.worker.grammar_bitmask import GrammarBitmask
 
@@ -47,18 +49,27 @@ class _RawTokenizer:
         return [VOCAB.index(ch) if ch in VOCAB else X for ch in text]
 
 
+def _seed_tokenizer(monkeypatch, backend: str, info) -> TokenizerKey:
+    """Put a backend's tokenizer over VOCAB into this process's builds under a made-up
+    path (a pickled grammar finds it there too, as a worker process finds its model's)."""
+    key = TokenizerKey(backend, "raw-vocab", len(VOCAB), (EOS,))
+    future = Future()
+    future.set_result(BackendTokenizer(None, info, frozenset({EOS}), 0.0))
+    monkeypatch.setitem(backend_tokenizers._BUILDS, key, future)
+    return key
+
+
 @pytest.fixture(scope="module", params=["xgrammar", "guidance"])
 def grammar(request, monkeypatch_module):
     if request.param == "xgrammar":
         info = xgr.TokenizerInfo(VOCAB, vocab_type=xgr.VocabType.RAW, stop_token_ids=[EOS])
-        return CompiledGrammar(xgr.GrammarCompiler(info).compile_regex("ab+c"))
+        key = _seed_tokenizer(monkeypatch_module, "xgrammar", info)
+        return CompiledGrammar(xgr.GrammarCompiler(info).compile_regex("ab+c"), key)
     llg = pytest.importorskip("llguidance")
-    # The backend's tokenizer cache, seeded with the raw vocabulary under a made-up path
-    # (a pickled grammar finds it there too, as a worker process finds its model's).
-    monkeypatch_module.setitem(guidance._TOKENIZERS, ("raw-vocab", len(VOCAB), (EOS,)), (
-        llg.LLTokenizer(llg.TokenizerWrapper(_RawTokenizer())), frozenset({EOS})))
+    key = _seed_tokenizer(monkeypatch_module, "guidance",
+                          llg.LLTokenizer(llg.TokenizerWrapper(_RawTokenizer())))
     text = guidance.build_guidance_grammar(StructuredOutputsParams(regex="ab+c"))
-    return guidance.GuidanceGrammar("raw-vocab", len(VOCAB), [EOS], text)
+    return guidance.GuidanceGrammar(key, text)
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +142,8 @@ def _thinking(grammar):
     """The same grammar, applied after Qwen3-style reasoning (`--reasoning-parser qwen3`)."""
     tokens = ReasoningTokens(THINK, END, starts_in_reasoning=False, whitespace_ids=frozenset())
     if isinstance(grammar, CompiledGrammar):
-        return CompiledGrammar(grammar.grammar, tokens)
-    return guidance.GuidanceGrammar(*grammar.__reduce__()[1][:4], tokens)
+        return CompiledGrammar(grammar.grammar, grammar.tokenizer, tokens)
+    return guidance.GuidanceGrammar(grammar.tokenizer, grammar.grammar, tokens)
 
 
 def test_with_a_reasoning_parser_the_grammar_applies_after_the_reasoning(grammar):
@@ -165,15 +176,26 @@ def test_a_bitmask_of_the_wrong_shape_is_refused():
         apply_bitmask(torch.zeros(2, 40), torch.zeros(2, 1, dtype=torch.int32))
 
 
-def test_a_compiled_grammar_pickles_for_worker_processes(grammar):
+def test_a_compiled_grammar_pickles_for_worker_processes(grammar, monkeypatch):
     """Worker processes (mp / ray executors) get the grammar pickled: xgrammar's JSON, or
-    llguidance's grammar text and the tokenizer's path."""
+    llguidance's grammar text, with the tokenizer's key; the worker's own tokenizer for
+    that key (built once per process) serves every grammar: none is rebuilt per grammar
+    (xgrammar's TokenizerInfo JSON is 4 MiB for a 128k vocabulary)."""
     import pickle
 
-    copy = pickle.loads(pickle.dumps(grammar))
+    def no_rebuild(*args):
+        raise AssertionError("a tokenizer was rebuilt for a grammar")
+
+    monkeypatch.setattr(xgr.TokenizerInfo, "deserialize_json", no_rebuild)
+    monkeypatch.setattr(backend_tokenizers, "_build", no_rebuild)
+    payload = pickle.dumps(grammar)
+    assert b"raw-vocab" in payload and b"</think>" not in payload  # the key, not the vocab
+    copies = [pickle.loads(payload) for _ in range(3)]
     masks = GrammarBitmask(max_rows=2, vocab_size=len(VOCAB), device=torch.device("cpu"))
-    masks.add("r", copy)
-    assert _allowed(masks.bitmask([State("r", [A, B])])) == [{B, C}]
+    for i, copy in enumerate(copies):
+        assert copy.tokenizer == grammar.tokenizer
+        masks.add(f"r{i}", copy)
+        assert _allowed(masks.bitmask([State(f"r{i}", [A, B])])) == [{B, C}]
 
 
 @pytest.mark.cuda

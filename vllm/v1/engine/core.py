@@ -84,6 +84,9 @@ class EngineCore:
         logger.info("Initializing a V1 LLM engine (v%s) with config: %s", __version__,
                     vllm_config.summary())
         self.vllm_config = vllm_config
+        # Structured outputs: grammars compile in its thread pool, off the step; the
+        # backend's tokenizer builds in the background from now, beside model loading.
+        self.grammar_compiler = grammar_compiler_for(vllm_config)
         self.model_executor = Executor.get_class(vllm_config)(vllm_config)
         self.connector = None
         try:
@@ -92,9 +95,8 @@ class EngineCore:
                 self.connector = self._create_scheduler_connector()
         except BaseException:
             self.model_executor.shutdown()  # no rank keeps its memory after a failed start
+            self.grammar_compiler.shutdown()
             raise
-        # Structured outputs: grammars compile in its thread pool, off the step.
-        self.grammar_compiler = grammar_compiler_for(vllm_config)
         self.scheduler = self._make_scheduler(bounds)
         self.elastic_kv: ElasticKVController | None = None
         if self.scheduler.elastic is not None:

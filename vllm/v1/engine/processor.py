@@ -20,7 +20,7 @@ from vllm.inputs import check_unicode_text
 from vllm.sampling_params import MAX_LOGPROBS, SamplingParams, validate_request_lengths
 from vllm.v1.engine.output_processor import ParentRequest
 from vllm.v1.request import Request
-from vllm.v1.structured_output import validate_structured_outputs
+from vllm.v1.structured_output import prepare_parser, validate_structured_outputs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -102,6 +102,7 @@ class Processor:
         self.mm_processor = mm_processor
         self.scheduling_policy = scheduling_policy
         self.structured_outputs_backend = structured_outputs_backend
+        prepare_parser(structured_outputs_backend)  # in the background: off a request's path
 
     @classmethod
     def from_config(

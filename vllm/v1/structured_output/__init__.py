@@ -1,6 +1,9 @@
 """Structured outputs: a request's constraint -> a grammar -> a token bitmask per step.
 
 ```
+ engine start-up              backend_tokenizers.prepare: the backend's tokenizer (xgrammar's
+                              TokenizerInfo / llguidance's) builds on a background thread,
+                              once per process (core and each worker); nobody waits
  frontend (Processor, HTTP)   validate_structured_outputs(params): xgrammar parses the
                               schema / regex / EBNF (no tokenizer needed); a constraint
                               it cannot parse is a 400 naming the field, before the engine
@@ -19,12 +22,13 @@ guidance.py). "auto", as in vLLM, takes xgrammar and falls back to llguidance fo
 constraint xgrammar cannot parse (`choose_backend`). Both fill the same int32 bitmask
 ([rows, ceil(V / 32)], bit t = token t allowed), so the sampler's path is one. xgrammar's
 `Grammar.from_*` parsers only read the constraint; its `GrammarCompiler` needs the
-tokenizer's vocabulary and takes milliseconds to seconds (a large schema), which is
-why compiles run off the engine step.
+tokenizer's vocabulary (built at start-up) and takes milliseconds to seconds (a large
+schema), which is why compiles run off the engine step.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,6 +37,8 @@ from typing import TYPE_CHECKING, Any
 from vllm.exceptions import VLLMValidationError
 from vllm.logger import init_logger
 from vllm.sampling_params import StructuredOutputsParams
+from vllm.v1.structured_output import backend_tokenizers
+from vllm.v1.structured_output.backend_tokenizers import TokenizerKey
 from vllm.v1.structured_output.reasoning import REASONING_TAGS, ReasoningTokens
 
 if TYPE_CHECKING:
@@ -143,6 +149,18 @@ def validate_structured_outputs(params: StructuredOutputsParams | None,
         choose_backend(params, backend)
 
 
+def prepare_parser(backend: str = "auto") -> threading.Thread:
+    """Import the backend's parser and let it parse a trivial schema once, on a daemon
+    thread: the frontend's first constrained request (`validate_structured_outputs`, in
+    the API server's process) would otherwise pay the import (xgrammar: ~2 s cold on the
+    2-core CPU). Returns the started thread."""
+    params = StructuredOutputsParams(json_object=True)
+    thread = threading.Thread(target=choose_backend, args=(params, backend), daemon=True,
+                              name="grammar-parser-import")
+    thread.start()
+    return thread
+
+
 def check_backend(requested: str | None, engine_backend: str = "auto",
                   parameter: str = "backend") -> None:
     """A request's own backend choice (vLLM's `guided_decoding_backend`): as in vLLM V1,
@@ -163,19 +181,26 @@ class CompiledGrammar:
     """A compiled grammar as it travels from the engine core to the workers.
 
     In one process (the uni executor) it is passed by reference. Pickled (to
-    worker processes) it travels as xgrammar's JSON serialization with its
-    tokenizer info and is rebuilt on the other side.
+    worker processes) it travels as xgrammar's JSON serialization (serialized once,
+    ~80 KiB for the benchmark's schema) and its tokenizer's key; the other side
+    rebuilds it over its own process's TokenizerInfo for that key
+    (backend_tokenizers.py: built once per process, at the worker's start-up), never
+    a TokenizerInfo per grammar, and deserializes each distinct grammar once
+    (`_REBUILT`).
 
-    Attributes:
+    Args / attributes:
         grammar: the `xgrammar.CompiledGrammar`.
+        tokenizer: the key of the TokenizerInfo it was compiled against.
         reasoning: the reasoning tags' ids when the grammar applies only after the
             reasoning (`reasoning.ReasoningTokens`), else None.
     """
 
-    def __init__(self, grammar: xgr.CompiledGrammar,
+    def __init__(self, grammar: xgr.CompiledGrammar, tokenizer: TokenizerKey,
                  reasoning: ReasoningTokens | None = None) -> None:
         self.grammar = grammar
+        self.tokenizer = tokenizer
         self.reasoning = reasoning
+        self._json: str | None = None  # serialized by the first pickle (shared by requests)
 
     def new_matcher(self) -> xgr.GrammarMatcher:
         """A request's matcher (accept_token, fill_next_token_bitmask, rollback,
@@ -185,56 +210,79 @@ class CompiledGrammar:
         return xgr.GrammarMatcher(self.grammar)
 
     def __reduce__(self):
-        return (_rebuild_compiled_grammar, (
-            self.grammar.serialize_json(), self.grammar.tokenizer_info.serialize_json(),
-            self.reasoning))
+        if self._json is None:
+            self._json = self.grammar.serialize_json()
+        return (_rebuild_compiled_grammar, (self._json, self.tokenizer, self.reasoning))
 
 
-def _rebuild_compiled_grammar(grammar_json: str, tokenizer_json: str,
+# A process's grammars rebuilt from pickles, by (tokenizer key, digest of the JSON), least
+# recently used dropped first: every request carries its grammar, and a schema many
+# requests share is deserialized once per worker process (12 ms for the benchmark's
+# schema over a 128k vocabulary, on the worker's step).
+_REBUILT: dict[tuple, Any] = {}
+_REBUILT_LOCK = threading.Lock()
+
+
+def _rebuild_compiled_grammar(grammar_json: str, tokenizer: TokenizerKey,
                               reasoning: ReasoningTokens | None) -> CompiledGrammar:
-    import xgrammar as xgr
+    key = (tokenizer, hashlib.blake2b(grammar_json.encode(), digest_size=16).digest())
+    with _REBUILT_LOCK:
+        grammar = _REBUILT.pop(key, None)
+    if grammar is None:
+        import xgrammar as xgr
 
-    info = xgr.TokenizerInfo.deserialize_json(tokenizer_json)
-    return CompiledGrammar(xgr.CompiledGrammar.deserialize_json(grammar_json, info), reasoning)
+        grammar = xgr.CompiledGrammar.deserialize_json(
+            grammar_json, backend_tokenizers.get(tokenizer).info)
+    with _REBUILT_LOCK:
+        _REBUILT[key] = grammar
+        while len(_REBUILT) > GRAMMAR_CACHE_SIZE:
+            del _REBUILT[next(iter(_REBUILT))]
+    rebuilt = CompiledGrammar(grammar, tokenizer, reasoning)
+    rebuilt._json = grammar_json
+    return rebuilt
 
 
 class GrammarCompiler:
     """Compiles constraints in a thread pool against one tokenizer; caches by key.
 
-    The xgrammar compiler (it needs the tokenizer's vocabulary, ~0.2 s to
-    build for a 50k vocabulary) is made by the first job, in the pool, so
-    neither start-up nor a request's path pays for it. xgrammar's C++ compile
-    releases the GIL, so the engine step keeps running meanwhile.
+    The backend's tokenizer (xgrammar's TokenizerInfo, or llguidance's tokenizer for
+    "guidance"; seconds for a 128k vocabulary) starts building on a background thread
+    when the compiler is made, at engine start-up (`backend_tokenizers.prepare`):
+    start-up does not wait for it and a request's path does not pay it, unless the
+    request comes before it is ready (it then waits in WAITING_FOR_FSM, as for its
+    compile). xgrammar's C++ compile releases the GIL, so the engine step keeps running
+    meanwhile. Under "auto", llguidance's tokenizer is built by the first constraint
+    that falls back to it.
 
     Args:
-        tokenizer_factory: returns the model's HF tokenizer (called once, in the pool).
+        tokenizer_path: the model's tokenizer (`get_tokenizer`: HF directory or .gguf).
         vocab_size: the logits' width (the model's vocabulary, >= the tokenizer's).
-        stop_token_ids: tokens that end a grammar's output (the model's EOS ids).
+        stop_token_ids: tokens that end a grammar's output (the model's EOS ids; the
+            tokenizer's EOS is added).
         max_workers: compile threads.
         backend: the engine's backend (`STRUCTURED_OUTPUT_BACKENDS`: "auto", "xgrammar",
             "guidance" / "llguidance").
-        tokenizer_path: the tokenizer's path, which llguidance's grammars carry (a
-            worker process rebuilds its tokenizer from it); needed for "guidance"/"auto".
         reasoning_tags: `--reasoning-parser`'s `REASONING_TAGS` entry: every grammar then
             applies after the end tag only (its compiled grammar carries their ids);
             None: from the reply's first token.
+
+    Attributes:
+        ready: the future of the backend's tokenizer (`BackendTokenizer`, its `build_s`).
     """
 
-    def __init__(self, tokenizer_factory, vocab_size: int, stop_token_ids: list[int],
+    def __init__(self, tokenizer_path: str, vocab_size: int, stop_token_ids: list[int],
                  max_workers: int = 2, backend: str = "auto",
-                 tokenizer_path: str | None = None,
                  reasoning_tags: tuple[str, str, bool] | None = None) -> None:
-        self.backend = backend
+        self.backend = STRUCTURED_OUTPUT_BACKENDS.get(backend, backend)
         self.reasoning_tags = reasoning_tags
         self._reasoning: list[ReasoningTokens | None] = []  # resolved by the first job
-        self.tokenizer_path = tokenizer_path
-        self._tokenizer_factory = tokenizer_factory
-        self.vocab_size = vocab_size
-        self.stop_token_ids = list(stop_token_ids)
+        self.tokenizer_key = TokenizerKey(backend_tokenizers.built_for(backend),
+                                          tokenizer_path, vocab_size,
+                                          tuple(sorted(set(stop_token_ids))))
+        self.ready = backend_tokenizers.prepare(self.tokenizer_key)
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar-compile")
         self._lock = threading.Lock()  # the cache (taken by submit, on the engine step)
-        # Building the compiler (tokenizer load) takes its own lock: a submit never waits.
-        self._compiler_lock = threading.Lock()
+        self._compiler_lock = threading.Lock()  # the xgrammar compiler, made once
         self._compiler: xgr.GrammarCompiler | None = None
         self._cache: dict[tuple, Future[CompiledGrammar]] = {}  # insertion order = LRU
         self.num_compiles = 0  # cumulative, cache misses
@@ -257,42 +305,36 @@ class GrammarCompiler:
 
     def _compile(self, params: StructuredOutputsParams):
         """A `CompiledGrammar` (xgrammar) or a `guidance.GuidanceGrammar`."""
-        backend = STRUCTURED_OUTPUT_BACKENDS.get(self.backend, self.backend)
-        if backend != "guidance":
+        if self.backend != "guidance":
             try:
                 grammar = build_grammar(params)
             except VLLMValidationError:
-                if backend != "auto" or choose_backend(params, backend) != "guidance":
+                if self.backend != "auto" or choose_backend(params, self.backend) != "guidance":
                     raise
             else:
                 return CompiledGrammar(self._get_compiler().compile_grammar(grammar),
-                                       self._reasoning_tokens())
+                                       self.tokenizer_key, self._reasoning_tokens())
         from vllm.v1.structured_output.guidance import GuidanceGrammar, build_guidance_grammar
 
-        return GuidanceGrammar(self.tokenizer_path, self.vocab_size, self.stop_token_ids,
+        return GuidanceGrammar(self.tokenizer_key.for_backend("guidance"),
                                build_guidance_grammar(params), self._reasoning_tokens())
 
     def _reasoning_tokens(self) -> ReasoningTokens | None:
         """The reasoning tags' ids (looked up in the tokenizer once, in the pool)."""
         if self.reasoning_tags is None:
             return None
+        tokenizer = backend_tokenizers.get(self.tokenizer_key).tokenizer
         with self._compiler_lock:
             if not self._reasoning:
-                self._reasoning.append(
-                    ReasoningTokens.of(self.reasoning_tags, self._tokenizer_factory()))
+                self._reasoning.append(ReasoningTokens.of(self.reasoning_tags, tokenizer))
             return self._reasoning[0]
 
     def _get_compiler(self) -> xgr.GrammarCompiler:
+        info = backend_tokenizers.get(self.tokenizer_key).info  # built at start-up
         with self._compiler_lock:
             if self._compiler is None:
                 import xgrammar as xgr
 
-                tokenizer = self._tokenizer_factory()
-                stop_ids = set(self.stop_token_ids)
-                if tokenizer.eos_token_id is not None:
-                    stop_ids.add(tokenizer.eos_token_id)
-                info = xgr.TokenizerInfo.from_huggingface(
-                    tokenizer, vocab_size=self.vocab_size, stop_token_ids=sorted(stop_ids))
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1)
             return self._compiler
 
@@ -301,15 +343,11 @@ class GrammarCompiler:
 
 
 def grammar_compiler_for(vllm_config: Any) -> GrammarCompiler:
-    """The engine core's compiler for its model (the tokenizer is loaded lazily, in the
-    pool); the grammars' stop tokens are the generation config's EOS ids and the
-    tokenizer's."""
-    from vllm.transformers_utils.tokenizer import get_tokenizer
-
-    model_config, config = vllm_config.model_config, vllm_config.structured_outputs_config
-    eos = (model_config.try_get_generation_config() or {}).get("eos_token_id")
-    eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-    return GrammarCompiler(lambda: get_tokenizer(model_config.tokenizer),
-                           model_config.get_vocab_size(), eos_ids,
-                           backend=config.backend, tokenizer_path=model_config.tokenizer,
+    """The engine core's compiler for its model; its backend's tokenizer starts building
+    now, in the background (`tokenizer_key_for`: the generation config's EOS ids and the
+    tokenizer's are the grammars' stop tokens)."""
+    key = backend_tokenizers.tokenizer_key_for(vllm_config)
+    config = vllm_config.structured_outputs_config
+    return GrammarCompiler(key.path, key.vocab_size, list(key.stop_token_ids),
+                           backend=config.backend,
                            reasoning_tags=REASONING_TAGS.get(config.reasoning_parser))

@@ -9,9 +9,10 @@ an `LLMatcher` per request, filling the same int32 token bitmask as xgrammar's.
     match     new_matcher(): a deep copy of the template per request, behind the
               accept / fill / rollback / is_terminated verbs of xgrammar's matcher
 
-llguidance builds its token trie once per tokenizer (`LLTokenizer`, cached per
-process) and computes masks lazily: a grammar's lexer is built by its first mask,
-which the compile takes (in the pool, off the engine step); each later mask is
+llguidance builds its token trie once per tokenizer and process (`LLTokenizer`,
+backend_tokenizers.py, started at engine start-up for the "guidance" backend) and
+computes masks lazily: a grammar's lexer is built by its first mask, which the
+compile takes (in the pool, off the engine step); each later mask is
 computed per step (tens of microseconds a row for the benchmark's JSON schema on the
 bundled tokenizer). It does not take xgrammar's structural tags (a 400 here), nor
 `whitespace_pattern` (refused by `StructuredOutputsParams` for both backends).
@@ -20,20 +21,16 @@ bundled tokenizer). It does not take xgrammar's structural tags (a 400 here), no
 from __future__ import annotations
 
 import json
-import threading
 from typing import TYPE_CHECKING, Any
 
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import StructuredOutputsParams
+from vllm.v1.structured_output import backend_tokenizers
+from vllm.v1.structured_output.backend_tokenizers import TokenizerKey
 from vllm.v1.structured_output.reasoning import ReasoningTokens
 
 if TYPE_CHECKING:
     import torch
-
-# (tokenizer path, vocab, stop ids) -> (LLTokenizer, every stop id: those and the EOS)
-_TOKENIZERS: dict[tuple, tuple[Any, frozenset[int]]] = {}
-_TOKENIZERS_LOCK = threading.Lock()
-
 
 def build_guidance_grammar(params: StructuredOutputsParams) -> str:
     """llguidance's grammar definition of a constraint (parsed and checked, no tokenizer).
@@ -96,25 +93,6 @@ def _closed(schema: Any) -> Any:
     return closed
 
 
-def _ll_tokenizer(tokenizer_path: str, vocab_size: int, stop_token_ids: tuple[int, ...]
-                  ) -> tuple[Any, frozenset[int]]:
-    """The llguidance tokenizer of a model and its stop ids (built once per process: it
-    loads the HF tokenizer and walks its vocabulary)."""
-    key = (tokenizer_path, vocab_size, stop_token_ids)
-    with _TOKENIZERS_LOCK:
-        if key not in _TOKENIZERS:
-            import llguidance.hf
-
-            from vllm.transformers_utils.tokenizer import get_tokenizer
-
-            tokenizer = get_tokenizer(tokenizer_path)
-            stops = frozenset({*stop_token_ids, *([tokenizer.eos_token_id]
-                                                  if tokenizer.eos_token_id is not None else [])})
-            _TOKENIZERS[key] = (llguidance.hf.from_tokenizer(
-                tokenizer, n_vocab=vocab_size, eos_token=sorted(stops) or None), stops)
-        return _TOKENIZERS[key]
-
-
 class GuidanceMatcher:
     """One request's llguidance matcher with xgrammar's `GrammarMatcher` verbs.
 
@@ -163,12 +141,12 @@ class GuidanceMatcher:
 
 class GuidanceGrammar:
     """A constraint compiled by llguidance for one tokenizer; picklable (a worker
-    process rebuilds it from the grammar text and the tokenizer's path).
+    process rebuilds it from the grammar text over its own process's llguidance
+    tokenizer for the key, backend_tokenizers.py: built once per process, at start-up).
 
     Args:
-        tokenizer_path: the model's tokenizer (what `get_tokenizer` loads).
-        vocab_size: the logits' width.
-        stop_token_ids: tokens that end the output (EOS ids).
+        tokenizer: the key of llguidance's tokenizer (backend "guidance"; the model's
+            tokenizer path, the logits' width, the EOS ids).
         grammar: llguidance's grammar definition (`build_guidance_grammar`).
         reasoning: see `CompiledGrammar.reasoning`.
 
@@ -177,19 +155,21 @@ class GuidanceGrammar:
             compile against this vocabulary.
     """
 
-    def __init__(self, tokenizer_path: str, vocab_size: int, stop_token_ids: list[int],
-                 grammar: str, reasoning: ReasoningTokens | None = None) -> None:
+    def __init__(self, tokenizer: TokenizerKey, grammar: str,
+                 reasoning: ReasoningTokens | None = None) -> None:
         import llguidance as llg
         import torch
 
         self.reasoning = reasoning
-        self._args = (tokenizer_path, vocab_size, tuple(sorted(set(stop_token_ids))), grammar)
-        tokenizer, self.stop_token_ids = _ll_tokenizer(*self._args[:3])
-        self._template = llg.LLMatcher(tokenizer, grammar)
+        self.tokenizer = tokenizer
+        self.grammar = grammar
+        built = backend_tokenizers.get(tokenizer)
+        self.stop_token_ids = built.stop_token_ids
+        self._template = llg.LLMatcher(built.info, grammar)
         # llguidance builds its lexer and the tokenizer's caches lazily, at the first mask
         # (seconds, the first time in a process): here, in the compile pool, not on a step.
         GuidanceMatcher(self._template, self.stop_token_ids).fill_next_token_bitmask(
-            torch.empty((1, -(-vocab_size // 32)), dtype=torch.int32), 0)
+            torch.empty((1, -(-tokenizer.vocab_size // 32)), dtype=torch.int32), 0)
         if self._template.is_error():
             raise VLLMValidationError(
                 f"llguidance cannot compile the constraint: {self._template.get_error()}",
@@ -199,5 +179,4 @@ class GuidanceGrammar:
         return GuidanceMatcher(self._template.deep_copy(), self.stop_token_ids)
 
     def __reduce__(self):
-        path, vocab, stops, grammar = self._args
-        return (GuidanceGrammar, (path, vocab, list(stops), grammar, self.reasoning))
+        return (GuidanceGrammar, (self.tokenizer, self.grammar, self.reasoning))

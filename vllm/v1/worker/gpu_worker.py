@@ -41,6 +41,7 @@ from vllm.logger import init_logger
 from vllm.platforms import current_platform
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import AsyncModelRunnerOutput, KVCacheMemory, ModelRunnerOutput
+from vllm.v1.structured_output import backend_tokenizers
 from vllm.v1.worker import kv_cache_sizing as sizing
 from vllm.v1.worker import ranks, sharing
 from vllm.v1.worker import spec_decode_worker as spec_decode
@@ -152,6 +153,9 @@ class Worker:
 
         t0 = time.perf_counter()
         self.plan = plan
+        # Structured outputs: this process's grammar tokenizer builds in the background
+        # (a pickled grammar from the engine core finds it by its key; one build per process).
+        backend_tokenizers.prepare_for(self.config)
         mc, sc = self.config.model_config, self.config.scheduler_config
         before = self.memory.allocated()
         tp_rank, tp_size = ranks.tensor_parallel_rank(self.world_size)
