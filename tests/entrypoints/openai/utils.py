@@ -92,6 +92,13 @@ class RemoteServer(ServeProcess):
             self.stop(timeout_s=0)
             raise
 
+    def close(self) -> None:
+        """`terminate()` (a hang fails the test), then remove the log."""
+        try:
+            self.terminate()
+        finally:
+            super().close()
+
     def signal_group(self, sig: int) -> None:
         """`kill -- -PGID`: `sig` to every process of the server's group (`new_session`)."""
         os.killpg(self.proc.pid, sig)
