@@ -29,49 +29,28 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import re
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 import psutil
+from common import ROOT, ServeProcess, emit
 
 from vllm.benchmarks.utils import positive_int
 
-ROOT = Path(__file__).resolve().parents[1]
-_URL_LINE = re.compile(r"listening on (https?://\S+)")
 _QUESTION = "What is the capital of France?"
 
 
-class _Server:
-    """`vllm serve` (defaults, `--port 0`) from one source tree, until `stop()`."""
+class _Server(ServeProcess):
+    """`vllm serve` (defaults) from one source tree, ready on return, until `close()`."""
 
     def __init__(self, tree: Path, extra_env: dict[str, str], timeout_s: float = 600) -> None:
-        self.log = tempfile.NamedTemporaryFile(prefix="cpu-serve-", suffix=".log")  # noqa: SIM115
-        env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1", **extra_env}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "--host", "127.0.0.1",
-             "--port", "0", "--uvicorn-log-level", "warning"],
-            cwd=tree, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout_s
-        while not (match := _URL_LINE.search(self.text())):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"the server from {tree} did not start:\n{self.text()[-3000:]}")
-            time.sleep(0.5)
-        self.url = match.group(1)
-        while httpx.get(f"{self.url}/health", timeout=10).status_code != 200:
-            time.sleep(0.5)
-
-    def text(self) -> str:
-        return Path(self.log.name).read_text(errors="replace")
+        super().__init__(["--uvicorn-log-level", "warning"], cwd=tree,
+                         env={"PYTHONPATH": str(tree), **extra_env})
+        self.wait_ready(timeout_s)
 
     def _tree(self) -> list[psutil.Process]:
         root = psutil.Process(self.proc.pid)
@@ -82,16 +61,6 @@ class _Server:
 
     def tree_cpu_seconds(self) -> float:
         return sum(sum(p.cpu_times()[:2]) for p in self._tree())
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
 
 
 async def _chat(client: httpx.AsyncClient, url: str, max_tokens: int) -> int:
@@ -113,17 +82,14 @@ async def _burst(url: str, requests: int, max_tokens: int) -> float:
 
 def _run(tree: Path, extra_env: dict[str, str], args: argparse.Namespace) -> dict:
     load = os.getloadavg()[0]
-    server = _Server(tree, extra_env)
-    try:
+    with _Server(tree, extra_env) as server:
         time.sleep(2.0)
         rss = server.tree_rss()
         cpu, start = server.tree_cpu_seconds(), time.perf_counter()
         tok_s = asyncio.run(_burst(server.url, args.requests, args.max_tokens))
         cores = (server.tree_cpu_seconds() - cpu) / (time.perf_counter() - start)
         threads = next((line.split("CPU threads:", 1)[1].strip()
-                        for line in server.text().splitlines() if "CPU threads:" in line), None)
-    finally:
-        server.stop()
+                        for line in server.log().splitlines() if "CPU threads:" in line), None)
     return {"load_1min": load, "idle_rss_bytes": rss, "tok_s": tok_s,
             "server_cores_busy": cores, "threads": threads}
 
@@ -172,11 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     result["speedup"] = result["after"]["median_tok_s"] / result["before"]["median_tok_s"]
     result["idle_rss_ratio"] = (result["after"]["median_idle_rss_gb"]
                                 / result["before"]["median_idle_rss_gb"])
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit(result, args.out, indent=2)
     return 0
 
 

@@ -27,9 +27,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from common import ROOT, emit
+
 from vllm.benchmarks.utils import non_negative_int, positive_int
 
-ROOT = Path(__file__).resolve().parents[1]
 _CHILD = """
 import json, time, torch
 from vllm import LLM, SamplingParams
@@ -80,11 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         result[name] = {"threads": items[0]["threads"], "seconds": seconds,
                         "median_s": statistics.median(seconds)}
     result["speedup"] = result["peer"]["median_s"] / result["rules"]["median_s"]
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit(result, args.out, indent=2)
     return 0
 
 

@@ -79,8 +79,6 @@ import contextlib
 import itertools
 import json
 import math
-import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -92,8 +90,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import SHAPES, emit, model_dir_for  # noqa: E402
-from tests.entrypoints.openai.utils import RemoteServer  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    SHAPES,
+    VLLM_SERVE,
+    ServeProcess,
+    emit,
+    model_dir_for,
+)
 from vllm.benchmarks.serve_client import (  # noqa: E402
     RequestResult,
     _summary_ms,
@@ -104,6 +107,9 @@ from vllm.benchmarks.serve_client import (  # noqa: E402
 )
 from vllm.benchmarks.utils import positive_float, positive_int  # noqa: E402
 
+PROXY = (sys.executable, "-m", "vllm.entrypoints.disagg_proxy")
+SERVER_START_TIMEOUT_S = 330  # model load + warmup, then /health
+PROXY_START_TIMEOUT_S = 60
 LONG_OUTPUT_TOKENS = 16  # a long request is all prefill; a few tokens time its decode too
 # Prompts per stream slot (cycled); prefix caching is off, so reuse costs nothing.
 STREAM_PROMPTS_PER_SLOT = 4
@@ -229,7 +235,7 @@ def _measure(url: str, args: argparse.Namespace, prompts: list[str],
 
 
 def _single(args: argparse.Namespace, prompts: list[str], load: MixedLoad | None) -> dict:
-    with RemoteServer(_server_args(args, None)) as server:
+    with _serve(_server_args(args, None)) as server:
         return _measure(server.url, args, prompts, load)
 
 
@@ -237,38 +243,21 @@ def _disagg(args: argparse.Namespace, prompts: list[str], load: MixedLoad | None
     # Started one after the other: on a shared GPU each instance sizes its share
     # from the memory free at its start, which a neighbour still loading changes.
     with contextlib.ExitStack() as stack:
-        prefill = stack.enter_context(RemoteServer(_server_args(args, "kv_producer")))
-        decodes = [stack.enter_context(RemoteServer(_server_args(args, "kv_consumer")))
+        prefill = stack.enter_context(_serve(_server_args(args, "kv_producer")))
+        decodes = [stack.enter_context(_serve(_server_args(args, "kv_consumer")))
                    for _ in range(args.decode_instances)]
-        proxy, url = _start_proxy([prefill.url], [d.url for d in decodes])
-        stack.callback(_stop, proxy)
-        return _measure(url, args, prompts, load)
+        proxy = stack.enter_context(_serve(
+            ["--prefill", prefill.url, "--decode", *(d.url for d in decodes)],
+            command=PROXY, timeout_s=PROXY_START_TIMEOUT_S))
+        return _measure(proxy.url, args, prompts, load)
 
 
-def _start_proxy(prefills: list[str], decodes: list[str]) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.disagg_proxy",
-                             "--port", str(port), "--prefill", *prefills, "--decode", *decodes],
-                            cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            httpx.get(f"{url}/health", timeout=60)
-            return proc, url
-        except httpx.HTTPError:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the proxy exited with {proc.returncode}") from None
-            time.sleep(0.3)
-    _stop(proc)
-    raise RuntimeError("the proxy never answered /health")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.kill()
-    proc.wait(30)
+def _serve(args: list[str], command=VLLM_SERVE,
+           timeout_s: float = SERVER_START_TIMEOUT_S) -> ServeProcess:
+    """`command ARGS` on a free port, ready (stopped again if it is not)."""
+    server = ServeProcess(args, command=command)
+    server.wait_ready(timeout_s)
+    return server
 
 
 def _ratio(disagg: float, single: float) -> float | None:

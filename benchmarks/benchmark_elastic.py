@@ -62,7 +62,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-from common import ROOT, SHAPES, emit, model_dir_for
+from common import SHAPES, ServeProcess, emit, model_dir_for
 from elastic_loads import (
     LOADS,
     PATTERNS,
@@ -77,7 +77,6 @@ from elastic_plot import GAUGES, write_series  # the sampled gauges; absent ones
 from vllm.benchmarks.serve_client import resolve_model
 from vllm.benchmarks.utils import positive_float, positive_int
 
-_URL = re.compile(r"listening on (http://\S+)")
 _METRIC = re.compile(r'^(vllm:[a-z_]+)\{[^}]*\} ([0-9.e+-]+)$', re.M)
 # The decode graphs' line: one per start-up (the mixed-batch and verify graphs log
 # lines of their own, "(mixed steps, ...)" / "(verify, ...)", in the same capture).
@@ -92,37 +91,20 @@ COUNTERS = {
 }
 
 
-class Server:
-    """One `vllm serve` subprocess on a free port, its log in a file."""
+class Server(ServeProcess):
+    """One `vllm serve` subprocess on a free port, its log in `log_dir`/`name`.log."""
 
     def __init__(self, name: str, args: list[str], env: dict[str, str], log_dir: str) -> None:
+        super().__init__([*args, "--uvicorn-log-level", "warning"], env=env,
+                         log_path=os.path.join(log_dir, f"{name}.log"))
         self.name = name
-        self.log_path = os.path.join(log_dir, f"{name}.log")
-        self.log = open(self.log_path, "w")  # noqa: SIM115 - lives as long as the server
-        cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", *args,
-               "--host", "127.0.0.1", "--port", "0", "--uvicorn-log-level", "warning"]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env},
-                                     stdout=self.log, stderr=subprocess.STDOUT)
-        self.url = ""
         self.model = ""
 
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            text = self.log_text()
-            match = _URL.search(text)
-            if match:
-                self.url = match.group(1)
-                try:
-                    if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                        self.model = resolve_model(self.url, {})
-                        return
-                except httpx.HTTPError:
-                    pass
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited during start-up:\n{text[-3000:]}")
-            time.sleep(0.5)
-        raise RuntimeError(f"{self.name} did not start within {timeout} s")
+    def wait_ready(self, timeout_s: float, path: str = "/health", verify=True) -> str:
+        """`ServeProcess.wait_ready`, then the name of the model it serves in `model`."""
+        super().wait_ready(timeout_s, path, verify)
+        self.model = resolve_model(self.url, {})
+        return self.url
 
     def metrics(self) -> dict[str, float]:
         try:
@@ -131,15 +113,12 @@ class Server:
             return {}
         return {name: float(value) for name, value in _METRIC.findall(text)}
 
-    def log_text(self) -> str:
-        return Path(self.log_path).read_text(errors="replace")
-
     def oom(self) -> bool:
         """The server died or logged an out-of-memory error."""
-        return self.proc.poll() is not None or "out of memory" in self.log_text().lower()
+        return self.proc.poll() is not None or "out of memory" in self.log().lower()
 
     def graph_captures(self) -> int:
-        return len(_CAPTURE.findall(self.log_text()))
+        return len(_CAPTURE.findall(self.log()))
 
 
 _BALLAST = """
@@ -181,15 +160,9 @@ class Ballast:
 def stop_all(servers: list[Server]) -> None:
     """SIGTERM every server at once, then wait for each (killed after 60 s)."""
     for s in servers:
-        if s.proc.poll() is None:
-            s.proc.terminate()
+        s.request_stop()
     for s in servers:
-        try:
-            s.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            s.proc.kill()
-            s.proc.wait(30)
-        s.log.close()
+        s.stop(60)
 
 
 def _sample(servers: dict[str, Server], series: list[dict], stop: threading.Event,

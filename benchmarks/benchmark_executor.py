@@ -17,7 +17,6 @@ used: the calls do no collective), so it measures the transport alone.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -29,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import emit  # noqa: E402
 from vllm.benchmarks.utils import positive_int  # noqa: E402
 from vllm.config import ParallelConfig  # noqa: E402
 from vllm.v1.worker.worker_base import rpc  # noqa: E402
@@ -104,10 +104,7 @@ def main() -> None:
     for entry in results.values():
         entry["ratio_to_uni"] = round(entry["median_us"] / peer, 1) if peer else None
     report = {"num_reqs": args.num_reqs, "calls": args.calls, "results": results}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(report, args.out, indent=2)
 
 
 if __name__ == "__main__":

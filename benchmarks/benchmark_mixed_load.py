@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(load.sigterm_with_requests_in_flight())
         load.collect_tracebacks()
     finally:
-        server.kill()
+        server.stop(30)  # SIGTERM was sent above; SIGKILL when it hangs or the load failed
     result = {
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         "statuses": dict(sorted(report.statuses.items())),
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text + "\n")
-    server.log_file.close()
+    server.close()  # removes its log
     return 0 if not report.violations and not report.tracebacks else 1
 
 

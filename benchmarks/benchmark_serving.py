@@ -29,6 +29,10 @@ bottleneck). `client_cpu_share` is this script's own (one event loop parsing
 every chunk): near 1.0 the client, not the server, sets the pace, and its
 ITLs read bursts (chunks timed when its loop gets to them).
 
+A server the script starts (`--launch`, `--engine-args`) writes to a log file whose
+path goes to stderr; a start-up failure quotes its end. At the end it gets SIGTERM
+(SIGKILL to its process group after 120 s).
+
 Examples:
     vllm serve &  python benchmarks/benchmark_serving.py --base-url http://127.0.0.1:8000
     python benchmarks/benchmark_serving.py --launch "vllm serve --port 8000" --out r.json
@@ -41,8 +45,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
@@ -51,6 +55,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's vllm
 
+from benchmarks.common import ServeProcess
 from vllm.benchmarks.serve_client import (
     make_prompts,
     resolve_model,
@@ -152,6 +157,18 @@ def offline_peer(engine_args: str, concurrency: int, num_prompts: int, input_len
         return json.loads(out.read_text())["output_tokens_per_second"]
 
 
+def _launch(command: list[str], args: argparse.Namespace) -> ServeProcess:
+    """Start `command` (a server listening at --base-url), its output in a log file named
+    on stderr; return once it answers /health."""
+    fd, log_path = tempfile.mkstemp(prefix="benchmark-serving-server-", suffix=".log")
+    os.close(fd)
+    print(f"server log: {log_path}", file=sys.stderr)
+    server = ServeProcess([], log_path=log_path, command=command, url=args.base_url,
+                          cwd=os.getcwd())  # relative paths in the command stay valid
+    server.wait_ready(args.launch_timeout)
+    return server
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.engine_args and args.launch:
@@ -163,15 +180,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.engine_args:
         port = args.base_url.rstrip("/").rsplit(":", 1)[-1]
         launch = [*_CLI, "serve", *shlex.split(args.engine_args), "--port", port]
-    proc = subprocess.Popen(launch) if launch else None
+    server = _launch(launch, args) if launch else None
     try:
-        wait_for_health(args.base_url, args.launch_timeout if proc else 30, proc)
+        if server is None:
+            wait_for_health(args.base_url, 30, None)
         model = args.model or resolve_model(args.base_url, headers)
-        results = asyncio.run(sweep(args, model, headers, proc.pid if proc else None))
+        results = asyncio.run(sweep(args, model, headers, server.proc.pid if server else None))
     finally:
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(120)
+        if server is not None:
+            server.stop(120)
     if args.engine_args:  # the server is gone: the device is the peer's alone
         for level in results:
             input_len = max(round(level["total_input_tokens"] / max(level["num_requests"], 1)),

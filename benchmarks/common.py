@@ -1,12 +1,18 @@
-"""Shared pieces of the benchmarks: model shapes, model directories, copy bandwidth."""
+"""Shared pieces of the benchmarks: model shapes, model directories, copy bandwidth, and
+`ServeProcess`, the one way a script starts, waits for and stops a server."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
+import signal
+import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -161,9 +167,151 @@ def no_gpu_message(name: str) -> str:
     )
 
 
-def emit(result: dict, out: str | None) -> None:
-    text = json.dumps(result, indent=1)
+def emit(result: dict, out: str | os.PathLike | None, indent: int = 1) -> None:
+    """Print `result` as JSON and, with `out`, also write it there (parents created)."""
+    text = json.dumps(result, indent=indent)
     print(text)
     if out:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        Path(out).write_text(text)
+        Path(out).write_text(text + "\n")
+
+
+VLLM_SERVE = (sys.executable, "-m", "vllm.entrypoints.cli.main", "serve")
+_URL_LINE = re.compile(r"listening on (https?://\S+)")
+
+
+class ServeProcess:
+    """A server subprocess (by default `vllm serve ARGS`), its output in a log file.
+
+    Start-up: `ServeProcess(args, ...)` starts it; `wait_ready(timeout_s)` returns its
+    URL once it answers 200 on `/health` (or another path). Without `url` the server
+    is given `--host 127.0.0.1 --port 0` and its URL is read from the line it logs last
+    at start-up, "... listening on http://HOST:PORT" (`vllm serve` and
+    `vllm.entrypoints.disagg_proxy` both print it), so no script races for a port.
+    Stop: `stop()` sends SIGTERM (the API server drains and stops its engine core),
+    SIGKILL to the whole process group after `timeout_s`, and then SIGKILL to anything
+    of its group still alive (an engine core or worker that outlived its parent).
+
+    Args:
+        args: arguments after `command`.
+        env: environment variables over `os.environ` (PYTHONUNBUFFERED=1 is added so
+            the log is current).
+        log_path: where stdout and stderr go; the caller keeps the file. Default: a
+            temporary file that `close()` removes.
+        command: the program and its leading arguments (default: `VLLM_SERVE`).
+        url: the root URL when `args` fix the host and port themselves; None: add
+            `--host 127.0.0.1 --port 0` and read it from the log.
+        cwd: the working directory (default: the repository root).
+        new_session: run it in a session (and process group) of its own, so that
+            `stop()` reaches every process it started. False: it stays in the caller's
+            group (Ctrl-C reaches it) and only the server process itself is killed.
+
+    Attributes: `url` (once known), `startup_log` (the log when the URL line came),
+    `proc` (the `subprocess.Popen`), `log_path`.
+    """
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None,
+                 log_path: str | os.PathLike | None = None,
+                 command: list[str] | tuple[str, ...] = VLLM_SERVE, url: str | None = None,
+                 cwd: str | os.PathLike = ROOT, new_session: bool = True) -> None:
+        self._own_log = log_path is None
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix="vllm-serve-", suffix=".log")
+            os.close(fd)
+        self.log_path = str(log_path)
+        self.url = url
+        self.startup_log = ""
+        self._new_session = new_session
+        self._term_sent = False
+        port = [] if url else ["--host", "127.0.0.1", "--port", "0"]
+        with open(self.log_path, "w") as log:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(
+                [*command, *args, *port], cwd=cwd,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=new_session)
+
+    def log(self) -> str:
+        """Everything the server has written so far (stdout and stderr)."""
+        return Path(self.log_path).read_text(errors="replace")
+
+    def wait_ready(self, timeout_s: float, path: str = "/health", verify=True) -> str:
+        """Block until the server answers HTTP 200 on `path`; return its URL.
+
+        Args:
+            timeout_s: seconds for all of start-up (the URL line and the 200).
+            path: `/health`, or `/v1/models` for a server that has no /health.
+            verify: httpx's `verify` (an `ssl.SSLContext` for an HTTPS server).
+
+        Raises:
+            RuntimeError: it exited or was not ready within `timeout_s`; it is
+                stopped (`close()`), and the message ends with the last 4,000
+                characters of its log.
+        """
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise self._failed(f"exited with {self.proc.returncode} during start-up")
+            if self.url is None and (match := _URL_LINE.search(text := self.log())):
+                self.url, self.startup_log = match.group(1), text
+            if self.url is not None:
+                try:
+                    if httpx.get(self.url.rstrip("/") + path, timeout=5,
+                                 verify=verify).status_code == 200:
+                        return self.url
+                except httpx.HTTPError:
+                    pass
+            time.sleep(0.2)
+        what = "printed no URL" if self.url is None else f"never answered {path} with 200"
+        raise self._failed(f"{what} within {timeout_s:g} s")
+
+    def _failed(self, what: str) -> RuntimeError:
+        self.stop(timeout_s=10)
+        tail = self.log()[-4000:]
+        self.close()
+        kept = "" if self._own_log else f" ({self.log_path})"
+        return RuntimeError(f"{' '.join(self.proc.args[:4])} ... {what}; the end of its "
+                            f"log{kept}:\n{tail}")
+
+    def request_stop(self) -> None:
+        """SIGTERM to the server, once (a second SIGTERM is not sent by `stop()`), without
+        waiting: several servers then drain at the same time."""
+        if self.proc.poll() is None and not self._term_sent:
+            self.proc.send_signal(signal.SIGTERM)
+            self._term_sent = True
+
+    def stop(self, timeout_s: float = 60) -> int:
+        """SIGTERM (unless `request_stop` sent it), wait `timeout_s`, then SIGKILL to its
+        process group; any process left in its group is killed too. Returns the exit code
+        (negative: the signal that ended it). Safe to call again."""
+        self.request_stop()
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self._kill_group()
+            self.proc.wait(30)
+        self._kill_group()
+        return self.proc.returncode
+
+    def _kill_group(self) -> None:
+        if not self._new_session:  # its group is the caller's: the server alone
+            if self.proc.poll() is None:
+                self.proc.kill()
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # none left in it
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        """`stop()`, then remove the log if it is the temporary one."""
+        try:
+            self.stop()
+        finally:
+            if self._own_log:
+                Path(self.log_path).unlink(missing_ok=True)
+
+    def __enter__(self) -> ServeProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

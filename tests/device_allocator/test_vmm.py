@@ -12,6 +12,7 @@ import importlib
 import sys
 import types
 
+import psutil
 import pytest
 import torch
 
@@ -24,16 +25,49 @@ MiB = 1 << 20
 
 
 def rss_bytes() -> int:
-    """Resident set size of this process, from /proc/self/status."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS in /proc/self/status")
+    """Resident set size of this process (VmRSS), bytes."""
+    return psutil.Process().memory_info().rss
 
 
 def host_bytes(va: int, n: int) -> torch.Tensor:
     return torch.frombuffer((ctypes.c_uint8 * n).from_address(va), dtype=torch.uint8)
+
+
+def commit(d, size: int) -> tuple[int, object, int]:
+    """Reserve `size` bytes and map fresh pages over all of it, read-write.
+
+    Returns (va, handle, this process's RSS in bytes just before the map)."""
+    va = d.reserve(size)
+    h = d.create(size)
+    before = rss_bytes()
+    d.map(va, size, h)
+    d.set_access(va, size)
+    return va, h, before
+
+
+def remap_reads_zero_then_free(d, va: int, size: int, h) -> None:
+    """After `d.unmap(va, size)`: release `h`, map fresh pages at the same address and
+    check they read zero (nothing of the old contents survives), then free it all."""
+    d.release(h)
+    h2 = d.create(size)
+    d.map(va, size, h2)
+    assert int(host_bytes(va, size).count_nonzero()) == 0
+    d.unmap(va, size)
+    d.release(h2)
+    d.free_reservation(va, size)
+
+
+def full_cycle(d, size: int) -> tuple[int, object]:
+    """Every driver call once, in the order the KV cache makes them; (va, handle)."""
+    va = d.reserve(size)
+    h = d.create(size)
+    d.map(va, size, h)
+    d.set_access(va, size)
+    d.synchronize()
+    d.unmap(va, size)
+    d.release(h)
+    d.free_reservation(va, size)
+    return va, h
 
 
 # --------------------------------------------------------------------- host
@@ -64,11 +98,7 @@ def test_host_map_makes_pages_resident_reads_zero_and_unmap_drops_pages(madvise)
     d = HostVmmDriver()
     d.populate_with_madvise = madvise  # False: the pre-5.14 fallback (memset)
     size = 64 * MiB
-    va = d.reserve(size)
-    h = d.create(size)
-    base_rss = rss_bytes()
-    d.map(va, size, h)
-    d.set_access(va, size)
+    va, h, base_rss = commit(d, size)
     assert rss_bytes() - base_rss >= 0.9 * size  # resident on commit, untouched
     view = host_bytes(va, size)
     assert int(view.count_nonzero()) == 0  # fresh pages read zero
@@ -76,13 +106,7 @@ def test_host_map_makes_pages_resident_reads_zero_and_unmap_drops_pages(madvise)
     touched = rss_bytes()
     d.unmap(va, size)
     assert touched - rss_bytes() >= 0.9 * size  # MADV_DONTNEED dropped them
-    d.release(h)
-    h2 = d.create(size)
-    d.map(va, size, h2)
-    assert int(host_bytes(va, size).count_nonzero()) == 0  # remapped: zero again
-    d.unmap(va, size)
-    d.release(h2)
-    d.free_reservation(va, size)
+    remap_reads_zero_then_free(d, va, size, h)
     assert (d.num_mappings, d.num_reservations) == (0, 0)
 
 
@@ -90,11 +114,7 @@ def test_host_map_without_prefault_costs_only_the_pages_written():
     # Issue 48: the CPU's static KV cache commits lazily; a page is resident once written.
     d = HostVmmDriver(prefault=False)
     size = 64 * MiB
-    va = d.reserve(size)
-    h = d.create(size)
-    base_rss = rss_bytes()
-    d.map(va, size, h)
-    d.set_access(va, size)
+    va, h, base_rss = commit(d, size)
     assert rss_bytes() - base_rss < 4 * MiB  # committed, not resident
     view = host_bytes(va, size)
     view[: 8 * MiB].fill_(0xAB)
@@ -103,13 +123,8 @@ def test_host_map_without_prefault_costs_only_the_pages_written():
     assert int(view[8 * MiB:].count_nonzero()) == 0  # unwritten pages read zero
     d.unmap(va, size)
     assert rss_bytes() - base_rss < 4 * MiB  # MADV_DONTNEED dropped what was written
-    d.release(h)
-    h2 = d.create(size)
-    d.map(va, size, h2)
-    assert int(host_bytes(va, size).count_nonzero()) == 0  # remapped: zero again
-    d.unmap(va, size)
-    d.release(h2)
-    d.free_reservation(va, size)
+    remap_reads_zero_then_free(d, va, size, h)
+    assert (d.num_mappings, d.num_reservations) == (0, 0)
 
 
 def test_the_cpu_platform_commits_a_fixed_kv_cache_lazily_and_an_elastic_one_at_once():
@@ -346,14 +361,7 @@ def test_cuda_driver_call_sequence_against_real_bindings(fake_cuda):
     assert [int(a[0]) for n, a in fake_cuda.calls if n == "cuDeviceGet"] == [1]
     fake_cuda.calls.clear()
     size = 8 * MiB
-    va = d.reserve(size)
-    h = d.create(size)
-    d.map(va, size, h)
-    d.set_access(va, size)
-    d.synchronize()
-    d.unmap(va, size)
-    d.release(h)
-    d.free_reservation(va, size)
+    va, h = full_cycle(d, size)
     mem_calls = [(n, a) for n, a in fake_cuda.calls if n.startswith("cuMem") or n == "cuCtxSync"
                  or n == "cuCtxSynchronize"]
     assert [n for n, _ in mem_calls] == [
@@ -486,15 +494,8 @@ def test_hip_driver_calls_and_granularity_floor(monkeypatch):
     assert (d._prop.type, d._prop.location.type, d._prop.location.id) == ("PINNED", "DEV", 1)
     assert d._access.flags == "RW"
     fake.calls.clear()
-    va = d.reserve(4 * MiB)
+    va, h = full_cycle(d, 4 * MiB)
     assert va == 1 << 44
-    h = d.create(4 * MiB)
-    d.map(va, 4 * MiB, h)
-    d.set_access(va, 4 * MiB)
-    d.synchronize()
-    d.unmap(va, 4 * MiB)
-    d.release(h)
-    d.free_reservation(va, 4 * MiB)
     assert fake.calls == [
         ("hipMemAddressReserve", (4 * MiB, 2 * MiB, None, 0)),
         ("hipMemCreate", (4 * MiB, d._prop, 0)),

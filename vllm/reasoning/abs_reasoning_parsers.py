@@ -14,35 +14,21 @@ it (`enable_thinking: false`) decides it before the model writes anything.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from importlib import import_module
 from typing import ClassVar
 
-# name -> "module:Class", imported on first use (the CLI checks names without importing).
-_PARSERS = {
-    "deepseek_r1": "vllm.reasoning.deepseek_r1_reasoning_parser:DeepSeekR1ReasoningParser",
-    "qwen3": "vllm.reasoning.qwen3_reasoning_parser:Qwen3ReasoningParser",
-}
+from vllm.utils.lazy_registry import LazyRegistry
 
 
 class ReasoningParserManager:
-    """The registry of reasoning parsers by `--reasoning-parser` name."""
+    """The registry of reasoning parsers by `--reasoning-parser` name (vLLM's name);
+    imported on first use, so the CLI checks names without importing parsers."""
 
-    @staticmethod
-    def names() -> list[str]:
-        return sorted(_PARSERS)
-
-    @staticmethod
-    def get_reasoning_parser(name: str) -> type[ReasoningParser]:
-        """The parser class registered as `name`.
-
-        Raises:
-            KeyError: no parser of that name (the message lists the names).
-        """
-        if name not in _PARSERS:
-            raise KeyError(f"unknown reasoning parser {name!r}; choose from "
-                           f"{', '.join(ReasoningParserManager.names())}")
-        module, cls = _PARSERS[name].split(":")
-        return getattr(import_module(module), cls)
+    registry: LazyRegistry[ReasoningParser] = LazyRegistry("reasoning parser", {
+        "deepseek_r1": "vllm.reasoning.deepseek_r1_reasoning_parser:DeepSeekR1ReasoningParser",
+        "qwen3": "vllm.reasoning.qwen3_reasoning_parser:Qwen3ReasoningParser",
+    })
+    names = staticmethod(registry.names)
+    get_reasoning_parser = staticmethod(registry.get)  # KeyError lists the names
 
 
 @dataclass

@@ -2,23 +2,23 @@
 
 The server is started with `--port 0`; its URL is read from the log line the
 server prints last at start-up ("... listening on http://HOST:PORT"), so
-tests never race for a free port.
+tests never race for a free port. Starting, waiting and stopping are
+`benchmarks/common.py`'s `ServeProcess` (the benchmarks start their servers the
+same way); this adds the tests' defaults and clients.
 """
 
 from __future__ import annotations
 
 import os
-import re
-import signal
 import socket
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import httpx
 import openai
+
+from benchmarks.common import VLLM_SERVE, ServeProcess
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -33,20 +33,20 @@ DEFAULT_SERVER_ARGS = [
     "--max-num-batched-tokens", "128", "--kv-cache-memory-bytes", "256MiB",
     "--uvicorn-log-level", "warning", "--disable-log-stats",
 ]
-_URL_LINE = re.compile(r"listening on (https?://\S+)")
-# Model load + KV cache sizing + warmup on 2 shared CPU cores.
-_START_TIMEOUT_S = 300
+# Model load + KV cache sizing + warmup on 2 shared CPU cores, then /health.
+_START_TIMEOUT_S = 330
 
 
-class RemoteServer:
+class RemoteServer(ServeProcess):
     """Start `python -m vllm.entrypoints.cli.main serve ARGS` and wait until /health is 200.
 
     Args:
-        args: arguments after `serve` (`--port 0` is added).
-        env: extra environment variables.
+        args: arguments after `serve` (`--host 127.0.0.1 --port 0` are added).
+        env: extra environment variables (PYTHONPATH starts with the repository root).
         launcher: the script to run instead of the CLI module (fault injection).
         new_session: start it in a session (and process group) of its own, as a
             service manager does; `signal_group` then signals every process in it.
+            By default it shares pytest's group.
         verify: httpx's `verify` for an HTTPS server (an `ssl.SSLContext` trusting
             its certificate).
 
@@ -58,25 +58,14 @@ class RemoteServer:
     def __init__(self, args: list[str], env: dict[str, str] | None = None,
                  launcher: str | None = None, new_session: bool = False,
                  verify=True) -> None:
-        self.verify = verify
-        self.log_file = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the server
-            prefix="vllm-serve-", suffix=".log", delete=False)
         path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
-        full_env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **(env or {})}
-        entry = [launcher] if launcher else ["-m", "vllm.entrypoints.cli.main"]
-        self.proc = subprocess.Popen(
-            [sys.executable, *entry, "serve", *args, "--host", "127.0.0.1", "--port", "0"],
-            cwd=REPO_ROOT, env=full_env, stdout=self.log_file, stderr=subprocess.STDOUT,
-            start_new_session=new_session,
-        )
-        self.url = self._wait_for_url()
-        self.startup_log = self.log()
-        self._wait_for_health()
+        command = [sys.executable, launcher, "serve"] if launcher else VLLM_SERVE
+        super().__init__(args, env={"PYTHONPATH": path, **(env or {})}, command=command,
+                         cwd=REPO_ROOT, new_session=new_session)
+        self.verify = verify
+        self.wait_ready(_START_TIMEOUT_S, verify=verify)
 
     # ---------------------------------------------------------------- helpers
-    def log(self) -> str:
-        return Path(self.log_file.name).read_text(errors="replace")
-
     def url_for(self, *parts: str) -> str:
         return "/".join([self.url.rstrip("/"), *[p.strip("/") for p in parts]])
 
@@ -92,66 +81,33 @@ class RemoteServer:
         return openai.AsyncOpenAI(base_url=self.url_for("v1"), api_key=api_key, max_retries=0,
                                   timeout=120, **kwargs)
 
-    def _fail(self, what: str) -> RuntimeError:
-        self.kill()
-        return RuntimeError(f"vllm serve {what}; log tail:\n{self.log()[-4000:]}")
-
-    def _wait_for_url(self) -> str:
-        deadline = time.monotonic() + _START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            match = _URL_LINE.search(self.log())
-            if match:
-                return match.group(1)
-            if self.proc.poll() is not None:
-                raise self._fail(f"exited with {self.proc.returncode} during start-up")
-            time.sleep(0.2)
-        raise self._fail(f"printed no URL within {_START_TIMEOUT_S} s")
-
-    def _wait_for_health(self) -> None:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url_for("health"), timeout=5,
-                             verify=self.verify).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise self._fail("never answered /health with 200")
-
     # ---------------------------------------------------------------- stopping
     def terminate(self, timeout: float = 60) -> int:
-        """SIGTERM, wait, return the exit code (kills it if it hangs)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+        """SIGTERM, wait, return the exit code (kills it if it hangs and raises
+        `subprocess.TimeoutExpired`, so a hang fails the test)."""
+        self.request_stop()
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            self.kill()
+            self.stop(timeout_s=0)
             raise
+
+    def close(self) -> None:
+        """`terminate()` (a hang fails the test), then remove the log."""
+        try:
+            self.terminate()
+        finally:
+            super().close()
 
     def signal_group(self, sig: int) -> None:
         """`kill -- -PGID`: `sig` to every process of the server's group (`new_session`)."""
         os.killpg(self.proc.pid, sig)
 
     def kill(self) -> None:
+        """SIGKILL to the server process alone (what a crash looks like to its children)."""
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(30)
-
-    def close(self) -> None:
-        try:
-            self.terminate()
-        finally:
-            self.kill()
-            self.log_file.close()
-            os.unlink(self.log_file.name)
-
-    def __enter__(self) -> RemoteServer:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:

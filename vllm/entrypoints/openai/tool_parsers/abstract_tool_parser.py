@@ -13,39 +13,25 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from importlib import import_module
 from typing import TYPE_CHECKING, Any
+
+from vllm.utils.lazy_registry import LazyRegistry
 
 if TYPE_CHECKING:  # imported when used: the CLI reads the names without pydantic models
     from vllm.entrypoints.openai.protocol import ToolCall
 
-# name -> "module:Class", imported on first use (the CLI checks names without importing).
-_PARSERS = {
-    "hermes": "vllm.entrypoints.openai.tool_parsers.hermes_tool_parser:Hermes2ProToolParser",
-    "llama3_json": "vllm.entrypoints.openai.tool_parsers.llama_tool_parser:"
-                   "Llama3JsonToolParser",
-}
-
-
 class ToolParserManager:
-    """The registry of tool-call parsers by `--tool-call-parser` name."""
+    """The registry of tool-call parsers by `--tool-call-parser` name (vLLM's name);
+    imported on first use, so the CLI reads the names without pydantic models."""
 
-    @staticmethod
-    def names() -> list[str]:
-        return sorted(_PARSERS)
-
-    @staticmethod
-    def get_tool_parser(name: str) -> type[ToolParser]:
-        """The parser class registered as `name`.
-
-        Raises:
-            KeyError: no parser of that name (the message lists the names).
-        """
-        if name not in _PARSERS:
-            raise KeyError(f"unknown tool call parser {name!r}; choose from "
-                           f"{', '.join(ToolParserManager.names())}")
-        module, cls = _PARSERS[name].split(":")
-        return getattr(import_module(module), cls)
+    registry: LazyRegistry[ToolParser] = LazyRegistry("tool call parser", {
+        "hermes": "vllm.entrypoints.openai.tool_parsers.hermes_tool_parser:"
+                  "Hermes2ProToolParser",
+        "llama3_json": "vllm.entrypoints.openai.tool_parsers.llama_tool_parser:"
+                       "Llama3JsonToolParser",
+    })
+    names = staticmethod(registry.names)
+    get_tool_parser = staticmethod(registry.get)  # KeyError lists the names
 
 
 @dataclass
