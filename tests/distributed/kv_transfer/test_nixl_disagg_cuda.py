@@ -12,7 +12,7 @@ import re
 import httpx
 import pytest
 
-from benchmarks.benchmark_disagg import _start_proxy
+from benchmarks.benchmark_disagg import PROXY, _serve
 from benchmarks.common import model_dir_for
 from tests.entrypoints.openai.utils import RemoteServer
 
@@ -50,12 +50,8 @@ def test_1p1d_on_one_gpu_equals_one_instance():
         reference = _greedy(single.url)
     with RemoteServer(_args("kv_producer")) as prefill, \
             RemoteServer(_args("kv_consumer")) as decode:
-        proxy, url = _start_proxy([prefill.url], [decode.url])
-        try:
-            assert _greedy(url) == reference
-        finally:
-            proxy.kill()
-            proxy.wait(30)
+        with _serve(["--prefill", prefill.url, "--decode", decode.url], command=PROXY) as proxy:
+            assert _greedy(proxy.url) == reference
         for server in (prefill, decode):
             log = server.startup_log
             # One physical allocation per registered segment (UCX cannot span several).
