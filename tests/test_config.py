@@ -420,8 +420,12 @@ def test_cudagraph_sizes_resolution(tiny_model):
 
 def test_cudagraph_mode_and_mixed_sizes():
     # Issue 50: steps with prefill chunks replay graphs per token bucket, capped at
-    # the step's token budget; vLLM's mode names turn them (or all graphs) off.
+    # the step's token budget; vLLM's mode names turn them (or all graphs) on and off.
+    # The default stays decode-only until the mixed graphs have run on a GPU.
     c = CompilationConfig()
+    c.resolve(max_num_seqs=8, graphs_supported=True, max_num_batched_tokens=100)
+    assert c.cudagraph_mode == "FULL_DECODE_ONLY" and c.mixed_capture_sizes == []
+    c = CompilationConfig(cudagraph_mode="FULL")
     c.resolve(max_num_seqs=8, graphs_supported=True, max_num_batched_tokens=100)
     assert c.cudagraph_mode == "FULL" and c.mixed_capture_sizes == [16, 32, 64]
     assert c.decode_capture_sizes == [1, 2, 4, 8]
@@ -435,7 +439,7 @@ def test_cudagraph_mode_and_mixed_sizes():
     c = CompilationConfig(cudagraph_mode="NONE")
     c.resolve(max_num_seqs=8, graphs_supported=True, max_num_batched_tokens=8192)
     assert not c.use_cudagraph and c.mixed_capture_sizes == [] == c.decode_capture_sizes
-    for off in (CompilationConfig(enforce_eager=True), CompilationConfig()):
+    for off in (CompilationConfig(enforce_eager=True), CompilationConfig(cudagraph_mode="FULL")):
         off.resolve(max_num_seqs=8, graphs_supported=off.enforce_eager, max_num_batched_tokens=64)
         assert off.mixed_capture_sizes == []  # eager, or a platform without graphs (CPU)
     with pytest.raises(ValueError, match=r"cudagraph_mode must be one of .*use FULL"):

@@ -47,10 +47,11 @@ class CompilationConfig(FrozenConfig):
             ascending; None = `default_cudagraph_capture_sizes(max_num_seqs)`.
             Sizes above max_num_seqs are dropped with a warning. Resolved even
             where graphs are off, as the decode sizes warmup runs.
-        cudagraph_mode: vLLM's names: "FULL" (default: decode batches and
-            mixed batches of up to 256 tokens replay whole-step graphs),
+        cudagraph_mode: vLLM's names: "FULL" (decode batches and mixed
+            batches of up to 256 tokens replay whole-step graphs),
             "FULL_AND_PIECEWISE" (the same here, see `CUDAGRAPH_MODES`),
-            "FULL_DECODE_ONLY" (decode batches only), "NONE" (as enforce_eager).
+            "FULL_DECODE_ONLY" (the default until the mixed graphs have run on
+            a GPU: decode batches only), "NONE" (as enforce_eager).
         use_cudagraph: resolved: graphs are captured (not enforce_eager, mode not
             NONE, and the platform supports them). Not an argument.
         mixed_capture_sizes: resolved: token counts of the mixed-batch graphs,
@@ -64,7 +65,7 @@ class CompilationConfig(FrozenConfig):
 
     enforce_eager: bool = False
     cudagraph_capture_sizes: list[int] | None = None
-    cudagraph_mode: str = "FULL"
+    cudagraph_mode: str = "FULL_DECODE_ONLY"
     use_cudagraph: bool = field(init=False, default=False)
     mixed_capture_sizes: list[int] = field(init=False, default_factory=list)
 

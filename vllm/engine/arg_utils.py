@@ -424,8 +424,8 @@ def _add_execution_args(g: argparse._ArgumentGroup) -> None:
                    help="Never capture CUDA graphs (default: off).")
     _add_json_config_arg(g, "-O", "--compilation-config", parse=_compilation_config_from_cli,
                          help_text='JSON, e.g. \'{"cudagraph_capture_sizes": [1, 2, 4, 8]}\' '
-                                   "(default: decode batch sizes up to --max-num-seqs and mixed "
-                                   "steps up to 256 tokens; cudagraph_mode as vLLM's).")
+                                   "(default: decode batch sizes up to --max-num-seqs; "
+                                   "cudagraph_mode FULL adds mixed steps up to 256 tokens).")
     g.add_argument("-tp", "--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
                    help="Devices (ranks) to shard the model over; each rank is a process "
                         "with its own KV cache (default: %(default)s).")

@@ -24,6 +24,8 @@ from vllm import LLM, SamplingParams
 from vllm.config.compilation import MIXED_CAPTURE_SIZES
 from vllm.v1.worker.cuda_graph import CUDAGraphManager
 
+FULL = {"cudagraph_mode": "FULL"}  # opt-in (the default is FULL_DECODE_ONLY for now)
+
 pytestmark = pytest.mark.cuda
 
 # Lengths 1..300: every bucket, and one prompt above the largest (eager).
@@ -82,7 +84,7 @@ def test_mixed_graphs_match_eager_steps(tiny_dir):
     _shutdown(eager)
 
     before = CUDAGraphManager.num_captures
-    llm = LLM(str(tiny_dir), **common)
+    llm = LLM(str(tiny_dir), compilation_config=FULL, **common)
     runner = _runner(llm)
     captured = CUDAGraphManager.num_captures - before
     assert runner.mixed.graphs.capture_sizes == list(MIXED_CAPTURE_SIZES)
@@ -113,7 +115,7 @@ def test_mixed_graph_writes_the_grown_cache(tmp_path):
     _shutdown(eager)
 
     before = CUDAGraphManager.num_captures
-    llm = LLM(str(model_dir), **common)
+    llm = LLM(str(model_dir), compilation_config=FULL, **common)
     captured = CUDAGraphManager.num_captures - before
     worker = llm.llm_engine.engine_core.worker
     # Grown after the capture (to what 8 x 1024 tokens can use: ~513 blocks).
