@@ -49,6 +49,14 @@ def _assert_still_serving(server, reference_text: str) -> None:
     assert httpx.get(server.url_for("health")).status_code == 200
 
 
+def _nested_schema(depth: int) -> dict:
+    """An object schema whose property nests `depth` objects deep."""
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
 BAD_REQUESTS = [
     # (endpoint, overrides, status, param)
     ("completions", {"max_tokens": 0}, 400, "max_tokens"),
@@ -90,6 +98,12 @@ BAD_REQUESTS = [
                           ("response_format", {"type": "json_schema", "json_schema": {
                               "name": "x", "schema": {"type": "object", "minProperties": "x"}}}),
                           ("response_format", {"type": "xml"})]],
+    # A schema nested deeper than structured outputs take (a 500 from a RecursionError
+    # before): a 400 naming the field.
+    *[(endpoint, {"structured_outputs": {"json": _nested_schema(300)}}, 400,
+       "structured_outputs") for endpoint in ("completions", "chat/completions")],
+    ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": _nested_schema(300)}}}, 400, "response_format"),
     ("completions", {"guided_regex": "a+", "guided_decoding_backend": "outlines"}, 400,
      "guided_decoding_backend"),
     ("completions", {"guided_regex": "a+", "guided_whitespace_pattern": " "}, 400,
