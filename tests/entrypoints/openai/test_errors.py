@@ -132,7 +132,8 @@ BAD_REQUESTS = [
       for name, value in [("allowed_token_ids", []), ("allowed_token_ids", [10**9]),
                           ("bad_words", [" "]),
                           ("bad_words", "Paris"), ("truncate_prompt_tokens", 0),
-                          ("truncate_prompt_tokens", -2)]],
+                          ("truncate_prompt_tokens", -2),
+                          ("truncate_prompt_tokens", MAX_MODEL_LEN + 1)]],
     ("completions", {"allowed_token_ids": ["a"]}, 400, "allowed_token_ids.0"),  # the type
     ("chat/completions", {"chat_template_kwargs": 5}, 400, "chat_template_kwargs"),
     ("chat/completions", {"chat_template_kwargs": {"tokenize": True}}, 400,
