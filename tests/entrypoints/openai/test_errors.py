@@ -134,6 +134,9 @@ BAD_REQUESTS = [
                           ("bad_words", "Paris"), ("truncate_prompt_tokens", 0),
                           ("truncate_prompt_tokens", -2),
                           ("truncate_prompt_tokens", MAX_MODEL_LEN + 1)]],
+    # As vLLM: continuing the final message and opening a new one exclude each other
+    # (add_generation_prompt defaults to true); before, one was silently dropped.
+    ("chat/completions", {"continue_final_message": True}, 400, "continue_final_message"),
     ("completions", {"allowed_token_ids": ["a"]}, 400, "allowed_token_ids.0"),  # the type
     ("chat/completions", {"chat_template_kwargs": 5}, 400, "chat_template_kwargs"),
     ("chat/completions", {"chat_template_kwargs": {"tokenize": True}}, 400,
