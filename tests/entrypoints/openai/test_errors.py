@@ -99,9 +99,11 @@ BAD_REQUESTS = [
                               "name": "x", "schema": {"type": "object", "minProperties": "x"}}}),
                           ("response_format", {"type": "xml"})]],
     # A schema nested deeper than structured outputs take (a 500 from a RecursionError
-    # before): a 400 naming the field.
-    *[(endpoint, {"structured_outputs": {"json": _nested_schema(300)}}, 400,
-       "structured_outputs") for endpoint in ("completions", "chat/completions")],
+    # before), and one llguidance parses but no output can satisfy, found only when the
+    # engine compiles it (a 502 before): both 400s naming the field.
+    *[(endpoint, {"structured_outputs": {"json": schema}}, 400, "structured_outputs")
+      for endpoint in ("completions", "chat/completions")
+      for schema in (_nested_schema(300), {"$ref": "#"})],
     ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": _nested_schema(300)}}}, 400, "response_format"),
     ("completions", {"guided_regex": "a+", "guided_decoding_backend": "outlines"}, 400,
