@@ -120,6 +120,9 @@ BAD_REQUESTS = [
     ("chat/completions", {"tools": [{"type": "function"}], "tool_choice": "none"}, 400,
      "tools.0.function"),
     ("chat/completions", {"tool_choice": "required"}, 400, "tool_choice"),
+    ("chat/completions", {"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": _nested_schema(300)}}], "tool_choice": "required"}, 400,
+     "tools"),
     ("chat/completions", {"functions": [{"name": "f"}]}, 400, "functions"),
     # vLLM's other request extras that are not implemented: refused when they ask for
     # something (a 200 would have ignored them).
