@@ -211,7 +211,8 @@ class SamplingParams:
         stop_token_ids: token ids that end generation (kept in the output token ids).
         ignore_eos: keep generating after EOS.
         max_tokens: most tokens to generate (>= 1), or None for "up to max_model_len".
-        min_tokens: EOS and stop tokens are masked until this many are generated.
+        min_tokens: EOS and stop tokens are masked until this many tokens are
+            generated; a stop string ends only an output longer than this (vLLM's rule).
         logprobs: return this many top logprobs per generated token (plus the
             sampled token's), >= 0, or -1 for the whole vocabulary; None = no
             logprobs. The engine caps it at its `max_logprobs` (default 20).
