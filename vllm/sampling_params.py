@@ -35,6 +35,10 @@ MAX_LOGPROBS = 20
 _MAX_ABS_LOGIT_BIAS = 100.0
 # torch.Generator.manual_seed accepts exactly this range.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+# The deepest nesting of objects / arrays a constraint given as a dict may have (a schema
+# object nests two per level: itself and its "properties"). Copying, pickling and the
+# backends' parsers recurse per level; far deeper values hit Python's recursion limit.
+MAX_CONSTRAINT_DEPTH = 128
 
 
 # The kinds of constraint one StructuredOutputsParams holds (exactly one is set).
@@ -66,7 +70,8 @@ class StructuredOutputsParams:
             pattern, so only None is allowed.
 
     Raises:
-        VLLMValidationError: none or several constraints, or a field of the wrong type.
+        VLLMValidationError: none or several constraints, a field of the wrong type, or
+            a dict (schema, structural tag) nested more than MAX_CONSTRAINT_DEPTH deep.
     """
 
     json: str | dict | None = None
@@ -95,6 +100,10 @@ class StructuredOutputsParams:
                 t.__name__ for t in allowed)
             raise VLLMValidationError(f"structured_outputs.{kind} must be {what}, got "
                                       f"{value!r:.80}", parameter=kind, value=value)
+        if isinstance(value, dict) and _nesting_depth(value) > MAX_CONSTRAINT_DEPTH:
+            raise VLLMValidationError(
+                f"structured_outputs.{kind} nests objects / arrays more than "
+                f"{MAX_CONSTRAINT_DEPTH} levels deep", parameter=kind)
         if self.whitespace_pattern is not None:
             raise VLLMValidationError(
                 "whitespace_pattern is not supported by the xgrammar backend; use "
@@ -202,7 +211,8 @@ class SamplingParams:
         stop_token_ids: token ids that end generation (kept in the output token ids).
         ignore_eos: keep generating after EOS.
         max_tokens: most tokens to generate (>= 1), or None for "up to max_model_len".
-        min_tokens: EOS and stop tokens are masked until this many are generated.
+        min_tokens: EOS and stop tokens are masked until this many tokens are
+            generated; a stop string ends only an output longer than this (vLLM's rule).
         logprobs: return this many top logprobs per generated token (plus the
             sampled token's), >= 0, or -1 for the whole vocabulary; None = no
             logprobs. The engine caps it at its `max_logprobs` (default 20).
@@ -471,6 +481,17 @@ class SamplingParams:
     def clone(self) -> SamplingParams:
         """An independent copy (lists, dicts and the stop set are not shared)."""
         return copy.deepcopy(self)
+
+
+def _nesting_depth(value: Any) -> int:
+    """How many dicts / lists deep `value` nests (1: a flat dict), without recursion."""
+    depth, level = 0, [value]
+    while level:
+        depth += 1
+        level = [child for node in level
+                 for child in (node.values() if isinstance(node, dict) else node)
+                 if isinstance(child, dict | list)]
+    return depth
 
 
 def validate_request_lengths(

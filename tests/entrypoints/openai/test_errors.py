@@ -49,6 +49,14 @@ def _assert_still_serving(server, reference_text: str) -> None:
     assert httpx.get(server.url_for("health")).status_code == 200
 
 
+def _nested_schema(depth: int) -> dict:
+    """An object schema whose property nests `depth` objects deep."""
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
 BAD_REQUESTS = [
     # (endpoint, overrides, status, param)
     ("completions", {"max_tokens": 0}, 400, "max_tokens"),
@@ -90,6 +98,14 @@ BAD_REQUESTS = [
                           ("response_format", {"type": "json_schema", "json_schema": {
                               "name": "x", "schema": {"type": "object", "minProperties": "x"}}}),
                           ("response_format", {"type": "xml"})]],
+    # A schema nested deeper than structured outputs take (a 500 from a RecursionError
+    # before), and one llguidance parses but no output can satisfy, found only when the
+    # engine compiles it (a 502 before): both 400s naming the field.
+    *[(endpoint, {"structured_outputs": {"json": schema}}, 400, "structured_outputs")
+      for endpoint in ("completions", "chat/completions")
+      for schema in (_nested_schema(300), {"$ref": "#"})],
+    ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": _nested_schema(300)}}}, 400, "response_format"),
     ("completions", {"guided_regex": "a+", "guided_decoding_backend": "outlines"}, 400,
      "guided_decoding_backend"),
     ("completions", {"guided_regex": "a+", "guided_whitespace_pattern": " "}, 400,
@@ -104,6 +120,9 @@ BAD_REQUESTS = [
     ("chat/completions", {"tools": [{"type": "function"}], "tool_choice": "none"}, 400,
      "tools.0.function"),
     ("chat/completions", {"tool_choice": "required"}, 400, "tool_choice"),
+    ("chat/completions", {"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": _nested_schema(300)}}], "tool_choice": "required"}, 400,
+     "tools"),
     ("chat/completions", {"functions": [{"name": "f"}]}, 400, "functions"),
     # vLLM's other request extras that are not implemented: refused when they ask for
     # something (a 200 would have ignored them).
@@ -118,7 +137,11 @@ BAD_REQUESTS = [
       for name, value in [("allowed_token_ids", []), ("allowed_token_ids", [10**9]),
                           ("bad_words", [" "]),
                           ("bad_words", "Paris"), ("truncate_prompt_tokens", 0),
-                          ("truncate_prompt_tokens", -2)]],
+                          ("truncate_prompt_tokens", -2),
+                          ("truncate_prompt_tokens", MAX_MODEL_LEN + 1)]],
+    # As vLLM: continuing the final message and opening a new one exclude each other
+    # (add_generation_prompt defaults to true); before, one was silently dropped.
+    ("chat/completions", {"continue_final_message": True}, 400, "continue_final_message"),
     ("completions", {"allowed_token_ids": ["a"]}, 400, "allowed_token_ids.0"),  # the type
     ("chat/completions", {"chat_template_kwargs": 5}, 400, "chat_template_kwargs"),
     ("chat/completions", {"chat_template_kwargs": {"tokenize": True}}, 400,

@@ -102,3 +102,17 @@ def test_streamed_deltas_end_at_the_stop_string(tokenizer):
     assert "".join(o.outputs[0].text for o in outs) == " three "
     assert sum(len(o.outputs[0].token_ids) for o in outs) == 3  # usage.completion_tokens
     assert outs[-1].finished and outs[-1].outputs[0].stop_reason == "four one"
+
+
+def test_stop_string_within_min_tokens_does_not_stop(tokenizer):
+    """As vLLM: stop strings are checked once the output has more than min_tokens tokens
+    (min_tokens holds back EOS, stop tokens and stop strings alike)."""
+    words = [_ids(tokenizer, w) for w in (" one", " two", " one", " two")]
+    assert all(len(w) == 1 for w in words)
+    params = SamplingParams(max_tokens=20, stop=["two"], min_tokens=2)
+    outs, aborts, _ = _run(tokenizer, params, [dict(new_token_ids=w) for w in words])
+    c = outs[-1].outputs[0]
+    assert aborts == ["r"]
+    assert c.text == " one two one "  # the first "two" is the 2nd token: not a stop yet
+    assert (c.finish_reason, c.stop_reason) == ("stop", "two")
+    assert len(c.token_ids) == 4

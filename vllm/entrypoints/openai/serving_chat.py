@@ -187,9 +187,9 @@ class OpenAIServingChat(OpenAIServing):
                                     request.parallel_tool_calls)
         structured = None
         if schema is not None:
-            structured = StructuredOutputsParams(json=schema)
             try:
-                validate_structured_outputs(structured)
+                structured = StructuredOutputsParams(json=schema)
+                validate_structured_outputs(structured, self.structured_outputs_backend)
             except ValueError as e:
                 raise APIError(400, f"the tools' parameters cannot be enforced: {e}",
                                "tools") from e

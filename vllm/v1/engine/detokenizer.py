@@ -5,8 +5,9 @@ holds back bytes until they form valid UTF-8 (a multi-byte character split over
 tokens never shows up as U+FFFD). Slow (pure-Python) tokenizers fall back to
 decoding the whole output each step.
 
-Stop strings are matched here, not in the scheduler (which never sees text):
-when one appears the text is cut before it (or after it with
+Stop strings are matched here, not in the scheduler (which never sees text),
+once the output has more than `min_tokens` tokens (vLLM's rule): when one
+appears the text is cut before it (or after it with
 `include_stop_str_in_output`), and the engine aborts the request in the core
 with FINISHED_STOPPED. They are checked token by token, so when a step brings
 several tokens (accepted drafts) the output ends at the token that completes
@@ -98,7 +99,9 @@ class IncrementalDetokenizer:
                     skip_special_tokens=self.params.skip_special_tokens,
                     spaces_between_special_tokens=self.params.spaces_between_special_tokens,
                 )
-            stop = self._check_stop_strings(start)
+            # As vLLM: no stop string ends an output of min_tokens tokens or fewer.
+            stop = (self._check_stop_strings(start)
+                    if len(self.token_ids) > self.params.min_tokens else None)
             if stop is not None:
                 # Ends here: the later tokens (a stop token / EOS included) are not output.
                 return stop, i + 1

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from vllm.exceptions import VLLMValidationError
 from vllm.logger import init_logger
 from vllm.logprobs import Logprob
 from vllm.outputs import CompletionOutput, RequestOutput
@@ -161,7 +162,7 @@ class OutputProcessor:
             state.num_cached_tokens = out.num_cached_tokens
             if out.error is not None:
                 self._update_timing(state, out, len(out.new_token_ids), now, stats)
-                self._fail(state, out.error)
+                self._fail(state, out.error, out.error_param)
                 continue
             if out.kv_transfer_params is not None:
                 state.kv_transfer_params = out.kv_transfer_params
@@ -203,14 +204,17 @@ class OutputProcessor:
         return OutputProcessorOutput(request_outputs, reqs_to_abort, stats)
 
     # ---------------------------------------------------------------- helpers
-    def _fail(self, state: RequestState, error: str) -> None:
-        """A request the core failed on its own (its KV transfer): the stream gets the error.
+    def _fail(self, state: RequestState, error: str, param: str | None = None) -> None:
+        """A request the core failed on its own: the stream gets the error, a
+        `VLLMValidationError` naming `param` (its grammar did not compile: HTTP 400),
+        else a `KVTransferError` (its KV transfer failed: 502).
 
         The offline `LLM` has no stream: it logs and drops the request.
         """
         del self.states[state.request_id]
         if state.queue is not None:
-            state.queue.put_nowait(KVTransferError(error))
+            state.queue.put_nowait(KVTransferError(error) if param is None
+                                   else VLLMValidationError(error, parameter=param))
         else:
             logger.error("request %s failed: %s", state.request_id, error)
 

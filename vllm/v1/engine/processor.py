@@ -190,6 +190,7 @@ class Processor:
 
         Raises:
             VLLMValidationError (parameter "n"): naming n and max_num_seqs.
+            VLLMValidationError (parameter "truncate_prompt_tokens"): above max_model_len.
             VLLMValidationError (parameter "logprobs" / "prompt_logprobs"): more
                 than `max_logprobs` (vLLM's message).
             VLLMValidationError (parameter "kv_transfer_params"): malformed, or
@@ -216,6 +217,12 @@ class Processor:
                 "sequences this engine runs at once; ask for fewer samples per request",
                 parameter="n",
             )
+        keep = params.truncate_prompt_tokens
+        if keep is not None and keep > self.max_model_len:  # vLLM refuses it too
+            raise VLLMValidationError(
+                f"truncate_prompt_tokens ({keep}) must be <= max_model_len "
+                f"({self.max_model_len}); -1 keeps the last max_model_len tokens",
+                parameter="truncate_prompt_tokens")
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, prompt token ids).

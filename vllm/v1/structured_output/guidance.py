@@ -170,10 +170,10 @@ class GuidanceGrammar:
         # (seconds, the first time in a process): here, in the compile pool, not on a step.
         GuidanceMatcher(self._template, self.stop_token_ids).fill_next_token_bitmask(
             torch.empty((1, -(-tokenizer.vocab_size // 32)), dtype=torch.int32), 0)
-        if self._template.is_error():
-            raise VLLMValidationError(
-                f"llguidance cannot compile the constraint: {self._template.get_error()}",
-                parameter="structured_outputs")
+        if self._template.is_error():  # its first line; the rest dumps the parser's state
+            reason = (self._template.get_error().strip().splitlines() or ["?"])[0]
+            raise VLLMValidationError(f"llguidance cannot compile the constraint: {reason}",
+                                      parameter="structured_outputs")
 
     def new_matcher(self) -> GuidanceMatcher:
         return GuidanceMatcher(self._template.deep_copy(), self.stop_token_ids)

@@ -252,7 +252,8 @@ class Scheduler:
             for request in update.loaded:  # scheduled from its loaded prefix on
                 request.status = RequestStatus.WAITING
             outputs.extend(self._finish_failed(update.failed))
-        outputs.extend(self._finish_failed(self.structured_outputs.take_failed()))
+        outputs.extend(self._finish_failed(self.structured_outputs.take_failed(),
+                                           param="structured_outputs"))
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
@@ -507,10 +508,10 @@ class Scheduler:
         self.finished_req_ids.add(request.request_id)
         return kv_transfer_params
 
-    def _finish_failed(self, failed: dict[str, str]) -> list[EngineCoreOutput]:
-        """Finish requests whose KV load or grammar compile failed, with the reason as
-        their error. A failed load's blocks were never registered in the prefix cache
-        (`allocate_slots` delays that), so freeing them leaves no wrong KV behind."""
+    def _finish_failed(self, failed: dict[str, str], param: str | None = None
+                       ) -> list[EngineCoreOutput]:
+        """Finish requests whose KV load or grammar compile (`param`: the field at fault)
+        failed; a failed load's blocks never entered the prefix cache (`allocate_slots`)."""
         outputs = []
         for req_id, reason in failed.items():
             request = self.requests.get(req_id)
@@ -522,8 +523,7 @@ class Scheduler:
             self.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
             outputs.append(EngineCoreOutput(
                 request_id=req_id, new_token_ids=[], finish_reason=FinishReason.ABORT,
-                error=f"request {req_id!r} failed: {reason}",
-            ))
+                error=f"request {req_id!r} failed: {reason}", error_param=param))
         return outputs
 
     # ---- queries and cache size ----
