@@ -58,3 +58,16 @@ def test_check_chat_template_kwargs():
     with pytest.raises(VLLMValidationError, match="must be an object") as info:
         check_chat_template_kwargs([1], "--default-chat-template-kwargs")
     assert info.value.parameter == "--default-chat-template-kwargs"
+
+
+def test_continue_final_message_needs_add_generation_prompt_off(tokenizer):
+    # Offline LLM.chat too (the server answers 400 before this): both true was a silent
+    # drop of the generation prompt; transformers refuses the pair, so do we.
+    partial = [*MESSAGES, {"role": "assistant", "content": "Hel"}]
+    with pytest.raises(VLLMValidationError) as info:
+        render_chat_template(tokenizer, partial, chat_template=TEMPLATE,
+                             continue_final_message=True)
+    assert info.value.parameter == "continue_final_message"
+    text = render_chat_template(tokenizer, partial, chat_template=TEMPLATE,
+                                add_generation_prompt=False, continue_final_message=True)
+    assert text.endswith("assistant:Hel") and not text.endswith("assistant:")

@@ -115,6 +115,8 @@ class LLM:
         `tools` (OpenAI function definitions) and `chat_template_kwargs` (e.g.
         `{"enable_thinking": False}`) are variables of the template; the raw text
         comes back (no tool-call or reasoning parsing: that is the server's).
+        `continue_final_message=True` continues the last (assistant) message and needs
+        `add_generation_prompt=False` (both true: VLLMValidationError, as transformers).
         A multimodal model takes image content parts: {"type": "image_url",
         "image_url": {"url": "data:...|http(s)://...|file://..."}} or
         {"type": "image_pil", "image_pil": <PIL.Image>}.

@@ -208,13 +208,19 @@ def render_chat_template(
             `check_chat_template_kwargs`.
 
     Raises:
-        VLLMValidationError: an empty conversation or a malformed message
-            (parameter: "messages" or the part's field), text that is not valid
+        VLLMValidationError: continue_final_message with add_generation_prompt
+            (parameter: "continue_final_message"), an empty conversation or a
+            malformed message (parameter: "messages" or the part's field), text that is not valid
             Unicode (a lone UTF-16 surrogate; parameter names the field).
         ChatTemplateError (a VLLMValidationError): the template failed to render.
         ValueError: no chat template.
     """
     kwargs = check_chat_template_kwargs(chat_template_kwargs)
+    if continue_final_message and add_generation_prompt:  # as transformers refuses it
+        raise VLLMValidationError(
+            "continue_final_message and add_generation_prompt cannot both be true: "
+            "pass add_generation_prompt=False to continue the final message",
+            parameter="continue_final_message")
     if not conversation:
         raise VLLMValidationError("messages must not be empty", parameter="messages")
     for i, message in enumerate(conversation):
@@ -235,7 +241,7 @@ def render_chat_template(
         text = tokenizer.apply_chat_template(
             messages,
             chat_template=chat_template,
-            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             tools=tools or None,
             tokenize=False,
