@@ -91,6 +91,21 @@ def test_streamed_deltas_join_to_the_whole_reply(parser, reply, expected):
             (c.function.name, c.function.arguments) for c in whole.tool_calls]
 
 
+@pytest.mark.parametrize(("parser", "reply"), [
+    (HERMES, CASES[0][1][:-30]),  # cut inside the arguments, as max_tokens cuts
+    (RequiredToolParser(), CASES[-2][1][:60]),
+    (HERMES, '<tool_call>{"name": "a", "arguments": {broken</tool_call>'),
+])
+def test_a_stream_cut_inside_a_sent_call_sends_no_raw_json_as_content(parser, reply):
+    stream = ToolCallStream(parser)
+    content = ""
+    for i in range(0, len(reply), 4):
+        text, _ = stream.feed(reply[i:i + 4], final=i + 4 >= len(reply))
+        content += text
+    assert stream.tools_called
+    assert "{" not in content, content  # before: the call's raw JSON came again at the end
+
+
 def test_arguments_stream_as_they_are_written():
     """Character by character, a call's arguments arrive in many pieces, not at the end."""
     reply = CASES[0][1]

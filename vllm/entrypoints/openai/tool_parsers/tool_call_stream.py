@@ -6,7 +6,8 @@ written whole (`{"index", "id", "type": "function", "function": {"name"}}`), the
 pieces of its arguments' JSON text (`{"index", "function": {"arguments"}}`). The
 arguments are sent as far as later tokens cannot change them (`settled_prefix`),
 and the rest when the call is complete, so the pieces join to exactly the
-`arguments` of the non-streamed reply.
+`arguments` of the non-streamed reply. A reply that ends inside a call already
+sent (cut by max_tokens) keeps the partial call and sends no more content.
 """
 
 from __future__ import annotations
@@ -55,6 +56,12 @@ class ToolCallStream:
         """(content delta, tool-call deltas) for the next piece of the content."""
         self._text += text
         content, calls = self.parser.parse(self._text, final)
+        if final and self._calls and not calls:
+            # The reply ends inside a call already sent (max_tokens, a malformed tail):
+            # the whole-reply rule would make it all content, but sent deltas cannot be
+            # taken back, and sending the call's raw JSON again as content would give
+            # the client both; as vLLM's streams, the partial call stands.
+            return "", []
         if self.max_calls is not None:
             calls = calls[:self.max_calls]
         content_delta = content[self._content_sent:]
