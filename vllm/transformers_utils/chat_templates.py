@@ -184,6 +184,19 @@ def encode_rendered_chat(tokenizer: PreTrainedTokenizerBase, text: str) -> list[
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def _check_messages(conversation: list[dict[str, Any]]) -> None:
+    """Raises VLLMValidationError (parameter "messages" or the field) for an empty
+    conversation, a message without a role, or text that is not valid Unicode."""
+    if not conversation:
+        raise VLLMValidationError("messages must not be empty", parameter="messages")
+    for i, message in enumerate(conversation):
+        if not isinstance(message, dict) or "role" not in message:
+            raise VLLMValidationError(
+                f"messages[{i}] must be an object with a 'role'", parameter="messages"
+            )
+    check_unicode_values(conversation, "messages")
+
+
 def render_chat_template(
     tokenizer: PreTrainedTokenizerBase,
     conversation: list[dict[str, Any]],
@@ -221,14 +234,7 @@ def render_chat_template(
             "continue_final_message and add_generation_prompt cannot both be true: "
             "pass add_generation_prompt=False to continue the final message",
             parameter="continue_final_message")
-    if not conversation:
-        raise VLLMValidationError("messages must not be empty", parameter="messages")
-    for i, message in enumerate(conversation):
-        if not isinstance(message, dict) or "role" not in message:
-            raise VLLMValidationError(
-                f"messages[{i}] must be an object with a 'role'", parameter="messages"
-            )
-    check_unicode_values(conversation, "messages")
+    _check_messages(conversation)
     if chat_template is not None:
         check_unicode_text(chat_template, "chat_template")
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
