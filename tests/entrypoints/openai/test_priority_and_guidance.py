@@ -53,18 +53,29 @@ def _running(client: httpx.Client) -> float:
 
 def test_lower_priority_value_is_served_first(priority_server):
     """One seat, held by a long request; a completion (priority 5) and then a chat
-    (priority -1) queue behind it. The chat gets the seat first, though it came later."""
+    (priority -1) queue behind it. The chat gets the seat first, though it came later.
+
+    The order is read from when each stream's first token arrives (a request's first
+    token comes out of its first engine step), not from when whole replies arrive: the
+    blocker's 480-token reply and a short reply's few steps race in the frontend."""
     url = priority_server.url_for("v1")
     blocker = {"model": MODEL, "prompt": "Hello", "max_tokens": 480, "ignore_eos": True}
     late_urgent = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
-                   "max_tokens": 4, "priority": -1}
-    early_lax = {"model": MODEL, "prompt": "Paris", "max_tokens": 4, "priority": 5}
-    finished: list[str] = []
+                   "max_tokens": 32, "ignore_eos": True, "priority": -1}
+    early_lax = {"model": MODEL, "prompt": "Paris", "max_tokens": 32, "ignore_eos": True,
+                 "priority": 5}
+    started: list[str] = []
 
     async def post(client, path, body, name):
-        response = await client.post(f"{url}/{path}", json=body, timeout=120)
-        assert response.status_code == 200, response.text
-        finished.append(name)
+        async with client.stream("POST", f"{url}/{path}", json={**body, "stream": True},
+                                 timeout=120) as response:
+            assert response.status_code == 200, await response.aread()
+            async for line in response.aiter_lines():
+                if not line.startswith("data: {") or name in started:
+                    continue
+                choice = json.loads(line[6:])["choices"][0]
+                if choice.get("text") or (choice.get("delta") or {}).get("content"):
+                    started.append(name)  # its first token
 
     async def main():
         async with httpx.AsyncClient() as client:
@@ -85,7 +96,7 @@ def test_lower_priority_value_is_served_first(priority_server):
             await asyncio.gather(first, lax, urgent)
 
     asyncio.run(main())
-    assert finished == ["blocker", "late_urgent", "early_lax"]
+    assert started == ["blocker", "late_urgent", "early_lax"]
 
 
 def test_nonzero_priority_is_a_400_under_fcfs(server):
