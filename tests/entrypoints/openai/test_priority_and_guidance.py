@@ -121,10 +121,11 @@ def test_llguidance_backend_over_http(priority_server):
     response_format = {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA}}
     messages = [{"role": "user", "content": "A pet"}]
     reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60,
-                                           response_format=response_format)
+                                           response_format=response_format, temperature=0)
     jsonschema.validate(json.loads(reply.choices[0].message.content), SCHEMA)
     stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60,
-                                            response_format=response_format, stream=True)
+                                            response_format=response_format, stream=True,
+                                            temperature=0)
     text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     assert json.loads(text) == json.loads(reply.choices[0].message.content)  # greedy
     texts = [client.completions.create(
