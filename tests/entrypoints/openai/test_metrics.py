@@ -33,6 +33,7 @@ REQUIRED = [
     "vllm:kv_cache_num_blocks",
 ]
 SUCCESS_LENGTH = "vllm:request_success_total{finished_reason=length}"
+SUCCESS_ABORT = "vllm:request_success_total{finished_reason=abort}"
 # Long enough to fill two 16-token blocks, so a repeat hits the prefix cache.
 LONG_PROMPT = ("The quick brown fox jumps over the lazy dog while the farmer watches from "
                "the porch and the sun sets slowly behind the distant hills of the valley.")
@@ -124,9 +125,14 @@ def test_disconnect_mid_stream_returns_blocks(server):
         # socket's back-pressure) and holds its blocks until the client leaves.
         during = _wait_for(server, _held)
         assert _held(during), during
-    # The connection is closed: the server must abort the request and free its blocks.
-    after = _wait_for(server, _released)
+    # The connection is closed: the server must abort the request and free its blocks,
+    # and count it as finished with reason "abort" (as vLLM does), with its latency.
+    after = _wait_for(server, lambda m: _released(m)
+                      and m[SUCCESS_ABORT] > before[SUCCESS_ABORT])
     assert _released(after), after
+    assert after[SUCCESS_ABORT] - before[SUCCESS_ABORT] == 1
+    e2e = "vllm:e2e_request_latency_seconds_count"
+    assert after[e2e] - before[e2e] == 1
     assert f"Aborted request(s) {received[0]['id']}\n" in server.log()  # one line says so
     generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
     assert 3 <= generated < max_tokens  # aborted, not run to the end
@@ -159,9 +165,11 @@ def test_disconnect_while_waiting_for_non_streaming_response(server):
     aborted_before = server.log().count("Aborted request(s) cmpl-")
     during = asyncio.run(request_then_leave())
     assert _held(during), during
-    after = _wait_for(server, _released)
+    after = _wait_for(server, lambda m: _released(m)
+                      and m[SUCCESS_ABORT] > before[SUCCESS_ABORT])
     assert _released(after), after
     assert server.log().count("Aborted request(s) cmpl-") == aborted_before + 1
+    assert after[SUCCESS_ABORT] - before[SUCCESS_ABORT] == 1
     generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
     assert generated < max_tokens
     assert after.get(SUCCESS_LENGTH, 0) == before.get(SUCCESS_LENGTH, 0)

@@ -1,6 +1,7 @@
 """OutputProcessor: a stop string that ends among several tokens of one step (accepted
 drafts) ends the output at the token that completes it: token ids, logprobs, counts and
-the finish follow, as if the tokens had come one a step."""
+the finish follow, as if the tokens had come one a step. And the other way a request
+ends in the frontend: an abort, counted as finished with reason "abort"."""
 
 from __future__ import annotations
 
@@ -116,3 +117,28 @@ def test_stop_string_within_min_tokens_does_not_stop(tokenizer):
     assert c.text == " one two one "  # the first "two" is the 2nd token: not a stop yet
     assert (c.finish_reason, c.stop_reason) == ("stop", "two")
     assert len(c.token_ids) == 4
+
+
+def test_an_abort_counts_as_finished_with_reason_abort(tokenizer):
+    """vLLM's request_success{finished_reason="abort"}: an aborted request is a finished
+    one in the stats given (each child of a parent id); without stats it is only dropped."""
+    from vllm.v1.engine.output_processor import ParentRequest
+    from vllm.v1.metrics.stats import IterationStats
+
+    proc = OutputProcessor(tokenizer)
+    params = SamplingParams(max_tokens=20, output_kind=RequestOutputKind.DELTA)
+    ids = _ids(tokenizer, "one two")
+    proc.add_request("r", "one two", ids, params, arrival_time=0.0)
+    parent = ParentRequest("p", 2)
+    for i in range(2):
+        proc.add_request(ParentRequest.child_id(i, "p"), "one two", ids, params, 0.0, parent, i)
+    proc.add_request("q", "one two", ids, params, arrival_time=0.0)
+    proc.process_outputs([EngineCoreOutput(request_id="r", new_token_ids=_ids(tokenizer, " x"))])
+    stats = IterationStats()
+    dropped = proc.abort_requests(["r", "p", "gone"], stats)
+    assert dropped == ["r", "0_p", "1_p"]
+    assert stats.finished_reasons == [str(FinishReason.ABORT)] * 3 == ["abort"] * 3
+    assert len(stats.e2e_latencies) == 3
+    assert [f.num_generation_tokens for f in stats.finished_requests] == [1, 0, 0]
+    assert all(f.num_prompt_tokens == len(ids) for f in stats.finished_requests)
+    assert proc.abort_requests(["q"]) == ["q"] and not proc.has_unfinished_requests()

@@ -266,7 +266,8 @@ class AsyncLLM:
         if not live:
             return
         logger.info("Aborted request(s) %s", ", ".join(live))  # a client left, or a cancel
-        self._handler.fail(live, lambda rid: EngineGenerateError(f"request {rid} was aborted"))
+        self._handler.fail(live, lambda rid: EngineGenerateError(f"request {rid} was aborted"),
+                           aborted=True)
 
     # ------------------------------------------------------- tokenizer threads
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -139,15 +139,28 @@ class OutputProcessor:
         if parent is not None:
             self.parents[parent.request_id] = parent
 
-    def abort_requests(self, request_ids: list[str]) -> list[str]:
-        """Forget requests (ids of children or parents); returns the child ids dropped."""
+    def abort_requests(
+        self, request_ids: list[str], stats: IterationStats | None = None
+    ) -> list[str]:
+        """Forget requests (ids of children or parents); returns the child ids dropped.
+
+        `stats`: where an abort (a client gone, `AsyncLLM.abort`) is counted as a
+        finished request with reason "abort" (vLLM's `request_success{finished_reason=
+        "abort"}`, its end-to-end latency and per-request figures), one per child
+        dropped; None for requests that failed or were never admitted.
+        """
+        now = time.monotonic()
         dropped = []
         for rid in request_ids:
             parent = self.parents.pop(rid, None)
             ids = [ParentRequest.child_id(i, rid) for i in range(parent.n)] if parent else [rid]
             for child in ids:
-                if self.states.pop(child, None) is not None:
-                    dropped.append(child)
+                state = self.states.pop(child, None)
+                if state is None:
+                    continue
+                dropped.append(child)
+                if stats is not None:
+                    self._count_finished(state, FinishReason.ABORT, now, stats)
         return dropped
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> OutputProcessorOutput:
@@ -192,9 +205,7 @@ class OutputProcessor:
             finished = finish_reason is not None
             if finished:
                 del self.states[out.request_id]
-                stats.finished_reasons.append(str(finish_reason))
-                stats.e2e_latencies.append(now - state.times.arrival)
-                stats.finished_requests.append(self._finished_stats(state, now))
+                self._count_finished(state, finish_reason, now, stats)
             request_output = self._make_request_output(state, finish_reason, stop_reason)
             if request_output is not None:
                 if state.queue is not None:
@@ -236,6 +247,13 @@ class OutputProcessor:
             stats.inter_token_latencies.append(now - times.last_token)
         times.last_token = now
         stats.num_generation_tokens += n
+
+    def _count_finished(
+        self, state: RequestState, reason: FinishReason, now: float, stats: IterationStats
+    ) -> None:
+        stats.finished_reasons.append(str(reason))
+        stats.e2e_latencies.append(now - state.times.arrival)
+        stats.finished_requests.append(self._finished_stats(state, now))
 
     @staticmethod
     def _finished_stats(state: RequestState, now: float) -> FinishedRequestStats:

@@ -10,6 +10,9 @@
  every 10 s: every stat logger's log() ("Avg prompt throughput ...")
 ```
 
+An abort (`fail(..., aborted=True)`: a client left, `AsyncLLM.abort`) reaches the
+stat loggers at once, counted as finished with reason "abort", as vLLM counts it.
+
 A batch already in the socket is read without an event-loop turn (pyzmq
 hands it back at once), so a handler behind the engine drains every waiting
 batch into the streams, which merge them (`RequestOutputStream`), before the
@@ -36,6 +39,7 @@ from vllm.logger import init_logger
 from vllm.outputs import RequestOutput
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 from vllm.v1.engine.protocol import EngineCoreOutputs, EngineCoreReplyType, EngineCoreRequestType
+from vllm.v1.metrics.stats import IterationStats
 
 if TYPE_CHECKING:
     from vllm.v1.engine.core_client import AsyncMPClient
@@ -269,15 +273,24 @@ class OutputHandler:
 
     # ------------------------------------------------------------- failures
     def fail(self, request_ids: list[str], make_error: Callable[[str], BaseException],
-             abort_in_core: bool = True) -> None:
-        """End these requests' streams with an error and drop them (blocks freed)."""
+             abort_in_core: bool = True, aborted: bool = False) -> None:
+        """End these requests' streams with an error and drop them (blocks freed).
+
+        `aborted`: a client left or cancelled them: the stat loggers count them at once
+        as finished with reason "abort" (as vLLM does); failures are not counted.
+        """
         for rid in request_ids:
             stream = self.streams.get(rid)
             if stream is not None:
                 stream.put_nowait(make_error(rid))
-        dropped = self.output_processor.abort_requests(list(request_ids))
+        stats = IterationStats() if aborted else None
+        dropped = self.output_processor.abort_requests(list(request_ids), stats)
         if abort_in_core and request_ids:
             self._send(EngineCoreRequestType.ABORT, dropped + list(request_ids))
+        if stats is not None and stats.finished_reasons and self._figures is not None:
+            # No engine step brings these: record them with the latest figures (gauges
+            # set to what they were, cumulative counters advanced by nothing).
+            self._record(self._figures[0], stats, self._figures[1])
 
     def forget(self, request_id: str) -> None:
         """A stream delivered its last item."""
