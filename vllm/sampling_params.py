@@ -68,6 +68,10 @@ class StructuredOutputsParams:
             `"additionalProperties": false` unless it says otherwise.
         whitespace_pattern: accepted for vLLM's signature; xgrammar takes no
             pattern, so only None is allowed.
+        source_field: the request field the constraint came from ("response_format",
+            "guided_json", "tools", ...; set by the server that builds it): an error
+            found only when the engine compiles the grammar names it (HTTP 400
+            `param`). Not a constraint: `from_dict` refuses it, `key()` ignores it.
 
     Raises:
         VLLMValidationError: none or several constraints, a field of the wrong type, or
@@ -83,6 +87,7 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
+    source_field: str = "structured_outputs"
 
     def __post_init__(self) -> None:
         set_kinds = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
@@ -117,7 +122,7 @@ class StructuredOutputsParams:
         Raises:
             VLLMValidationError (`parameter`): an unknown key or a bad value.
         """
-        known = {f.name for f in dataclass_fields(cls)}
+        known = {f.name for f in dataclass_fields(cls)} - {"source_field"}
         unknown = sorted(set(values) - known)
         if unknown:
             raise VLLMValidationError(f"{parameter} has unknown keys {unknown}; known: "

@@ -104,8 +104,14 @@ BAD_REQUESTS = [
     *[(endpoint, {"structured_outputs": {"json": schema}}, 400, "structured_outputs")
       for endpoint in ("completions", "chat/completions")
       for schema in (_nested_schema(300), {"$ref": "#"})],
-    ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": _nested_schema(300)}}}, 400, "response_format"),
+    *[("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": schema}}}, 400, "response_format")
+      for schema in (_nested_schema(300), {"$ref": "#"})],
+    # Failing in the engine core too, the 400 names the field the client sent.
+    ("completions", {"guided_json": {"$ref": "#"}}, 400, "guided_json"),
+    ("chat/completions", {"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"$ref": "#"}}}],
+        "tool_choice": {"type": "function", "function": {"name": "f"}}}, 400, "tools"),
     ("completions", {"guided_regex": "a+", "guided_decoding_backend": "outlines"}, 400,
      "guided_decoding_backend"),
     ("completions", {"guided_regex": "a+", "guided_whitespace_pattern": " "}, 400,

@@ -78,6 +78,9 @@ def test_malformed_params_name_the_field(fields, field):
     assert info.value.parameter == field
     with pytest.raises(VLLMValidationError, match="unknown keys"):
         StructuredOutputsParams.from_dict({"regex": "a", "nope": 1})
+    # Where the constraint came from is the server's to say, not a body key.
+    with pytest.raises(VLLMValidationError, match="unknown keys"):
+        StructuredOutputsParams.from_dict({"regex": "a", "source_field": "tools"})
 
 
 def test_a_request_may_only_name_the_engines_backend():

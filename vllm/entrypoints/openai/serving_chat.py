@@ -188,7 +188,7 @@ class OpenAIServingChat(OpenAIServing):
         structured = None
         if schema is not None:
             try:
-                structured = StructuredOutputsParams(json=schema)
+                structured = StructuredOutputsParams(json=schema, source_field="tools")
                 validate_structured_outputs(structured, self.structured_outputs_backend)
             except ValueError as e:
                 raise APIError(400, f"the tools' parameters cannot be enforced: {e}",

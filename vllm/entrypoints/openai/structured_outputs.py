@@ -11,7 +11,9 @@ vLLM's three spellings, one of them per request::
 
 The constraint is parsed by the engine's backend (`--structured-outputs-config`:
 xgrammar, llguidance, or auto) before the request reaches the engine: one it cannot
-compile is a 400 whose `param` is the field the client sent. `guided_decoding_backend`
+compile is a 400 whose `param` is the field the client sent; so is one that parses but
+fails only when the engine core compiles it (`StructuredOutputsParams.source_field`
+carries the field there). `guided_decoding_backend`
 may only name the engine's backend (vLLM V1's rule).
 """
 
@@ -76,7 +78,8 @@ def _checked(request: Any, backend: str) -> list[tuple[str, Any]]:
         ("response_format", _response_format(request.response_format)),
         ("structured_outputs", _structured_outputs(request.structured_outputs)),
         (guided_field or "guided_json",
-         (lambda: StructuredOutputsParams(**guided, **options)) if guided else None),
+         (lambda: StructuredOutputsParams(**guided, **options, source_field=guided_field))
+         if guided else None),
     ]
 
 
@@ -97,7 +100,7 @@ def _response_format(value: Any):
     if kind == "text":
         return None
     if kind == "json_object":
-        return lambda: StructuredOutputsParams(json_object=True)
+        return lambda: StructuredOutputsParams(json_object=True, source_field="response_format")
     if kind == "json_schema":
         spec = value.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
@@ -105,6 +108,6 @@ def _response_format(value: Any):
             raise APIError(400, "response_format json_schema needs "
                            "{\"json_schema\": {\"name\": ..., \"schema\": {...}}}",
                            "response_format")
-        return lambda: StructuredOutputsParams(json=schema)
+        return lambda: StructuredOutputsParams(json=schema, source_field="response_format")
     raise APIError(400, f"response_format type must be 'text', 'json_object' or "
                    f"'json_schema', got {kind or value!r:.80}", "response_format")
