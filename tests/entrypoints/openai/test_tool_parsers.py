@@ -91,10 +91,15 @@ def test_streamed_deltas_join_to_the_whole_reply(parser, reply, expected):
             (c.function.name, c.function.arguments) for c in whole.tool_calls]
 
 
+LLAMA_TWO_CALLS = CASES[6][1]  # <|python_tag|>{"name": "a", ...}; {"name": "b", ...}
+
+
 @pytest.mark.parametrize(("parser", "reply"), [
     (HERMES, CASES[0][1][:-30]),  # cut inside the arguments, as max_tokens cuts
     (RequiredToolParser(), CASES[-2][1][:60]),
     (HERMES, '<tool_call>{"name": "a", "arguments": {broken</tool_call>'),
+    (LLAMA, CASES[5][1][:-20]),  # cut inside the arguments
+    (LLAMA, LLAMA_TWO_CALLS[:-5]),  # the first call whole, the second cut
 ])
 def test_a_stream_cut_inside_a_sent_call_sends_no_raw_json_as_content(parser, reply):
     stream = ToolCallStream(parser)
@@ -104,6 +109,33 @@ def test_a_stream_cut_inside_a_sent_call_sends_no_raw_json_as_content(parser, re
         content += text
     assert stream.tools_called
     assert "{" not in content, content  # before: the call's raw JSON came again at the end
+
+
+@pytest.mark.parametrize(("parser", "reply", "before"), [
+    (HERMES, 'Let me check.\n<tool_call>\n{"name": "get_we', "Let me check.\n"),
+    (LLAMA, '{"name": "get_we', ""),
+    (LLAMA, '<|python_tag|>{"name": "a", "para', ""),
+    (NamedToolParser("f"), '{"city": "Par', ""),
+])
+def test_a_stream_cut_before_a_calls_name_is_whole_sends_no_raw_json(parser, reply, before):
+    """The parser says the reply ends inside an unfinished call (max_tokens): that
+    call's text is never content, whether or not its name went out; the whole reply
+    (not streamed) is all content, as in vLLM."""
+    reply_state = parser.parse(reply, final=True)
+    assert reply_state.unfinished_call and not reply_state.calls
+    stream = ToolCallStream(parser)
+    content = ""
+    for i in range(0, len(reply), 3):
+        text, _ = stream.feed(reply[i:i + 3], final=i + 3 >= len(reply))
+        content += text
+    assert content == before
+    assert parser.extract_tool_calls(reply).content == reply
+
+
+def test_a_reply_that_is_no_call_is_not_an_unfinished_call():
+    for parser, reply in [(HERMES, "1 < 2"), (LLAMA, '{"not": "a call"}'), (LLAMA, "Paris.")]:
+        parsed = parser.parse(reply, final=True)
+        assert (parsed.content, parsed.calls, parsed.unfinished_call) == (reply, [], False)
 
 
 def test_arguments_stream_as_they_are_written():

@@ -2,10 +2,12 @@
 
 A parser reads a reply's content (after any reasoning) and finds the tool calls
 the model wrote in its format. It does so in one place, `parse`, over the text
-so far: the content that is certainly not part of a call, and the calls as far
-as they are written (`PartialCall`). Whole replies (`extract_tool_calls`) and
-streams (`ToolCallStream` in tool_call_stream.py) both use it, so the deltas of a
-streamed reply join to the whole reply's calls.
+so far: the content that is certainly not part of a call, the calls as far
+as they are written (`PartialCall`), and at the end whether the text stops
+inside a call never finished (`ParsedReply.unfinished_call`: max_tokens cut
+it). Whole replies (`extract_tool_calls`) and streams (`ToolCallStream` in
+tool_call_stream.py) both use it, so the deltas of a streamed reply join to the
+whole reply's calls.
 """
 
 from __future__ import annotations
@@ -51,6 +53,24 @@ class PartialCall:
 
 
 @dataclass
+class ParsedReply:
+    """What `ToolParser.parse` read in a reply's text so far.
+
+    Attributes:
+        content: the text that is certainly not part of a call.
+        calls: the calls begun so far (at `final`: the well-formed ones only).
+        unfinished_call: at `final`, the text ends inside a call the format began
+            and never finished well-formed (cut by max_tokens, or malformed JSON).
+            A stream has sent, or held back, that call's text as a call: it is not
+            content. (A whole reply with no well-formed call is all content.)
+    """
+
+    content: str
+    calls: list[PartialCall]
+    unfinished_call: bool = False
+
+
+@dataclass
 class ExtractedToolCallInformation:
     """The tool calls of a whole reply (vLLM's name).
 
@@ -85,30 +105,36 @@ class ToolParser:
     def __init__(self, tokenizer: Any = None) -> None:
         self.tokenizer = tokenizer
 
-    def parse(self, text: str, final: bool) -> tuple[str, list[PartialCall]]:
-        """(content, calls) of the reply's text so far (`final`: all of it).
+    def parse(self, text: str, final: bool) -> ParsedReply:
+        """The content and calls of the reply's text so far (`final`: all of it).
 
         `content` is the text that is certainly not part of a call (a tag that may
         still be starting is held back until `final`); `calls` the calls begun so
-        far. A call whose JSON turns out malformed is dropped; a whole reply with
-        no well-formed call is all content.
+        far. At `final`, a call that is not well-formed (cut, malformed) is dropped
+        and reported as `unfinished_call`, its text not content; a reply in which
+        the format began no call at all is all content.
         """
         content, calls = self._parse(text, final)
-        if final:
-            calls = [c for c in calls if c.complete and c.name is not None]
-            if not calls:
-                return text, []
-        return content, calls
+        if not final:
+            return ParsedReply(content, calls)
+        whole = [c for c in calls if c.complete and c.name is not None]
+        unfinished = len(whole) < len(calls)
+        if not whole and not unfinished:
+            return ParsedReply(text, [])
+        return ParsedReply(content, whole, unfinished)
 
     def _parse(self, text: str, final: bool) -> tuple[str, list[PartialCall]]:
-        """`parse` in the parser's format (before the whole-reply rule)."""
+        """`parse` in the parser's format: (content, calls). At `final`, a call begun
+        but not well-formed is returned with `complete` False, not left out."""
         raise NotImplementedError
 
     def extract_tool_calls(self, model_output: str) -> ExtractedToolCallInformation:
-        """The calls of a whole reply; a reply without a well-formed call is all content."""
+        """The calls of a whole reply; a reply without a well-formed call is all content
+        (an unfinished call's text included: nothing was sent as a call)."""
         from vllm.entrypoints.openai.protocol import FunctionCall, ToolCall
 
-        content, calls = self.parse(model_output, final=True)
+        parsed = self.parse(model_output, final=True)
+        content, calls = parsed.content, parsed.calls
         if not calls:
             return ExtractedToolCallInformation(False, [], model_output)
         tool_calls = [ToolCall(id=random_tool_call_id(), function=FunctionCall(

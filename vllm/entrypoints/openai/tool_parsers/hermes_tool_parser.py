@@ -29,7 +29,9 @@ class Hermes2ProToolParser(ToolParser):
             end = body.find(self.tool_call_end_token)
             closed = end != -1
             call = partial_call(body[:end] if closed else body, complete=closed or final)
-            if call is not None:
+            # A closed call that is malformed: unfinished at the end, skipped before
+            # (so the calls after it stream).
+            if call is not None and (final or call.complete or not closed):
                 calls.append(call)
             if not closed:
                 break

@@ -27,14 +27,15 @@ def parse_partial(text: str, allow: Allow = Allow.ALL) -> Any:
 def partial_call(body: str, complete: bool, name: str | None = None) -> PartialCall | None:
     """A call `{"name": ..., "arguments" | "parameters": ...}` from its JSON text.
 
-    `complete`: the text is all of it (a call that does not then parse whole is
-    malformed: None). The name counts only once its string is closed.
+    `complete`: the text is all of it; one that does not then parse whole (cut
+    short, malformed) is an unfinished call (`complete` False). None: a whole
+    JSON value that is not a call. The name counts only once its string is closed.
     """
     if complete:
         try:
             value = json.loads(body)
         except json.JSONDecodeError:
-            return None
+            return PartialCall()
         if not isinstance(value, dict) or not isinstance(value.get("name"), str):
             return None
         return PartialCall(value["name"], _arguments(value), complete=True)

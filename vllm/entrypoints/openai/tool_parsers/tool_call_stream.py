@@ -6,8 +6,9 @@ written whole (`{"index", "id", "type": "function", "function": {"name"}}`), the
 pieces of its arguments' JSON text (`{"index", "function": {"arguments"}}`). The
 arguments are sent as far as later tokens cannot change them (`settled_prefix`),
 and the rest when the call is complete, so the pieces join to exactly the
-`arguments` of the non-streamed reply. A reply that ends inside a call already
-sent (cut by max_tokens) keeps the partial call and sends no more content.
+`arguments` of the non-streamed reply. A reply the parser says ends inside an
+unfinished call (`ParsedReply.unfinished_call`: cut by max_tokens) sends none of
+that call's text as content; a partial call already sent stands.
 """
 
 from __future__ import annotations
@@ -55,13 +56,11 @@ class ToolCallStream:
     def feed(self, text: str, final: bool) -> tuple[str, list[DeltaToolCall]]:
         """(content delta, tool-call deltas) for the next piece of the content."""
         self._text += text
-        content, calls = self.parser.parse(self._text, final)
-        if final and self._calls and not calls:
-            # The reply ends inside a call already sent (max_tokens, a malformed tail):
-            # the whole-reply rule would make it all content, but sent deltas cannot be
-            # taken back, and sending the call's raw JSON again as content would give
-            # the client both; as vLLM's streams, the partial call stands.
-            return "", []
+        parsed = self.parser.parse(self._text, final)
+        content, calls = parsed.content, parsed.calls
+        # parsed.unfinished_call (max_tokens cut a call, or its JSON broke): its text
+        # stays out of `content`; deltas already sent cannot be taken back, so the
+        # partial call stands, as in vLLM's streams (the whole reply would be content).
         if self.max_calls is not None:
             calls = calls[:self.max_calls]
         content_delta = content[self._content_sent:]

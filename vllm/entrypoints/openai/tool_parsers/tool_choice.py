@@ -138,8 +138,8 @@ class RequiredToolParser(ToolParser):
         if final:
             try:
                 value = json.loads(text)
-            except json.JSONDecodeError:
-                return text, []
+            except json.JSONDecodeError:  # cut short: the array is an unfinished call
+                return "", [PartialCall()]
             items = value if isinstance(value, list) else []
             calls = [partial_call(json.dumps(v), complete=True) for v in items]
             return "", [c for c in calls if c is not None]
@@ -174,6 +174,6 @@ class NamedToolParser(ToolParser):
         if final:
             try:
                 return "", [PartialCall(self.name, json.loads(text), complete=True)]
-            except json.JSONDecodeError:
-                return text, []
+            except json.JSONDecodeError:  # cut short: an unfinished call
+                return "", [PartialCall(self.name)]
         return "", [PartialCall(self.name, parse_partial(text))]
