@@ -10,12 +10,11 @@ Llama runs both ways. Both with preemption (tiny caches) and stop strings.
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 
 from tests.entrypoints.openai.utils import ENGINE_KWARGS
 from tests.model_dirs import llama_config, make_model_dir
+from tests.v1.e2e.utils import shutdown_llm
 from vllm import LLM, SamplingParams
 from vllm.v1.worker.async_output import AsyncRunnerOutput
 
@@ -44,17 +43,11 @@ def _results(outputs):
     ]
 
 
-def _shutdown(llm: LLM) -> None:
-    llm.llm_engine.shutdown()
-    del llm
-    gc.collect()
-
-
 @pytest.fixture(scope="module")
 def async_llm():
     llm = LLM(**TINY_CACHE, async_scheduling=True)
     yield llm
-    _shutdown(llm)
+    shutdown_llm(llm)
 
 
 def test_bundled_model_greedy_identical_with_preemption(async_llm, bundled_llm):
@@ -129,7 +122,7 @@ def test_random_weights_sync_and_async_identical_with_preemption_and_stops(rando
         second = llm.generate(prompts, stops, use_tqdm=False)
         runs[async_scheduling] = (_results(first), _results(second),
                                   core.get_stats().num_preemptions)
-        _shutdown(llm)
+        shutdown_llm(llm)
     assert runs[True][2] > 0 and runs[False][2] > 0
     assert runs[True][:2] == runs[False][:2]
     assert any(isinstance(r[3], str) for r in runs[True][1])  # some stop string matched

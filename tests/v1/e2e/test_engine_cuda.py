@@ -7,12 +7,11 @@ run on CUDA too when the model is installed.
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 
-from tests.model_dirs import llama3_8b_config, llama_config, make_model_dir, smollm2_config
+from tests.model_dirs import llama3_8b_config, make_model_dir, smollm2_config
+from tests.v1.e2e.utils import shutdown_llm
 from vllm import LLM, SamplingParams
 from vllm.v1.worker.cuda_graph import CUDAGraphManager
 from vllm.v1.worker.kv_cache_sizing import blocks_filling_granules, max_useful_blocks
@@ -30,18 +29,6 @@ def _greedy(llm: LLM, max_tokens: int = 48) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def _shutdown(llm: LLM) -> None:
-    llm.llm_engine.shutdown()
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return make_model_dir(tmp_path_factory.mktemp("tiny"), llama_config(), weights=True)
-
-
 def test_greedy_matches_transformers_with_cuda_graphs(tiny_dir):
     """Token-for-token equal to transformers, up to exact near-ties.
 
@@ -56,7 +43,7 @@ def test_greedy_matches_transformers_with_cuda_graphs(tiny_dir):
     llm = LLM(str(tiny_dir), dtype="float32", max_model_len=512, gpu_memory_utilization=0.3)
     assert llm.llm_engine.engine_core.worker.model_runner.cuda_graphs.captured
     ours = _greedy(llm, 24)
-    _shutdown(llm)
+    shutdown_llm(llm)
     torch.backends.cuda.matmul.allow_tf32 = False
     hf = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).cuda()
     hf.generation_config.eos_token_id = None  # like ignore_eos: never stop early
@@ -90,7 +77,7 @@ def test_classic_and_extensible_paths_byte_identical(tmp_path, shape):
     classic = LLM(str(model_dir), enable_extensible_kv_cache=False, **common)
     classic_blocks = classic.llm_engine.engine_core.num_blocks
     classic_out = _greedy(classic)
-    _shutdown(classic)
+    shutdown_llm(classic)
 
     captures_before = CUDAGraphManager.num_captures
     ext = LLM(str(model_dir), enable_extensible_kv_cache=True, **common)
@@ -105,7 +92,7 @@ def test_classic_and_extensible_paths_byte_identical(tmp_path, shape):
     assert CUDAGraphManager.num_captures - captures_before == captured
     assert worker.kv_cache.committed_blocks == ext_blocks
     kv_config, granularity = worker.kv_cache.config, worker.kv_cache.driver.granularity
-    _shutdown(ext)
+    shutdown_llm(ext)
 
     assert ext_out == classic_out
     # The extensible cache commits no more than 256 seqs x 4096 tokens can use
@@ -137,7 +124,7 @@ def test_elastic_engine_grows_and_shrinks_without_recapture_and_matches(tmp_path
 
     reference = LLM(str(model_dir), **common)
     expected = run(reference)
-    _shutdown(reference)
+    shutdown_llm(reference)
     before = CUDAGraphManager.num_captures
     elastic = LLM(str(model_dir), enable_elastic_kv_cache=True, **common)
     captured = CUDAGraphManager.num_captures - before
@@ -152,4 +139,4 @@ def test_elastic_engine_grows_and_shrinks_without_recapture_and_matches(tmp_path
     assert core.scheduler.elastic.num_shrinks >= 1
     assert CUDAGraphManager.num_captures - before == captured > 0  # never re-captured
     assert run(elastic) == expected
-    _shutdown(elastic)
+    shutdown_llm(elastic)

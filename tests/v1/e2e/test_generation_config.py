@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 
 from tests.entrypoints.openai.utils import ENGINE_KWARGS
-from tests.model_dirs import llama_config, make_model_dir
 from vllm import LLM, SamplingParams
 from vllm.config.model import ModelConfig
 from vllm.engine.arg_utils import EngineArgs
@@ -107,11 +106,6 @@ DEFAULTS = {"temperature": 0.6, "top_p": 0.9, "top_k": 7, "min_p": 0.05,
 SMALL = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64,
              kv_cache_memory_bytes=4 * 2**20)
 PROMPT_IDS = [5, 17, 42, 99]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return make_model_dir(tmp_path_factory.mktemp("tiny-llama"), llama_config(), weights=True)
 
 
 def _greedy_reference(model_dir: Path, n: int) -> list[int]:

@@ -14,12 +14,10 @@ graphs, never more.
 
 from __future__ import annotations
 
-import gc
-
 import pytest
-import torch
 
-from tests.model_dirs import llama_config, make_model_dir, smollm2_config
+from tests.model_dirs import make_model_dir, smollm2_config
+from tests.v1.e2e.utils import shutdown_llm
 from vllm import LLM, SamplingParams
 from vllm.config.compilation import MIXED_CAPTURE_SIZES
 from vllm.v1.worker.cuda_graph import CUDAGraphManager
@@ -62,18 +60,6 @@ def _runner(llm: LLM):
     return llm.llm_engine.engine_core.worker.model_runner
 
 
-def _shutdown(llm: LLM) -> None:
-    llm.llm_engine.shutdown()
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return make_model_dir(tmp_path_factory.mktemp("tiny"), llama_config(), weights=True)
-
-
 def test_mixed_graphs_match_eager_steps(tiny_dir):
     common = dict(dtype="float32", max_model_len=512, gpu_memory_utilization=0.3,
                   max_num_seqs=4)
@@ -81,7 +67,7 @@ def test_mixed_graphs_match_eager_steps(tiny_dir):
                 **common)
     assert not _runner(eager).mixed.graphs.captured
     want = _greedy(eager, PROMPTS)
-    _shutdown(eager)
+    shutdown_llm(eager)
 
     before = CUDAGraphManager.num_captures
     llm = LLM(str(tiny_dir), compilation_config=FULL, **common)
@@ -96,7 +82,7 @@ def test_mixed_graphs_match_eager_steps(tiny_dir):
     got = _greedy(llm, PROMPTS)
     assert runner.mixed.graphs.num_replays > replays + 5
     assert CUDAGraphManager.num_captures - before == captured  # one set per start-up
-    _shutdown(llm)
+    shutdown_llm(llm)
     _assert_same_up_to_ties(got, want)
 
 
@@ -112,7 +98,7 @@ def test_mixed_graph_writes_the_grown_cache(tmp_path):
     eager = LLM(str(model_dir), compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY"},
                 **common)
     want = _greedy(eager, prompts)
-    _shutdown(eager)
+    shutdown_llm(eager)
 
     before = CUDAGraphManager.num_captures
     llm = LLM(str(model_dir), compilation_config=FULL, **common)
@@ -123,5 +109,5 @@ def test_mixed_graph_writes_the_grown_cache(tmp_path):
     got = _greedy(llm, prompts)
     assert worker.model_runner.mixed.graphs.num_replays >= 20
     assert CUDAGraphManager.num_captures - before == captured  # never re-captured
-    _shutdown(llm)
+    shutdown_llm(llm)
     _assert_same_up_to_ties(got, want)
