@@ -94,7 +94,7 @@ def test_gguf_tokenizer_eos_does_not_depend_on_transformers(monkeypatch):
 
     monkeypatch.setattr(tokenizer_module.AutoTokenizer, "from_pretrained",
                         like_an_older_transformers)
-    tok = tokenizer_module.get_tokenizer(get_bundled_model_path())
+    tok = tokenizer_module.load_tokenizer(get_bundled_model_path())
     assert (tok.eos_token_id, tok.eos_token, tok.bos_token_id) == (2, "<|im_end|>", 1)
     assert tok.chat_template == get_gguf_tokenizer_metadata(get_bundled_model_path()
                                                             ).chat_template

@@ -12,8 +12,9 @@
 ```
 
 Prompts are tokenized on a tokenizer thread of their own with a tokenizer of
-their own (HF fast tokenizers must not be shared between threads), so a huge
-prompt never delays other requests' outputs; a prompt whose text alone proves
+their own (HF fast tokenizers must not be shared between threads: a copy of
+the process's one, `copy_tokenizer`), so a huge prompt never delays other
+requests' outputs; a prompt whose text alone proves
 it longer than `max_model_len` tokens is rejected without being tokenized at
 all (`transformers_utils.tokenizer.min_num_tokens`). Chat templates render on
 render threads (a slow template holds no one's encode) and the rendered text
@@ -104,15 +105,20 @@ class AsyncLLM:
         log_stats: bool = True,
         log_requests: bool = False,
     ) -> None:
-        from vllm.transformers_utils.tokenizer import get_tokenizer, max_token_chars
+        from vllm.transformers_utils.tokenizer import (
+            copy_tokenizer,
+            get_tokenizer,
+            max_token_chars,
+        )
 
         self.vllm_config = vllm_config
         self.model_config = vllm_config.model_config
         self.log_requests = log_requests
         remote = {"trust_remote_code": self.model_config.trust_remote_code}
         self.tokenizer = get_tokenizer(self.model_config.tokenizer, **remote)
-        # Input tokenization: its own tokenizer on its own thread (see the module doc).
-        self._input_tokenizer = get_tokenizer(self.model_config.tokenizer, **remote)
+        # Input tokenization: its own tokenizer on its own thread (see the module doc), a
+        # copy of the process's one (not loaded again).
+        self._input_tokenizer = copy_tokenizer(self.tokenizer)
         self._token_chars = max_token_chars(self._input_tokenizer)
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="vllm-tokenizer")
