@@ -183,7 +183,8 @@ def resolve_async_scheduling(
     sampled ids stay on the device between steps, and the output of a step
     is a handle that is resolved later, which no RPC can carry). Not built
     yet with speculative decoding (the drafts are proposed from the step's
-    accepted tokens on the host) or a KV connector (it saves and loads
+    accepted tokens on the host; what it needs: docs/design.md, "Speculative
+    decoding and async scheduling") or a KV connector (it saves and loads
     around each step's finished requests). On the CPU nothing runs while
     Python prepares the next step, so it only costs.
 
@@ -202,6 +203,8 @@ def resolve_async_scheduling(
     elif kv_connector is not None:
         unsupported = f"a KV connector ({kv_connector})"
     if asked is None:
+        if unsupported is not None and cuda_alike:  # the default would have been on
+            logger.info("async scheduling off: not supported with %s", unsupported)
         return unsupported is None and cuda_alike
     if asked and unsupported is not None:
         logger.warning("async scheduling is not supported with %s; "
