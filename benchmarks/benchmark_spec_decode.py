@@ -7,8 +7,8 @@ The bundled SmolLM2-135M-Instruct (real text), greedy, one request at a time,
 on prompts that quote their input (a code edit, a summary with quotations, a
 list continued): the case prompt lookup is for. Each mode runs in a fresh
 process with async scheduling as the engine resolves it (`async_scheduling`
-left unset: on for the plain engine on a GPU, off for the speculative one,
-see `resolve_async_scheduling`); each mode reports which it got. Per
+left unset: on a GPU on for both, the n-gram drafts then proposed on the
+device; see `resolve_async_scheduling`); each mode reports which it got. Per
 prompt: a warm-up generate (Triton compiles at a new prompt length are not
 decode), then the prefill alone (max_tokens=1) and the whole generation;
 decode tokens/s = (tokens - 1) / (t_all - t_prefill). Reported: decode

@@ -100,25 +100,41 @@ class RejectionSampler:
         num_draft = [len(d) for d in draft_token_ids]
         starts, flat, valid, drafts = _draft_layout(
             draft_token_ids, num_draft, target_logits.device)
-        logits = target_logits.to(torch.float32)
-        r, k = drafts.shape
-        final = torch.zeros(r, dtype=torch.int64, device=logits.device)
-        accepted = torch.zeros_like(final)
-        if not metadata.all_random:
-            target, accepted = _verify_argmax(logits, flat, drafts, valid)
-            final = target.gather(1, accepted.unsqueeze(1)).squeeze(1)
-        if not metadata.all_greedy:
-            probs = _target_probs(logits, metadata)
-            nd = valid.sum(dim=1)
-            acc_random, final_random = _verify_random(
-                probs, flat, drafts, valid, nd, generators, draft_probs)
-            is_greedy = _row_is_greedy(metadata, starts)
-            accepted = torch.where(is_greedy, accepted, acc_random)
-            final = torch.where(is_greedy, final, final_random)
-        pos = torch.arange(k + 1, device=logits.device).unsqueeze(0)
-        padded = torch.cat([drafts, drafts.new_zeros(r, 1)], dim=1)  # [R, K + 1]
-        emitted = torch.where(pos < accepted.unsqueeze(1), padded, final.unsqueeze(1))
-        return emitted.masked_fill_(pos > accepted.unsqueeze(1), PLACEHOLDER_TOKEN_ID)
+        return emit_tokens(target_logits, metadata, generators, starts, flat, valid, drafts,
+                           draft_probs)[0]
+
+
+def emit_tokens(
+    target_logits: torch.Tensor, metadata: SamplingMetadata,
+    generators: dict[int, torch.Generator], starts: torch.Tensor, flat: torch.Tensor,
+    valid: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The verification over drafts already laid out on the device (`_draft_layout`'s
+    tensors; the async step builds them from its device drafts). No host sync.
+
+    Returns:
+        (emitted [R, K + 1] int64: a_r accepted drafts, the final token, then -1;
+         accepted [R] int64: a_r)
+    """
+    logits = target_logits.to(torch.float32)
+    r, k = drafts.shape
+    final = torch.zeros(r, dtype=torch.int64, device=logits.device)
+    accepted = torch.zeros_like(final)
+    if not metadata.all_random:
+        target, accepted = _verify_argmax(logits, flat, drafts, valid)
+        final = target.gather(1, accepted.unsqueeze(1)).squeeze(1)
+    if not metadata.all_greedy:
+        probs = _target_probs(logits, metadata)
+        nd = valid.sum(dim=1)
+        acc_random, final_random = _verify_random(
+            probs, flat, drafts, valid, nd, generators, draft_probs)
+        is_greedy = _row_is_greedy(metadata, starts)
+        accepted = torch.where(is_greedy, accepted, acc_random)
+        final = torch.where(is_greedy, final, final_random)
+    pos = torch.arange(k + 1, device=logits.device).unsqueeze(0)
+    padded = torch.cat([drafts, drafts.new_zeros(r, 1)], dim=1)  # [R, K + 1]
+    emitted = torch.where(pos < accepted.unsqueeze(1), padded, final.unsqueeze(1))
+    return emitted.masked_fill_(pos > accepted.unsqueeze(1), PLACEHOLDER_TOKEN_ID), accepted
 
 
 def _draft_layout(
