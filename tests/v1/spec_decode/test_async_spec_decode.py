@@ -176,3 +176,24 @@ def test_scheduler_schedules_placeholders_and_rolls_back():
     sched.update_from_output(step2, output(step2, [53], [0]))
     assert req.num_tokens == 12 and req.num_computed_tokens == 11
     assert req.num_output_placeholders == 0 and stats.num_drafts == 1
+
+
+def test_structured_outputs_run_as_plain_rows_beside_drafts(async_spec_llm, bundled_llm):
+    """A request with a grammar takes no drafts under async scheduling (its bitmask is per
+    draft position, on the host): its replies validate, the others stay exact."""
+    import json
+
+    import jsonschema
+
+    from tests.v1.structured_output.schemas import MAX_TOKENS, PROMPT, SCHEMA
+    from vllm.sampling_params import StructuredOutputsParams
+
+    so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    json_params = [SamplingParams(temperature=1.0, seed=i, max_tokens=MAX_TOKENS,
+                                  structured_outputs=so) for i in range(4)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
+    prompts = [PROMPT] * 4 + PROMPTS[:2]
+    got = async_spec_llm.generate(prompts, json_params + [greedy, greedy], use_tqdm=False)
+    for out in got[:4]:
+        jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
+    assert _ids(got[4:]) == _ids(bundled_llm.generate(PROMPTS[:2], greedy, use_tqdm=False))
