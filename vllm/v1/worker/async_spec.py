@@ -65,6 +65,12 @@ class AsyncSpecState:
         self.slot_of: dict[str, int] = {}
         self._free = list(range(max_num_reqs - 1, -1, -1))
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        # Pinned rows the emitted tokens and draft counts land in, used in turn: step N's
+        # row is read by its get_output(), which the engine calls before step N + 2.
+        self._host_tokens = torch.zeros(2, max_num_reqs * (self.k + 1), dtype=torch.int64,
+                                        pin_memory=self.cuda)
+        self._host_nd = torch.zeros(2, max_num_reqs, dtype=torch.int64, pin_memory=self.cuda)
+        self._turn = 0
         # This step's device rows: (batch rows, slots, k' each), set by prepare().
         self._rows: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._emitted: torch.Tensor | None = None  # [D, K + 1] of the step
@@ -230,8 +236,13 @@ class AsyncSpecState:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
             self.copy_stream.wait_event(ready)
+            self._turn ^= 1
+            d, w = emitted.shape
+            host = [self._host_tokens[self._turn, : d * w].view(d, w),
+                    self._host_nd[self._turn, :d]]
             with torch.cuda.stream(self.copy_stream):
-                host = [t.to("cpu", non_blocking=True) for t in tensors]
+                for dst, src in zip(host, tensors, strict=True):
+                    dst.copy_(src, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self.copy_stream)
 
