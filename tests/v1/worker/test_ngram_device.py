@@ -33,11 +33,11 @@ def _device(rows: list[np.ndarray], caps: list[int] | None, k: int, lo: int, hi:
 
 
 @pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize(("k", "lo", "hi"), [(4, 2, 5), (3, 1, 3), (5, 3, 3)])
+@pytest.mark.parametrize(("k", "lo", "hi"), [(4, 2, 5), (3, 1, 3), (5, 3, 3), (2, 1, 6)])
 def test_equals_numpy_proposer_on_random_histories(seed, k, lo, hi):
     rng = np.random.default_rng(seed)
     vocab = int(rng.integers(2, 6))  # small vocabularies: matches of every length
-    rows = [rng.integers(0, vocab, size=int(rng.integers(1, 40))) for _ in range(16)]
+    rows = [rng.integers(0, vocab, size=int(rng.integers(1, 80))) for _ in range(16)]
     caps = [int(rng.integers(-1, k + 2)) for _ in rows]
     assert _device(rows, caps, k, lo, hi, fill=int(rng.integers(0, vocab))) == _reference(
         rows, caps, k, lo, hi)

@@ -58,7 +58,7 @@ class AsyncSpecState:
         self.max_model_len, self.block_size = max_model_len, block_size
         self.vocab_size, self.device = vocab_size, device
         self.cuda = device.type == "cuda"
-        self.hist = torch.zeros(max_num_reqs, max_model_len, dtype=torch.int64, device=device)
+        self.hist = torch.zeros(max_num_reqs, max_model_len, dtype=torch.int32, device=device)
         self.hist_len = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
         self.drafts = torch.zeros(max_num_reqs, self.k, dtype=torch.int64, device=device)
         self.num_drafts = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
@@ -182,6 +182,7 @@ class AsyncSpecState:
                                      self.vocab_size, self.device)
         generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
         emitted, accepted = emit_tokens(logits, md, generators, starts, flat, valid, drafts)
+        del logits, md  # freed before the proposal: its peak and theirs never add up
         self._append(slot_d, emitted, accepted + 1)
         self._propose(slot_d)
         self._emitted = emitted
@@ -204,9 +205,15 @@ class AsyncSpecState:
         flat = (slot_d.unsqueeze(1) * self.max_model_len + idx).flatten()
         hist = self.hist.view(-1)
         keep = (j < count.unsqueeze(1)).flatten()
-        hist.index_copy_(0, flat, torch.where(keep, tokens.flatten(), hist[flat]))
+        hist.index_copy_(0, flat, torch.where(keep, tokens.flatten().to(hist.dtype),
+                                              hist[flat]))
         self.hist_len.index_copy_(
             0, slot_d, (self.hist_len[slot_d] + count).clamp(max=self.max_model_len))
+
+    def dummy_propose(self) -> None:
+        """The proposal over every slot at full width (the profile run counts its peak:
+        [max_num_reqs, max_model_len, prompt_lookup_max] temporaries)."""
+        self._propose(torch.arange(self.hist.shape[0], device=self.device))
 
     def _propose(self, slot_d: torch.Tensor) -> None:
         drafts, counts = self.proposer.propose(self.hist[slot_d], self.hist_len[slot_d])

@@ -4,7 +4,7 @@ The same rule as `NgramProposer` (vllm/v1/spec_decode/ngram_proposer.py, numpy, 
 sequence at a time): for each row, the longest suffix n in [prompt_lookup_min,
 prompt_lookup_max] that occurred earlier in the row, at its earliest occurrence,
 and the up to k tokens that followed it. Here every row is matched at once with
-tensor ops (one `unfold` compare per n), so the proposal can run on the device
+tensor ops (one `unfold` compare for every n at once), so the proposal can run on the device
 right after a step's verification, with no token ids going to the host::
 
     token_ids [B, L]   a b c d e f x b c d . . .     num_tokens [B] = 10 (row 0)
@@ -67,24 +67,29 @@ class DeviceNgramProposer:
         b, length = token_ids.shape
         device = token_ids.device
         num_tokens = num_tokens.to(torch.int64)
-        ids = token_ids.to(torch.int64)
         rows = torch.arange(b, device=device)
-        found = torch.zeros(b, dtype=torch.bool, device=device)
-        start = torch.zeros(b, dtype=torch.int64, device=device)  # first draft's index
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            # Windows s = 0 .. L-n; a match must start at s <= num_tokens - 1 - n (earlier
-            # than the suffix itself), which also needs num_tokens - 1 >= n.
-            windows = ids.unfold(1, n, 1)  # [B, L - n + 1, n]
-            suffix_pos = (num_tokens - n).clamp(min=0).unsqueeze(1) + torch.arange(
-                n, device=device)
-            suffix = ids.gather(1, suffix_pos.clamp(max=length - 1))  # [B, n]
-            hit = (windows == suffix.unsqueeze(1)).all(dim=2)  # [B, L - n + 1]
-            s = torch.arange(windows.shape[1], device=device)
-            hit &= s.unsqueeze(0) <= (num_tokens - 1 - n).unsqueeze(1)
-            has = hit.any(dim=1) & ~found
-            first = hit.to(torch.int8).argmax(dim=1)  # the first True (argmax's first maximum)
-            start = torch.where(has, first + n, start)
-            found |= has
+        m = self.max_n
+        # Every end position e gets the window of the m tokens ending there (m - 1 sentinel
+        # ids -1 in front, never equal to a token), compared with the row's last m tokens
+        # at once; an occurrence of the n-token suffix ends at e iff the trailing matches
+        # of e's window are >= n. One pass for every n (a loop over n launched ~4x more
+        # kernels, and launches are what a small model's step is made of).
+        ids = torch.nn.functional.pad(token_ids, (m - 1, 0), value=-1)  # its dtype
+        windows = ids.unfold(1, m, 1)[:, :length]  # [B, L, m]: window e ends at e
+        tail = (num_tokens - m).unsqueeze(1) + torch.arange(m, device=device)
+        suffix = ids.gather(1, (tail + m - 1).clamp(min=0, max=length + m - 2))  # [B, m]
+        suffix = torch.where(tail >= 0, suffix, -2)  # before the row: matches nothing
+        eq = windows == suffix.unsqueeze(1)
+        # [B, L] trailing matches (int8 / int32 temporaries: [B, L, m] is the big one)
+        trailing = eq.flip(2).to(torch.int8).cumprod(dim=2, dtype=torch.int8).sum(
+            dim=2, dtype=torch.int32)
+        ends = torch.arange(length, device=device)
+        # An end must be earlier than the suffix (e <= num_tokens - 2).
+        trailing = torch.where(ends.unsqueeze(0) <= (num_tokens - 2).unsqueeze(1), trailing, 0)
+        best = trailing.max(dim=1).values.clamp(max=self.max_n)  # the longest n found
+        found = best >= self.min_n
+        first = (trailing >= best.unsqueeze(1)).to(torch.int8).argmax(dim=1)  # its earliest
+        start = first + 1  # the first draft follows the occurrence's end
         cap = torch.full((b,), self.k, dtype=torch.int64, device=device)
         if max_drafts is not None:
             cap = torch.minimum(cap, max_drafts.to(device=device, dtype=torch.int64))
@@ -92,6 +97,6 @@ class DeviceNgramProposer:
         index = start.unsqueeze(1) + offsets  # [B, k]
         valid = (found.unsqueeze(1) & (index < num_tokens.unsqueeze(1))
                  & (offsets.unsqueeze(0) < cap.unsqueeze(1)))
-        drafts = ids[rows.unsqueeze(1), index.clamp(max=length - 1)]
+        drafts = token_ids[rows.unsqueeze(1), index.clamp(max=length - 1)].to(torch.int64)
         drafts = torch.where(valid, drafts, NO_DRAFT)
         return drafts, valid.sum(dim=1)
