@@ -197,3 +197,13 @@ def test_structured_outputs_run_as_plain_rows_beside_drafts(async_spec_llm, bund
     for out in got[:4]:
         jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
     assert _ids(got[4:]) == _ids(bundled_llm.generate(PROMPTS[:2], greedy, use_tqdm=False))
+
+
+def test_one_token_step_with_device_and_plain_rows(async_spec_llm, bundled_llm):
+    """A step where every row runs one token, device rows without drafts (max_tokens leaves
+    no room) beside a plain row (a penalty): the sampler gets a subset of the rows and
+    must find their logits (the flat indices, not the first rows)."""
+    params = [SamplingParams(temperature=0.0, max_tokens=2),
+              SamplingParams(temperature=0.0, max_tokens=2, repetition_penalty=1.2)]
+    want = bundled_llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert _ids(async_spec_llm.generate(PROMPTS[:2], params, use_tqdm=False)) == _ids(want)

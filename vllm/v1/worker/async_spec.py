@@ -115,7 +115,7 @@ class AsyncSpecState:
         the slots follow the batch (`enter`)."""
         self.enter(batch)
         rows = np.array([r for r, req in enumerate(batch.req_ids) if req in spec], dtype=np.int64)
-        self._cu = cu = np.cumsum(num_sched)
+        cu = np.cumsum(num_sched)
         if not len(rows):
             self._rows = None
             return
@@ -126,13 +126,15 @@ class AsyncSpecState:
         j = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
         flat = np.repeat(cu[rows] - lens, lens) + j
         host_start = batch.num_computed_tokens[rows].astype(np.int64)
-        packed = self._to_device(np.concatenate([slots, host_start, rows, drow, j, flat]))
+        # One upload for the step: per device row, then per device-row token.
+        packed = self._to_device(np.concatenate(
+            [slots, host_start, rows, lens - 1, np.cumsum(lens) - lens, drow, j, flat]))
         d, t = len(rows), len(drow)
-        slot_d, start_d, row_d = packed[:d], packed[d : 2 * d], packed[2 * d : 3 * d]
-        drow_t, j_t, flat_t = packed[3 * d : 3 * d + t], packed[3 * d + t : 3 * d + 2 * t], \
-            packed[3 * d + 2 * t :]
+        slot_d, start_d, row_d, kp_d, first_d = packed[: 5 * d].view(5, d)
+        drow_t, j_t, flat_t = packed[5 * d :].view(3, t)
+        self._slot_d, self._first_d, self._flat_t = slot_d, first_d, flat_t  # for verify
         true_start = self.hist_len[slot_d] - 1
-        nd = torch.minimum(self.num_drafts[slot_d], self._to_device(lens - 1))
+        nd = torch.minimum(self.num_drafts[slot_d], kp_d)
         slot_t = slot_d[drow_t]
         pos = true_start[drow_t] + j_t
         last = self.hist[slot_d, true_start][drow_t]
@@ -161,17 +163,11 @@ class AsyncSpecState:
         if self._rows is None:
             return sampling_rows, np.zeros(len(sampling_rows), dtype=bool)
         rows, slots, kp = self._rows
-        cu = self._cu
         is_dev = np.isin(sampling_rows, rows)
         lens = kp + 1
-        flat_idx = np.concatenate([np.arange(cu[r] - n, cu[r]) for r, n in zip(rows, lens,
-                                                                               strict=True)])
-        logits = model.compute_logits(hidden[self._to_device(flat_idx)])
+        logits = model.compute_logits(hidden[self._flat_t])  # the device rows' tokens, in order
         kmax = int(kp.max())
-        starts_np = np.cumsum(lens) - lens
-        starts = self._to_device(starts_np)
-        slot_d = self._to_device(slots)
-        nd = self._nd
+        starts, slot_d, nd = self._first_d, self._slot_d, self._nd
         pos = torch.arange(kmax + 1, device=self.device).unsqueeze(0)
         flat = starts.unsqueeze(1) + torch.minimum(pos, nd.unsqueeze(1))
         valid = pos[:, :kmax] < nd.unsqueeze(1)

@@ -277,7 +277,8 @@ class GPUModelRunner:
         # generator, or the output would depend on the chunk size).
         rows = np.nonzero(seq_lens >= batch.num_tokens[:num_reqs])[0]
         n_rows = len(rows)
-        if n_rows and not (one_token_each and n_rows == num_reqs):  # else: hidden[:n]
+        # else: hidden[:n]; but the sampler may get a subset (async spec's device rows)
+        if n_rows and not (one_token_each and n_rows == num_reqs and not self.async_spec):
             buf.logits_indices_np[:n_rows] = cu[rows] - 1
             buf.logits_indices[:n_rows].copy_(buf.logits_indices_cpu[:n_rows], non_blocking=True)
 
