@@ -207,3 +207,19 @@ def test_one_token_step_with_device_and_plain_rows(async_spec_llm, bundled_llm):
               SamplingParams(temperature=0.0, max_tokens=2, repetition_penalty=1.2)]
     want = bundled_llm.generate(PROMPTS[:2], params, use_tqdm=False)
     assert _ids(async_spec_llm.generate(PROMPTS[:2], params, use_tqdm=False)) == _ids(want)
+
+
+def test_histories_crossing_the_proposal_width(async_spec_llm, bundled_llm):
+    """The proposal reads each step's histories up to a host bound rounded to 256 tokens:
+    a request growing across 256 keeps its tokens, and its drafts are still accepted (a
+    bound below a history's length would not change tokens, only make drafts wrong)."""
+    tokenizer = bundled_llm.get_tokenizer()
+    ids = tokenizer.encode(PROMPTS[0])
+    prompt = {"prompt_token_ids": (ids * (240 // len(ids) + 1))[:236]}
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = bundled_llm.generate(prompt, params, use_tqdm=False)
+    before = _stats(async_spec_llm)
+    got = async_spec_llm.generate(prompt, params, use_tqdm=False)
+    assert _ids(got) == _ids(want)
+    delta = _stats(async_spec_llm).minus(before)
+    assert delta.num_accepted_tokens >= delta.num_drafts > 0  # the prompt repeats itself

@@ -180,7 +180,8 @@ class AsyncSpecState:
         emitted, accepted = emit_tokens(logits, md, generators, starts, flat, valid, drafts)
         del logits, md  # freed before the proposal: its peak and theirs never add up
         self._append(slot_d, emitted, accepted + 1)
-        self._propose(slot_d)
+        # The histories end by the optimistic end of this step (before its increment).
+        self._propose(slot_d, batch.num_computed_tokens[rows] + lens + 1)
         self._emitted = emitted
         return sampling_rows[~is_dev], is_dev
 
@@ -192,7 +193,7 @@ class AsyncSpecState:
         slot_d = self._to_device(np.array([self.slot_of[batch.req_ids[r]] for r in rows]))
         tokens = sampler_output.sampled_token_ids.to(torch.int64).unsqueeze(1)
         self._append(slot_d, tokens, torch.ones_like(slot_d))
-        self._propose(slot_d)
+        self._propose(slot_d, batch.num_computed_tokens[rows] + 1)  # after the increment
 
     def _append(self, slot_d: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor) -> None:
         """hist[slot, len + j] = tokens[:, j] for j < count; len += count (no host sync)."""
@@ -209,10 +210,17 @@ class AsyncSpecState:
     def dummy_propose(self) -> None:
         """The proposal over every slot at full width (the profile run counts its peak:
         [max_num_reqs, max_model_len, prompt_lookup_max] temporaries)."""
-        self._propose(torch.arange(self.hist.shape[0], device=self.device))
+        self._propose(torch.arange(self.hist.shape[0], device=self.device), None)
 
-    def _propose(self, slot_d: torch.Tensor) -> None:
-        drafts, counts = self.proposer.propose(self.hist[slot_d], self.hist_len[slot_d])
+    def _propose(self, slot_d: torch.Tensor, ends: np.ndarray | None) -> None:
+        """Drafts of `slot_d` from their histories, read up to a width covering `ends`
+        (host upper bounds of their lengths; None: the full width): a step scans what
+        its rows hold, not max_model_len (rounded up to 256: few distinct shapes)."""
+        width = self.max_model_len
+        if ends is not None:
+            width = min(width, -(-int(np.max(ends)) // 256) * 256)
+        drafts, counts = self.proposer.propose(self.hist[slot_d, :width],
+                                               self.hist_len[slot_d])
         self.drafts.index_copy_(0, slot_d, drafts.clamp(min=0))
         self.num_drafts.index_copy_(0, slot_d, counts)
 
