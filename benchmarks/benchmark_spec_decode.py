@@ -6,13 +6,18 @@
 The bundled SmolLM2-135M-Instruct (real text), greedy, one request at a time,
 on prompts that quote their input (a code edit, a summary with quotations, a
 list continued): the case prompt lookup is for. Each mode runs in a fresh
-process. Per prompt: a warm-up generate (Triton compiles at a new prompt
-length are not decode), then the prefill alone (max_tokens=1) and the whole
-generation; decode tokens/s = (tokens - 1) / (t_all - t_prefill). Reported:
-decode tokens/s for both, the speed-up (target >= 1.5x on the H200), the
-mean acceptance length (tokens per verify step, vLLM's figure), decode tokens
-per engine step (verify steps and steps without a draft), and whether greedy
-outputs were equal.
+process with async scheduling as the engine resolves it (`async_scheduling`
+left unset: on a GPU on for both, the n-gram drafts then proposed on the
+device; see `resolve_async_scheduling`); each mode reports which it got. Per
+prompt: a warm-up generate (Triton compiles at a new prompt length are not
+decode), then the prefill alone (max_tokens=1) and the whole generation;
+decode tokens/s = (tokens - 1) / (t_all - t_prefill). Reported: decode
+tokens/s for both, the speed-up (issue 50's target: >= 2x), the mean
+acceptance length (tokens per verify step, vLLM's figure), decode tokens per
+engine step (verify steps and steps without a draft), whether greedy outputs
+were equal and what equality is guaranteed (`greedy_equality_guarantee`:
+speculative decoding equals plain decoding up to numerics; exactly only in
+fp32, see docs/design.md, "Speculative decoding and async scheduling").
 """
 
 from __future__ import annotations
@@ -99,8 +104,11 @@ def run_mode(model: str | None, k: int, max_tokens: int, spec: bool) -> dict:
         per_prompt.append(row)
         decode_tokens += n - 1
         decode_s += t_all - t_prefill
+    config = engine.vllm_config
     result = {"spec": spec, "per_prompt": per_prompt, "outputs": outputs,
-              "decode_tokens_per_s": decode_tokens / decode_s}
+              "decode_tokens_per_s": decode_tokens / decode_s,
+              "async_scheduling": bool(config.scheduler_config.async_scheduling),
+              "dtype": str(config.model_config.dtype)}
     stats = _spec(engine)
     if stats is not None:
         result["mean_acceptance_length"] = stats.mean_acceptance_length
@@ -112,6 +120,15 @@ def run_mode(model: str | None, k: int, max_tokens: int, spec: bool) -> dict:
     result["verify_graph_replays"] = verify.graphs.num_replays if verify is not None else 0
     engine.shutdown()
     return result
+
+
+def _equality_guarantee(dtype: str) -> str:
+    """What greedy equality between the two modes is promised in `dtype` (docs/design.md)."""
+    if "float32" in dtype:
+        return "exact (float32; tests/v1/spec_decode/test_spec_decode_cuda.py)"
+    return (f"up to numerics in {dtype}: a token verified in a row of k + 1 is computed "
+            "with other kernel shapes and reduction orders than decoded alone, so a near-tie "
+            "of the top two logits may resolve differently; exact in float32")
 
 
 def _spec(engine):
@@ -163,9 +180,15 @@ def main() -> None:
         speedup = spec["decode_tokens_per_s"] / base["decode_tokens_per_s"]
         report["comparison"] = {
             "decode_speedup_batch1": speedup,
+            "base_decode_tokens_per_s": base["decode_tokens_per_s"],
+            "spec_decode_tokens_per_s": spec["decode_tokens_per_s"],
+            "base_async_scheduling": base["async_scheduling"],
+            "spec_async_scheduling": spec["async_scheduling"],
             "mean_acceptance_length": spec.get("mean_acceptance_length"),
+            "spec_decode_tokens_per_step": spec["decode_tokens_per_step"],
             "greedy_outputs_equal": base["outputs"] == spec["outputs"],
-            "targets": {"speedup_at_least_1_5x": speedup >= 1.5},
+            "greedy_equality_guarantee": _equality_guarantee(spec["dtype"]),
+            "targets": {"speedup_at_least_2x": speedup >= 2.0},
         }
         for mode in ("base", "spec"):
             report[mode].pop("outputs")

@@ -291,6 +291,11 @@ def test_async_scheduling_default_fallback_and_flags(tiny_model, caplog):
 
     # Unset: on for a CUDA-like device with the uni executor, off with another executor.
     assert resolve(None) is True and resolve(None, "mp") is False
+    # Unset with a draft model: off, one info line naming why.
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="vllm"):
+        assert resolve(None, speculative=True) is False
+    assert "async scheduling off: not supported with speculative decoding" in caplog.text
     # Asked for where it is unsupported: one warning, synchronous scheduling.
     with caplog.at_level(logging.WARNING, logger="vllm"):
         assert resolve(True, "mp") is False

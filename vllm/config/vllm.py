@@ -144,7 +144,8 @@ class VllmConfig(FrozenConfig):
         sched, kv = self.scheduler_config, self.kv_transfer_config
         sched.async_scheduling = resolve_async_scheduling(
             sched.async_scheduling, self.parallel_config.distributed_executor_backend,
-            speculative=self.speculative_config is not None,
+            speculative=self.speculative_config is not None and (
+                self.speculative_config.method != "ngram"),  # ngram: drafts on the device
             kv_connector=None if kv is None else kv.kv_connector,
             cuda_alike=platform.is_cuda_alike(),
         )
@@ -181,16 +182,19 @@ def resolve_async_scheduling(
 
     It needs the worker in the engine process (the uni executor: the
     sampled ids stay on the device between steps, and the output of a step
-    is a handle that is resolved later, which no RPC can carry). Not built
-    yet with speculative decoding (the drafts are proposed from the step's
-    accepted tokens on the host) or a KV connector (it saves and loads
-    around each step's finished requests). On the CPU nothing runs while
-    Python prepares the next step, so it only costs.
+    is a handle that is resolved later, which no RPC can carry). With n-gram
+    speculative decoding the drafts are proposed and fed on the device
+    (docs/design.md, "Speculative decoding and async scheduling"); not built
+    with a draft model (its drafts come from its own forward per step) or a
+    KV connector (it saves and loads around each step's finished requests).
+    On the CPU nothing runs while Python prepares the next step, so it only
+    costs.
 
     Args:
         asked: the user's `async_scheduling` (None: the default).
         backend: the resolved executor backend.
-        speculative: speculative decoding is configured.
+        speculative: speculative decoding that async scheduling cannot serve is
+            configured (a draft model; n-gram drafts are served).
         kv_connector: the configured KV connector's name, if any.
         cuda_alike: the platform is CUDA or ROCm.
     """
@@ -198,10 +202,12 @@ def resolve_async_scheduling(
     if backend != "uni":
         unsupported = f"the {backend!r} executor (it needs 'uni': one rank, in-process)"
     elif speculative:
-        unsupported = "speculative decoding (speculative_config)"
+        unsupported = "speculative decoding with a draft model (speculative_config)"
     elif kv_connector is not None:
         unsupported = f"a KV connector ({kv_connector})"
     if asked is None:
+        if unsupported is not None and cuda_alike:  # the default would have been on
+            logger.info("async scheduling off: not supported with %s", unsupported)
         return unsupported is None and cuda_alike
     if asked and unsupported is not None:
         logger.warning("async scheduling is not supported with %s; "

@@ -60,6 +60,8 @@ class ModelRunnerOutput:
     # Speculative decoding: per request (rows as req_ids), the drafts proposed
     # for the next step; None without speculative decoding.
     spec_token_ids: list[list[int]] | None = None
+    # Async speculative decoding: per request, the drafts the runner verified (<= k').
+    num_draft_tokens: list[int] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

@@ -95,3 +95,27 @@ def test_all_greedy_host_path_equals_the_tensor_path():
                                 _md(mixed_params, num_draft + [1]), {})
     assert host == tensor[:-1]
     assert [len(t) for t in host] == [1, 1, 3, 4, 2, 3]
+
+
+def test_emitted_on_device_layout_mixed_batch():
+    """[R, K + 1]: accepted drafts, the final token, then -1; the lists are its rows."""
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, seed=3),
+              SamplingParams(temperature=0.0)]
+    num_draft = [3, 2, 0]
+    target = [1, 2, 0, 5, 4, 4, 2, 3]  # greedy req0 accepts 1, 2 and emits 0; req2 emits 3
+    logits = _one_hot_logits(target)
+    drafts = [[1, 2, 3], [3, 4], []]
+
+    def gens():
+        return {1: make_request_generator(3, "cpu")}
+
+    emitted = RejectionSampler().emitted_on_device(drafts, logits.clone(), _md(params, num_draft),
+                                                   gens())
+    assert emitted.shape == (3, 4) and emitted.dtype == torch.int64
+    assert emitted[0].tolist() == [1, 2, 0, -1]
+    assert emitted[2].tolist() == [3, -1, -1, -1]
+    # Row 1 (random, near one-hot targets 4 4 2): its draft 3 has p ~ e^-28 -> rejected;
+    # the residual (p without 3) is ~ one-hot at 4.
+    assert emitted[1].tolist() == [4, -1, -1, -1]
+    lists = RejectionSampler()(drafts, logits.clone(), _md(params, num_draft), gens())
+    assert lists == [[t for t in row if t != -1] for row in emitted.tolist()]

@@ -131,3 +131,36 @@ def test_spec_decoding_stats():
     assert delta.mean_acceptance_length == pytest.approx(1 + 3 / 2)
     with pytest.raises(ValueError):
         s.observe_draft(2, 3)
+
+
+def test_ngram_equals_brute_force_on_random_histories():
+    """The candidate-end search proposes what comparing every window for every n does."""
+
+    def brute(ctx: list[int], k: int, lo: int, hi: int) -> list[int]:
+        for n in range(min(hi, len(ctx) - 1), lo - 1, -1):
+            for s in range(len(ctx) - n):  # windows of ctx[:-1]: s + n <= len - 1
+                if ctx[s : s + n] == ctx[len(ctx) - n :]:
+                    return ctx[s + n : s + n + k]
+        return []
+
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        ctx = rng.integers(0, int(rng.integers(2, 6)), size=int(rng.integers(1, 30)))
+        k, lo = int(rng.integers(1, 5)), int(rng.integers(1, 4))
+        hi = lo + int(rng.integers(0, 3))
+        cap = int(rng.integers(0, k + 2))
+        expected = brute(ctx.tolist(), min(k, cap), lo, hi)
+        assert NgramProposer(k, lo, hi).propose(ctx, cap) == expected, (ctx, k, lo, hi, cap)
+
+
+def test_ngram_byte_search_skips_hits_across_token_boundaries():
+    """Ids whose bytes line up across two tokens (a byte hit at an unaligned offset) are
+    not a match; many such hits fall back to comparing windows, with the same result."""
+    # int32 bytes of [256, 1] are 00 01 00 00 | 01 00 00 00: the suffix [1] (01 00 00 00)
+    # occurs at byte 1 inside them, but as a token only at index 1.
+    ctx = np.array([256, 1, 5, 1], dtype=np.int32)
+    assert NgramProposer(2, 1, 1).propose(ctx) == [5, 1]
+    ctx = np.array([256] * 20 + [7, 9, 1], dtype=np.int32)  # 20 unaligned hits, no token hit
+    assert NgramProposer(2, 1, 1).propose(ctx) == []
+    ctx = np.array([256] * 20 + [1, 3, 1], dtype=np.int32)  # the one token hit comes late
+    assert NgramProposer(2, 1, 1).propose(ctx) == [3, 1]

@@ -77,3 +77,92 @@ def test_draft_model_self_draft_cuda(tmp_path):
         torch.cuda.empty_cache()
     exact = sum(a == b for a, b in zip(outs[0], outs[1], strict=True))
     assert exact >= len(PROMPTS) - 1
+
+
+def test_verification_and_device_ngram_without_host_sync():
+    """The verification's device result and the device n-gram proposal launch no
+    synchronising call (torch.cuda.set_sync_debug_mode("error") raises on one), and
+    the proposal equals the numpy `NgramProposer`'s."""
+    from vllm.v1.sample.metadata import build_sampling_metadata, make_request_generator
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.spec_decode.ngram_proposer import NgramProposer
+    from vllm.v1.worker.ngram_device import DeviceNgramProposer
+
+    dev = torch.device("cuda")
+    vocab = 64
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=5),
+              SamplingParams(temperature=1.0, top_k=8)]
+    drafts = [[1, 2, 3, 4], [5, 6], []]
+    rows = [p for p, d in zip(params, drafts, strict=True) for _ in range(len(d) + 1)]
+    md = build_sampling_metadata(rows, [[0]] * len(rows), [[] for _ in rows], {}, vocab, dev)
+    logits = torch.randn(len(rows), vocab, device=dev)
+    gens = {1: make_request_generator(5, dev)}
+    history = torch.randint(0, 4, (8, 100), device=dev)
+    num_tokens = torch.randint(1, 101, (8,), device=dev)
+    proposer = DeviceNgramProposer(4, 2, 5)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        emitted = RejectionSampler().emitted_on_device(drafts, logits, md, gens)
+        got, counts = proposer.propose(history, num_tokens)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert emitted.shape == (3, 5)
+    target = logits.argmax(dim=-1).tolist()[:5]  # the greedy row: the host rule
+    accepted = 0
+    while accepted < 4 and drafts[0][accepted] == target[accepted]:
+        accepted += 1
+    assert emitted[0].tolist() == target[: accepted + 1] + [-1] * (4 - accepted)
+    assert (emitted[1, 3:] == -1).all() and (emitted[2, 1:] == -1).all()
+    ref = NgramProposer(4, 2, 5)
+    for b in range(8):
+        n = int(num_tokens[b])
+        assert got[b, : int(counts[b])].tolist() == ref.propose(history[b, :n].cpu().numpy())
+
+
+def test_async_spec_decode_equal_to_sync_and_no_host_sync_in_a_step(tmp_path):
+    """Async scheduling with ngram drafts on the GPU (the default there): the same fp32
+    greedy tokens as the synchronous spec path; verify graphs replay; a decode step of
+    device rows launches no synchronising call (set_sync_debug_mode("error"))."""
+    model_dir = make_model_dir(tmp_path / "tiny", llama_config(), weights=True)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    outs, checked = [], []
+    for asynchronous in (False, None):  # None: the default, async on the GPU
+        llm = LLM(str(model_dir), dtype="float32", max_model_len=512, max_num_seqs=8,
+                  gpu_memory_utilization=0.3, speculative_config=NGRAM,
+                  async_scheduling=asynchronous)
+        assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling is (
+            asynchronous is None)
+        runner = llm.llm_engine.engine_core.worker.model_runner
+        execute = runner.execute_model
+
+        def checked_execute(so, execute=execute, runner=runner):
+            decode_only = not so.scheduled_new_reqs and set(so.num_scheduled_tokens) == set(
+                so.scheduled_spec_decode_tokens)
+            if runner.async_spec is None or not decode_only:
+                return execute(so)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                out = execute(so)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            checked.append(so.total_num_scheduled_tokens)
+            return out
+
+        runner.execute_model = checked_execute
+        outs.append([o.outputs[0].token_ids
+                     for o in llm.generate(prompts, params, use_tqdm=False)])
+        stats = llm.llm_engine.get_scheduler_stats().spec_decoding_stats
+        assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+        if asynchronous is None:
+            assert runner.verify_rows.graphs.num_replays > 0
+        llm.llm_engine.shutdown()
+        del llm, runner
+        gc.collect()
+        torch.cuda.empty_cache()
+    # fp32; the two paths batch the verify rows differently (GEMM shapes): as above, allow
+    # one prompt to differ at an exact near-tie.
+    exact = sum(a == b for a, b in zip(outs[0], outs[1], strict=True))
+    assert exact >= len(PROMPTS) - 1
+    assert checked, "no decode step of device rows ran under the sync check"

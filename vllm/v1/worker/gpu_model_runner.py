@@ -11,7 +11,7 @@
                             of up to 256 tokens, eager otherwise
       5. sample             rows whose prompt is complete; rows with drafts are
                             verified and the next drafts proposed (SpecDecoder,
-                            spec_decode.py)
+                            spec_decode.py; async: AsyncSpecState, async_spec.py)
       6. outputs            ModelRunnerOutput (token ids as Python lists), prompt
                             logprobs; or with async scheduling an AsyncRunnerOutput
                             whose ids are still on their way to the host (async_output.py)
@@ -47,6 +47,7 @@ from vllm.v1.sample.sampler import (
     compute_token_logprobs,
 )
 from vllm.v1.worker.async_output import AsyncRunnerOutput, AsyncStepState, scatter_logprobs
+from vllm.v1.worker.async_spec import AsyncSpecState
 from vllm.v1.worker.cuda_graph import CUDAGraphManager, DecodeGraphOutput
 from vllm.v1.worker.draft_model import DraftModelProposer, attention_layers
 from vllm.v1.worker.grammar_bitmask import GrammarBitmask
@@ -84,8 +85,8 @@ class GPUModelRunner:
             max_num_tokens (`verify_rows`).
         async_scheduling: return `AsyncRunnerOutput`s and take the previous
             step's sampled ids from the device (`AsyncStepState`); the caller
-            must call `get_output()` of step N before step N+2. Not with
-            speculative decoding (the config refuses the combination).
+            must call `get_output()` of step N before step N+2. With n-gram
+            drafts these are proposed and fed on the device (`AsyncSpecState`).
     """
 
     def __init__(
@@ -104,9 +105,7 @@ class GPUModelRunner:
         spec_decoder: SpecDecoder | None = None,
         async_scheduling: bool = False,
     ) -> None:
-        self.model = model
-        self.device = device
-        self.dtype = dtype
+        self.model, self.device, self.dtype = model, device, dtype
         self.vocab_size = vocab_size
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
@@ -125,6 +124,8 @@ class GPUModelRunner:
         self.async_state = AsyncStepState(max_num_reqs, device, max_model_len) if (
             async_scheduling) else None
         self.spec_decoder = spec_decoder
+        self.async_spec = AsyncSpecState.of(spec_decoder, async_scheduling, max_num_reqs,
+                                            max_model_len, block_size, vocab_size, device)
         # Structured outputs: one grammar matcher per constrained request, the step's bitmask.
         k = spec_decoder.k if spec_decoder is not None else 0
         self.grammar = GrammarBitmask(max_num_reqs * (k + 1), vocab_size, device)
@@ -276,7 +277,8 @@ class GPUModelRunner:
         # generator, or the output would depend on the chunk size).
         rows = np.nonzero(seq_lens >= batch.num_tokens[:num_reqs])[0]
         n_rows = len(rows)
-        if n_rows and not (one_token_each and n_rows == num_reqs):  # else: hidden[:n]
+        # else: hidden[:n]; but the sampler may get a subset (async spec's device rows)
+        if n_rows and not (one_token_each and n_rows == num_reqs and not self.async_spec):
             buf.logits_indices_np[:n_rows] = cu[rows] - 1
             buf.logits_indices[:n_rows].copy_(buf.logits_indices_cpu[:n_rows], non_blocking=True)
 
@@ -430,10 +432,12 @@ class GPUModelRunner:
             return EMPTY_MODEL_RUNNER_OUTPUT
         batch = self.input_batch
         drafts = so.scheduled_spec_decode_tokens
-        if drafts:
+        if drafts and self.async_spec is None:
             SpecDecoder.write_drafts(batch, drafts)
         # 2. prepare inputs, 3. attention metadata
         metadata, num_sched, sampling_rows = self._prepare_inputs(so)
+        if self.async_spec is not None:  # the device rows' inputs from the device
+            self.async_spec.prepare(batch, drafts, num_sched, self.buffers)
         # 4. forward (the draft model's after the target's)
         hidden, head = self._forward(metadata, num_sched)
         if spec is not None:
@@ -447,13 +451,15 @@ class GPUModelRunner:
             sampled_token_ids=[[] for _ in range(num_reqs)],
         )
         rows, is_verify = sampling_rows, None
-        if drafts:
+        if self.async_spec is not None:
+            rows, is_verify = self.async_spec.verify(self.model, hidden, batch, rows)
+        elif drafts:
             rows, is_verify = spec.verify_step(self.model, hidden, batch, sampling_rows,
                                                num_sched, drafts, output, self.grammar)
         sampler_output = self._sample(hidden, head, so, len(sampling_rows), rows, is_verify)
         if sampler_output is not None and async_state is None:
             self._append_sampled(output, rows, sampler_output)
-        if spec is not None:
+        if spec is not None and self.async_spec is None:
             output.spec_token_ids = spec.propose(batch, sampling_rows.tolist(),
                                                  self.max_model_len)
 
@@ -466,7 +472,10 @@ class GPUModelRunner:
             batch.states[row].num_computed_tokens = int(batch.num_computed_tokens[row])
         if async_state is None:
             return output
-        return async_state.output(output, rows, sampler_output, batch)
+        out = async_state.output(output, rows, sampler_output, batch)
+        if self.async_spec is not None:  # the device rows' tokens join it (async_spec.py)
+            out = self.async_spec.output(out, output, batch, rows, sampler_output)
+        return out
 
     def _sample(self, hidden: torch.Tensor, head: DecodeGraphOutput | None,
                 so: SchedulerOutput, n: int, rows: np.ndarray, is_verify: np.ndarray | None
@@ -481,7 +490,7 @@ class GPUModelRunner:
             return None
         batch = self.input_batch
         greedy = None
-        if n == batch.num_reqs and self._all_single_token(so, n):
+        if n == batch.num_reqs == len(rows) and self._all_single_token(so, n):
             # Row i samples flat token i (no verify row: those carry drafts), so
             # the logits indices are 0 .. n-1: a view, no index copy, no gather.
             if head is not None:

@@ -101,6 +101,8 @@ def profile_verify(
         return reading
     with memory.measure_peak() as reading:
         runner.spec_decoder.dummy_verify_run(runner.model, hidden, positions)
+        if runner.async_spec is not None:  # the device proposal over every slot
+            runner.async_spec.dummy_propose()
     reading.torch_peak += hidden.numel() * hidden.element_size()
     logger.info(
         "Speculative decoding (%s, k=%d): the verify batch of %d positions x %d vocab "

@@ -62,9 +62,10 @@ class VerifyRows:
             lambda b: forward(b, query_len),
             kind=f"verify, {query_len} tokens per request",
         )
-        # Flat token -> its place in a batch laid out as rows of q.
-        self.index = torch.zeros(n, dtype=torch.int64, device=device)  # [max_num_tokens]
-        self.index_cpu = torch.zeros(n, dtype=torch.int64, pin_memory=pin_memory)
+        # [:total] flat token -> its place in a batch laid out as rows of q; then each
+        # request's padding (num_reqs <= total, so 2 x max_num_tokens always fit).
+        self.index = torch.zeros(2 * n, dtype=torch.int64, device=device)
+        self.index_cpu = torch.zeros(2 * n, dtype=torch.int64, pin_memory=pin_memory)
         self._index_np = self.index_cpu.numpy()
 
     def prepare(self, num_sched: np.ndarray, total: int
@@ -137,7 +138,12 @@ class VerifyRows:
         buf.query_start_loc[: num_reqs + 1].copy_(
             buf.query_start_loc_cpu[: num_reqs + 1], non_blocking=True
         )
-        buf.seq_lens[:num_reqs].copy_(buf.seq_lens_cpu[:num_reqs], non_blocking=True)
+        # Grown on the device, not re-uploaded: async speculative decoding corrected the
+        # device's seq_lens already (async_spec.py); the host's are upper bounds there.
+        self._index_np[total : total + num_reqs] = q - num_sched
+        pad = self.index[total : total + num_reqs]
+        pad.copy_(self.index_cpu[total : total + num_reqs], non_blocking=True)
+        buf.seq_lens[:num_reqs] += pad.to(buf.seq_lens.dtype)
         return index
 
     def pad(self, num_reqs: int, size: int) -> None:

@@ -26,14 +26,13 @@ from vllm.v1.core.sched.kv_connector import SchedulerKVConnector
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.partial_prefills import PartialPrefills
 from vllm.v1.core.sched.request_queue import create_request_queue
-from vllm.v1.core.sched.spec_decode import drafts_to_verify, settle_drafts
+from vllm.v1.core.sched.spec_decode import SpecDecodeScheduling
 from vllm.v1.core.sched.stats import SchedulerStats
 from vllm.v1.core.sched.step import StepPlan, make_engine_core_output, package_plan
 from vllm.v1.core.sched.structured_outputs import GrammarSource, SchedulerStructuredOutputs
 from vllm.v1.core.sched.utils import check_fits_cache, check_positive, check_prompt, check_stop
 from vllm.v1.outputs import EngineCoreOutput, FinishReason, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
-from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.kv_connector import KVConnectorScheduler
@@ -80,6 +79,8 @@ class Scheduler:
             already reach max_tokens or max_model_len is not scheduled again.
             A request that stops (EOS, stop token, stop string, abort) at step
             N may already be in step N+1: that step's output for it is dropped.
+            With speculative decoding a decoding request taking drafts counts 1 + k'
+            placeholders a step (`SpecDecodeScheduling`, spec_decode.py).
         elastic: the elastic KV cache's policy (`ElasticKVPolicy`), or None
             for a fixed cache. With one, the engine core asks the policy what
             block count it wants, `resize_kv_cache()` adopts what the workers
@@ -152,8 +153,8 @@ class Scheduler:
             "local_compute": 0, "local_cache_hit": 0, "external_kv_transfer": 0}
         self.num_speculative_tokens = num_speculative_tokens
         self.num_lookahead_tokens = num_lookahead_tokens
-        self.spec_decoding_stats = (SpecDecodingStats(num_speculative_tokens)
-                                    if num_speculative_tokens else None)
+        self.spec = SpecDecodeScheduling(num_speculative_tokens, async_scheduling, max_model_len)
+        self.spec_decoding_stats = self.spec.stats  # drafts and their counts: spec_decode.py
         self.structured_outputs = SchedulerStructuredOutputs(grammar_compiler)
 
     # ---- requests in and out ----
@@ -262,12 +263,11 @@ class Scheduler:
             if index is None:
                 raise ValueError(f"model runner output has no entry for request {req_id!r}")
             sampled = mro.sampled_token_ids[index]
-            request.num_output_placeholders = max(0, request.num_output_placeholders - len(sampled))
             # Async scheduling: a request preempted after this step was scheduled
             # still gets the step's token; it waits (PREEMPTED) and may stop here.
             waiting = request.status == RequestStatus.PREEMPTED
-            settle_drafts(request, scheduler_output.scheduled_spec_decode_tokens, sampled,
-                          self.spec_decoding_stats)
+            self.spec.settle(request, scheduler_output.scheduled_spec_decode_tokens, sampled,
+                             mro.num_draft_tokens and mro.num_draft_tokens[index], waiting)
             new_token_ids, finished = self._append_sampled(request, sampled)
             if mro.spec_token_ids is not None and not finished:
                 request.spec_token_ids = mro.spec_token_ids[index]
@@ -300,13 +300,13 @@ class Scheduler:
             if num_new == 0:
                 req_index += 1
                 continue
-            drafts = drafts_to_verify(request, to_compute, plan.token_budget, self.max_model_len)
-            num_new += len(drafts)
+            drafts = self.spec.drafts(request, to_compute, plan.token_budget)
+            num_new += len(drafts or ())
             new_blocks = self._allocate_or_preempt(request, num_new, plan)
             if new_blocks is None:
                 break  # the request preempted itself; everything after it is gone too
             plan.add(request, num_new)
-            if drafts:
+            if drafts is not None:
                 plan.spec_tokens[request.request_id] = drafts
             plan.cached_reqs.append((request, False, [b.block_id for b in new_blocks]))
             policy.note(plan.prefills, to_compute, num_new, policy.is_long(to_compute))
@@ -471,7 +471,8 @@ class Scheduler:
             request.num_computed_tokens = computed + num_tokens
             if (self.async_scheduling and request.num_computed_tokens
                     >= request.num_tokens + request.num_output_placeholders):
-                request.num_output_placeholders += 1  # this step samples its next token
+                # this step samples its next token (async spec: up to 1 + k')
+                request.num_output_placeholders += 1 + len(plan.spec_tokens.get(req_id, ()))
         self.finished_req_ids = set()
         output.scheduled_encoder_inputs, output.free_encoder_mm_hashes = (
             self.encoder.step_output())
