@@ -7,8 +7,10 @@ The bundled SmolLM2-135M-Instruct (real text), greedy, one request at a time,
 on prompts that quote their input (a code edit, a summary with quotations, a
 list continued): the case prompt lookup is for. Each mode runs in a fresh
 process with async scheduling as the engine resolves it (`async_scheduling`
-left unset: on a GPU on for both, the n-gram drafts then proposed on the
-device; see `resolve_async_scheduling`); each mode reports which it got. Per
+left unset: on a GPU on for plain decoding, off with n-gram drafts, where it
+is opt-in; see `resolve_async_scheduling`), or asked for in both with
+`--async-scheduling` (the n-gram drafts then proposed on the device); each
+mode reports which it got. Per
 prompt: a warm-up generate (Triton compiles at a new prompt length are not
 decode), then the prefill alone (max_tokens=1) and the whole generation;
 decode tokens/s = (tokens - 1) / (t_all - t_prefill). Reported: decode
@@ -60,12 +62,14 @@ MESSAGES = [
 ]
 
 
-def run_mode(model: str | None, k: int, max_tokens: int, spec: bool) -> dict:
+def run_mode(model: str | None, k: int, max_tokens: int, spec: bool,
+             async_scheduling: bool | None) -> dict:
     from vllm import LLM, SamplingParams
 
     cfg = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
            "prompt_lookup_max": 5} if spec else None
-    llm = LLM(model, max_model_len=2048, max_num_seqs=8, speculative_config=cfg)
+    llm = LLM(model, max_model_len=2048, max_num_seqs=8, speculative_config=cfg,
+              async_scheduling=async_scheduling)
     engine = llm.llm_engine
     step = engine.step
     counter = {"steps": 0}
@@ -143,12 +147,15 @@ def main() -> None:
                         help="drafts per step of the spec mode (ngram prompt lookup)")
     parser.add_argument("--max-tokens", type=positive_int, default=256,
                         help="output tokens per prompt")
+    parser.add_argument("--async-scheduling", action="store_true", default=None,
+                        help="ask both modes for async scheduling (default: as the engine "
+                             "resolves it: with n-gram drafts it is opt-in)")
     parser.add_argument("--out", default=None, help="also write the JSON here")
     parser.add_argument("--child", choices=["base", "spec"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         result = run_mode(args.model, args.num_speculative_tokens, args.max_tokens,
-                          args.child == "spec")
+                          args.child == "spec", args.async_scheduling)
         print("RESULT " + json.dumps(result))
         return
 
@@ -165,6 +172,8 @@ def main() -> None:
                "--num-speculative-tokens", str(args.num_speculative_tokens)]
         if args.model:
             cmd += ["--model", args.model]
+        if args.async_scheduling:
+            cmd.append("--async-scheduling")
         proc = subprocess.run(cmd, capture_output=True, text=True)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:

@@ -285,7 +285,7 @@ def test_async_scheduling_default_fallback_and_flags(tiny_model, caplog):
                     scheduler_config=SchedulerConfig(async_scheduling=True))
     assert on.scheduler_config.async_scheduling is True
 
-    def resolve(asked, backend="uni", speculative=False, kv_connector=None):
+    def resolve(asked, backend="uni", speculative=None, kv_connector=None):
         return resolve_async_scheduling(asked, backend, speculative=speculative,
                                         kv_connector=kv_connector, cuda_alike=True)
 
@@ -294,13 +294,19 @@ def test_async_scheduling_default_fallback_and_flags(tiny_model, caplog):
     # Unset with a draft model: off, one info line naming why.
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="vllm"):
-        assert resolve(None, speculative=True) is False
+        assert resolve(None, speculative="draft_model") is False
     assert "async scheduling off: not supported with speculative decoding" in caplog.text
+    # n-gram drafts: opt-in (asked for: on; unset: off with one line saying how to opt in).
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="vllm"):
+        assert resolve(None, speculative="ngram") is False
+    assert "opt in with --async-scheduling" in caplog.text
+    assert resolve(True, speculative="ngram") is True
     # Asked for where it is unsupported: one warning, synchronous scheduling.
     with caplog.at_level(logging.WARNING, logger="vllm"):
         assert resolve(True, "mp") is False
     assert "async scheduling is not supported with the 'mp' executor" in caplog.text
-    for kwargs, words in (({"speculative": True}, "speculative decoding"),
+    for kwargs, words in (({"speculative": "draft_model"}, "speculative decoding"),
                           ({"kv_connector": "NixlConnector"}, "a KV connector (NixlConnector)")):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="vllm"):

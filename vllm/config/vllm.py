@@ -144,8 +144,8 @@ class VllmConfig(FrozenConfig):
         sched, kv = self.scheduler_config, self.kv_transfer_config
         sched.async_scheduling = resolve_async_scheduling(
             sched.async_scheduling, self.parallel_config.distributed_executor_backend,
-            speculative=self.speculative_config is not None and (
-                self.speculative_config.method != "ngram"),  # ngram: drafts on the device
+            speculative=None if self.speculative_config is None else (
+                self.speculative_config.method),
             kv_connector=None if kv is None else kv.kv_connector,
             cuda_alike=platform.is_cuda_alike(),
         )
@@ -175,7 +175,7 @@ class VllmConfig(FrozenConfig):
 
 
 def resolve_async_scheduling(
-    asked: bool | None, backend: str, *, speculative: bool, kv_connector: str | None,
+    asked: bool | None, backend: str, *, speculative: str | None, kv_connector: str | None,
     cuda_alike: bool,
 ) -> bool:
     """Async scheduling on where it is correct and pays; off, with a log line, elsewhere.
@@ -187,24 +187,31 @@ def resolve_async_scheduling(
     (docs/design.md, "Speculative decoding and async scheduling"); not built
     with a draft model (its drafts come from its own forward per step) or a
     KV connector (it saves and loads around each step's finished requests).
-    On the CPU nothing runs while Python prepares the next step, so it only
-    costs.
+    With n-gram drafts it is opt-in (`--async-scheduling`) until the GPU run
+    of tests/v1/spec_decode/test_spec_decode_cuda.py and
+    benchmarks/benchmark_spec_decode.py has shown it correct and faster
+    (docs/benchmarks.md); the default stays synchronous there. On the CPU
+    nothing runs while Python prepares the next step, so it only costs.
 
     Args:
         asked: the user's `async_scheduling` (None: the default).
         backend: the resolved executor backend.
-        speculative: speculative decoding that async scheduling cannot serve is
-            configured (a draft model; n-gram drafts are served).
+        speculative: the speculative method configured ("ngram",
+            "draft_model"), or None.
         kv_connector: the configured KV connector's name, if any.
         cuda_alike: the platform is CUDA or ROCm.
     """
     unsupported = None
     if backend != "uni":
         unsupported = f"the {backend!r} executor (it needs 'uni': one rank, in-process)"
-    elif speculative:
-        unsupported = "speculative decoding with a draft model (speculative_config)"
+    elif speculative not in (None, "ngram"):
+        unsupported = f"speculative decoding with method {speculative!r} (speculative_config)"
     elif kv_connector is not None:
         unsupported = f"a KV connector ({kv_connector})"
+    if asked is None and unsupported is None and speculative == "ngram" and cuda_alike:
+        logger.info("async scheduling off by default with n-gram speculative decoding "
+                    "(opt in with --async-scheduling)")
+        return False
     if asked is None:
         if unsupported is not None and cuda_alike:  # the default would have been on
             logger.info("async scheduling off: not supported with %s", unsupported)
