@@ -287,7 +287,8 @@ class AsyncLLM:
             lambda: list(tokenizer.convert_ids_to_tokens(token_ids)))
 
     async def _tokenize_prompt(self, prompt: PromptType) -> PromptType:
-        """A text prompt as {"prompt", "prompt_token_ids"}, tokenized on the tokenizer thread.
+        """A text prompt as {"prompt", "prompt_token_ids"}, tokenized on the tokenizer thread
+        (a prompt dict keeps its other keys, "multi_modal_data" among them).
 
         Raises:
             VLLMValidationError: the text alone proves the prompt longer than
@@ -305,6 +306,8 @@ class AsyncLLM:
         check_unicode_text(text, "prompt")
         tokenizer = self._input_tokenizer
         token_ids = await self._tokenizer_call(lambda: list(tokenizer.encode(text)))
+        if isinstance(prompt, dict):  # keeps its other keys ("multi_modal_data")
+            return {**prompt, "prompt_token_ids": token_ids}
         return {"prompt": text, "prompt_token_ids": token_ids}
 
     def _check_prompt_chars(self, num_chars: int, parameter: str) -> None:
