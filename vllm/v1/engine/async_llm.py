@@ -217,7 +217,16 @@ class AsyncLLM:
             raise EngineSleepingError("the engine is asleep; wake it up (POST /wake_up) first")
         if request_id in self._handler.streams:
             raise ValueError(f"request id {request_id!r} is already running")
-        processed = self.processor.process_inputs(request_id, prompt, params, priority)
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+            # transformers' image processor takes seconds on a large image: on the
+            # tokenizer thread, so the event loop keeps streaming everyone else.
+            processed = await self._tokenizer_call(
+                lambda: self.processor.process_inputs(request_id, prompt, params, priority))
+            self._check_accepting()
+            if request_id in self._handler.streams:
+                raise ValueError(f"request id {request_id!r} is already running")
+        else:
+            processed = self.processor.process_inputs(request_id, prompt, params, priority)
         stream = RequestOutputStream(request_id, asyncio.get_running_loop(), self.abort,
                                      self._handler.forget,
                                      delta=params.output_kind == RequestOutputKind.DELTA)
