@@ -50,3 +50,21 @@ def test_a_bad_interval_is_a_usage_error(tmp_path):
         [sys.executable, "-m", "vllm.entrypoints.cli.main", "kv-top", "--interval", "0"],
         capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "must be > 0" in out.stderr
+
+
+def test_a_reader_that_stops_reading_ends_it_quietly(tmp_path):
+    """`vllm kv-top --json | head -n 1` (or `| head` of the table): the pipe closes, and
+    kv-top exits 0 without a BrokenPipeError traceback."""
+    registry = DeviceKVRegistry("GPU-1234", tmp_path)
+    registry.register("Llama-3-8B")
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.cli.main", "kv-top", "--json",
+             "--interval", "0.05", "--registry-dir", str(tmp_path)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert "Llama-3-8B" in proc.stdout.readline()
+        proc.stdout.close()  # the reader is gone: the next print meets a closed pipe
+        assert proc.wait(timeout=60) == 0
+        assert proc.stderr.read() == ""
+    finally:
+        registry.close()

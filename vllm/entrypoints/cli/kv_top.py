@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -104,4 +105,7 @@ def run(args: argparse.Namespace) -> int:
                 return 0
             time.sleep(args.interval)
     except KeyboardInterrupt:
+        return 0
+    except BrokenPipeError:  # the reader left (`vllm kv-top | head`): end quietly, as `top` does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
         return 0
