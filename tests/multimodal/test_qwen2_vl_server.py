@@ -184,3 +184,16 @@ def test_streamed_chat_with_an_image(served):
     chunks = [json.loads(line) for line in lines if line != "[DONE]"]
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
     assert text == whole
+
+
+def test_tokenize_counts_the_image_tokens_as_the_chat_api_does(served):
+    """/tokenize with image parts expands each image's placeholder as the engine does (as
+    vLLM's does): its count equals the chat reply's prompt_tokens, the number a client
+    checks against max_model_len. It counted one token an image."""
+    content = _parts(["wide", "large"])
+    tokenized = httpx.post(served.url_for("tokenize"), timeout=120, json={
+        "model": served.model_name, "messages": [{"role": "user", "content": content}]})
+    assert tokenized.status_code == 200, tokenized.text
+    reply = _chat(served, content)
+    assert tokenized.json()["count"] == reply.json()["usage"]["prompt_tokens"]
+    assert tokenized.json()["tokens"].count(508) == 6 + 16  # <|image_pad|>

@@ -285,6 +285,14 @@ class AsyncLLM:
         return await self._tokenizer_call(
             lambda: list(tokenizer.encode(text, add_special_tokens=add_special_tokens)))
 
+    async def expand_images(self, prompt: dict[str, Any]) -> list[int]:
+        """A tokenized prompt's ids with each image placeholder expanded to its image's
+        tokens, as the engine will see them (from "prompt_token_ids" and
+        "multi_modal_data"), on the tokenizer thread; errors as
+        `Processor.process_multimodal` (VLLMValidationError naming the image)."""
+        return (await self._tokenizer_call(lambda: self.processor.process_multimodal(
+            prompt, list(prompt["prompt_token_ids"]))))[0]
+
     async def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         tokenizer = self._input_tokenizer
         return await self._tokenizer_call(
