@@ -122,6 +122,9 @@ def test_chunked_prefill_through_an_image(qwen2_vl_dir, qwen2_vl_reference):
     ({"image": "not an image"}, "must be a PIL image"),
     ({"video": image(50, 50, 0)}, "modality 'video' is not supported"),
     ({"image": [image(50, 50, 0)] * 2}, "1 image placeholder token(s)"),
+    # A 0 x N image reached the image processor and raised ZeroDivisionError.
+    ({"image": image(0, 0, 0)}, "the image has no pixels (0x0)"),
+    ({"image": image(40, 0, 0)}, "the image has no pixels (40x0)"),
 ])
 def test_bad_multi_modal_data_is_refused(vl_llm, mm_data, message):
     with pytest.raises(VLLMValidationError, match=message.replace("(", r"\(").replace(")", r"\)")):

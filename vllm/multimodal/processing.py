@@ -123,8 +123,8 @@ class MultiModalProcessor:
         Raises:
             VLLMValidationError (parameter `where`...): not a dict, an unknown
                 modality, more images than the limit, an item that is not a PIL
-                image, placeholders that do not match the images, an image with
-                more tokens than `max_tokens_per_item`.
+                image or has no pixels (0 x N), placeholders that do not match the
+                images, an image with more tokens than `max_tokens_per_item`.
         """
         images = self._images(mm_data, where)
         pads = [i for i, t in enumerate(prompt_token_ids) if t == self.image_token_id]
@@ -178,6 +178,9 @@ class MultiModalProcessor:
             if not isinstance(image, Image.Image):
                 raise VLLMValidationError(f"{where}.image.{k} must be a PIL image, got "
                                           f"{type(image).__name__}", parameter=where)
+            if 0 in image.size:
+                raise VLLMValidationError(f"{where}.image.{k}: the image has no pixels "
+                                          f"({image.width}x{image.height})", parameter=where)
         return images
 
     def _pixels(self, image: Any, where: str) -> tuple[Any, tuple[int, int, int]]:
