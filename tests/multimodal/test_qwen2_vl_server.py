@@ -197,3 +197,28 @@ def test_tokenize_counts_the_image_tokens_as_the_chat_api_does(served):
     reply = _chat(served, content)
     assert tokenized.json()["count"] == reply.json()["usage"]["prompt_tokens"]
     assert tokenized.json()["tokens"].count(508) == 6 + 16  # <|image_pad|>
+
+
+def test_an_image_the_processor_rejects_is_a_400_naming_its_part(served):
+    """An image that decodes but that transformers' image processor refuses (an aspect
+    ratio over 200): the 400 names the chat part, as for an image that does not decode
+    (it named multi_modal_data.image.1, a field the request does not have)."""
+    content = _parts(["small"]) + [
+        {"type": "image_url", "image_url": {"url": _data_url(_png(image(1000, 4, 4)))}}]
+    response = _chat(served, content)
+    assert response.status_code == 400, response.text
+    error = error_of(response)
+    assert error["param"] == "messages.0.content.3.image_url.url", error
+    assert error["message"].startswith("messages.0.content.3.image_url.url: the image "
+                                       "processor rejected the image: absolute aspect ratio")
+    assert _chat(served, _parts(["small"])).status_code == 200
+
+
+def test_placeholder_text_beside_an_image_part_is_a_400_naming_messages(served):
+    """A chat text part that writes the image placeholder itself: the prompt then has more
+    placeholders than images, and the 400 names messages (it named multi_modal_data)."""
+    content = [{"type": "text", "text": IMAGE_PLACEHOLDER}] + _parts(["small"])
+    response = _chat(served, content)
+    assert response.status_code == 400, response.text
+    assert error_of(response)["param"] == "messages"
+    assert "2 image placeholder token(s)" in error_of(response)["message"]

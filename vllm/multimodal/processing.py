@@ -67,10 +67,12 @@ class MultiModalProcessor:
                    int(hf_config.vision_config.spatial_merge_size), limit_per_prompt,
                    max_tokens_per_item, MediaConnector(allowed_local_media_path))
 
-    def chat_images(self, conversation: list[Any]) -> tuple[list[Any], list[Any]]:
+    def chat_images(self, conversation: list[Any]
+                    ) -> tuple[list[Any], list[Any], list[str]]:
         """(the conversation with every image part replaced by a text part holding the
-        placeholder, the images in order). Messages that are not dicts pass unchanged
-        (the renderer names them).
+        placeholder, the images in order, the request field each came from:
+        "messages.0.content.1.image_url.url", for `process`'s `item_params`).
+        Messages that are not dicts pass unchanged (the renderer names them).
 
         Raises:
             VLLMValidationError (parameter "messages.i.content.j..."): an image that
@@ -81,6 +83,7 @@ class MultiModalProcessor:
 
         limit = self.limit_per_prompt.get("image", 0)
         images: list[Any] = []
+        params: list[str] = []
         out = []
         for i, message in enumerate(conversation):
             content = message.get("content") if isinstance(message, dict) else None
@@ -104,21 +107,25 @@ class MultiModalProcessor:
                         raise VLLMValidationError(f"{where} must be a PIL image",
                                                   parameter=where)
                     images.append(value)
+                    params.append(where)
                 else:
                     url = value.get("url") if isinstance(value, dict) else value
-                    images.append(self.media.load_image(url, f"{where}.url"
-                                                        if isinstance(value, dict) else where))
+                    params.append(f"{where}.url" if isinstance(value, dict) else where)
+                    images.append(self.media.load_image(url, params[-1]))
                 parts.append({"type": "text", "text": self.placeholder})
             out.append({**message, "content": parts})
-        return out, images
+        return out, images, params
 
-    def process(self, prompt_token_ids: list[int], mm_data: Any, where: str = "multi_modal_data"
+    def process(self, prompt_token_ids: list[int], mm_data: Any, where: str = "multi_modal_data",
+                item_params: list[str] | None = None
                 ) -> tuple[list[int], list[MultiModalFeatureSpec]]:
         """(expanded token ids, one feature per image in prompt order).
 
         Args:
             mm_data: {"image": a PIL image or a list of them}.
             where: the request field to name in errors.
+            item_params: the request field of each image, named by the errors about
+                one image (chat: `chat_images`' third result); None: `where`.image.k.
 
         Raises:
             VLLMValidationError (parameter `where`...): not a dict, an unknown
@@ -138,7 +145,8 @@ class MultiModalProcessor:
         features: list[MultiModalFeatureSpec] = []
         last = 0
         for k, (pad, image) in enumerate(zip(pads, images, strict=True)):
-            feature_where = f"{where}.image.{k}" if len(images) > 1 else f"{where}.image"
+            feature_where = (item_params[k] if item_params and len(item_params) == len(images)
+                             else f"{where}.image.{k}" if len(images) > 1 else f"{where}.image")
             pixel_values, grid = self._pixels(image, feature_where)
             identifier = _hash(image, grid)
             length = grid[0] * grid[1] * grid[2] // self.merge_size ** 2

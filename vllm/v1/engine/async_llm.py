@@ -358,7 +358,8 @@ class AsyncLLM:
         thread, lets other requests' renders and encodes run meanwhile (the
         GIL is shared between them, so a small render is slowed, not queued).
         Returns {"prompt", "prompt_token_ids"} (and "multi_modal_data" for image
-        parts of a multimodal model: `MultiModalProcessor.chat_images`); errors as
+        parts of a multimodal model, with "multi_modal_params", the part each image
+        came from: `MultiModalProcessor.chat_images`); errors as
         `chat_templates.render_chat_template`, plus VLLMValidationError
         (parameter "messages") for a rendered text that cannot fit
         max_model_len tokens, found before it is encoded.
@@ -374,8 +375,8 @@ class AsyncLLM:
         images: list[Any] = []
         mm = self.processor.mm_processor
         if mm is not None:  # image parts fetched and decoded off the event loop
-            messages, images = await self._run_on(self._render_pool,
-                                                  lambda: mm.chat_images(messages))
+            messages, images, params = await self._run_on(self._render_pool,
+                                                          lambda: mm.chat_images(messages))
         tokenizer = self._input_tokenizer
         text = await self._run_on(
             self._render_pool, lambda: render_chat_template(tokenizer, messages, **kwargs))
@@ -383,7 +384,7 @@ class AsyncLLM:
         token_ids = await self._tokenizer_call(lambda: encode_rendered_chat(tokenizer, text))
         if images:
             return {"prompt": text, "prompt_token_ids": token_ids,
-                    "multi_modal_data": {"image": images}}
+                    "multi_modal_data": {"image": images}, "multi_modal_params": params}
         return {"prompt": text, "prompt_token_ids": token_ids}
 
     # ---------------------------------------------------- engine core utilities
