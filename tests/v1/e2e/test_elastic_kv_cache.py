@@ -131,6 +131,9 @@ def test_a_runtime_limit_caps_growth_and_releases_blocks_above_it(elastic_llm):
     assert elastic_llm.llm_engine.set_kv_cache_limit(None) == 341  # the start-up limit back
     with pytest.raises(ValueError, match=">= 0 bytes"):
         elastic_llm.llm_engine.set_kv_cache_limit(-1)
+    for bad in (1.5, True, "1GiB"):  # 1.5 and True set the floor; "1GiB" was a TypeError
+        with pytest.raises(ValueError, match="an int number of bytes"):
+            elastic_llm.llm_engine.set_kv_cache_limit(bad)
 
 
 def test_wake_under_pressure_commits_the_floor_and_grows_later(elastic_llm, monkeypatch):
