@@ -36,6 +36,9 @@ class _Media(http.server.BaseHTTPRequestHandler):
     """/ok.png an image, /slow.png one that takes longer than the fetch timeout, else 404."""
 
     def do_GET(self):  # http.server calls it by this name
+        if self.path == "/trickle.png":  # a byte every 0.2 s, each within the read timeout
+            self._trickle(_png(IMAGES["small"]))
+            return
         if self.path == "/slow.png":
             time.sleep(3)
         if self.path in ("/ok.png", "/slow.png"):
@@ -47,6 +50,20 @@ class _Media(http.server.BaseHTTPRequestHandler):
             self.wfile.write(body)
             return
         self.send_error(404)
+
+    def _trickle(self, body: bytes) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "image/png")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        try:
+            for k in range(30):  # 6 s, then the rest: a whole image unless cut off
+                self.wfile.write(body[k:k + 1])
+                self.wfile.flush()
+                time.sleep(0.2)
+            self.wfile.write(body[30:])
+        except OSError:  # the server gave up and closed the connection
+            pass
 
     def log_message(self, *args):
         pass
@@ -140,10 +157,12 @@ def _too_many_bytes() -> bytes:
      "outside --allowed-local-media-path"),
     ("{media}/missing.png", "messages.0.content.1.image_url.url", "HTTP 404"),
     ("{media}/slow.png", "messages.0.content.1.image_url.url", "timed out"),
+    # The timeout is for the whole download (it was per read: this took 6 s and decoded).
+    ("{media}/trickle.png", "messages.0.content.1.image_url.url", "timed out"),
     ("http://127.0.0.1:9/refused.png", "messages.0.content.1.image_url.url",
      "fetching the image failed"),
 ], ids=["not-an-image", "truncated", "too-large", "bad-base64", "scheme", "file-outside",
-        "http-404", "http-timeout", "http-refused"])
+        "http-404", "http-timeout", "http-trickle", "http-refused"])
 def test_hostile_image_is_a_400_naming_the_part(served, media_server, url, param, message):
     content = [{"type": "text", "text": "x"},
                {"type": "image_url", "image_url": {"url": url.replace("{media}", media_server)}}]

@@ -1,7 +1,9 @@
 """Images from where requests bring them: PIL images, data: URIs, http(s) URLs, files.
 
     "data:image/png;base64,...."  -> base64 decode (size-capped) -> Pillow
-    "http(s)://..."               -> httpx GET, VLLM_IMAGE_FETCH_TIMEOUT s, VLLM_MAX_IMAGE_BYTES
+    "http(s)://..."               -> httpx GET, VLLM_IMAGE_FETCH_TIMEOUT s in all (a read
+                                     waits at most that long, so a stalled download
+                                     ends within twice it), VLLM_MAX_IMAGE_BYTES
     "file:///abs/path"            -> only under --allowed-local-media-path (resolved path)
     PIL.Image.Image               -> as is
 
@@ -17,6 +19,7 @@ import base64
 import binascii
 import io
 import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
@@ -112,6 +115,9 @@ class MediaConnector:
         import httpx
 
         timeout = float(envs.VLLM_IMAGE_FETCH_TIMEOUT)
+        # For the whole download, as vLLM's: a server that sends a byte now and then
+        # (each read within the timeout) must not hold a render thread for longer.
+        deadline = time.monotonic() + timeout
         try:
             with httpx.Client(timeout=timeout, follow_redirects=True) as client, \
                     client.stream("GET", url) as response:
@@ -124,6 +130,8 @@ class MediaConnector:
                     size += len(chunk)
                     _check_size(size, where)
                     chunks.append(chunk)
+                    if time.monotonic() > deadline:
+                        raise httpx.ReadTimeout("the whole download took too long")
                 return b"".join(chunks)
         except httpx.TimeoutException:
             raise VLLMValidationError(f"{where}: fetching the image timed out after "
