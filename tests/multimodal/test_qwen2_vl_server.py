@@ -241,3 +241,13 @@ def test_placeholder_text_beside_an_image_part_is_a_400_naming_messages(served):
     assert response.status_code == 400, response.text
     assert error_of(response)["param"] == "messages"
     assert "2 image placeholder token(s)" in error_of(response)["message"]
+
+
+def test_an_unsupported_part_type_names_what_is_supported(served):
+    """On a multimodal model the 400 said "only 'text' parts are", which image_url is not."""
+    response = _chat(served, [{"type": "input_image", "image_url": _data_url(_png(
+        IMAGES["small"]))}, {"type": "text", "text": "x"}])
+    assert response.status_code == 400, response.text
+    error = error_of(response)
+    assert error["param"] == "messages.0.content.0.type"
+    assert "'image_url' / 'image_pil' with a multimodal model" in error["message"]

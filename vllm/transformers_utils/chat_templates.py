@@ -67,7 +67,8 @@ def _normalise_content(message: dict[str, Any], index: int) -> dict[str, Any]:
             raise VLLMValidationError(
                 f"{where}.type {part.get('type')!r} is not supported; only 'text' parts are"
                 + (" (this model is text-only: it takes no images)"
-                   if part.get("type") in ("image_url", "image_pil") else ""),
+                   if part.get("type") in ("image_url", "image_pil")
+                   else ", and 'image_url' / 'image_pil' with a multimodal model"),
                 parameter=f"{where}.type")
         text = part.get("text")
         if not isinstance(text, str):
