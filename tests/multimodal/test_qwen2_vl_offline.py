@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import io
 
+import numpy as np
 import pytest
 
 from tests.multimodal.qwen2_vl_checkpoint import IMAGE_PLACEHOLDER, image
@@ -79,6 +80,36 @@ def test_prefix_cache_tells_images_apart(vl_llm, qwen2_vl_reference):
                             use_tqdm=False)[0]
     assert again.num_cached_tokens > 0
     assert list(again.outputs[0].token_ids) == list(second.outputs[0].token_ids)
+
+
+def _transparent_image():
+    """RGBA, its left half fully transparent over random colours (what PNG logos carry)."""
+    from PIL import Image
+
+    pixels = np.random.default_rng(5).integers(0, 256, (84, 84, 4), dtype=np.uint8)
+    pixels[:, :42, 3] = 0
+    pixels[:, 42:, 3] = 255
+    return Image.fromarray(pixels, "RGBA")
+
+
+def test_a_transparent_image_matches_transformers(vl_llm, qwen2_vl_reference):
+    """transformers composites transparency onto white (as vLLM does): offline and through
+    a chat data: URL, the tokens equal its generate on the same RGBA image (the alpha was
+    dropped, leaving the colours under it, and the tokens differed)."""
+    rgba = _transparent_image()
+    text = f"Look {IMAGE_PLACEHOLDER} here."
+    want = qwen2_vl_reference(vl_llm.get_tokenizer().encode(text), [rgba], MAX_TOKENS)
+    (out,) = vl_llm.generate({"prompt": text, "multi_modal_data": {"image": rgba}}, GREEDY,
+                             use_tqdm=False)
+    assert list(out.outputs[0].token_ids) == want
+    buf = io.BytesIO()
+    rgba.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
+    (chat,) = vl_llm.chat(messages, GREEDY, use_tqdm=False)
+    ids = vl_llm.get_tokenizer().encode(vl_llm.render_chat(messages)["prompt"],
+                                        add_special_tokens=False)
+    assert list(chat.outputs[0].token_ids) == qwen2_vl_reference(ids, [rgba], MAX_TOKENS)
 
 
 def test_chat_with_image_parts(vl_llm, qwen2_vl_reference):

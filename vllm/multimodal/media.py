@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 
 
 def decode_image(data: bytes, where: str) -> Image.Image:
-    """Encoded image bytes -> an RGB PIL image, fully decoded.
+    """Encoded image bytes -> an RGB PIL image, fully decoded (transparency onto white:
+    `to_rgb`).
 
     Raises:
         VLLMValidationError (parameter `where`): not an image Pillow reads, a
@@ -50,7 +51,7 @@ def decode_image(data: bytes, where: str) -> Image.Image:
                 f"{where}: the image is too large ({width}x{height} pixels; at most "
                 f"{Image.MAX_IMAGE_PIXELS} pixels)", parameter=where)
         image.load()  # decodes every byte: a truncated file raises here
-        return image.convert("RGB")
+        return to_rgb(image)
     except VLLMValidationError:
         raise
     except UnidentifiedImageError:
@@ -59,6 +60,18 @@ def decode_image(data: bytes, where: str) -> Image.Image:
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
         raise VLLMValidationError(f"{where}: the image cannot be decoded ({e})",
                                   parameter=where) from None
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """An RGB copy of `image` (itself when RGB): transparency composited onto white, as
+    transformers' image processors and vLLM convert it (`convert("RGB")` alone would keep
+    the colours under transparent pixels). transformers' `convert_to_rgb`."""
+    from PIL import Image
+    from transformers.image_transforms import convert_to_rgb
+
+    if image.mode == "RGB":
+        return image
+    return Image.fromarray(convert_to_rgb(image, return_numpy=True))
 
 
 def _check_size(num_bytes: int, where: str) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 from vllm.exceptions import VLLMValidationError
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
-from vllm.multimodal.media import MediaConnector
+from vllm.multimodal.media import MediaConnector, to_rgb
 
 # The modalities a prompt's "multi_modal_data" may hold.
 SUPPORTED_MODALITIES = ("image",)
@@ -193,7 +193,7 @@ class MultiModalProcessor:
 
     def _pixels(self, image: Any, where: str) -> tuple[Any, tuple[int, int, int]]:
         try:
-            out = self.image_processor(images=[image.convert("RGB")], return_tensors="pt")
+            out = self.image_processor(images=[to_rgb(image)], return_tensors="pt")
         except (ValueError, OSError) as e:
             raise VLLMValidationError(f"{where}: the image processor rejected the image: {e}",
                                       parameter=where) from None
