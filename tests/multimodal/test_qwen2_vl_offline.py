@@ -112,6 +112,15 @@ def test_a_transparent_image_matches_transformers(vl_llm, qwen2_vl_reference):
     assert list(chat.outputs[0].token_ids) == qwen2_vl_reference(ids, [rgba], MAX_TOKENS)
 
 
+def test_a_file_url_offline_names_the_llm_argument(vl_llm):
+    """Offline, a file:// image without allowed_local_media_path: the error says which
+    argument of LLM allows it (it named only the server's flag)."""
+    messages = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "file:///tmp/cat.png"}}]}]
+    with pytest.raises(VLLMValidationError, match=r"LLM\(\.\.\., allowed_local_media_path"):
+        vl_llm.chat(messages, GREEDY, use_tqdm=False)
+
+
 def test_chat_with_image_parts(vl_llm, qwen2_vl_reference):
     buf = io.BytesIO()
     IMAGES["wide"].save(buf, format="PNG")

@@ -157,7 +157,8 @@ class MediaConnector:
         root = self.allowed_local_media_path
         if root is None:
             raise VLLMValidationError(
-                f"{where}: file: URLs need the server started with --allowed-local-media-path",
+                f"{where}: file: URLs need --allowed-local-media-path DIR (offline: "
+                "LLM(..., allowed_local_media_path=DIR))",
                 parameter=where)
         path = Path(unquote(urlparse(url).path)).resolve()
         if not path.is_relative_to(root):
