@@ -50,3 +50,39 @@ def test_a_bad_interval_is_a_usage_error(tmp_path):
         [sys.executable, "-m", "vllm.entrypoints.cli.main", "kv-top", "--interval", "0"],
         capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "must be > 0" in out.stderr
+
+
+def test_a_reader_that_stops_reading_ends_it_quietly(tmp_path):
+    """`vllm kv-top --json | head -n 1` (or `| head` of the table): the pipe closes, and
+    kv-top exits 0 without a BrokenPipeError traceback."""
+    registry = DeviceKVRegistry("GPU-1234", tmp_path)
+    registry.register("Llama-3-8B")
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.cli.main", "kv-top", "--json",
+             "--interval", "0.05", "--registry-dir", str(tmp_path)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert "Llama-3-8B" in proc.stdout.readline()
+        proc.stdout.close()  # the reader is gone: the next print meets a closed pipe
+        assert proc.wait(timeout=60) == 0
+        assert proc.stderr.read() == ""
+    finally:
+        registry.close()
+
+
+def test_a_registry_of_another_version_is_named_and_skipped(tmp_path):
+    """A file of another layout beside a good registry: kv-top shows the good one and
+    names the other on stderr (it stopped with an OSError traceback); random bytes in a
+    slot (a pid no process can have) count as no engine (OverflowError from os.kill)."""
+    (tmp_path / "vllm-kv-GPU-old").write_bytes(b"NOTAKVR9" + bytes(20_000))
+    (tmp_path / "vllm-kv-GPU-junk").write_bytes(bytes(24) + b"\xff" * 7 + b"\x7f")
+    registry = DeviceKVRegistry("GPU-1234", tmp_path)
+    registry.register("Llama-3-8B")
+    try:
+        out = _kv_top(tmp_path)
+        assert out.returncode == 0, out.stderr
+        assert "Llama-3-8B" in out.stdout and "GPU-junk" not in out.stdout
+        assert out.stderr.strip() == (f"vllm kv-top: skipped: {tmp_path / 'vllm-kv-GPU-old'} "
+                                      "is not a KV registry of this version")
+    finally:
+        registry.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import io
 
+import numpy as np
 import pytest
 
 from tests.multimodal.qwen2_vl_checkpoint import IMAGE_PLACEHOLDER, image
@@ -81,6 +82,45 @@ def test_prefix_cache_tells_images_apart(vl_llm, qwen2_vl_reference):
     assert list(again.outputs[0].token_ids) == list(second.outputs[0].token_ids)
 
 
+def _transparent_image():
+    """RGBA, its left half fully transparent over random colours (what PNG logos carry)."""
+    from PIL import Image
+
+    pixels = np.random.default_rng(5).integers(0, 256, (84, 84, 4), dtype=np.uint8)
+    pixels[:, :42, 3] = 0
+    pixels[:, 42:, 3] = 255
+    return Image.fromarray(pixels, "RGBA")
+
+
+def test_a_transparent_image_matches_transformers(vl_llm, qwen2_vl_reference):
+    """transformers composites transparency onto white (as vLLM does): offline and through
+    a chat data: URL, the tokens equal its generate on the same RGBA image (the alpha was
+    dropped, leaving the colours under it, and the tokens differed)."""
+    rgba = _transparent_image()
+    text = f"Look {IMAGE_PLACEHOLDER} here."
+    want = qwen2_vl_reference(vl_llm.get_tokenizer().encode(text), [rgba], MAX_TOKENS)
+    (out,) = vl_llm.generate({"prompt": text, "multi_modal_data": {"image": rgba}}, GREEDY,
+                             use_tqdm=False)
+    assert list(out.outputs[0].token_ids) == want
+    buf = io.BytesIO()
+    rgba.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
+    (chat,) = vl_llm.chat(messages, GREEDY, use_tqdm=False)
+    ids = vl_llm.get_tokenizer().encode(vl_llm.render_chat(messages)["prompt"],
+                                        add_special_tokens=False)
+    assert list(chat.outputs[0].token_ids) == qwen2_vl_reference(ids, [rgba], MAX_TOKENS)
+
+
+def test_a_file_url_offline_names_the_llm_argument(vl_llm):
+    """Offline, a file:// image without allowed_local_media_path: the error says which
+    argument of LLM allows it (it named only the server's flag)."""
+    messages = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "file:///tmp/cat.png"}}]}]
+    with pytest.raises(VLLMValidationError, match=r"LLM\(\.\.\., allowed_local_media_path"):
+        vl_llm.chat(messages, GREEDY, use_tqdm=False)
+
+
 def test_chat_with_image_parts(vl_llm, qwen2_vl_reference):
     buf = io.BytesIO()
     IMAGES["wide"].save(buf, format="PNG")
@@ -122,6 +162,9 @@ def test_chunked_prefill_through_an_image(qwen2_vl_dir, qwen2_vl_reference):
     ({"image": "not an image"}, "must be a PIL image"),
     ({"video": image(50, 50, 0)}, "modality 'video' is not supported"),
     ({"image": [image(50, 50, 0)] * 2}, "1 image placeholder token(s)"),
+    # A 0 x N image reached the image processor and raised ZeroDivisionError.
+    ({"image": image(0, 0, 0)}, "the image has no pixels (0x0)"),
+    ({"image": image(40, 0, 0)}, "the image has no pixels (40x0)"),
 ])
 def test_bad_multi_modal_data_is_refused(vl_llm, mm_data, message):
     with pytest.raises(VLLMValidationError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -36,6 +36,9 @@ class _Media(http.server.BaseHTTPRequestHandler):
     """/ok.png an image, /slow.png one that takes longer than the fetch timeout, else 404."""
 
     def do_GET(self):  # http.server calls it by this name
+        if self.path == "/trickle.png":  # a byte every 0.2 s, each within the read timeout
+            self._trickle(_png(IMAGES["small"]))
+            return
         if self.path == "/slow.png":
             time.sleep(3)
         if self.path in ("/ok.png", "/slow.png"):
@@ -47,6 +50,20 @@ class _Media(http.server.BaseHTTPRequestHandler):
             self.wfile.write(body)
             return
         self.send_error(404)
+
+    def _trickle(self, body: bytes) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "image/png")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        try:
+            for k in range(30):  # 6 s, then the rest: a whole image unless cut off
+                self.wfile.write(body[k:k + 1])
+                self.wfile.flush()
+                time.sleep(0.2)
+            self.wfile.write(body[30:])
+        except OSError:  # the server gave up and closed the connection
+            pass
 
     def log_message(self, *args):
         pass
@@ -140,10 +157,12 @@ def _too_many_bytes() -> bytes:
      "outside --allowed-local-media-path"),
     ("{media}/missing.png", "messages.0.content.1.image_url.url", "HTTP 404"),
     ("{media}/slow.png", "messages.0.content.1.image_url.url", "timed out"),
+    # The timeout is for the whole download (it was per read: this took 6 s and decoded).
+    ("{media}/trickle.png", "messages.0.content.1.image_url.url", "timed out"),
     ("http://127.0.0.1:9/refused.png", "messages.0.content.1.image_url.url",
      "fetching the image failed"),
 ], ids=["not-an-image", "truncated", "too-large", "bad-base64", "scheme", "file-outside",
-        "http-404", "http-timeout", "http-refused"])
+        "http-404", "http-timeout", "http-trickle", "http-refused"])
 def test_hostile_image_is_a_400_naming_the_part(served, media_server, url, param, message):
     content = [{"type": "text", "text": "x"},
                {"type": "image_url", "image_url": {"url": url.replace("{media}", media_server)}}]
@@ -184,3 +203,51 @@ def test_streamed_chat_with_an_image(served):
     chunks = [json.loads(line) for line in lines if line != "[DONE]"]
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
     assert text == whole
+
+
+def test_tokenize_counts_the_image_tokens_as_the_chat_api_does(served):
+    """/tokenize with image parts expands each image's placeholder as the engine does (as
+    vLLM's does): its count equals the chat reply's prompt_tokens, the number a client
+    checks against max_model_len. It counted one token an image."""
+    content = _parts(["wide", "large"])
+    tokenized = httpx.post(served.url_for("tokenize"), timeout=120, json={
+        "model": served.model_name, "messages": [{"role": "user", "content": content}]})
+    assert tokenized.status_code == 200, tokenized.text
+    reply = _chat(served, content)
+    assert tokenized.json()["count"] == reply.json()["usage"]["prompt_tokens"]
+    assert tokenized.json()["tokens"].count(508) == 6 + 16  # <|image_pad|>
+
+
+def test_an_image_the_processor_rejects_is_a_400_naming_its_part(served):
+    """An image that decodes but that transformers' image processor refuses (an aspect
+    ratio over 200): the 400 names the chat part, as for an image that does not decode
+    (it named multi_modal_data.image.1, a field the request does not have)."""
+    content = _parts(["small"]) + [
+        {"type": "image_url", "image_url": {"url": _data_url(_png(image(1000, 4, 4)))}}]
+    response = _chat(served, content)
+    assert response.status_code == 400, response.text
+    error = error_of(response)
+    assert error["param"] == "messages.0.content.3.image_url.url", error
+    assert error["message"].startswith("messages.0.content.3.image_url.url: the image "
+                                       "processor rejected the image: absolute aspect ratio")
+    assert _chat(served, _parts(["small"])).status_code == 200
+
+
+def test_placeholder_text_beside_an_image_part_is_a_400_naming_messages(served):
+    """A chat text part that writes the image placeholder itself: the prompt then has more
+    placeholders than images, and the 400 names messages (it named multi_modal_data)."""
+    content = [{"type": "text", "text": IMAGE_PLACEHOLDER}] + _parts(["small"])
+    response = _chat(served, content)
+    assert response.status_code == 400, response.text
+    assert error_of(response)["param"] == "messages"
+    assert "2 image placeholder token(s)" in error_of(response)["message"]
+
+
+def test_an_unsupported_part_type_names_what_is_supported(served):
+    """On a multimodal model the 400 said "only 'text' parts are", which image_url is not."""
+    response = _chat(served, [{"type": "input_image", "image_url": _data_url(_png(
+        IMAGES["small"]))}, {"type": "text", "text": "x"}])
+    assert response.status_code == 400, response.text
+    error = error_of(response)
+    assert error["param"] == "messages.0.content.0.type"
+    assert "'image_url' / 'image_pil' with a multimodal model" in error["message"]

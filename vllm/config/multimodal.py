@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 
 from vllm.config.frozen import FrozenConfig
@@ -29,7 +30,7 @@ class MultiModalConfig(FrozenConfig):
 
     Raises:
         ValueError: a limit that is not an int >= 0, an unknown modality, a
-            budget < 1.
+            budget < 1, an allowed_local_media_path that is not a directory.
     """
 
     limit_mm_per_prompt: dict[str, int] = field(default_factory=dict)
@@ -47,6 +48,9 @@ class MultiModalConfig(FrozenConfig):
                 raise ValueError(f"limit_mm_per_prompt: {modality} must be an int >= 0, "
                                  f"got {limit!r}")
         self.limit_mm_per_prompt = {"image": limits.get("image", DEFAULT_LIMIT_PER_PROMPT)}
+        path = self.allowed_local_media_path
+        if path and not os.path.isdir(path):  # a typo fails at start-up, as in vLLM
+            raise ValueError(f"allowed_local_media_path {path!r} is not a directory")
         for name in ("max_num_encoder_input_tokens", "encoder_cache_size"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)

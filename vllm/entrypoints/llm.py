@@ -148,7 +148,8 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> dict:
         """A conversation as a prompt dict (text + token ids, and its images' as
-        "multi_modal_data") via the chat template."""
+        "multi_modal_data", with "multi_modal_params": the part each came from, which
+        errors about an image name) via the chat template."""
         from vllm.transformers_utils.chat_templates import apply_chat_template
 
         return apply_chat_template(

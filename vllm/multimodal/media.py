@@ -1,7 +1,9 @@
 """Images from where requests bring them: PIL images, data: URIs, http(s) URLs, files.
 
     "data:image/png;base64,...."  -> base64 decode (size-capped) -> Pillow
-    "http(s)://..."               -> httpx GET, VLLM_IMAGE_FETCH_TIMEOUT s, VLLM_MAX_IMAGE_BYTES
+    "http(s)://..."               -> httpx GET, VLLM_IMAGE_FETCH_TIMEOUT s in all (a read
+                                     waits at most that long, so a stalled download
+                                     ends within twice it), VLLM_MAX_IMAGE_BYTES
     "file:///abs/path"            -> only under --allowed-local-media-path (resolved path)
     PIL.Image.Image               -> as is
 
@@ -17,6 +19,7 @@ import base64
 import binascii
 import io
 import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
@@ -29,7 +32,8 @@ if TYPE_CHECKING:
 
 
 def decode_image(data: bytes, where: str) -> Image.Image:
-    """Encoded image bytes -> an RGB PIL image, fully decoded.
+    """Encoded image bytes -> an RGB PIL image, fully decoded (transparency onto white:
+    `to_rgb`).
 
     Raises:
         VLLMValidationError (parameter `where`): not an image Pillow reads, a
@@ -47,7 +51,7 @@ def decode_image(data: bytes, where: str) -> Image.Image:
                 f"{where}: the image is too large ({width}x{height} pixels; at most "
                 f"{Image.MAX_IMAGE_PIXELS} pixels)", parameter=where)
         image.load()  # decodes every byte: a truncated file raises here
-        return image.convert("RGB")
+        return to_rgb(image)
     except VLLMValidationError:
         raise
     except UnidentifiedImageError:
@@ -56,6 +60,18 @@ def decode_image(data: bytes, where: str) -> Image.Image:
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
         raise VLLMValidationError(f"{where}: the image cannot be decoded ({e})",
                                   parameter=where) from None
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """An RGB copy of `image` (itself when RGB): transparency composited onto white, as
+    transformers' image processors and vLLM convert it (`convert("RGB")` alone would keep
+    the colours under transparent pixels). transformers' `convert_to_rgb`."""
+    from PIL import Image
+    from transformers.image_transforms import convert_to_rgb
+
+    if image.mode == "RGB":
+        return image
+    return Image.fromarray(convert_to_rgb(image, return_numpy=True))
 
 
 def _check_size(num_bytes: int, where: str) -> None:
@@ -112,6 +128,9 @@ class MediaConnector:
         import httpx
 
         timeout = float(envs.VLLM_IMAGE_FETCH_TIMEOUT)
+        # For the whole download, as vLLM's: a server that sends a byte now and then
+        # (each read within the timeout) must not hold a render thread for longer.
+        deadline = time.monotonic() + timeout
         try:
             with httpx.Client(timeout=timeout, follow_redirects=True) as client, \
                     client.stream("GET", url) as response:
@@ -124,6 +143,8 @@ class MediaConnector:
                     size += len(chunk)
                     _check_size(size, where)
                     chunks.append(chunk)
+                    if time.monotonic() > deadline:
+                        raise httpx.ReadTimeout("the whole download took too long")
                 return b"".join(chunks)
         except httpx.TimeoutException:
             raise VLLMValidationError(f"{where}: fetching the image timed out after "
@@ -136,7 +157,8 @@ class MediaConnector:
         root = self.allowed_local_media_path
         if root is None:
             raise VLLMValidationError(
-                f"{where}: file: URLs need the server started with --allowed-local-media-path",
+                f"{where}: file: URLs need --allowed-local-media-path DIR (offline: "
+                "LLM(..., allowed_local_media_path=DIR))",
                 parameter=where)
         path = Path(unquote(urlparse(url).path)).resolve()
         if not path.is_relative_to(root):

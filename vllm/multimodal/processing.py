@@ -19,7 +19,7 @@ from typing import Any
 
 from vllm.exceptions import VLLMValidationError
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
-from vllm.multimodal.media import MediaConnector
+from vllm.multimodal.media import MediaConnector, to_rgb
 
 # The modalities a prompt's "multi_modal_data" may hold.
 SUPPORTED_MODALITIES = ("image",)
@@ -67,10 +67,12 @@ class MultiModalProcessor:
                    int(hf_config.vision_config.spatial_merge_size), limit_per_prompt,
                    max_tokens_per_item, MediaConnector(allowed_local_media_path))
 
-    def chat_images(self, conversation: list[Any]) -> tuple[list[Any], list[Any]]:
+    def chat_images(self, conversation: list[Any]
+                    ) -> tuple[list[Any], list[Any], list[str]]:
         """(the conversation with every image part replaced by a text part holding the
-        placeholder, the images in order). Messages that are not dicts pass unchanged
-        (the renderer names them).
+        placeholder, the images in order, the request field each came from:
+        "messages.0.content.1.image_url.url", for `process`'s `item_params`).
+        Messages that are not dicts pass unchanged (the renderer names them).
 
         Raises:
             VLLMValidationError (parameter "messages.i.content.j..."): an image that
@@ -81,6 +83,7 @@ class MultiModalProcessor:
 
         limit = self.limit_per_prompt.get("image", 0)
         images: list[Any] = []
+        params: list[str] = []
         out = []
         for i, message in enumerate(conversation):
             content = message.get("content") if isinstance(message, dict) else None
@@ -104,27 +107,31 @@ class MultiModalProcessor:
                         raise VLLMValidationError(f"{where} must be a PIL image",
                                                   parameter=where)
                     images.append(value)
+                    params.append(where)
                 else:
                     url = value.get("url") if isinstance(value, dict) else value
-                    images.append(self.media.load_image(url, f"{where}.url"
-                                                        if isinstance(value, dict) else where))
+                    params.append(f"{where}.url" if isinstance(value, dict) else where)
+                    images.append(self.media.load_image(url, params[-1]))
                 parts.append({"type": "text", "text": self.placeholder})
             out.append({**message, "content": parts})
-        return out, images
+        return out, images, params
 
-    def process(self, prompt_token_ids: list[int], mm_data: Any, where: str = "multi_modal_data"
+    def process(self, prompt_token_ids: list[int], mm_data: Any, where: str = "multi_modal_data",
+                item_params: list[str] | None = None
                 ) -> tuple[list[int], list[MultiModalFeatureSpec]]:
         """(expanded token ids, one feature per image in prompt order).
 
         Args:
             mm_data: {"image": a PIL image or a list of them}.
             where: the request field to name in errors.
+            item_params: the request field of each image, named by the errors about
+                one image (chat: `chat_images`' third result); None: `where`.image.k.
 
         Raises:
             VLLMValidationError (parameter `where`...): not a dict, an unknown
                 modality, more images than the limit, an item that is not a PIL
-                image, placeholders that do not match the images, an image with
-                more tokens than `max_tokens_per_item`.
+                image or has no pixels (0 x N), placeholders that do not match the
+                images, an image with more tokens than `max_tokens_per_item`.
         """
         images = self._images(mm_data, where)
         pads = [i for i, t in enumerate(prompt_token_ids) if t == self.image_token_id]
@@ -138,7 +145,8 @@ class MultiModalProcessor:
         features: list[MultiModalFeatureSpec] = []
         last = 0
         for k, (pad, image) in enumerate(zip(pads, images, strict=True)):
-            feature_where = f"{where}.image.{k}" if len(images) > 1 else f"{where}.image"
+            feature_where = (item_params[k] if item_params and len(item_params) == len(images)
+                             else f"{where}.image.{k}" if len(images) > 1 else f"{where}.image")
             pixel_values, grid = self._pixels(image, feature_where)
             identifier = _hash(image, grid)
             length = grid[0] * grid[1] * grid[2] // self.merge_size ** 2
@@ -178,11 +186,14 @@ class MultiModalProcessor:
             if not isinstance(image, Image.Image):
                 raise VLLMValidationError(f"{where}.image.{k} must be a PIL image, got "
                                           f"{type(image).__name__}", parameter=where)
+            if 0 in image.size:
+                raise VLLMValidationError(f"{where}.image.{k}: the image has no pixels "
+                                          f"({image.width}x{image.height})", parameter=where)
         return images
 
     def _pixels(self, image: Any, where: str) -> tuple[Any, tuple[int, int, int]]:
         try:
-            out = self.image_processor(images=[image.convert("RGB")], return_tensors="pt")
+            out = self.image_processor(images=[to_rgb(image)], return_tensors="pt")
         except (ValueError, OSError) as e:
             raise VLLMValidationError(f"{where}: the image processor rejected the image: {e}",
                                       parameter=where) from None

@@ -67,7 +67,8 @@ def _normalise_content(message: dict[str, Any], index: int) -> dict[str, Any]:
             raise VLLMValidationError(
                 f"{where}.type {part.get('type')!r} is not supported; only 'text' parts are"
                 + (" (this model is text-only: it takes no images)"
-                   if part.get("type") in ("image_url", "image_pil") else ""),
+                   if part.get("type") in ("image_url", "image_pil")
+                   else ", and 'image_url' / 'image_pil' with a multimodal model"),
                 parameter=f"{where}.type")
         text = part.get("text")
         if not isinstance(text, str):
@@ -157,7 +158,8 @@ def apply_chat_template(
     mm_processor: MultiModalProcessor | None = None,
 ) -> dict[str, Any]:
     """Render a conversation and encode it: {"prompt": text, "prompt_token_ids": ids},
-    plus "multi_modal_data": {"image": [...]} when image parts were given.
+    plus "multi_modal_data": {"image": [...]} and "multi_modal_params" (the part each
+    image came from, "messages.0.content.1.image_url.url") when image parts were given.
 
     The template adds any BOS itself, so the text is encoded without special
     tokens. A multimodal model's `mm_processor` loads image parts and leaves
@@ -167,7 +169,7 @@ def apply_chat_template(
     """
     images: list[Any] = []
     if mm_processor is not None:
-        conversation, images = mm_processor.chat_images(conversation)
+        conversation, images, params = mm_processor.chat_images(conversation)
     text = render_chat_template(
         tokenizer, conversation, chat_template=chat_template,
         add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
@@ -176,6 +178,7 @@ def apply_chat_template(
     prompt = {"prompt": text, "prompt_token_ids": encode_rendered_chat(tokenizer, text)}
     if images:
         prompt["multi_modal_data"] = {"image": images}
+        prompt["multi_modal_params"] = params  # the part each image came from, for errors
     return prompt
 
 

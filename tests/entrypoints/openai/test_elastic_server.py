@@ -88,6 +88,18 @@ def test_a_limit_in_the_body_is_refused_not_ignored(elastic_server):
     assert "in the query string" in error_of(response)["message"]
 
 
+@pytest.mark.parametrize("query", [{"limit": "90MiB"}, {"limit_byte": "90MiB"},
+                                   [("limit_bytes", "90MiB"), ("limit_bytes", "1GiB")]],
+                         ids=["unknown", "misspelt", "repeated"])
+def test_a_query_other_than_one_limit_bytes_is_refused_not_ignored(elastic_server, query):
+    """A misspelt name (`?limit=90MiB`) was ignored: the call restored the start-up limit
+    and answered 200, the opposite of what the operator asked."""
+    response = httpx.post(elastic_server.url_for("kv_cache/limit"), params=query, timeout=60)
+    assert response.status_code == 400, response.text
+    name = "limit_bytes" if isinstance(query, list) else next(iter(query))
+    assert error_of(response)["param"] == name and name in error_of(response)["message"]
+
+
 def test_committed_bytes_follow_a_burst_up_and_back_down(elastic_server):
     _wait_for_committed(elastic_server, FLOOR_BYTES)
     before = scrape_metrics(elastic_server)

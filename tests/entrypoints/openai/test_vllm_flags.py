@@ -122,6 +122,9 @@ REFUSED = [
     (["--ssl-keyfile", "/no/key.pem", "--ssl-certfile", "/no/cert.pem"],
      "--ssl-keyfile '/no/key.pem' is not a file"),
     (["--root-path", "llm"], "--root-path must start with '/'"),
+    # It started, and every file:// image then failed with "cannot read" (vLLM refuses it).
+    (["--allowed-local-media-path", "/no/such/dir"],
+     "allowed_local_media_path '/no/such/dir' is not a directory"),
     # A configuration conflict: refused from the flags alone (it took ~6 s, after the
     # engine core process had started).
     (["--kv-transfer-config", '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both", '

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import time
 
 import pytest
 
@@ -131,6 +132,9 @@ def test_a_runtime_limit_caps_growth_and_releases_blocks_above_it(elastic_llm):
     assert elastic_llm.llm_engine.set_kv_cache_limit(None) == 341  # the start-up limit back
     with pytest.raises(ValueError, match=">= 0 bytes"):
         elastic_llm.llm_engine.set_kv_cache_limit(-1)
+    for bad in (1.5, True, "1GiB"):  # 1.5 and True set the floor; "1GiB" was a TypeError
+        with pytest.raises(ValueError, match="an int number of bytes"):
+            elastic_llm.llm_engine.set_kv_cache_limit(bad)
 
 
 def test_wake_under_pressure_commits_the_floor_and_grows_later(elastic_llm, monkeypatch):
@@ -295,3 +299,23 @@ def test_async_scheduling_grows_while_a_step_is_in_flight(offline_llm, monkeypat
         assert core.num_blocks == core.worker.kv_cache.committed_blocks == floor
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_a_registry_file_of_another_version_leaves_sharing_off_not_the_engine(
+        elastic_llm, tmp_path, monkeypatch, caplog):
+    """/dev/shm/vllm-kv-host left by an engine of another layout (or any foreign bytes):
+    the engine starts without the registry, timed release only, and says so in one
+    warning. Start-up failed with an OSError traceback until the file was deleted."""
+    import logging
+
+    from vllm.v1.engine.elastic_kv import ElasticKVController
+
+    (tmp_path / "vllm-kv-host").write_bytes(b"NOTAKVR9" + bytes(20_000))
+    monkeypatch.setenv("VLLM_KV_REGISTRY_DIR", str(tmp_path))
+    core = elastic_llm.llm_engine.engine_core
+    with caplog.at_level(logging.WARNING):
+        controller = ElasticKVController(core.scheduler, core.model_executor.collective_rpc,
+                                         "probe", time.monotonic)
+    assert controller.sharing is None
+    assert "is not a KV registry of this version" in caplog.text
+    assert "without the device registry" in caplog.text

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -51,12 +52,17 @@ def _positive(text: str) -> float:
 
 
 def snapshot(directory: str | None = None) -> dict[str, list[dict]]:
-    """{device key: [each live engine's slot as a dict, bytes]} of every registry."""
+    """{device key: [each live engine's slot as a dict, bytes]} of every registry (a file
+    that is not a registry of this version is named on stderr and left out)."""
     from vllm.v1.core.device_registry import DeviceKVRegistry, registered_devices
 
     devices: dict[str, list[dict]] = {}
     for key in registered_devices(directory):
-        registry = DeviceKVRegistry(key, directory)
+        try:
+            registry = DeviceKVRegistry(key, directory)
+        except OSError as e:  # another version's file, or not ours: name it, show the rest
+            print(f"vllm kv-top: skipped: {e}", file=sys.stderr)
+            continue
         try:
             devices[key] = [asdict(slot) for slot in registry.engines()]
         finally:
@@ -104,4 +110,7 @@ def run(args: argparse.Namespace) -> int:
                 return 0
             time.sleep(args.interval)
     except KeyboardInterrupt:
+        return 0
+    except BrokenPipeError:  # the reader left (`vllm kv-top | head`): end quietly, as `top` does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
         return 0

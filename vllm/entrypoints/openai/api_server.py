@@ -230,6 +230,10 @@ def _add_elastic_routes(app: FastAPI, engine_client: AsyncLLM) -> None:
         if (await request.body()).strip():  # a query parameter, as /sleep?level= takes
             raise APIError(400, "POST /kv_cache/limit takes limit_bytes in the query string "
                            "(?limit_bytes=8GiB), not in a body", param="limit_bytes")
+        for name in request.query_params:  # a misspelt name would restore the start-up limit
+            if name != "limit_bytes" or len(request.query_params.getlist(name)) > 1:
+                raise APIError(400, f"{name}: POST /kv_cache/limit takes one query parameter, "
+                               "limit_bytes (?limit_bytes=8GiB)", param=name)
         try:
             value = None if limit_bytes is None else human_readable_bytes(limit_bytes)
         except (ValueError, TypeError, argparse.ArgumentTypeError) as e:

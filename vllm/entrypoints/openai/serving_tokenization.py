@@ -42,6 +42,11 @@ class OpenAIServingTokenization(OpenAIServing):
                 default_chat_template_kwargs=self.default_chat_template_kwargs,
             )
             tokens = list(rendered["prompt_token_ids"])
+            if rendered.get("multi_modal_data"):  # counted as the engine counts them
+                try:
+                    tokens = await self.engine_client.expand_images(rendered)
+                except ValueError as e:
+                    raise validation_error(e, default="messages") from e
         else:
             try:
                 tokens = await self.engine_client.tokenize(

@@ -77,7 +77,7 @@ def process_start_ticks(pid: int) -> int | None:
 def _pid_exists(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # overflow: foreign bytes, no process
         return False
     except PermissionError:
         return True

@@ -223,7 +223,16 @@ class AsyncLLM:
             raise EngineSleepingError("the engine is asleep; wake it up (POST /wake_up) first")
         if request_id in self._handler.streams:
             raise ValueError(f"request id {request_id!r} is already running")
-        processed = self.processor.process_inputs(request_id, prompt, params, priority)
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+            # transformers' image processor takes seconds on a large image: on the
+            # tokenizer thread, so the event loop keeps streaming everyone else.
+            processed = await self._tokenizer_call(
+                lambda: self.processor.process_inputs(request_id, prompt, params, priority))
+            self._check_accepting()
+            if request_id in self._handler.streams:
+                raise ValueError(f"request id {request_id!r} is already running")
+        else:
+            processed = self.processor.process_inputs(request_id, prompt, params, priority)
         stream = RequestOutputStream(request_id, asyncio.get_running_loop(), self.abort,
                                      self._handler.forget,
                                      delta=params.output_kind == RequestOutputKind.DELTA)
@@ -283,6 +292,14 @@ class AsyncLLM:
         return await self._tokenizer_call(
             lambda: list(tokenizer.encode(text, add_special_tokens=add_special_tokens)))
 
+    async def expand_images(self, prompt: dict[str, Any]) -> list[int]:
+        """A tokenized prompt's ids with each image placeholder expanded to its image's
+        tokens, as the engine will see them (from "prompt_token_ids" and
+        "multi_modal_data"), on the tokenizer thread; errors as
+        `Processor.process_multimodal` (VLLMValidationError naming the image)."""
+        return (await self._tokenizer_call(lambda: self.processor.process_multimodal(
+            prompt, list(prompt["prompt_token_ids"]))))[0]
+
     async def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         tokenizer = self._input_tokenizer
         return await self._tokenizer_call(
@@ -294,7 +311,8 @@ class AsyncLLM:
             lambda: list(tokenizer.convert_ids_to_tokens(token_ids)))
 
     async def _tokenize_prompt(self, prompt: PromptType) -> PromptType:
-        """A text prompt as {"prompt", "prompt_token_ids"}, tokenized on the tokenizer thread.
+        """A text prompt as {"prompt", "prompt_token_ids"}, tokenized on the tokenizer thread
+        (a prompt dict keeps its other keys, "multi_modal_data" among them).
 
         Raises:
             VLLMValidationError: the text alone proves the prompt longer than
@@ -312,6 +330,8 @@ class AsyncLLM:
         check_unicode_text(text, "prompt")
         tokenizer = self._input_tokenizer
         token_ids = await self._tokenizer_call(lambda: list(tokenizer.encode(text)))
+        if isinstance(prompt, dict):  # keeps its other keys ("multi_modal_data")
+            return {**prompt, "prompt_token_ids": token_ids}
         return {"prompt": text, "prompt_token_ids": token_ids}
 
     def _check_prompt_chars(self, num_chars: int, parameter: str) -> None:
@@ -345,7 +365,8 @@ class AsyncLLM:
         thread, lets other requests' renders and encodes run meanwhile (the
         GIL is shared between them, so a small render is slowed, not queued).
         Returns {"prompt", "prompt_token_ids"} (and "multi_modal_data" for image
-        parts of a multimodal model: `MultiModalProcessor.chat_images`); errors as
+        parts of a multimodal model, with "multi_modal_params", the part each image
+        came from: `MultiModalProcessor.chat_images`); errors as
         `chat_templates.render_chat_template`, plus VLLMValidationError
         (parameter "messages") for a rendered text that cannot fit
         max_model_len tokens, found before it is encoded.
@@ -361,8 +382,8 @@ class AsyncLLM:
         images: list[Any] = []
         mm = self.processor.mm_processor
         if mm is not None:  # image parts fetched and decoded off the event loop
-            messages, images = await self._run_on(self._render_pool,
-                                                  lambda: mm.chat_images(messages))
+            messages, images, params = await self._run_on(self._render_pool,
+                                                          lambda: mm.chat_images(messages))
         tokenizer = self._input_tokenizer
         text = await self._run_on(
             self._render_pool, lambda: render_chat_template(tokenizer, messages, **kwargs))
@@ -370,7 +391,7 @@ class AsyncLLM:
         token_ids = await self._tokenizer_call(lambda: encode_rendered_chat(tokenizer, text))
         if images:
             return {"prompt": text, "prompt_token_ids": token_ids,
-                    "multi_modal_data": {"image": images}}
+                    "multi_modal_data": {"image": images}, "multi_modal_params": params}
         return {"prompt": text, "prompt_token_ids": token_ids}
 
     # ---------------------------------------------------- engine core utilities

@@ -69,8 +69,11 @@ class ElasticKVController:
             served model name); None: no registry (`VLLM_ELASTIC_KV_SHARING=0`).
         clock: seconds, monotonic.
 
+    A registry file that cannot be joined (OSError: another version's, foreign
+    bytes, a directory that cannot be written) leaves sharing off with a warning.
+
     Raises:
-        OSError / RuntimeError: the registry cannot be joined (see `DeviceSharing`).
+        RuntimeError: the device's registry has no free slot (see `DeviceSharing`).
     """
 
     def __init__(self, scheduler: Scheduler, collective_rpc: Callable[..., list[Any]],
@@ -91,8 +94,13 @@ class ElasticKVController:
             devices[key] = devices.get(key, 0) + block_bytes
         self.block_bytes = sum(devices.values())
         if share_as is not None:
-            self.sharing = DeviceSharing([DeviceShare(k, b) for k, b in devices.items()],
-                                         _display_name(share_as), clock=clock)
+            try:
+                self.sharing = DeviceSharing([DeviceShare(k, b) for k, b in devices.items()],
+                                             _display_name(share_as), clock=clock)
+            except OSError as e:  # a file of another version, or not ours: serve anyway
+                logger.warning("Elastic KV cache: running without the device registry (%s): "
+                               "no reclaim on a peer's demand, idle release on the timer "
+                               "only; remove the file or set VLLM_KV_REGISTRY_DIR", e)
         self.publish(force=True)
 
     @property

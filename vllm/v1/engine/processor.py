@@ -270,7 +270,8 @@ class Processor:
         expanded, the images' features); a prompt without images is returned as is.
 
         Raises:
-            VLLMValidationError (parameter "multi_modal_data..."): images for a
+            VLLMValidationError (parameter "multi_modal_data...", or the chat part
+                an image came from: the prompt's "multi_modal_params"): images for a
                 text-only model, or what `MultiModalProcessor.process` refuses.
         """
         mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
@@ -280,7 +281,9 @@ class Processor:
             raise VLLMValidationError(
                 "multi_modal_data: this model is text-only and takes no images",
                 parameter="multi_modal_data")
-        return self.mm_processor.process(prompt_token_ids, mm_data, "multi_modal_data")
+        params = prompt.get("multi_modal_params")  # a chat's: the text is "messages"
+        return self.mm_processor.process(prompt_token_ids, mm_data,
+                                         "messages" if params else "multi_modal_data", params)
 
     def make_request(
         self,

@@ -212,13 +212,16 @@ class ElasticKVCache:
         policy releases free tail blocks above the limit when they are free.
 
         Raises:
-            ValueError: a negative limit.
+            ValueError: a negative limit, or one that is not an int (1.5, True, "8GiB").
         """
         self.wait_for_growth()
         b = self.bounds
         if limit_bytes is None:
             limit = b.max_limit
         else:
+            if not isinstance(limit_bytes, int) or isinstance(limit_bytes, bool):
+                raise ValueError("the KV cache limit must be an int number of bytes (or "
+                                 f"None), got {limit_bytes!r}")  # 1.5 and True were blocks
             if limit_bytes < 0:
                 raise ValueError(f"the KV cache limit must be >= 0 bytes, got {limit_bytes}")
             config = self.kv_cache.config
