@@ -153,6 +153,34 @@ def test_create_engine_config_carries_every_value(tiny_model):
     assert cfg.kv_transfer_config is None  # an empty config: no connector, as in vLLM
 
 
+def test_served_model_name_reaches_the_engine(tiny_model):
+    """`vllm serve --served-model-name engine-a` (a list on the CLI): the engine's
+    ModelConfig knows the name (it named the engine after the model path in
+    `vllm kv-top` while /v1/models said engine-a); the first of several is reported."""
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    parser.add_argument("--served-model-name", nargs="+")  # the server's flag (cli_args)
+    args = parser.parse_args(["--model", tiny_model, "--served-model-name", "engine-a", "b"])
+    assert EngineArgs.from_cli_args(args).create_engine_config(
+        ).model_config.served_model_name == "engine-a"
+    assert EngineArgs(model=tiny_model, served_model_name="x").create_engine_config(
+        ).model_config.served_model_name == "x"
+    assert EngineArgs(model=tiny_model).create_engine_config(
+        ).model_config.served_model_name == tiny_model
+    for bad in ([], "", [""], [3]):
+        with pytest.raises(ValueError, match="served_model_name must be a non-empty string"):
+            EngineArgs(model=tiny_model, served_model_name=bad).create_engine_config()
+
+
+def test_the_registry_names_an_engine_by_its_served_name():
+    from vllm.v1.engine.elastic_kv import registry_name
+
+    gguf = "/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert registry_name("engine-a", gguf) == "engine-a"
+    assert registry_name("org/llama-8b", "/models/llama") == "org/llama-8b"  # kept whole
+    assert registry_name(gguf, gguf) == "SmolLM2-135M-Instruct.Q4_1"  # no name given
+    assert registry_name("/models/llama/", "/models/llama/") == "llama"
+
+
 def test_create_engine_config_rejects_unsupported(tiny_model):
     with pytest.raises(ValueError, match="'uni' runs one rank; tensor_parallel_size=2 needs"):
         EngineArgs(model=tiny_model, tensor_parallel_size=2,

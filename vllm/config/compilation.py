@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from vllm.config.frozen import FrozenConfig
@@ -93,6 +94,17 @@ class CompilationConfig(FrozenConfig):
                 f"compilation_config has unknown keys {unknown}; supported: {list(_ALLOWED_KEYS)}"
             )
         return cls(**values)
+
+    @classmethod
+    def from_cli(cls, text: str) -> CompilationConfig:
+        """Parse the `-O` / `--compilation-config` JSON object (ValueError naming the flag)."""
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"compilation_config is not valid JSON ({e}): {text!r}") from e
+        if not isinstance(values, dict):
+            raise ValueError(f"compilation_config must be a JSON object, got {text!r}")
+        return cls.from_dict(values)
 
     def resolve(self, max_num_seqs: int, graphs_supported: bool,
                 max_num_batched_tokens: int | None = None) -> None:

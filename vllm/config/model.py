@@ -68,7 +68,9 @@ class ModelConfig(FrozenConfig):
         seed: the engine's random seed (vLLM V1 default 0); None = not seeded.
         load_format: "auto" | "safetensors" | "gguf" | "dummy" (random weights);
             "auto" resolves from the path (a `.gguf` file or a directory).
-        served_model_name: the name the server reports; None = `model`.
+        served_model_name: the name the server reports (the first of a list, as
+            vLLM's `--served-model-name a b`), also the engine's name in the
+            device registry (`vllm kv-top`); None = `model`.
         generation_config: where the model's generation config comes from, as
             vLLM's `--generation-config`: "auto" (the model's own:
             generation_config.json of an HF directory, the metadata of a GGUF
@@ -85,7 +87,8 @@ class ModelConfig(FrozenConfig):
     Raises:
         ValueError: unknown dtype / load_format, a dtype the platform does not
             support, max_model_len < 1 or above the model's, a load_format
-            that does not match the path.
+            that does not match the path, a served_model_name that is not a
+            non-empty string (or a list of them).
     """
 
     model: str | None = None
@@ -94,7 +97,7 @@ class ModelConfig(FrozenConfig):
     max_model_len: int | None = None
     seed: int | None = 0
     load_format: str = "auto"
-    served_model_name: str | None = None
+    served_model_name: str | list[str] | None = None
     generation_config: str = "auto"
     max_logprobs: int = 20
     trust_remote_code: bool = False
@@ -113,7 +116,7 @@ class ModelConfig(FrozenConfig):
             raise ValueError(f"seed must be None or an int, got {self.seed!r}")
         self.model = os.fspath(get_bundled_model_path() if self.model is None else self.model)
         self.tokenizer = self.model if self.tokenizer is None else os.fspath(self.tokenizer)
-        self.served_model_name = self.served_model_name or self.model
+        self.served_model_name = _first_served_name(self.served_model_name) or self.model
         self.load_format = self._resolve_load_format()
         self.hf_config = get_hf_config(self.model, trust_remote_code=self.trust_remote_code)
         self.dtype = self._resolve_dtype()
@@ -267,3 +270,17 @@ class ModelConfig(FrozenConfig):
         cfg = self.hf_text_config
         return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
+
+def _first_served_name(names: str | list[str] | None) -> str | None:
+    """The name reported of `served_model_name` (a string, or a list's first); None: unset.
+
+    Raises:
+        ValueError: an empty list or a name that is not a non-empty string.
+    """
+    if names is None:
+        return None
+    listed = list(names) if isinstance(names, list | tuple) else [names]
+    if not listed or not all(isinstance(n, str) and n.strip() for n in listed):
+        raise ValueError(f"served_model_name must be a non-empty string or a list of them, "
+                         f"got {names!r}")
+    return listed[0]

@@ -18,7 +18,6 @@ saying so and what this fork does instead.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -107,16 +106,6 @@ def _json_type(parse, name: str):
     return parse_json
 
 
-def _compilation_config_from_cli(text: str) -> CompilationConfig:
-    try:
-        values = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"compilation_config is not valid JSON ({e}): {text!r}") from e
-    if not isinstance(values, dict):
-        raise ValueError(f"compilation_config must be a JSON object, got {text!r}")
-    return CompilationConfig.from_dict(values)
-
-
 @dataclass
 class EngineArgs:
     """Arguments of one engine (vLLM's names; see `add_cli_args` for each one's meaning).
@@ -156,6 +145,7 @@ class EngineArgs:
     disable_log_stats: bool = False
     generation_config: str = "auto"
     max_logprobs: int = 20
+    served_model_name: str | list[str] | None = None  # `vllm serve --served-model-name`
     # vLLM's flags for where a model comes from and what it may run.
     revision: str | None = None
     download_dir: str | None = None
@@ -236,7 +226,7 @@ class EngineArgs:
             seed=self.seed,
             load_format=self.load_format,
             generation_config=self.generation_config,
-            max_logprobs=self.max_logprobs,
+            max_logprobs=self.max_logprobs, served_model_name=self.served_model_name,
             trust_remote_code=self.trust_remote_code,
         )
         _check_kv_cache_dtype(self.kv_cache_dtype, model_config.dtype)
@@ -422,7 +412,7 @@ def _add_execution_args(g: argparse._ArgumentGroup) -> None:
     bool_flag = argparse.BooleanOptionalAction
     g.add_argument("--enforce-eager", action=bool_flag, default=d.enforce_eager,
                    help="Never capture CUDA graphs (default: off).")
-    _add_json_config_arg(g, "-O", "--compilation-config", parse=_compilation_config_from_cli,
+    _add_json_config_arg(g, "-O", "--compilation-config", parse=CompilationConfig.from_cli,
                          help_text='JSON, e.g. \'{"cudagraph_capture_sizes": [1, 2, 4, 8]}\' '
                                    "(default: decode batch sizes up to --max-num-seqs; "
                                    "cudagraph_mode FULL adds mixed steps up to 256 tokens).")

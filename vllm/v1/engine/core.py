@@ -35,7 +35,7 @@ from vllm.v1.core.elastic import ElasticKVPolicy
 from vllm.v1.core.encoder_cache_manager import EncoderCacheManager
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler, SchedulerStats
-from vllm.v1.engine.elastic_kv import ElasticKVController
+from vllm.v1.engine.elastic_kv import ElasticKVController, registry_name
 from vllm.v1.engine.startup import start_workers
 from vllm.v1.executor import Executor
 from vllm.v1.outputs import (
@@ -100,7 +100,8 @@ class EngineCore:
         self.scheduler = self._make_scheduler(bounds)
         self.elastic_kv: ElasticKVController | None = None
         if self.scheduler.elastic is not None:
-            share_as = (vllm_config.model_config.served_model_name
+            mc = vllm_config.model_config
+            share_as = (registry_name(mc.served_model_name, mc.model)
                         if envs.VLLM_ELASTIC_KV_SHARING else None)
             self.elastic_kv = ElasticKVController(
                 self.scheduler, self.model_executor.collective_rpc, share_as, time.monotonic)

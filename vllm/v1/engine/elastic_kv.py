@@ -65,8 +65,8 @@ class ElasticKVController:
     Args:
         scheduler: the engine's scheduler (its `elastic` policy is set).
         collective_rpc: the executor's `collective_rpc` (every rank answers).
-        share_as: the name this engine has in its device's registry (the
-            served model name); None: no registry (`VLLM_ELASTIC_KV_SHARING=0`).
+        share_as: the name this engine has in its device's registry
+            (`registry_name`); None: no registry (`VLLM_ELASTIC_KV_SHARING=0`).
         clock: seconds, monotonic.
 
     A registry file that cannot be joined (OSError: another version's, foreign
@@ -96,7 +96,7 @@ class ElasticKVController:
         if share_as is not None:
             try:
                 self.sharing = DeviceSharing([DeviceShare(k, b) for k, b in devices.items()],
-                                             _display_name(share_as), clock=clock)
+                                             share_as, clock=clock)
             except OSError as e:  # a file of another version, or not ours: serve anyway
                 logger.warning("Elastic KV cache: running without the device registry (%s): "
                                "no reclaim on a peer's demand, idle release on the timer "
@@ -269,9 +269,14 @@ class ElasticKVController:
             self.sharing = None
 
 
-def _display_name(model: str) -> str:
-    """A model path's last component (a GGUF file's name without ".gguf"), else `model`."""
-    if os.sep not in model:
-        return model
+def registry_name(served_model_name: str, model: str) -> str:
+    """An engine's name in its device's registry (`vllm kv-top`'s MODEL column).
+
+    The served model name (`--served-model-name`, so two engines of one model
+    tell apart); left unset it is the model's path, shown as the path's last
+    component (a GGUF file's name without ".gguf").
+    """
+    if served_model_name != model or os.sep not in model:
+        return served_model_name
     name = Path(model.rstrip(os.sep)).name
     return name[:-len(".gguf")] if name.endswith(".gguf") else name
