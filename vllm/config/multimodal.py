@@ -14,7 +14,11 @@ DEFAULT_LIMIT_PER_PROMPT = 999
 
 @dataclass
 class MultiModalConfig(FrozenConfig):
-    """How a multimodal model takes images (ignored for a text-only model).
+    """How a multimodal model takes images.
+
+    A text-only model takes none: flags set for it are accepted, as vLLM
+    accepts them, and `VllmConfig` warns once that they have no effect
+    (`flags_given`).
 
     Attributes:
         limit_mm_per_prompt: most items per modality in one prompt, vLLM's
@@ -37,9 +41,16 @@ class MultiModalConfig(FrozenConfig):
     allowed_local_media_path: str | None = None
     max_num_encoder_input_tokens: int | None = None
     encoder_cache_size: int | None = None
+    # The flags the user set (vLLM's names), for the warning a text-only model gives.
+    flags_given: tuple[str, ...] = field(init=False, default=(), compare=False)
 
     def __post_init__(self) -> None:
         limits = dict(self.limit_mm_per_prompt or {})
+        self.flags_given = tuple(f"--{name.replace('_', '-')}" for name, given in (
+            ("limit_mm_per_prompt", bool(limits)),
+            ("allowed_local_media_path", bool(self.allowed_local_media_path)),
+            ("max_num_encoder_input_tokens", self.max_num_encoder_input_tokens is not None),
+            ("encoder_cache_size", self.encoder_cache_size is not None)) if given)
         for modality, limit in limits.items():
             if modality != "image":
                 raise ValueError(f"limit_mm_per_prompt: modality {modality!r} is not "

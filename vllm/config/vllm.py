@@ -97,6 +97,7 @@ class VllmConfig(FrozenConfig):
                 "and M-RoPE positions that drafts and KV transfers do not)")
         self._check_kv_transfer()
         self._resolve_async_scheduling(platform)
+        self._warn_multimodal_flags_unused()
         self._freeze_all()
 
     def _freeze_all(self) -> None:
@@ -106,6 +107,17 @@ class VllmConfig(FrozenConfig):
             if isinstance(part, FrozenConfig):
                 part.freeze()
         self.freeze()
+
+    def _warn_multimodal_flags_unused(self) -> None:
+        """Image flags on a text-only model: accepted, as current vLLM accepts them (older
+        releases refused --limit-mm-per-prompt), and said to have no effect, not silently."""
+        given = self.multimodal_config.flags_given
+        if given and not self.model_config.is_multimodal_model:
+            archs = getattr(self.model_config.hf_config, "architectures", None) or ["?"]
+            logger.warning("%s %s accepted and %s no effect: the model (%s) is text-only "
+                           "and takes no images", ", ".join(given),
+                           "is" if len(given) == 1 else "are",
+                           "has" if len(given) == 1 else "have", archs[0])
 
     def _check_kv_connector_named(self) -> None:
         """An empty kv_transfer_config means no connector (as in vLLM); one that sets

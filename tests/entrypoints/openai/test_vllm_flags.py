@@ -108,6 +108,22 @@ def test_swap_space_is_accepted_with_a_warning(caplog):
                for r in caplog.records), caplog.text
 
 
+def test_image_flags_on_a_text_only_model_are_accepted_with_a_warning(caplog, tmp_path):
+    """--limit-mm-per-prompt / --allowed-local-media-path on the (text-only) bundled model:
+    vLLM accepts them; they were accepted silently, now one warning says they do nothing."""
+    with caplog.at_level(logging.WARNING, logger="vllm"):
+        EngineArgs(limit_mm_per_prompt={"image": 2}, allowed_local_media_path=str(tmp_path),
+                   max_model_len=128).create_engine_config()
+    (warning,) = [r.getMessage() for r in caplog.records if "no effect" in r.getMessage()]
+    assert warning == ("--limit-mm-per-prompt, --allowed-local-media-path are accepted and "
+                       "have no effect: the model (LlamaForCausalLM) is text-only and takes "
+                       "no images")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vllm"):
+        EngineArgs(max_model_len=128).create_engine_config()
+    assert not [r for r in caplog.records if "no effect" in r.getMessage()]
+
+
 # ------------------------------------------------------------------ refused
 REFUSED = [
     (["--quantization", "awq"], "--quantization awq is not supported by this fork: it loads "
