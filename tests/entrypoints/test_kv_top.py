@@ -8,7 +8,7 @@ import sys
 
 from vllm.v1.core.device_registry import DeviceKVRegistry
 
-GiB = 1 << 30
+MiB, GiB = 1 << 20, 1 << 30
 
 
 def _kv_top(tmp_path, *flags):
@@ -43,6 +43,20 @@ def test_one_line_per_engine_and_a_device_total(tmp_path):
         a.close()
         b.close()
     assert _kv_top(tmp_path).stdout.strip() == "no elastic engine is running (none registered)"
+
+
+def test_a_small_engine_reads_in_mib_not_zeros(tmp_path):
+    """The bundled model's elastic engine holds 60 MiB: every column read "0.00 GiB"
+    (in use 0.00 GiB of a cache of 0.06 GiB); below 1 GiB a figure is in MiB."""
+    registry = DeviceKVRegistry("host", tmp_path)
+    registry.register("engine-a")
+    registry.update(committed=60 * MiB, in_use=1536 << 10, reclaimable=0, limit=GiB + GiB // 2)
+    try:
+        line = _kv_top(tmp_path).stdout.splitlines()[1]
+        assert line.split()[2:] == ["engine-a", "60.00", "MiB", "1.50", "MiB", "0.00", "MiB",
+                                    "1.50", "GiB", "-"]
+    finally:
+        registry.close()
 
 
 def test_a_bad_interval_is_a_usage_error(tmp_path):

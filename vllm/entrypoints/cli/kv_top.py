@@ -20,7 +20,7 @@ import sys
 import time
 from dataclasses import asdict
 
-GiB = 1 << 30
+MiB, GiB = 1 << 20, 1 << 30
 _COLUMNS = ("DEVICE", "PID", "MODEL", "COMMITTED", "IN USE", "RECLAIMABLE", "LIMIT", "WANTED")
 
 
@@ -29,8 +29,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "kv-top",
         help="Show the elastic KV cache of every engine on this machine's devices, live.",
         description="One line per elastic engine (--enable-elastic-kv-cache) on each device: "
-                    "committed, in use, reclaimable and limit (GiB), and what it lacks when "
-                    "it could not grow. Read from the engines' shared-memory registry.",
+                    "committed, in use, reclaimable and limit (GiB, MiB below 1 GiB), and "
+                    "what it lacks when it could not grow. Read from the engines' "
+                    "shared-memory registry.",
         usage="vllm kv-top [options]",
     )
     parser.add_argument("--interval", type=_positive, default=1.0,
@@ -71,16 +72,17 @@ def snapshot(directory: str | None = None) -> dict[str, list[dict]]:
 
 
 def render(devices: dict[str, list[dict]]) -> str:
-    """The table (GiB), a line per engine, and a total line per device with several."""
+    """The table (`_size`: GiB, MiB below 1 GiB), a line per engine, and a total line per
+    device with several."""
     rows = [_COLUMNS]
     for key, engines in devices.items():
         for e in engines:
             rows.append((key[:12], str(e["pid"]), e["name"][-32:], *(
-                _gib(e[f]) for f in ("committed", "in_use", "reclaimable", "limit")),
-                _gib(e["wanted"]) if e["wanted"] else "-"))
+                _size(e[f]) for f in ("committed", "in_use", "reclaimable", "limit")),
+                _size(e["wanted"]) if e["wanted"] else "-"))
         if len(engines) > 1:
             rows.append((key[:12], "", f"({len(engines)} engines)", *(
-                _gib(sum(e[f] for e in engines))
+                _size(sum(e[f] for e in engines))
                 for f in ("committed", "in_use", "reclaimable")), "", ""))
     if len(rows) == 1:
         return "no elastic engine is running (none registered)"
@@ -92,8 +94,10 @@ def render(devices: dict[str, list[dict]]) -> str:
         for r in rows)
 
 
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / GiB:.2f} GiB"
+def _size(nbytes: int) -> str:
+    """Bytes as GiB, or as MiB below 1 GiB: a small engine's 60 MiB read "0.06 GiB" and its
+    in-use blocks "0.00 GiB" (nvidia-smi and vLLM's start-up log read MiB and GiB)."""
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB else f"{nbytes / MiB:.2f} MiB"
 
 
 def run(args: argparse.Namespace) -> int:
