@@ -208,7 +208,7 @@ def run_one(mode: str, shape: str, max_model_len: int, num_seqs: int, load: str 
     block_size = llm.llm_engine.vllm_config.cache_config.block_size
     result["num_blocks"] = core.num_blocks
     result["kv_tokens"] = (core.num_blocks - 1) * block_size
-    result["kv_bytes"] = worker.kv_cache_memory().committed_bytes
+    result["kv_bytes"] = worker.kv_cache_memory().physical_bytes  # device memory
     result["weights_bytes"] = worker.weights_bytes
     result["startup_breakdown_s"] = worker.startup_seconds
     result["spec_decode_peak_bytes"] = worker.spec_decode_peak

@@ -122,8 +122,13 @@ class KVCacheMemory:
     """What the KV cache holds now (for metrics), from the worker up to the frontend.
 
     Attributes:
-        committed_bytes: physical memory backing the cache (granule-rounded).
+        committed_bytes: bytes of the committed blocks: num_blocks x bytes per
+            block (0 while asleep), the unit of every figure below, so in use <=
+            committed <= limit holds and `vllm kv-top` shows the same number.
         reserved_bytes: address space reserved (== committed on the classic path).
+        physical_bytes: device memory backing them: whole VMM granules per
+            segment, up to about one granule a segment above committed_bytes
+            (== on the classic path; 0 while asleep).
         num_blocks: committed blocks, counting the null block.
         num_grows / num_shrinks: how often the elastic cache grew / released
             memory while serving (0 without it).
@@ -144,3 +149,4 @@ class KVCacheMemory:
     reclaimable_bytes: int = 0
     limit_bytes: int = 0
     num_reclaims: int = 0
+    physical_bytes: int = 0

@@ -1,11 +1,12 @@
 """`vllm serve --enable-elastic-kv-cache` (issue #18): the runtime limit endpoint, the
 elastic counters and committed bytes on /metrics, one log line per change.
 
-The bundled model: 30 layer segments of 24 KiB blocks, 85 blocks (60 MiB) per 2 MiB
-granule a segment. The server's floor is one max_model_len (512-token) request: 85
-blocks; 256 MiB of KV allow 4 granules (8 MiB) a segment: 341 blocks. Free tail blocks
-are released after 10 s (the default `VLLM_ELASTIC_KV_SHRINK_DELAY_S`), so the release
-after a burst happens while the server is idle: /metrics must follow it then too.
+The bundled model: 30 layer segments of 24 KiB blocks, 85 blocks (59.77 MiB of blocks,
+60 MiB of device memory) per 2 MiB granule a segment. The server's floor is one
+max_model_len (512-token) request: 85 blocks; 256 MiB of KV allow 4 granules (8 MiB) a
+segment: 341 blocks. Free tail blocks are released after 10 s (the default
+`VLLM_ELASTIC_KV_SHRINK_DELAY_S`), so the release after a burst happens while the server
+is idle: /metrics must follow it then too.
 """
 
 from __future__ import annotations
@@ -27,16 +28,25 @@ from tests.entrypoints.openai.utils import (
 pytestmark = pytest.mark.slow
 
 MiB = 1 << 20
-FLOOR_BYTES = 60 * MiB
+BLOCK_BYTES = 30 * (24 << 10)  # a block: 24 KiB in each of the 30 layer segments
+FLOOR_BYTES = 85 * BLOCK_BYTES  # committed bytes: blocks x bytes per block
+FLOOR_PHYSICAL = 60 * MiB  # what the device holds: one 2 MiB granule a segment
 # 16 requests of ~200 prompt tokens: ~14 blocks each, far more than the floor's 84.
 BURST = [f"Tell me story number {i} about a lighthouse keeper and the sea. " * 14
          for i in range(16)]
 
 
 @pytest.fixture(scope="module")
-def elastic_server():
-    with RemoteServer([*DEFAULT_SERVER_ARGS, "--enable-elastic-kv-cache"],
-                      env={"VLLM_ELASTIC_KV_SHRINK_DELAY_S": "2"}) as remote:
+def registry_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("kv-registry"))
+
+
+@pytest.fixture(scope="module")
+def elastic_server(registry_dir):
+    with RemoteServer([*DEFAULT_SERVER_ARGS, "--enable-elastic-kv-cache",
+                       "--served-model-name", "engine-a", MODEL_NAME],
+                      env={"VLLM_ELASTIC_KV_SHRINK_DELAY_S": "2",
+                           "VLLM_KV_REGISTRY_DIR": registry_dir}) as remote:
         yield remote
 
 
@@ -135,3 +145,32 @@ def test_a_runtime_limit_holds_the_cache_and_a_bare_post_restores_it(elastic_ser
     assert response.status_code == 200, response.text
     assert response.json()["limit_blocks"] == 341  # 8 MiB / 24 KiB
     assert "Elastic KV cache: limit set to 0.06 GiB (85 blocks)" in elastic_server.log()
+
+
+def test_kv_top_and_metrics_show_one_committed_figure_and_the_served_name(
+        elastic_server, registry_dir):
+    """At the floor /metrics said committed 62914560 (whole granules) while its limit and
+    `vllm kv-top` said 62668800 (blocks x bytes): committed above the limit. One unit now,
+    blocks' bytes, with the device's granules as physical_bytes; and kv-top names the
+    engine by --served-model-name (it showed the model file's name)."""
+    from vllm.entrypoints.cli.kv_top import snapshot
+
+    _wait_for_committed(elastic_server, FLOOR_BYTES)
+    assert _set_limit(elastic_server, "90MiB").status_code == 200  # the limit at the floor
+    try:
+        metrics = scrape_metrics(elastic_server)
+        assert metrics["vllm:kv_cache_committed_bytes"] == FLOOR_BYTES
+        assert metrics["vllm:kv_cache_limit_bytes"] == FLOOR_BYTES
+        assert metrics["vllm:kv_cache_physical_bytes"] == FLOOR_PHYSICAL
+        deadline = time.monotonic() + 30
+        while True:  # the registry is refreshed at most every PUBLISH_S
+            (engine,) = [e for engines in snapshot(registry_dir).values() for e in engines]
+            if engine["limit"] == FLOOR_BYTES or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert engine["name"] == "engine-a"
+        assert (engine["committed"], engine["limit"]) == (FLOOR_BYTES, FLOOR_BYTES)
+        models = httpx.get(elastic_server.url_for("v1/models"), timeout=30).json()
+        assert models["data"][0]["id"] == "engine-a"
+    finally:
+        assert _set_limit(elastic_server, None).status_code == 200

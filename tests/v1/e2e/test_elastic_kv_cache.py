@@ -112,7 +112,10 @@ def test_committed_bytes_and_rss_follow_the_load_up_and_down(elastic_llm, offlin
     for a, b in shrinks:  # the pages really left
         assert a[2] - b[2] >= 0.8 * (a[1] - b[1])
     memory = core.kv_cache_memory()
-    assert memory.committed_bytes == 60 * MiB and memory.num_shrinks >= 1
+    # /metrics' figures: the floor's blocks' bytes (the unit of the limit and of kv-top),
+    # and the device's whole granules.
+    assert memory.committed_bytes == floor * ekv_block_bytes(core) and memory.num_shrinks >= 1
+    assert memory.physical_bytes == 60 * MiB
 
     # The shrink evicted cached prefix blocks above the floor; the same prompts
     # again hit only what survived and still give the same text.
@@ -319,3 +322,8 @@ def test_a_registry_file_of_another_version_leaves_sharing_off_not_the_engine(
     assert controller.sharing is None
     assert "is not a KV registry of this version" in caplog.text
     assert "without the device registry" in caplog.text
+
+
+def ekv_block_bytes(core) -> int:
+    """Bytes of one KV block across the layer segments (summed over the ranks)."""
+    return core.elastic_kv.block_bytes

@@ -44,7 +44,8 @@ def test_classic_is_fully_committed_and_one_span(driver):
     assert isinstance(kv, KVCacheBuffers)
     views = kv.allocate(10)
     assert kv.committed_blocks == kv.capacity_blocks == 10
-    assert kv.memory() == KVCacheMemory(3 * 10 * PAGE, 3 * 10 * PAGE, 10)
+    assert kv.memory() == KVCacheMemory(3 * 10 * PAGE, 3 * 10 * PAGE, 10,
+                                        physical_bytes=3 * 10 * PAGE)
     base = views[LAYERS[0]].data_ptr()
     assert kv.committed_spans() == [(base, 3 * 10 * PAGE)]  # the layers are adjacent
     assert kv.extend_kv_cache(10) is views  # equal count: a no-op
@@ -65,8 +66,9 @@ def test_extensible_grows_under_the_same_base_with_views_over_committed_blocks(d
     base = kv.tensor.base
     assert [v.shape[0] for v in views.values()] == [2, 2, 2]
     assert views[LAYERS[0]].data_ptr() == base
-    # Two blocks per layer round up to one 2 MiB granule per segment.
-    assert kv.memory() == KVCacheMemory(3 * 2 * MiB, 3 * capacity * PAGE, 2)
+    # Two blocks' bytes committed; per segment the device holds them in one 2 MiB granule.
+    assert kv.memory() == KVCacheMemory(3 * 2 * PAGE, 3 * capacity * PAGE, 2,
+                                        physical_bytes=3 * 2 * MiB)
     views[LAYERS[1]][1].fill_(7.0)
     grown = kv.extend_kv_cache(100)
     assert [v.shape[0] for v in grown.values()] == [100, 100, 100]

@@ -13,7 +13,7 @@ Names, meanings and histogram buckets are vLLM's (vllm/v1/metrics/loggers.py),
 so its Grafana dashboard and users' alerts read this server unchanged; the
 registry also carries prometheus-client's `process_*` and `python_*` collectors,
 as vLLM's default registry does. Our own additions: `vllm:kv_cache_committed_bytes`,
-`vllm:kv_cache_reserved_bytes`, `vllm:kv_cache_num_blocks`
+`vllm:kv_cache_reserved_bytes`, `vllm:kv_cache_physical_bytes`, `vllm:kv_cache_num_blocks`
 (examples/grafana/ draws them).
 """
 
@@ -155,7 +155,14 @@ class PrometheusStatLogger:
             "blocks until a decode instance read them).")
         self.kv_cache_committed_bytes = make.gauge(
             "vllm:kv_cache_committed_bytes",
-            "KV cache bytes backed by physical memory (committed pages).")
+            "KV cache bytes of the committed blocks (blocks x bytes per block), the unit of "
+            "vllm:kv_cache_limit_bytes, in_use_bytes and reclaimable_bytes and of vllm kv-top; "
+            "the device holds them in whole granules: vllm:kv_cache_physical_bytes.")
+        self.kv_cache_physical_bytes = make.gauge(
+            "vllm:kv_cache_physical_bytes",
+            "KV cache device memory backing the committed blocks, bytes: whole VMM granules "
+            "(2 MiB on the H200) per segment, up to about one a segment above "
+            "vllm:kv_cache_committed_bytes.")
         self.kv_cache_reserved_bytes = make.gauge(
             "vllm:kv_cache_reserved_bytes",
             "KV cache virtual address space reserved, bytes (= committed on the classic path).")
@@ -288,6 +295,7 @@ class PrometheusStatLogger:
         if kv_cache_memory is not None:
             self.kv_cache_committed_bytes.set(kv_cache_memory.committed_bytes)
             self.kv_cache_reserved_bytes.set(kv_cache_memory.reserved_bytes)
+            self.kv_cache_physical_bytes.set(kv_cache_memory.physical_bytes)
             self.kv_cache_num_blocks.set(kv_cache_memory.num_blocks)
             self._last_grows = _advance(self.kv_cache_elastic_grows, kv_cache_memory.num_grows,
                                         self._last_grows)

@@ -389,6 +389,7 @@ class EngineCore:
                 committed_bytes=sum(m.committed_bytes for m in per_rank),
                 reserved_bytes=sum(m.reserved_bytes for m in per_rank),
                 num_blocks=per_rank[0].num_blocks,
+                physical_bytes=sum(m.physical_bytes for m in per_rank),
                 num_grows=num_grows,
                 num_shrinks=num_shrinks,
             )

@@ -252,8 +252,12 @@ class KVCacheBuffers(ABC):
         return None
 
     def memory(self) -> KVCacheMemory:
-        """Committed and reserved bytes and committed blocks, for metrics."""
-        return KVCacheMemory(self.committed_bytes, self.reserved_bytes, self.committed_blocks)
+        """Committed blocks and their bytes (blocks x bytes per block; 0 while released),
+        reserved and physical bytes, for metrics (see `KVCacheMemory`)."""
+        block_bytes = self.config.block_stride * self.config.num_segments
+        committed = 0 if self.is_released else self.committed_blocks * block_bytes
+        return KVCacheMemory(committed, self.reserved_bytes, self.committed_blocks,
+                             physical_bytes=self.committed_bytes)
 
 
 class ClassicKVCacheBuffers(KVCacheBuffers):
