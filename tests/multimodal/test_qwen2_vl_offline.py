@@ -190,6 +190,19 @@ def test_spec_decode_with_a_multimodal_model_is_refused(qwen2_vl_dir):
         args.create_engine_config()
 
 
+def test_image_flags_on_a_multimodal_model_give_no_warning(qwen2_vl_dir, caplog):
+    """The warning that image flags have no effect is for text-only models only."""
+    import logging
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    with caplog.at_level(logging.WARNING, logger="vllm"):
+        cfg = EngineArgs(model=str(qwen2_vl_dir), dtype="float32", max_model_len=256,
+                         limit_mm_per_prompt={"image": 2}).create_engine_config()
+    assert cfg.multimodal_config.limit_mm_per_prompt == {"image": 2}
+    assert not [r for r in caplog.records if "no effect" in r.getMessage()], caplog.text
+
+
 def test_preempted_requests_with_images_match(qwen2_vl_dir, qwen2_vl_reference):
     """A KV cache of a few blocks: requests with images are preempted and recomputed (their
     images encoded again or taken from the encoder cache); greedy tokens do not change."""
