@@ -164,8 +164,11 @@ def test_served_model_name_reaches_the_engine(tiny_model):
         ).model_config.served_model_name == "engine-a"
     assert EngineArgs(model=tiny_model, served_model_name="x").create_engine_config(
         ).model_config.served_model_name == "x"
+    # Unset: the MODEL argument as given, else the bundled model's name, as /v1/models says.
     assert EngineArgs(model=tiny_model).create_engine_config(
         ).model_config.served_model_name == tiny_model
+    assert EngineArgs(max_model_len=128).create_engine_config(
+        ).model_config.served_model_name == "SmolLM2-135M-Instruct"
     for bad in ([], "", [""], [3]):
         with pytest.raises(ValueError, match="served_model_name must be a non-empty string"):
             EngineArgs(model=tiny_model, served_model_name=bad).create_engine_config()

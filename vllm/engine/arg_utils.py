@@ -42,6 +42,7 @@ from vllm.config.scheduler import DEFAULT_LIMITS, DEFAULT_MAX_NUM_PARTIAL_PREFIL
 from vllm.config.vllm import check_kv_transfer_combination
 from vllm.logger import init_logger
 from vllm.transformers_utils.model_path import (
+    BUNDLED_MODEL_NAME,
     check_generation_config_path,
     check_model_path,
     get_bundled_model_path,
@@ -145,7 +146,7 @@ class EngineArgs:
     disable_log_stats: bool = False
     generation_config: str = "auto"
     max_logprobs: int = 20
-    served_model_name: str | list[str] | None = None  # `vllm serve --served-model-name`
+    served_model_name: str | list[str] | None = None  # None: `model` as given, as /v1/models
     # vLLM's flags for where a model comes from and what it may run.
     revision: str | None = None
     download_dir: str | None = None
@@ -226,7 +227,9 @@ class EngineArgs:
             seed=self.seed,
             load_format=self.load_format,
             generation_config=self.generation_config,
-            max_logprobs=self.max_logprobs, served_model_name=self.served_model_name,
+            max_logprobs=self.max_logprobs,
+            served_model_name=(self.model or BUNDLED_MODEL_NAME) if self.served_model_name
+            is None else self.served_model_name,
             trust_remote_code=self.trust_remote_code,
         )
         _check_kv_cache_dtype(self.kv_cache_dtype, model_config.dtype)
