@@ -432,11 +432,8 @@ def test_cudagraph_sizes_resolution(tiny_model):
 def test_cudagraph_mode_and_mixed_sizes():
     # Issue 50: steps with prefill chunks replay graphs per token bucket, capped at
     # the step's token budget; vLLM's mode names turn them (or all graphs) on and off.
-    # The default stays decode-only until the mixed graphs have run on a GPU.
+    # The default is FULL (run on an H100 2026-12-07: cuda tests, short-prompt TTFT).
     c = CompilationConfig()
-    c.resolve(max_num_seqs=8, graphs_supported=True, max_num_batched_tokens=100)
-    assert c.cudagraph_mode == "FULL_DECODE_ONLY" and c.mixed_capture_sizes == []
-    c = CompilationConfig(cudagraph_mode="FULL")
     c.resolve(max_num_seqs=8, graphs_supported=True, max_num_batched_tokens=100)
     assert c.cudagraph_mode == "FULL" and c.mixed_capture_sizes == [16, 32, 64]
     assert c.decode_capture_sizes == [1, 2, 4, 8]

@@ -51,8 +51,8 @@ class CompilationConfig(FrozenConfig):
         cudagraph_mode: vLLM's names: "FULL" (decode batches and mixed
             batches of up to 256 tokens replay whole-step graphs),
             "FULL_AND_PIECEWISE" (the same here, see `CUDAGRAPH_MODES`),
-            "FULL_DECODE_ONLY" (the default until the mixed graphs have run on
-            a GPU: decode batches only), "NONE" (as enforce_eager).
+            "FULL_DECODE_ONLY" (decode batches only), "NONE" (as
+            enforce_eager). Default "FULL".
         use_cudagraph: resolved: graphs are captured (not enforce_eager, mode not
             NONE, and the platform supports them). Not an argument.
         mixed_capture_sizes: resolved: token counts of the mixed-batch graphs,
@@ -66,7 +66,7 @@ class CompilationConfig(FrozenConfig):
 
     enforce_eager: bool = False
     cudagraph_capture_sizes: list[int] | None = None
-    cudagraph_mode: str = "FULL_DECODE_ONLY"
+    cudagraph_mode: str = "FULL"
     use_cudagraph: bool = field(init=False, default=False)
     mixed_capture_sizes: list[int] = field(init=False, default_factory=list)
 

@@ -199,10 +199,9 @@ def resolve_async_scheduling(
     (docs/design.md, "Speculative decoding and async scheduling"); not built
     with a draft model (its drafts come from its own forward per step) or a
     KV connector (it saves and loads around each step's finished requests).
-    With n-gram drafts it is opt-in (`--async-scheduling`) until the GPU run
-    of tests/v1/spec_decode/test_spec_decode_cuda.py and
-    benchmarks/benchmark_spec_decode.py has shown it correct and faster
-    (docs/benchmarks.md); the default stays synchronous there. On the CPU
+    With n-gram drafts it is opt-in (`--async-scheduling`): correct on an
+    H100 (tests/v1/spec_decode/test_spec_decode_cuda.py), the default once
+    benchmarks/benchmark_spec_decode.py shows it faster (docs/benchmarks.md). On the CPU
     nothing runs while Python prepares the next step, so it only costs.
 
     Args:
