@@ -108,8 +108,8 @@ class EngineCoreOutput:
     kv_transfer_params: dict | None = None
     # A request that failed inside the engine (e.g. its KV transfer): the reason.
     error: str | None = None
-    # With `error`: the request field at fault (its grammar did not compile:
-    # "structured_outputs"), a client error (HTTP 400); None: the engine's side.
+    # With `error`: the request field at fault (its grammar did not compile: the
+    # constraint's `source_field`), a client error (HTTP 400); None: the engine's side.
     error_param: str | None = None
 
     @property

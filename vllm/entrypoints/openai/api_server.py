@@ -64,7 +64,6 @@ from vllm.entrypoints.openai.serving_engine import cancel_on_disconnect
 from vllm.entrypoints.openai.serving_models import ServedModels
 from vllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from vllm.logger import init_logger
-from vllm.transformers_utils.config import BUNDLED_MODEL_NAME
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError, startup_errors
 from vllm.version import __version__
@@ -84,15 +83,6 @@ _DEAD_ENGINE_EXIT_DELAY_S = 1.0
 
 
 # ------------------------------------------------------------------------------ app
-def served_model_names(args: argparse.Namespace) -> list[str]:
-    """--served-model-name, else the MODEL argument, else the bundled model's name."""
-    names = getattr(args, "served_model_name", None)
-    if names:
-        return list(names)
-    model = getattr(args, "model", None)
-    return [model if model else BUNDLED_MODEL_NAME]
-
-
 def build_app(engine_client: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     """The FastAPI app over `engine_client` (which it feeds a Prometheus logger).
 
@@ -100,7 +90,11 @@ def build_app(engine_client: AsyncLLM, args: argparse.Namespace) -> FastAPI:
     api_key, chat_template, default_chat_template_kwargs, reasoning_parser,
     tool_call_parser, enable_auto_tool_choice, return_tokens_as_token_ids (all optional).
     """
-    models = ServedModels(served_model_names(args), root=engine_client.model_config.model,
+    # --served-model-name's names; unset, the engine's (the MODEL argument, else the
+    # bundled model's name: EngineArgs).
+    names = list(getattr(args, "served_model_name", None) or
+                 [engine_client.model_config.served_model_name])
+    models = ServedModels(names, root=engine_client.model_config.model,
                           max_model_len=engine_client.max_model_len)
     metrics = PrometheusStatLogger(
         models.default_name, max_model_len=engine_client.max_model_len,

@@ -320,7 +320,8 @@ async def render_chat(
 
     Raises:
         APIError(400): continue_final_message with add_generation_prompt (param
-            "continue_final_message"), a malformed message (param: its field), a reserved
+            "continue_final_message", refused by `render_chat_template`), a malformed
+            message (param: its field), a reserved
             `chat_template_kwargs` key (param "chat_template_kwargs.KEY"), or a template that
             fails to render (param "chat_template" when the request brought the
             template, else "messages": the server's template rejected them).
@@ -328,10 +329,6 @@ async def render_chat(
     """
     from vllm.transformers_utils.chat_templates import ChatTemplateError
 
-    if continue_final_message and add_generation_prompt:  # vLLM refuses both too
-        raise APIError(400, "continue_final_message and add_generation_prompt cannot both "
-                       "be true: set add_generation_prompt to false to continue the final "
-                       "message", "continue_final_message")
     try:
         return await engine_client.apply_chat_template(
             messages,

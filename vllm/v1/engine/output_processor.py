@@ -220,15 +220,11 @@ class OutputProcessor:
         `VLLMValidationError` naming `param` (its grammar did not compile: HTTP 400),
         else a `KVTransferError` (its KV transfer failed: 502).
 
-        The offline `LLM` has no stream: it logs and drops the request.
-        The core names a grammar that failed "structured_outputs"; the error names
-        the request field the constraint came from (`source_field`: response_format,
-        guided_json, tools, ...), which only the frontend knows.
+        The offline `LLM` has no stream: it logs and drops the request. `param` is
+        the request field the grammar came from (`StructuredOutputsParams.source_field`:
+        response_format, guided_json, tools, ...), named by the core.
         """
         del self.states[state.request_id]
-        constraint = state.params.structured_outputs
-        if param == "structured_outputs" and constraint is not None:
-            param = constraint.source_field
         if state.queue is not None:
             state.queue.put_nowait(KVTransferError(error) if param is None
                                    else VLLMValidationError(error, parameter=param))

@@ -18,6 +18,19 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 
+def check_lookup_params(num_speculative_tokens: int, prompt_lookup_min: int,
+                        prompt_lookup_max: int) -> None:
+    """ValueError unless k >= 1 and 1 <= prompt_lookup_min <= prompt_lookup_max (shared by
+    this proposer and the runner's `DeviceNgramProposer`)."""
+    if num_speculative_tokens < 1:
+        raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+    if not 1 <= prompt_lookup_min <= prompt_lookup_max:
+        raise ValueError(
+            "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+            f"{prompt_lookup_min}, {prompt_lookup_max}"
+        )
+
+
 class NgramProposer:
     """Proposes up to k draft tokens per request by suffix matching.
 
@@ -31,13 +44,7 @@ class NgramProposer:
 
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int,
                  prompt_lookup_max: int) -> None:
-        if num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
-        if not 1 <= prompt_lookup_min <= prompt_lookup_max:
-            raise ValueError(
-                "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
-                f"{prompt_lookup_min}, {prompt_lookup_max}"
-            )
+        check_lookup_params(num_speculative_tokens, prompt_lookup_min, prompt_lookup_max)
         self.k = num_speculative_tokens
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max

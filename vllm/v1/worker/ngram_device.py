@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from vllm.v1.spec_decode.ngram_proposer import check_lookup_params
+
 # A draft slot with no token (no match, or past the row's tokens or its cap).
 NO_DRAFT = -1
 
@@ -38,13 +40,7 @@ class DeviceNgramProposer:
 
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int,
                  prompt_lookup_max: int) -> None:
-        if num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
-        if not 1 <= prompt_lookup_min <= prompt_lookup_max:
-            raise ValueError(
-                "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
-                f"{prompt_lookup_min}, {prompt_lookup_max}"
-            )
+        check_lookup_params(num_speculative_tokens, prompt_lookup_min, prompt_lookup_max)
         self.k = num_speculative_tokens
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max

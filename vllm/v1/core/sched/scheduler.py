@@ -253,8 +253,7 @@ class Scheduler:
             for request in update.loaded:  # scheduled from its loaded prefix on
                 request.status = RequestStatus.WAITING
             outputs.extend(self._finish_failed(update.failed))
-        outputs.extend(self._finish_failed(self.structured_outputs.take_failed(),
-                                           param="structured_outputs"))
+        outputs.extend(self._finish_failed(self.structured_outputs.take_failed(), grammar=True))
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None or request.is_finished():
@@ -509,10 +508,10 @@ class Scheduler:
         self.finished_req_ids.add(request.request_id)
         return kv_transfer_params
 
-    def _finish_failed(self, failed: dict[str, str], param: str | None = None
+    def _finish_failed(self, failed: dict[str, str], grammar: bool = False
                        ) -> list[EngineCoreOutput]:
-        """Finish requests whose KV load or grammar compile (`param`: the field at fault)
-        failed; a failed load's blocks never entered the prefix cache (`allocate_slots`)."""
+        """Finish requests whose KV load or grammar compile failed (a grammar's error names its
+        request field, `source_field`); a load's blocks never entered the prefix cache."""
         outputs = []
         for req_id, reason in failed.items():
             request = self.requests.get(req_id)
@@ -522,6 +521,7 @@ class Scheduler:
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 request.status = RequestStatus.WAITING  # its load is over: the blocks may go
             self.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+            param = request.sampling_params.structured_outputs.source_field if grammar else None
             outputs.append(EngineCoreOutput(
                 request_id=req_id, new_token_ids=[], finish_reason=FinishReason.ABORT,
                 error=f"request {req_id!r} failed: {reason}", error_param=param))
