@@ -79,6 +79,24 @@ def test_shrinks_to_the_last_growth_after_the_tail_stayed_free_for_the_delay():
     assert p.decide(num_free=36, num_free_tail=32, blocks_wanted=0) is None
 
 
+def test_the_idle_timer_returns_about_a_chunk_of_fine_pieces_at_a_time():
+    """Pieces (an eighth of a chunk) are what a peer may take; the timer still goes
+    back about a chunk each time: to the highest boundary a chunk or more below,
+    else the lowest one left."""
+    clock = Clock()
+    p = _policy(clock)  # floor 85, chunk 32
+    p.adopt(149, boundaries=range(89, 149, 4))  # 85, 89, 93, ..., 145, 149
+    assert p.shrink_target() == 117  # 149 - 117 = 32: one chunk
+    assert p.decide(num_free=100, num_free_tail=64, blocks_wanted=0) is None
+    clock.now += 5.1
+    assert p.decide(num_free=100, num_free_tail=64, blocks_wanted=0) == ElasticDecision(
+        "shrink", 117)
+    p.adopt(117)
+    assert p.shrink_target() == 85  # less than a chunk left above the floor: all of it
+    # A peer's demand takes a single piece.
+    assert p.reclaim_target(_Pool(117, 100, 64), blocks=3, blocks_wanted=0) == 113
+
+
 def test_a_limit_below_what_is_committed_shrinks_at_once_when_the_tail_is_free():
     p = _policy(Clock())
     p.adopt(117)

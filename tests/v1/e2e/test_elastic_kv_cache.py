@@ -17,6 +17,7 @@ import pytest
 
 from vllm import LLM, SamplingParams
 from vllm.v1.core.elastic_sharing import DeviceShare, DeviceSharing
+from vllm.v1.engine.elastic_kv import HOLD_AFTER_GIVING_S
 
 MiB = 1 << 20
 PROMPTS = [f"Write a short story number {i} about a lighthouse keeper and the sea." * 8
@@ -208,6 +209,7 @@ def test_an_engine_that_cannot_grow_asks_its_peers_and_withdraws_when_it_grew(
     core = elastic_llm.llm_engine.engine_core
     worker = core.worker
     _idle_until_floor(elastic_llm, core)
+    time.sleep(HOLD_AFTER_GIVING_S)  # it gave blocks in an earlier test: no growth before
     # Another process holds the memory: growth reaches nothing.
     monkeypatch.setattr(worker.memory, "free_bytes", lambda: 100 * MiB)
     ids = [f"r{i}" for i in range(8)]  # 8 x 16 blocks wanted, 84 free
@@ -225,7 +227,7 @@ def test_an_engine_that_cannot_grow_asks_its_peers_and_withdraws_when_it_grew(
 def test_a_busy_engine_above_its_share_preempts_for_a_peer_holding_less(elastic_llm):
     """Reclaim by preemption (issue #49): this engine grew for a burst and every request
     still runs, so no free tail can go; a peer holding less lacks memory. It preempts
-    (by recompute) the requests above a chunk boundary at or above its fair share,
+    (by recompute) the requests above a piece boundary at or above its fair share,
     releases the tail at once (no timer, no waiting for the decodes to end), and the
     preempted requests' outputs do not change."""
     core = elastic_llm.llm_engine.engine_core
@@ -262,6 +264,11 @@ def test_a_busy_engine_above_its_share_preempts_for_a_peer_holding_less(elastic_
         assert core.num_blocks >= grown // 2  # the midpoint of the two: its share
         assert core.scheduler.num_preemptions > preemptions
         assert _my_slot(core).gave_bytes == released * ekv.block_bytes
+        # Its preempted requests wait, and memory is free, yet it does not take back what
+        # it gave before the asker's next step can (HOLD_AFTER_GIVING_S).
+        kept = core.num_blocks
+        assert core.scheduler.waiting and not core.adjust_kv_cache()
+        assert core.num_blocks == kept
         peer.want(0)
         policy.shrink_delay_s = 0.0
         for _ in range(200):

@@ -113,30 +113,31 @@ def test_one_rank_keeps_its_own_floor():
         kv.free()
 
 
-def test_a_growth_over_several_chunks_commits_a_piece_per_chunk_and_shrinks_back_by_pieces():
-    """Issue #49: memory goes back a chunk at a time, not only a whole growth. 64 KiB
-    blocks (8 KV heads): a 2 MiB host granule holds 32 of them, the chunk is 40."""
+def test_a_growth_commits_a_piece_per_eighth_chunk_and_shrinks_back_by_pieces():
+    """Issue #49: memory goes back a piece (an eighth of a chunk, whole granules) at a
+    time, not only a whole growth or chunk. 64 KiB blocks (8 KV heads): a 2 MiB host
+    granule holds 32 of them; the chunk is 40 blocks, a piece 5, so every granule
+    the growth crosses ends a piece."""
     assert growth_points(85, 32, 85, 200) == [117, 149, 181]
     assert growth_points(85, 32, 100, 149) == [117]  # strictly between start and end
     kv = _cache(8)
     try:
         cache = ElasticKVCache(kv, Memory(), LIMIT, PER_REQUEST)
-        floor, chunk = cache.bounds.floor, cache.bounds.chunk
+        floor, b = cache.bounds.floor, cache.bounds
+        assert (floor, b.chunk, b.piece) == (64, 40, 5)
         allocations = kv.num_allocations
         assert cache.grow(LIMIT) == LIMIT
-        points = growth_points(floor, chunk, floor, LIMIT)
-        assert len(points) >= 4 and cache.piece_ends[-1] == LIMIT
-        # Each piece ends on whole granules at or after its chunk point, one allocation
-        # per segment each.
-        assert all(e >= p for p, e in zip(points, cache.piece_ends, strict=False))
-        assert cache.piece_ends == sorted(set(cache.piece_ends))
+        # One piece per granule crossed: twice the chunks' count (the chunk points
+        # alone, rounded to granules, would have been 8 pieces).
+        assert cache.piece_ends == list(range(96, LIMIT + 1, 32))
         pieces = len(cache.piece_ends)
-        assert kv.num_allocations - allocations == pieces * len(LAYERS)
+        assert pieces == 10 and kv.num_allocations - allocations == pieces * len(LAYERS)
         # Back to an inner piece end: the pieces above it go, the ones below stay.
         keep = cache.piece_ends[1]
         full = kv.tensor.physical_bytes
         assert cache.shrink(keep) == keep
         assert kv.num_allocations - allocations == 2 * len(LAYERS)
-        assert kv.tensor.physical_bytes < full and cache.piece_ends == cache.piece_ends[:2]
+        assert kv.tensor.physical_bytes == full - (pieces - 2) * 2 * MiB * len(LAYERS)
+        assert cache.piece_ends == [96, 128]
     finally:
         kv.free()

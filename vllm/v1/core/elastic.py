@@ -13,16 +13,17 @@ counting the null block.
             reach less (memory is free only now, less a headroom); the
             scheduler then queues or preempts as it does whenever the cache
             is full.
-    points  a growth that spans several chunks is committed as one driver
-            allocation per chunk (the worker splits it, `growth_points` in
+    points  a growth is committed as one driver allocation per piece (an
+            eighth of a chunk; the worker splits it, `growth_points` in
             vllm/v1/worker/elastic_kv_cache.py, and reports where its pieces
-            end: the growth's inner boundaries), so memory can go back a chunk
-            at a time
-    shrink  when every block of the last growth (the tail, [b, committed)) has
-            been free, or held only evictable prefix-cache entries, for
-            `shrink_delay_s`, and the blocks below b still leave the low-water
-            mark free: back to b (the growth's driver allocations are released
-            whole). Also when a runtime limit is set below what is committed.
+            end: the growth's inner boundaries), so memory can go back a piece
+            at a time (what a peer's demand takes)
+    shrink  when every block of the tail [b, committed) has been free, or held
+            only evictable prefix-cache entries, for `shrink_delay_s`, and the
+            blocks below b still leave the low-water mark free: back to b, the
+            highest boundary at least a chunk below what is committed (else
+            the lowest one), so the idle timer returns about a chunk each
+            time. Also when a runtime limit is set below what is committed.
     prefer  while a shrink is possible, allocation prefers ids below b
             (`BlockPool.prefer_blocks_below`), so the tail empties.
 
@@ -111,11 +112,14 @@ class ElasticKVPolicy:
         return self.boundaries[-1]
 
     def shrink_target(self) -> int | None:
-        """The count a shrink would go back to (the previous growth's end), if any."""
+        """The count the idle timer would go back to, if any: the highest boundary at least
+        a chunk below what is committed, else the lowest one (over a limit: the highest
+        boundary within it)."""
         below = [b for b in self.boundaries[:-1] if b <= self.limit]
         if self.committed > self.limit:
             return max(below, default=self.floor)
-        return below[-1] if below else None
+        far = [b for b in below if self.committed - b >= self.chunk]
+        return max(far) if far else (below[0] if below else None)
 
     def decide(
         self, num_free: int, num_free_tail: int, blocks_wanted: int

@@ -18,7 +18,7 @@ poll of the engine loop, `adjust()`:
        (`ElasticKVPolicy.reclaim_target`), not after the idle timer; when
        that is not enough and this engine holds more than the asker and its
        fair share (`DeviceSharing.answer`'s `keep`), it also preempts, by
-       recompute, the running requests above a chunk boundary and releases
+       recompute, the running requests above a piece boundary and releases
        down to it (`ElasticKVPolicy.preempt_target`,
        `Scheduler.preempt_for_shrink`): an engine that got the device first
        no longer keeps it while its queue refills it (issue #49's engine B
@@ -57,6 +57,10 @@ logger = init_logger(__name__)
 # an answer are written at once, whatever this says). Reading what is reclaimable
 # walks the pool's free tail: not every step.
 PUBLISH_S = 0.25
+# After releasing blocks for a peer, this engine does not grow for this long, so
+# the asker's next growth (at its next step) finds the memory and this engine's
+# own demand (its preempted requests) does not take it back first.
+HOLD_AFTER_GIVING_S = 1.0
 
 
 class ElasticKVController:
@@ -89,6 +93,7 @@ class ElasticKVController:
         self.figures_version = 0
         self._published_at = float("-inf")
         self._release_pending: int | None = None  # blocks the workers shrink to next call
+        self._gave_at = float("-inf")  # when this engine last released blocks for a peer
         devices: dict[str, int] = {}
         for key, block_bytes in self.run(Worker.kv_cache_device):
             devices[key] = devices.get(key, 0) + block_bytes
@@ -124,7 +129,10 @@ class ElasticKVController:
         target = policy.target(kv, wanted, safe_tail)
         changed, lacking = False, 0
         if target is not None and target > s.num_blocks:
-            changed, in_flight = self.grow_ahead(target)
+            in_flight = False
+            # What this engine just gave is the asker's to take (HOLD_AFTER_GIVING_S).
+            if self.clock() - self._gave_at >= HOLD_AFTER_GIVING_S:
+                changed, in_flight = self.grow_ahead(target)
             # What the requests still lack once no growth of ours is under way: ask the
             # device's other engines for it.
             lacking = 0 if in_flight else policy.shortfall(kv, wanted)
@@ -146,9 +154,10 @@ class ElasticKVController:
             freed = 0 if target is None else s.num_blocks - target
             deeper = None if keep is None or freed >= blocks else policy.preempt_target(
                 blocks, keep)
-            # Preempt only for at least a chunk (or all the peer lacks), not for crumbs.
-            if deeper is not None and s.num_blocks - deeper >= max(
-                    freed + 1, min(blocks, policy.chunk)):
+            # Preempt when that releases more than the free tail does: at least one more
+            # piece (a boundary), even if less than all the peer lacks (the fair share
+            # may stop it sooner; the peer renews what it still lacks).
+            if deeper is not None and s.num_blocks - deeper > freed:
                 target, freed = deeper, s.num_blocks - deeper
             planned.append(target)
             return freed
@@ -156,6 +165,7 @@ class ElasticKVController:
         if not self.sharing.answer(release_for) or planned[-1] is None:
             return False
         target = planned[-1]
+        self._gave_at = self.clock()
         if target >= policy.lowest_now(kv, safe_tail):
             return self.shrink(target)
         preempted = s.preempt_for_shrink(target)

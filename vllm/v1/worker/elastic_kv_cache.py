@@ -16,16 +16,16 @@ too (the start-up sizing is kv_cache_sizing.py's):
                next call after it ended reports the new count, so the
                scheduler adopts the blocks at a step boundary and no step
                waits for the driver's create / map / set-access / zeroing;
-               a growth over several chunks commits one allocation per
-               chunk point it crosses (`growth_points`), so memory can go
-               back a chunk at a time
+               a growth commits one allocation per piece point it crosses
+               (`growth_points`; a piece is an eighth of a chunk), so memory
+               can go back a piece at a time
     shrink(n)  release the tail blocks n.. (the block pool gave them up
                first); memory returns in whole driver allocations
 
     blocks:  [0 null | 1 .. floor-1 | floor .. b1-1 | b1 .. b2-1 | ........ limit)
               committed at start-up  growth 1        growth 2     never beyond
-                                     (one chunk per segment each; a shrink
-                                      releases the last growth's chunks)
+                                     (one allocation per piece and segment;
+                                      a shrink releases whole pieces)
 
 Live blocks never move and the base address never changes, so CUDA graphs
 captured at start-up stay valid (nothing is re-captured: growth and shrink
@@ -61,24 +61,32 @@ MiB = sizing.MiB
 ELASTIC_HEADROOM_FRACTION = 0.02
 ELASTIC_HEADROOM_FLOOR_BYTES = 256 * MiB
 
-# The range between the floor and the limit is committed in this many chunks
-# at most: one driver allocation per segment each (commit cost is per call,
-# ~0.1-0.4 ms for 1-8 GiB on the H200, so large chunks), and the unit a shrink
-# returns (a driver allocation is released whole).
+# The range between the floor and the limit is grown in this many chunks at
+# most (a growth adds at least a chunk: few growths, each a step boundary the
+# scheduler adopts).
 ELASTIC_NUM_CHUNKS = 8
+# Each chunk is committed in this many pieces, one driver allocation per segment
+# each, and a piece is the unit a shrink returns (a driver allocation is
+# released whole): a chunk of 7.7 GiB (the 8B shape's on a 58 GiB device) goes
+# back in ~1 GiB steps. With whole chunks an engine holding 16 GiB could not
+# release down to its 10.7 GiB fair share (its boundaries were 8.2 and 16 GiB)
+# and its peer queued 23 s on an H100 (2026-12-07, issue #49). Commit cost is
+# per call (~50 us per 2 MiB call, ~0.1-0.4 ms per 1-8 GiB call on the H200),
+# paid on the growth's helper thread.
+ELASTIC_PIECES_PER_CHUNK = 8
 
 
-def growth_points(floor: int, chunk: int, start: int, end: int) -> list[int]:
-    """The chunk points floor + k x chunk strictly between `start` and `end` (block counts).
+def growth_points(floor: int, piece: int, start: int, end: int) -> list[int]:
+    """The piece points floor + k x piece strictly between `start` and `end` (block counts).
 
     A growth from `start` to `end` is committed in pieces ending at these points
     (each rounded up to whole granules by `ElasticKVCache`), so a
     shrink back to one of them returns the pieces above it: memory goes back a
-    chunk at a time, not only a whole growth (a 40 GiB burst growth could
+    piece at a time, not only a whole growth (a 40 GiB burst growth could
     otherwise only go back whole).
     """
-    k = max((start - floor) // chunk + 1, 1)
-    return list(range(floor + k * chunk, end, chunk))
+    k = max((start - floor) // piece + 1, 1)
+    return list(range(floor + k * piece, end, piece))
 
 
 def elastic_headroom_bytes(total: int) -> int:
@@ -112,6 +120,13 @@ def elastic_floor_blocks(
 def elastic_chunk_blocks(floor: int, limit: int) -> int:
     """Blocks one growth adds at least: ceil((limit - floor) / ELASTIC_NUM_CHUNKS), >= 1."""
     return max(-(-(limit - floor) // ELASTIC_NUM_CHUNKS), 1)
+
+
+def elastic_piece_blocks(chunk: int) -> int:
+    """Blocks of one driver allocation of a growth (the least a shrink returns):
+    chunk // ELASTIC_PIECES_PER_CHUNK, >= 1; a piece ends on whole granules, so a
+    piece smaller than a granule's blocks merges with the next."""
+    return max(chunk // ELASTIC_PIECES_PER_CHUNK, 1)
 
 
 def elastic_growth_blocks(
@@ -151,6 +166,11 @@ class ElasticBounds:
     limit: int
     max_limit: int
     chunk: int
+
+    @property
+    def piece(self) -> int:
+        """Blocks of one driver allocation (see `elastic_piece_blocks`)."""
+        return elastic_piece_blocks(self.chunk)
 
 
 def _alone(num_blocks: int) -> int:
@@ -300,11 +320,11 @@ class ElasticKVCache:
         before, bytes_before = kv.committed_blocks, kv.committed_bytes
         start = time.perf_counter()
         config, b = kv.config, self.bounds
-        # One driver allocation per chunk point crossed (the policy's boundaries), so a
-        # shrink can return a chunk at a time; each piece ends on whole granules.
+        # One driver allocation per piece point crossed (the policy's boundaries), so a
+        # shrink can return a piece at a time; each piece ends on whole granules.
         pieces = [sizing.blocks_filling_granules(p, config.block_stride, config.num_segments,
                                                  kv.granularity)
-                  for p in growth_points(b.floor, b.chunk, before, target)]
+                  for p in growth_points(b.floor, b.piece, before, target)]
         for piece in [p for p in pieces if before < p < target] + [target]:
             if piece <= kv.committed_blocks:
                 continue
