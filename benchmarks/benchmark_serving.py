@@ -31,7 +31,9 @@ every chunk): near 1.0 the client, not the server, sets the pace, and its
 ITLs read bursts (chunks timed when its loop gets to them).
 
 A server the script starts (`--launch`, `--engine-args`) writes to a log file whose
-path goes to stderr; a start-up failure quotes its end. At the end it gets SIGTERM
+path goes to stderr; a start-up failure quotes its end. If something already listens
+at --base-url the script stops first (exit 2): the new server could not bind, and the
+levels would measure the old one. At the end it gets SIGTERM
 (SIGKILL to its process group after 120 s).
 
 Examples:
@@ -48,11 +50,13 @@ import asyncio
 import json
 import os
 import shlex
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's vllm
 
@@ -181,6 +185,16 @@ def _launch(command: list[str], args: argparse.Namespace) -> ServeProcess:
     return server
 
 
+def _answering(base_url: str) -> bool:
+    """Whether something accepts TCP connections at `base_url`'s host and port."""
+    url = urlsplit(base_url)
+    try:
+        socket.create_connection((url.hostname, url.port or 80), timeout=2).close()
+    except OSError:
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.engine_args and args.launch:
@@ -192,6 +206,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.engine_args:
         port = args.base_url.rstrip("/").rsplit(":", 1)[-1]
         launch = [*_CLI, "serve", *shlex.split(args.engine_args), "--port", port]
+    if launch and _answering(args.base_url):
+        # The launched server could not bind, and the level would measure this one.
+        print(f"benchmark_serving.py: error: something already listens at {args.base_url}; "
+              "stop it or give --base-url another port", file=sys.stderr)
+        return 2
     server = _launch(launch, args) if launch else None
     try:
         if server is None:

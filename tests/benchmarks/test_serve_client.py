@@ -1,7 +1,8 @@
 """The serving benchmarks' client (`vllm.benchmarks.serve_client`) against a stand-in
 SSE server (raw asyncio, so the test decides where the bytes split): events cut across
 TCP reads, a chunk carrying several tokens timed per token, an error status, many
-streams at once; and benchmark_serving.py's offline peer at the server's batch."""
+streams at once; and benchmark_serving.py's offline peer at the server's batch, and its
+refusal to start a server on a port something already listens on."""
 
 from __future__ import annotations
 
@@ -131,3 +132,18 @@ def test_the_offline_peer_runs_the_servers_batch(flags, concurrency, batch):
     default_seqs = default_limits(current_platform.device_type)[0]
     expected = min(concurrency, default_seqs) if batch is None else batch
     assert server_batch(["--model", "m", *flags], concurrency) == expected
+
+
+def test_a_taken_port_stops_the_benchmark_before_it_starts_a_server(capsys):
+    """A server already listening at --base-url: the launched one could not bind and the
+    levels would measure the old one; the script says so and starts nothing."""
+    import socket
+
+    from benchmarks.benchmark_serving import main
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        url = f"http://127.0.0.1:{taken.getsockname()[1]}"
+        assert main(["--base-url", url, "--engine-args", "--model m"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (f"benchmark_serving.py: error: something already listens at {url}; "
+                           "stop it or give --base-url another port")
