@@ -84,8 +84,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -100,6 +98,7 @@ from benchmarks.common import (  # noqa: E402
 from vllm.benchmarks.serve_client import (  # noqa: E402
     RequestResult,
     _summary_ms,
+    client_session,
     make_prompts,
     one_request,
     resolve_model,
@@ -146,8 +145,7 @@ class MixedLoad:
 async def run_mixed(url: str, model: str, load: MixedLoad) -> dict:
     """One mixed phase against `url` (a server or the proxy): the `M` dict of the docstring."""
     endpoint = url.rstrip("/") + "/v1/completions"
-    limits = httpx.Limits(max_connections=load.num_streams + len(load.long_prompts) + 8)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
+    async with client_session(None) as client:
 
         async def send(prompt: str, max_tokens: int) -> RequestResult:
             return await one_request(client, endpoint, model, prompt, max_tokens, True)

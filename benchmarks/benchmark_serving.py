@@ -8,10 +8,11 @@ end-to-end latency; output tokens come from the usage chunk.
 
 The peer (`--engine-args`): the script starts `vllm serve ENGINE_ARGS` itself,
 runs the sweep, stops the server, then runs the offline engine with the same
-flags (`vllm bench throughput ENGINE_ARGS --max-num-seqs C`) on as many prompts
+flags (`vllm bench throughput ENGINE_ARGS --max-num-seqs B`) on as many prompts
 as the level sent, of the level's mean prompt length and the same output
-length: the offline engine's output tok/s at the server's batch (at most C
-running, or the flags' smaller --max-num-seqs). `vs_offline` = the server's output
+length: the offline engine's output tok/s at the server's batch (B = at most C
+running, or the server's smaller --max-num-seqs, the device's default when the
+flags leave it unset). `vs_offline` = the server's output
 tok/s / the offline engine's: 1.0 means the HTTP frontend costs nothing; below
 it the event loop (detokenizing, building and writing chunks) holds the device
 back. Prints (and with --out writes) JSON:
@@ -30,7 +31,9 @@ every chunk): near 1.0 the client, not the server, sets the pace, and its
 ITLs read bursts (chunks timed when its loop gets to them).
 
 A server the script starts (`--launch`, `--engine-args`) writes to a log file whose
-path goes to stderr; a start-up failure quotes its end. At the end it gets SIGTERM
+path goes to stderr; a start-up failure quotes its end. If something already listens
+at --base-url the script stops first (exit 2): the new server could not bind, and the
+levels would measure the old one. At the end it gets SIGTERM
 (SIGKILL to its process group after 120 s).
 
 Examples:
@@ -47,11 +50,13 @@ import asyncio
 import json
 import os
 import shlex
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's vllm
 
@@ -138,14 +143,25 @@ _MAX_NUM_SEQS = argparse.ArgumentParser(add_help=False)
 _MAX_NUM_SEQS.add_argument("--max-num-seqs", type=int, default=None)
 
 
+def server_batch(flags: list[str], concurrency: int) -> int:
+    """Most requests the server started with `flags` runs at once at `concurrency`: the
+    smaller of the two and its --max-num-seqs, the device's default when unset (64 on
+    the CPU: a peer at 128 there ran twice the server's batch)."""
+    from vllm.config.scheduler import default_limits
+    from vllm.platforms import current_platform
+
+    given, _ = _MAX_NUM_SEQS.parse_known_args(flags)
+    limit = given.max_num_seqs or default_limits(current_platform.device_type)[0]
+    return min(concurrency, limit)
+
+
 def offline_peer(engine_args: str, concurrency: int, num_prompts: int, input_len: int,
                  output_tokens: int, seed: int) -> float:
     """Output tok/s of the offline engine (`vllm bench throughput` with `engine_args`) on
     `num_prompts` prompts of `input_len` random tokens, `output_tokens` each, at most
-    `concurrency` running (or the flags' own smaller --max-num-seqs)."""
+    `server_batch(engine_args, concurrency)` running: what the server could run."""
     flags = shlex.split(engine_args)
-    given, _ = _MAX_NUM_SEQS.parse_known_args(flags)
-    batch = min(concurrency, given.max_num_seqs or concurrency)
+    batch = server_batch(flags, concurrency)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "peer.json"
         # Timed whole, prefills included, as the server level's duration includes its
@@ -169,6 +185,16 @@ def _launch(command: list[str], args: argparse.Namespace) -> ServeProcess:
     return server
 
 
+def _answering(base_url: str) -> bool:
+    """Whether something accepts TCP connections at `base_url`'s host and port."""
+    url = urlsplit(base_url)
+    try:
+        socket.create_connection((url.hostname, url.port or 80), timeout=2).close()
+    except OSError:
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.engine_args and args.launch:
@@ -180,6 +206,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.engine_args:
         port = args.base_url.rstrip("/").rsplit(":", 1)[-1]
         launch = [*_CLI, "serve", *shlex.split(args.engine_args), "--port", port]
+    if launch and _answering(args.base_url):
+        # The launched server could not bind, and the level would measure this one.
+        print(f"benchmark_serving.py: error: something already listens at {args.base_url}; "
+              "stop it or give --base-url another port", file=sys.stderr)
+        return 2
     server = _launch(launch, args) if launch else None
     try:
         if server is None:

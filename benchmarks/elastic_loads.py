@@ -27,10 +27,14 @@ import multiprocessing
 import time
 from dataclasses import dataclass, field
 
-import httpx
 import numpy as np
 
-from vllm.benchmarks.serve_client import RequestResult, make_prompts, one_request
+from vllm.benchmarks.serve_client import (
+    RequestResult,
+    client_session,
+    make_prompts,
+    one_request,
+)
 
 
 @dataclass(frozen=True)
@@ -132,8 +136,7 @@ def make_plan(load: Load, pattern: str, engines: int, *, scale: float, bursts: i
 
 async def _send_stream(arrivals: list[Arrival], url: str, model: str,
                        start: float) -> list[RequestResult]:
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
+    async with client_session(None) as client:
 
         async def send(arrival: Arrival) -> RequestResult:
             await asyncio.sleep(max(0.0, start + arrival.at_s - time.perf_counter()))

@@ -26,6 +26,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
+import aiohttp
 import httpx
 import numpy as np
 
@@ -38,6 +39,15 @@ _WORDS = [
     "issue", "side", "kind", "head", "house", "service", "friend", "father", "power", "hour",
     "game", "line", "end", "member", "law", "car", "city",
 ]
+
+
+# Seconds a connect or a read may take (a long generation streams for minutes).
+_TIMEOUT_S = 3600.0
+# Seconds an idle connection stays open: below the server's keep-alive timeout
+# (uvicorn's 5 s in `vllm serve`), so the client closes it first. The other
+# way round a request sent just as the server closes its idle connection fails
+# (the server resets it), a failure that says nothing about the server's load.
+_KEEPALIVE_S = 2.0
 
 
 @dataclass
@@ -70,12 +80,34 @@ def make_prompts(n: int, input_words: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(_WORDS) for _ in range(input_words)) for _ in range(n)]
 
 
-async def one_request(client: httpx.AsyncClient, url: str, model: str,
+def client_session(max_connections: int | None, headers: dict[str, str] | None = None
+                   ) -> aiohttp.ClientSession:
+    """An aiohttp session for streaming requests: at most `max_connections` open (None: no
+    limit), `headers` on every request; a connect or a read may take up to
+    `_TIMEOUT_S` (a long generation is not an error), an idle connection is closed
+    after `_KEEPALIVE_S`.
+
+    aiohttp, as vLLM's benchmark client: its C HTTP parser reads an SSE chunk in a few
+    microseconds. httpx, used before, spent 240 us of client CPU a chunk at
+    concurrency 128 against a fake server that costs nothing (3,900 tokens/s in all,
+    the server's own figure then): pure-Python h11 parsing, and httpcore 1.0's pool
+    scans every connection, a syscall each, whenever a request starts or ends
+    (docs/benchmarks.md, "Frontend").
+    """
+    connector = aiohttp.TCPConnector(limit=max_connections or 0, limit_per_host=0,
+                                     keepalive_timeout=_KEEPALIVE_S)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=_TIMEOUT_S, sock_read=_TIMEOUT_S)
+    return aiohttp.ClientSession(connector=connector, headers=headers, timeout=timeout,
+                                 trust_env=False)
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, model: str,
                       prompt: str | list[int], max_tokens: int, ignore_eos: bool,
                       chat: bool = False, body_extra: dict | None = None) -> RequestResult:
     """Stream one request to `url` and time it.
 
     Args:
+        session: from `client_session`.
         url: a /v1/completions URL, or /v1/chat/completions when `chat` (the
             prompt is then the user message, a str).
         prompt: text, or token ids (completions only).
@@ -86,9 +118,9 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str,
     start = time.perf_counter()
     result = RequestResult(ok=False, start_s=start)
     try:
-        async with client.stream("POST", url, json=body) as response:
-            if response.status_code != 200:
-                result.error = _http_error(response, await response.aread())
+        async with session.post(url, json=body) as response:
+            if response.status != 200:
+                result.error = _http_error(response, await response.read())
                 return result
             texts = await _read_stream(response, result, start, chat)
             if texts is None:
@@ -98,7 +130,7 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str,
         result.ok = bool(texts)
         if not result.ok:
             result.error = "the stream ended without a token"
-    except httpx.HTTPError as e:
+    except (TimeoutError, aiohttp.ClientError) as e:
         result.error = repr(e)
     return result
 
@@ -117,58 +149,74 @@ def _request_body(model: str, prompt: str | list[int], max_tokens: int, ignore_e
     return body
 
 
-async def _read_stream(response: httpx.Response, result: RequestResult, start: float,
-                       chat: bool) -> list[str] | None:
+async def _read_stream(response: aiohttp.ClientResponse, result: RequestResult,
+                       start: float, chat: bool) -> list[str] | None:
     """Read the SSE events into `result` (TTFT, per-token ITLs, the usage's token
     counts); the chunks' texts, or None after an error event (its message in
-    `result.error`)."""
-    last = None
-    texts = []
-    tokens_seen = 0  # usage.completion_tokens so far (continuous usage stats)
-    async for line in response.aiter_lines():
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
-        chunk = json.loads(line[6:])
+    `result.error`). Events that arrive in one read are timed together."""
+    stream = _StreamState(start, chat)
+    pending = b""
+    async for data in response.content.iter_any():
+        now = time.perf_counter()
+        *lines, pending = (pending + data).split(b"\n")
+        for line in lines:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            if not stream.event(json.loads(line[6:]), now, result):
+                return None
+    return stream.texts
+
+
+class _StreamState:
+    """One stream's events so far (`_read_stream`)."""
+
+    def __init__(self, start: float, chat: bool) -> None:
+        self.start, self.chat = start, chat
+        self.last: float | None = None  # arrival of the last chunk with a token
+        self.texts: list[str] = []
+        self.tokens_seen = 0  # usage.completion_tokens so far (continuous usage stats)
+
+    def event(self, chunk: dict, now: float, result: RequestResult) -> bool:
+        """Apply one `data:` event that arrived at `now`; False for an error event."""
         if "error" in chunk:
             result.error = chunk["error"]["message"]
-            return None
-        now = time.perf_counter()
+            return False
         num_tokens = 1  # a server without continuous usage stats: one token a chunk
         if chunk.get("usage"):
             result.output_tokens = chunk["usage"]["completion_tokens"]
             result.prompt_tokens = chunk["usage"]["prompt_tokens"]
-            num_tokens = result.output_tokens - tokens_seen
-            tokens_seen = result.output_tokens
+            num_tokens = result.output_tokens - self.tokens_seen
+            self.tokens_seen = result.output_tokens
         if not chunk.get("choices"):
-            continue
+            return True
         choice = chunk["choices"][0]
         delta = choice.get("delta") or {}
         # Every chunk with a choice is a token's (as vLLM's client counts them:
         # its text may be empty, e.g. half a character), except the chat API's
         # first one, which carries the role before any token exists.
-        if chat and "role" in delta:
-            continue
-        text = delta.get("content") if chat else choice.get("text")
-        texts.append(text or "")
-        if last is None:
-            result.ttft_s = now - start
+        if self.chat and "role" in delta:
+            return True
+        text = delta.get("content") if self.chat else choice.get("text")
+        self.texts.append(text or "")
+        if self.last is None:
+            result.ttft_s = now - self.start
         elif num_tokens > 0:
-            result.itl_s.extend([(now - last) / num_tokens] * num_tokens)
+            result.itl_s.extend([(now - self.last) / num_tokens] * num_tokens)
         else:
-            continue  # no token in it (a finish reason alone): no ITL, the gap goes on
+            return True  # no token in it (a finish reason alone): no ITL, the gap goes on
         result.num_chunks += 1
-        last = now
-    return texts
+        self.last = now
+        return True
 
 
-def _http_error(response: httpx.Response, body: bytes) -> str:
+def _http_error(response: aiohttp.ClientResponse, body: bytes) -> str:
     """`HTTP <status>: <message>`: the message of an OpenAI-style error body, else the
     body's start, else the status's reason phrase."""
     try:
         message = json.loads(body)["error"]["message"]
     except (ValueError, KeyError, TypeError):
-        message = body[:200].decode(errors="replace").strip() or response.reason_phrase
-    return f"HTTP {response.status_code}: {message}"
+        message = body[:200].decode(errors="replace").strip() or (response.reason or "")
+    return f"HTTP {response.status}: {message}"
 
 
 def _summary_ms(values: list[float]) -> dict[str, float]:
@@ -194,9 +242,7 @@ async def run_requests(url: str, model: str, concurrency: int, prompts: list,
     """
     lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
     semaphore = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits,
-                                 headers=headers, follow_redirects=True) as client:
+    async with client_session(concurrency, headers) as client:
 
         async def bounded(prompt, n: int, delay: float) -> RequestResult:
             await asyncio.sleep(delay)
