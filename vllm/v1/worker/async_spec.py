@@ -259,17 +259,11 @@ class AsyncSpecState:
     def dummy_propose(self) -> None:
         """The proposal over every slot at full width (the profile run counts its peak:
         [max_num_reqs, max_model_len, prompt_lookup_max] temporaries on the torch path;
-        the kernels', none, and they are compiled here, not at the first request)."""
-        slots = torch.arange(self.hist.shape[0], device=self.device)
-        if self.ops is None:
-            self._propose_torch(slots, None)
+        none with the kernels, which are compiled here instead of at the first request)."""
+        if self.ops is not None:
+            self.ops.warm_up()
             return
-        zeros = torch.zeros(len(slots), 1, dtype=torch.int64, device=self.device)
-        self.ops.append(slots, zeros, zeros[:, 0].contiguous())  # appends nothing
-        nd = torch.zeros_like(slots)
-        self.ops.accept(slots[:1], zeros[:1, 0].contiguous(), nd[:1], nd[:1], 1)
-        self.hist_len.zero_()  # the accept appended one token to slot 0
-        self.num_drafts.zero_()
+        self._propose_torch(torch.arange(self.hist.shape[0], device=self.device), None)
 
     def _propose_torch(self, slot_d: torch.Tensor, ends: np.ndarray | None) -> None:
         """Drafts of `slot_d` from their histories, read up to a width covering `ends`
