@@ -81,7 +81,8 @@ def check_feed(case: Case, device: str) -> None:
     table = rng.integers(1, 1000, (num_batch_rows, blocks)).astype(np.int32)
     seq_lens = rng.integers(1, 1000, num_batch_rows).astype(np.int32)
     n = int(first[-1] + kp[-1] + 3)
-    rows = np.concatenate([slots, host_start, batch_rows, kp, first, np.zeros(d, np.int64)])
+    rows = np.zeros((6, d + 3), np.int64)  # a wider row stride than D
+    rows[:, :d] = (slots, host_start, batch_rows, kp, first, np.zeros(d, np.int64))
     tensors = [torch.full((n,), -7, dtype=torch.int64, device=device) for _ in range(3)]
     seq_t = torch.from_numpy(seq_lens.copy()).to(device)
     nd = ops.feed_rows(torch.from_numpy(rows.astype(np.int64)).to(device), d,

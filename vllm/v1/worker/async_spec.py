@@ -132,33 +132,37 @@ class AsyncSpecState:
         slots = np.array([self.slot_of[batch.req_ids[r]] for r in rows], dtype=np.int64)
         lens = num_sched[rows].astype(np.int64)  # 1 + k'
         self._rows = (rows, slots, lens - 1)
-        t = int(lens.sum())
+        t, d = int(lens.sum()), len(rows)
         first_logit = np.cumsum(lens) - lens
         flat = np.repeat(cu[rows] - lens, lens) + np.arange(t) - np.repeat(first_logit, lens)
         host_start = batch.num_computed_tokens[rows].astype(np.int64)
-        # One upload for the step: per device row (ROW_FIELDS), then per device-row token.
-        packed = self._to_device(np.concatenate(
-            [slots, host_start, rows, lens - 1, cu[rows] - lens, first_logit, flat]))
-        d = len(rows)
-        self._slot_d, self._first_d = packed[:d], packed[5 * d : 6 * d]
-        self._flat_t = packed[6 * d :]
+        # One upload for the step: [6, p] per device row (ROW_FIELDS), then per device-row
+        # token; p = d rounded up to even, so every field starts 16-byte aligned (Triton
+        # specialises on a pointer's alignment: one compiled variant for every d).
+        fields = np.zeros((6, d + (d & 1)), dtype=np.int64)
+        fields[:, :d] = (slots, host_start, rows, lens - 1, cu[rows] - lens, first_logit)
+        packed = self._to_device(np.concatenate([fields.ravel(), flat]))
+        per_row = packed[: fields.size].view(fields.shape)
+        self._slot_d, self._first_d = per_row[0, :d], per_row[5, :d]
+        self._flat_t = packed[fields.size :]
         if self.ops is not None:
-            self._nd = self.ops.feed_rows(packed, d, batch.block_table.device_tensor,
+            self._nd = self.ops.feed_rows(per_row, d, batch.block_table.device_tensor,
                                           self.block_size, buf.input_ids, buf.positions,
                                           buf.slot_mapping, buf.seq_lens)
             if not self.cuda:  # the kernels interpreted on the CPU (tests): the host twin
                 buf.seq_lens_cpu[: batch.num_reqs].copy_(buf.seq_lens[: batch.num_reqs])
         else:
-            self._nd = self._prepare_torch(packed, d, lens, batch, buf)
+            self._nd = self._prepare_torch(per_row[:, :d], lens, batch, buf)
 
-    def _prepare_torch(self, packed: torch.Tensor, d: int, lens: np.ndarray,
-                       batch: InputBatch, buf: StepBuffers) -> torch.Tensor:
+    def _prepare_torch(self, per_row: torch.Tensor, lens: np.ndarray, batch: InputBatch,
+                       buf: StepBuffers) -> torch.Tensor:
         """`prepare`'s tensor ops (the CPU's path; `_feed_rows_kernel`'s reference).
         Returns nd [D] int64, the drafts each row verifies."""
-        slot_d, start_d, row_d, kp_d = packed[: 4 * d].view(4, d)
+        slot_d, start_d, row_d, kp_d, first_flat = per_row[:5]
+        d = len(lens)
         flat_t = self._flat_t
         drow_t = self._to_device(np.repeat(np.arange(d), lens))
-        j_t = flat_t - packed[4 * d : 5 * d][drow_t]
+        j_t = flat_t - first_flat[drow_t]
         true_start = self.hist_len[slot_d] - 1
         nd = torch.minimum(self.num_drafts[slot_d], kp_d)
         slot_t = slot_d[drow_t]

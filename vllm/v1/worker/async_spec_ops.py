@@ -6,7 +6,7 @@ append and propose: on the H100 the step was host-bound on their launches (issue
 50: 4.3 ms a spec step against a 0.65 ms plain one, verify graphs replayed). Here
 each half is one launch, one program per device row::
 
-    _feed_rows_kernel     rows [6, D] (slot, host start, batch row, k', first flat
+    _feed_rows_kernel     rows [6, >= D] (slot, host start, batch row, k', first flat
                           index, first logits row) + hist, hist_len, drafts,
                           num_drafts, block table
                           -> input_ids / positions / slot_mapping of the row's
@@ -48,10 +48,10 @@ from vllm.model_executor.layers.ops.launch import CompiledLaunches
 ROW_FIELDS = ("slot", "host_start", "batch_row", "num_slots", "first_flat", "first_logit")
 
 
-@triton.jit(do_not_specialize=["num_rows", "block_table_stride", "block_size"])
+@triton.jit(do_not_specialize=["row_stride", "block_table_stride", "block_size"])
 def _feed_rows_kernel(
-    rows_ptr,  # [6, D] int64 (ROW_FIELDS), row stride D
-    num_rows,  # D
+    rows_ptr,  # [6, >= D] int64 (ROW_FIELDS)
+    row_stride,
     hist_ptr,  # [S, L] int32
     hist_stride,
     hist_len_ptr,  # [S] int64
@@ -70,10 +70,10 @@ def _feed_rows_kernel(
 ):
     d = tl.program_id(0)
     slot = tl.load(rows_ptr + d)
-    host_start = tl.load(rows_ptr + num_rows + d)
-    row = tl.load(rows_ptr + 2 * num_rows + d)
-    kp = tl.load(rows_ptr + 3 * num_rows + d)
-    first = tl.load(rows_ptr + 4 * num_rows + d)
+    host_start = tl.load(rows_ptr + row_stride + d)
+    row = tl.load(rows_ptr + 2 * row_stride + d)
+    kp = tl.load(rows_ptr + 3 * row_stride + d)
+    first = tl.load(rows_ptr + 4 * row_stride + d)
     true_start = tl.load(hist_len_ptr + slot) - 1
     nd = tl.minimum(tl.load(num_drafts_ptr + slot), kp)
     j = tl.arange(0, BLOCK_Q)
@@ -207,7 +207,8 @@ class DeviceRowState:
         """Write D device rows' inputs (see the module docstring); one launch.
 
         Args:
-            rows: [>= 5 x D] int64, fields ROW_FIELDS[:5] one after another, D each.
+            rows: [>= 5, >= D] int64 (ROW_FIELDS; the sixth is not read), last dim
+                contiguous.
             num_rows: D >= 1.
             block_table: [R, B] int32, last dim contiguous.
             input_ids, positions, slot_mapping: [N] int64 step buffers.
@@ -216,9 +217,10 @@ class DeviceRowState:
         Returns:
             nd [D] int64: the drafts each row verifies (<= its k').
         """
-        if rows.dtype != torch.int64 or rows.numel() < 5 * num_rows or num_rows < 1:
-            raise ValueError(f"feed_rows: rows must hold 5 x {num_rows} int64, got "
-                             f"{rows.dtype} {tuple(rows.shape)}")
+        if (rows.dtype != torch.int64 or rows.dim() != 2 or rows.shape[0] < 5
+                or rows.shape[1] < num_rows or num_rows < 1 or rows.stride(1) != 1):
+            raise ValueError(f"feed_rows: rows must be [>= 5, >= {num_rows}] int64 with a "
+                             f"contiguous last dim, got {rows.dtype} {tuple(rows.shape)}")
         if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
             raise ValueError("feed_rows: block_table and seq_lens must be int32")
         for name, t in (("input_ids", input_ids), ("positions", positions),
@@ -227,7 +229,7 @@ class DeviceRowState:
                 raise ValueError(f"feed_rows: {name} must be int64, got {t.dtype}")
         nd = torch.empty(num_rows, dtype=torch.int64, device=self.device)
         q = triton.next_power_of_2(self.k + 1)
-        args = (rows, num_rows, self.hist, self.hist.stride(0), self.hist_len, self.drafts,
+        args = (rows, rows.stride(0), self.hist, self.hist.stride(0), self.hist_len, self.drafts,
                 self.drafts.stride(0), self.num_drafts, block_table, block_table.stride(0),
                 block_size, input_ids, positions, slot_mapping, seq_lens, nd, q)
         _FEED(_key(args), (num_rows,), args, self.device, num_warps=1)
@@ -276,7 +278,7 @@ class DeviceRowState:
         # specialises on the alignment).
         ids, positions, slot_mapping = (torch.zeros(1, dtype=torch.int64, device=self.device)
                                         for _ in range(3))
-        self.feed_rows(torch.zeros(6, dtype=torch.int64, device=self.device), 1,
+        self.feed_rows(torch.zeros(6, 2, dtype=torch.int64, device=self.device), 1,
                        torch.zeros(1, 1, dtype=torch.int32, device=self.device), 16,
                        ids, positions, slot_mapping,
                        torch.zeros(1, dtype=torch.int32, device=self.device))
