@@ -20,6 +20,12 @@ is uploaded from the host whenever a request enters the batch (new, resumed, or
 back after a step without it), when the host's state is complete. Requests that
 take no drafts (penalties, logprobs, a grammar) run as plain rows: sampler,
 placeholders (`AsyncStepState`); their sampled tokens join the history too.
+
+Where Triton runs (CUDA; the CPU under TRITON_INTERPRET=1), the device rows' part of
+a step is two launches (`DeviceRowState`, async_spec_ops.py): the inputs, then the
+greedy verification + append + proposal; the tensor ops here (`_prepare_torch`,
+`_emit`, `_append_torch`, `_propose_torch`) are the CPU's path and the reference.
+~110 small torch ops a step made the H100's async spec step host-bound (issue 50).
 docs/design.md, "Speculative decoding and async scheduling".
 """
 
