@@ -32,7 +32,8 @@ References: `AsyncSpecState._prepare_torch` (feed), `emit_tokens` +
 `AsyncSpecState._append_torch` + `DeviceNgramProposer.propose` (advance);
 tests/v1/spec_decode/test_async_spec_ops.py compares them under TRITON_INTERPRET=1
 on the CPU and on CUDA. Integer arguments that vary per step are
-`do_not_specialize`: one compiled variant per engine, compiled by the profile run.
+`do_not_specialize` and the per-row fields arrive 16-byte aligned, so each kernel
+(and each mode of the second) compiles once, in the profile run (`warm_up`).
 """
 
 from __future__ import annotations
