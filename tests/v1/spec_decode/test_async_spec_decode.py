@@ -223,3 +223,56 @@ def test_histories_crossing_the_proposal_width(async_spec_llm, bundled_llm):
     assert _ids(got) == _ids(want)
     delta = _stats(async_spec_llm).minus(before)
     assert delta.num_accepted_tokens >= delta.num_drafts > 0  # the prompt repeats itself
+
+
+TINY_KWARGS = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
+                   kv_cache_memory_bytes=10 * 8192, enable_prefix_caching=True)
+TINY_PROMPTS = [[5, 6, 7, 8, 9, 10] * 4 + [5, 6], [30, 31, 32, 30, 31, 32, 30] * 3,
+                [40, 41, 42, 43] * 6, [50, 51, 52, 53] * 5]
+
+
+def _tiny_run(model_dir: str) -> dict:
+    """Async ngram spec decode of the tiny model: greedy device rows, a plain row (a
+    penalty), a seeded random device row, with preemptions (10 KV blocks)."""
+    engine = LLM(model_dir, speculative_config=NGRAM, async_scheduling=True, **TINY_KWARGS)
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    params = [greedy, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
+                                     repetition_penalty=1.2),
+              greedy, SamplingParams(temperature=0.9, seed=3, max_tokens=30, ignore_eos=True)]
+    prompts = [{"prompt_token_ids": p} for p in TINY_PROMPTS]
+    ids = _ids(engine.generate(prompts, params, use_tqdm=False))
+    stats = engine.llm_engine.get_scheduler_stats()
+    kernels = engine.llm_engine.engine_core.worker.model_runner.async_spec.ops is not None
+    engine.llm_engine.shutdown()
+    return {"ids": [list(t) for t in ids], "kernels": kernels,
+            "num_drafts": stats.spec_decoding_stats.num_drafts,
+            "num_preemptions": stats.num_preemptions}
+
+
+def test_device_row_kernels_give_the_torch_path_tokens(tmp_path_factory):
+    """The device rows' Triton kernels (vllm/v1/worker/async_spec_ops.py), interpreted on
+    the CPU in a subprocess (TRITON_INTERPRET=1), give the same tokens as the torch path
+    run here, through preemptions, plain rows and seeded random rows."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.triton_interpreter import HAS_TRITON, REPO_ROOT
+
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    model_dir = str(make_model_dir(tmp_path_factory.mktemp("async_spec_kernels"),
+                                   llama_config(vocab_size=256), weights=True))
+    code = ("import json, tests.v1.spec_decode.test_async_spec_decode as t; "
+            f"print('RUN=' + json.dumps(t._tiny_run({model_dir!r})))")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RUN=")]
+    assert lines, proc.stderr[-3000:]
+    got = json.loads(lines[-1][len("RUN="):])
+    want = _tiny_run(model_dir)
+    assert got["kernels"] and not want["kernels"]
+    assert got["num_drafts"] > 0 and got["num_preemptions"] > 0
+    assert got["ids"] == want["ids"]

@@ -20,6 +20,12 @@ is uploaded from the host whenever a request enters the batch (new, resumed, or
 back after a step without it), when the host's state is complete. Requests that
 take no drafts (penalties, logprobs, a grammar) run as plain rows: sampler,
 placeholders (`AsyncStepState`); their sampled tokens join the history too.
+
+Where Triton runs (CUDA; the CPU under TRITON_INTERPRET=1), the device rows' part of
+a step is two launches (`DeviceRowState`, async_spec_ops.py): the inputs, then the
+greedy verification + append + proposal; the tensor ops here (`_prepare_torch`,
+`_emit`, `_append_torch`, `_propose_torch`) are the CPU's path and the reference.
+~110 small torch ops a step made the H100's async spec step host-bound (issue 50).
 docs/design.md, "Speculative decoding and async scheduling".
 """
 
@@ -30,10 +36,12 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from vllm.model_executor.layers.ops import fused_ops_unavailable_reason, interpreting
+from vllm.sampling_params import SamplingType
 from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm.v1.sample.metadata import build_sampling_metadata
 from vllm.v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, emit_tokens
-from vllm.v1.sample.sampler import SamplerOutput
+from vllm.v1.sample.sampler import SamplerOutput, argmax_rows
 from vllm.v1.worker.input_batch import InputBatch
 from vllm.v1.worker.ngram_device import DeviceNgramProposer
 from vllm.v1.worker.spec_decode import SpecDecoder
@@ -74,6 +82,14 @@ class AsyncSpecState:
         # This step's device rows: (batch rows, slots, k' each), set by prepare().
         self._rows: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._emitted: torch.Tensor | None = None  # [D, K + 1] of the step
+        # One Triton launch each for the rows' inputs and for verify + append + propose
+        # (async_spec_ops.py) where Triton runs; the tensor ops below elsewhere.
+        self.ops = None
+        if (self.cuda or interpreting()) and fused_ops_unavailable_reason() is None:
+            from vllm.v1.worker.async_spec_ops import DeviceRowState
+
+            self.ops = DeviceRowState(self.hist, self.hist_len, self.drafts, self.num_drafts,
+                                      proposer.min_n, proposer.max_n)
 
     @classmethod
     def of(cls, spec_decoder: SpecDecoder | None, async_scheduling: bool, max_num_reqs: int,
@@ -122,17 +138,37 @@ class AsyncSpecState:
         slots = np.array([self.slot_of[batch.req_ids[r]] for r in rows], dtype=np.int64)
         lens = num_sched[rows].astype(np.int64)  # 1 + k'
         self._rows = (rows, slots, lens - 1)
-        drow = np.repeat(np.arange(len(rows)), lens)
-        j = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
-        flat = np.repeat(cu[rows] - lens, lens) + j
+        t, d = int(lens.sum()), len(rows)
+        first_logit = np.cumsum(lens) - lens
+        flat = np.repeat(cu[rows] - lens, lens) + np.arange(t) - np.repeat(first_logit, lens)
         host_start = batch.num_computed_tokens[rows].astype(np.int64)
-        # One upload for the step: per device row, then per device-row token.
-        packed = self._to_device(np.concatenate(
-            [slots, host_start, rows, lens - 1, np.cumsum(lens) - lens, drow, j, flat]))
-        d, t = len(rows), len(drow)
-        slot_d, start_d, row_d, kp_d, first_d = packed[: 5 * d].view(5, d)
-        drow_t, j_t, flat_t = packed[5 * d :].view(3, t)
-        self._slot_d, self._first_d, self._flat_t = slot_d, first_d, flat_t  # for verify
+        # One upload for the step: [6, p] per device row (ROW_FIELDS), then per device-row
+        # token; p = d rounded up to even, so every field starts 16-byte aligned (Triton
+        # specialises on a pointer's alignment: one compiled variant for every d).
+        fields = np.zeros((6, d + (d & 1)), dtype=np.int64)
+        fields[:, :d] = (slots, host_start, rows, lens - 1, cu[rows] - lens, first_logit)
+        packed = self._to_device(np.concatenate([fields.ravel(), flat]))
+        per_row = packed[: fields.size].view(fields.shape)
+        self._slot_d, self._first_d = per_row[0, :d], per_row[5, :d]
+        self._flat_t = packed[fields.size :]
+        if self.ops is not None:
+            self._nd = self.ops.feed_rows(per_row, d, batch.block_table.device_tensor,
+                                          self.block_size, buf.input_ids, buf.positions,
+                                          buf.slot_mapping, buf.seq_lens)
+            if not self.cuda:  # the kernels interpreted on the CPU (tests): the host twin
+                buf.seq_lens_cpu[: batch.num_reqs].copy_(buf.seq_lens[: batch.num_reqs])
+        else:
+            self._nd = self._prepare_torch(per_row[:, :d], lens, batch, buf)
+
+    def _prepare_torch(self, per_row: torch.Tensor, lens: np.ndarray, batch: InputBatch,
+                       buf: StepBuffers) -> torch.Tensor:
+        """`prepare`'s tensor ops (the CPU's path; `_feed_rows_kernel`'s reference).
+        Returns nd [D] int64, the drafts each row verifies."""
+        slot_d, start_d, row_d, kp_d, first_flat = per_row[:5]
+        d = len(lens)
+        flat_t = self._flat_t
+        drow_t = self._to_device(np.repeat(np.arange(d), lens))
+        j_t = flat_t - first_flat[drow_t]
         true_start = self.hist_len[slot_d] - 1
         nd = torch.minimum(self.num_drafts[slot_d], kp_d)
         slot_t = slot_d[drow_t]
@@ -152,38 +188,48 @@ class AsyncSpecState:
         buf.seq_lens.index_add_(0, row_d, delta)
         if not self.cuda:  # the CPU attention reads the host twin (the same memory kind)
             buf.seq_lens_cpu.index_add_(0, row_d, delta)
-        self._nd = nd
+        return nd
 
     def verify(self, model: torch.nn.Module, hidden: torch.Tensor, batch: InputBatch,
                sampling_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The device rows' verification, on the device: their emitted tokens join the
-        histories. Returns (the sampling rows left to the sampler, [n] bool: which
-        sampling rows were device rows)."""
+        histories and the next drafts are proposed. Returns (the sampling rows left to
+        the sampler, [n] bool: which sampling rows were device rows)."""
         self._emitted = None
         if self._rows is None:
             return sampling_rows, np.zeros(len(sampling_rows), dtype=bool)
         rows, slots, kp = self._rows
         is_dev = np.isin(sampling_rows, rows)
-        lens = kp + 1
         logits = model.compute_logits(hidden[self._flat_t])  # the device rows' tokens, in order
         kmax = int(kp.max())
         starts, slot_d, nd = self._first_d, self._slot_d, self._nd
+        states = [batch.states[r] for r in rows]
+        if self.ops is not None and all(
+                s.sampling_params.sampling_type == SamplingType.GREEDY for s in states):
+            # Greedy rows: the argmax, then one launch verifies, appends and proposes.
+            target = argmax_rows(logits)
+            del logits
+            self._emitted, _ = self.ops.accept(slot_d, target, starts, nd, kmax + 1)
+        else:
+            emitted, accepted = self._emit(logits, states, kp, starts, nd, kmax)
+            self._advance(slot_d, emitted, accepted + 1,
+                          batch.num_computed_tokens[rows] + kp + 2)
+            self._emitted = emitted
+        return sampling_rows[~is_dev], is_dev
+
+    def _emit(self, logits: torch.Tensor, states: list, kp: np.ndarray, starts: torch.Tensor,
+              nd: torch.Tensor, kmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`emit_tokens` over the device rows (any sampling): (emitted [D, kmax + 1],
+        accepted [D]); the logits are freed before the proposal (their peaks never add)."""
         pos = torch.arange(kmax + 1, device=self.device).unsqueeze(0)
         flat = starts.unsqueeze(1) + torch.minimum(pos, nd.unsqueeze(1))
         valid = pos[:, :kmax] < nd.unsqueeze(1)
-        drafts = torch.where(valid, self.drafts[slot_d, :kmax], 0)
-        states = [batch.states[r] for r in rows]
-        params = [s.sampling_params for s, n in zip(states, lens, strict=True) for _ in range(n)]
+        drafts = torch.where(valid, self.drafts[self._slot_d, :kmax], 0)
+        params = [s.sampling_params for s, k in zip(states, kp, strict=True) for _ in range(k + 1)]
         md = build_sampling_metadata(params, [[0]] * len(params), [[] for _ in params], {},
                                      self.vocab_size, self.device)
         generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
-        emitted, accepted = emit_tokens(logits, md, generators, starts, flat, valid, drafts)
-        del logits, md  # freed before the proposal: its peak and theirs never add up
-        self._append(slot_d, emitted, accepted + 1)
-        # The histories end by the optimistic end of this step (before its increment).
-        self._propose(slot_d, batch.num_computed_tokens[rows] + lens + 1)
-        self._emitted = emitted
-        return sampling_rows[~is_dev], is_dev
+        return emit_tokens(logits, md, generators, starts, flat, valid, drafts)
 
     def after_sample(self, batch: InputBatch, rows: np.ndarray,
                      sampler_output: SamplerOutput | None) -> None:
@@ -191,12 +237,25 @@ class AsyncSpecState:
         if sampler_output is None or not len(rows):
             return
         slot_d = self._to_device(np.array([self.slot_of[batch.req_ids[r]] for r in rows]))
-        tokens = sampler_output.sampled_token_ids.to(torch.int64).unsqueeze(1)
-        self._append(slot_d, tokens, torch.ones_like(slot_d))
-        self._propose(slot_d, batch.num_computed_tokens[rows] + 1)  # after the increment
+        tokens = sampler_output.sampled_token_ids.to(torch.int64).unsqueeze(1).contiguous()
+        # The histories end by the optimistic end of this step (after its increment).
+        self._advance(slot_d, tokens, torch.ones_like(slot_d), batch.num_computed_tokens[rows] + 1)
 
-    def _append(self, slot_d: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor) -> None:
-        """hist[slot, len + j] = tokens[:, j] for j < count; len += count (no host sync)."""
+    def _advance(self, slot_d: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor,
+                 ends: np.ndarray | None) -> None:
+        """hist[slot, len + j] = tokens[:, j] for j < count; len += count; then the next
+        drafts of those slots. `ends`: host upper bounds of the new lengths (the torch
+        path's scan width), None: the full width."""
+        if self.ops is not None:
+            self.ops.append(slot_d, tokens, count)
+            return
+        self._append_torch(slot_d, tokens, count)
+        self._propose_torch(slot_d, ends)
+
+    def _append_torch(self, slot_d: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor
+                      ) -> None:
+        """hist[slot, len + j] = tokens[:, j] for j < count; len += count (no host sync;
+        the reference of `_advance_rows_kernel`'s append)."""
         j = torch.arange(tokens.shape[1], device=self.device).unsqueeze(0)
         idx = (self.hist_len[slot_d].unsqueeze(1) + j).clamp(max=self.max_model_len - 1)
         flat = (slot_d.unsqueeze(1) * self.max_model_len + idx).flatten()
@@ -209,10 +268,14 @@ class AsyncSpecState:
 
     def dummy_propose(self) -> None:
         """The proposal over every slot at full width (the profile run counts its peak:
-        [max_num_reqs, max_model_len, prompt_lookup_max] temporaries)."""
-        self._propose(torch.arange(self.hist.shape[0], device=self.device), None)
+        [max_num_reqs, max_model_len, prompt_lookup_max] temporaries on the torch path;
+        none with the kernels, which are compiled here instead of at the first request)."""
+        if self.ops is not None:
+            self.ops.warm_up()
+            return
+        self._propose_torch(torch.arange(self.hist.shape[0], device=self.device), None)
 
-    def _propose(self, slot_d: torch.Tensor, ends: np.ndarray | None) -> None:
+    def _propose_torch(self, slot_d: torch.Tensor, ends: np.ndarray | None) -> None:
         """Drafts of `slot_d` from their histories, read up to a width covering `ends`
         (host upper bounds of their lengths; None: the full width): a step scans what
         its rows hold, not max_model_len (rounded up to 256: few distinct shapes)."""
