@@ -54,7 +54,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -92,10 +91,8 @@ async def sweep(args: argparse.Namespace, model: str, headers: dict[str, str],
         n = max(args.num_prompts, concurrency)
         prompts = make_prompts(n, args.input_words, args.seed + concurrency)
         cpu_start = _cpu_s(server) if server is not None else 0.0
-        client_start = time.process_time()
         level = await run_level(args.base_url, model, concurrency, prompts, args.output_tokens,
                                 not args.no_ignore_eos, headers)
-        level["client_cpu_share"] = (time.process_time() - client_start) / level["duration_s"]
         if server is not None:
             cpu = _cpu_s(server) - cpu_start
             level["server_cpu_us_per_token"] = cpu / max(level["total_output_tokens"], 1) * 1e6

@@ -266,7 +266,10 @@ async def run_level(base_url: str, model: str, concurrency: int, prompts: list[s
                     request_rate: float = float("inf"), progress=None, seed: int = 0) -> dict:
     """Send `prompts` to /v1/completions with at most `concurrency` in flight (and, when
     `request_rate` is finite, Poisson arrivals at that many requests/s); the level's
-    figures as a dict (the benchmarks/ scripts' format)."""
+    figures as a dict (the benchmarks/ scripts' format; `client_cpu_share`: this
+    process's CPU seconds over the level's duration, near 1.0 when the client sets
+    the pace)."""
+    cpu_start = time.process_time()
     results, _, duration = await run_requests(
         base_url.rstrip("/") + "/v1/completions", model, concurrency, prompts, max_tokens,
         ignore_eos, headers, request_rate=request_rate, progress=progress, seed=seed)
@@ -288,6 +291,7 @@ async def run_level(base_url: str, model: str, concurrency: int, prompts: list[s
         "itl_ms": _summary_ms([gap for r in ok for gap in r.itl_s]),
         "tokens_per_chunk": output_tokens / max(sum(r.num_chunks for r in ok), 1),
         "e2e_ms": _summary_ms([r.e2e_s for r in ok]),
+        "client_cpu_share": (time.process_time() - cpu_start) / duration,
     }
 
 

@@ -36,7 +36,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from vllm.model_executor.layers.ops import fused_ops_unavailable_reason, interpreting
+from vllm.model_executor.layers.ops import triton_launches_on
 from vllm.sampling_params import SamplingType
 from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm.v1.sample.metadata import build_sampling_metadata
@@ -85,7 +85,7 @@ class AsyncSpecState:
         # One Triton launch each for the rows' inputs and for verify + append + propose
         # (async_spec_ops.py) where Triton runs; the tensor ops below elsewhere.
         self.ops = None
-        if (self.cuda or interpreting()) and fused_ops_unavailable_reason() is None:
+        if triton_launches_on(device):
             from vllm.v1.worker.async_spec_ops import DeviceRowState
 
             self.ops = DeviceRowState(self.hist, self.hist_len, self.drafts, self.num_drafts,

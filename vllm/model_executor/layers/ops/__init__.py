@@ -54,6 +54,13 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y")
 
 
+def triton_launches_on(device: torch.device) -> bool:
+    """Whether Triton kernels can run on `device` in this process: CUDA (or the CPU under
+    TRITON_INTERPRET=1), with Triton importable."""
+    return ((device.type == "cuda" or interpreting())
+            and fused_ops_unavailable_reason() is None)
+
+
 def check_same_device(op: str, **tensors: torch.Tensor) -> None:
     """Raise ValueError unless all tensors share one device that Triton can launch on.
 
