@@ -33,6 +33,15 @@ class LogprobsLists:
             self.logprob_token_ids[start:end], self.logprobs[start:end], self.ranks[start:end]
         )
 
+    @staticmethod
+    def concat(parts: list[LogprobsLists]) -> LogprobsLists:
+        """The rows of `parts`, in order, as one (the first part itself when alone)."""
+        if len(parts) == 1:
+            return parts[0]
+        return LogprobsLists([row for p in parts for row in p.logprob_token_ids],
+                             [row for p in parts for row in p.logprobs],
+                             [r for p in parts for r in p.ranks])
+
 
 @dataclass
 class KVConnectorOutput:

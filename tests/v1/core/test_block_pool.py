@@ -252,3 +252,31 @@ def test_free_tail_count_matches_a_walk_under_random_takes_frees_touches_and_res
             pool.prefer_blocks_below(rng.choice([None, pool.num_blocks // 2]))
         assert pool.num_free_tail_blocks() == walk(pool)
     assert len(pool._taken_ids) <= 2 * pool.num_blocks + 64 + 4  # stale entries are bounded
+
+
+def test_moving_blocks_below_a_count_carries_references_and_cache_entries():
+    """The elastic cache empties its tail by moving: each destination (a free block below
+    the count, a cached one evicted) takes its source's references and prefix-cache
+    entry; each source is free, so the tail can be dropped."""
+    pool = BlockPool(10, enable_caching=True)
+    blocks = pool.get_new_blocks(9)  # 1..9
+    hashes = _hashes(2)
+    pool.cache_full_blocks([blocks[7], blocks[8]], hashes, 0, 1)  # block 8 cached
+    pool.cache_full_blocks(blocks[:3], _hashes(3), 0, 3)  # 1, 2, 3 cached
+    pool.touch([blocks[8]])  # block 9 shared by two holders
+    pool.free_blocks([blocks[2], blocks[0], blocks[1]])  # free below 6: 3, 1, 2 (cached)
+    pool.free_blocks([blocks[5]])  # 6 free too, above the count
+    moved = pool.move_blocks_below([blocks[7], blocks[8]], 6)  # 8 and 9 -> 3 and 1
+    assert _ids(moved) == [3, 1]
+    assert [b.ref_cnt for b in moved] == [1, 2]
+    assert pool.get_cached_block(hashes[0]) is moved[0]  # the entry moved with the bytes
+    assert blocks[7].block_hash is None and blocks[7].ref_cnt == 0 == blocks[8].ref_cnt
+    assert pool.get_cached_block(_hashes(3)[2]) is None  # 3's own entry was evicted
+    assert _free_ids(pool) == [2, 6, 8, 9]
+    assert pool.num_free_tail_blocks() == 2  # 8, 9 (7 was below the count, in use)
+    pool.resize(8)
+    assert pool.get_num_free_blocks() == 2  # 2 and 6
+    with pytest.raises(ValueError, match="only 1 free blocks lie there"):
+        pool.move_blocks_below([blocks[4], blocks[6]], 5)  # 5 and 7; below 5 only 2 free
+    with pytest.raises(ValueError, match=r"cannot move blocks \[2\]"):
+        pool.move_blocks_below([blocks[1]], 1)  # free

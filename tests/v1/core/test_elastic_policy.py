@@ -126,6 +126,9 @@ class _Pool:
     def num_free_tail_blocks(self) -> int:
         return self.num_free_tail
 
+    def num_blocks_in_use(self) -> int:
+        return self.num_blocks - 1 - self.num_free
+
     def prefer_blocks_below(self, num_blocks) -> None:
         self.preferred = num_blocks
 
@@ -158,12 +161,14 @@ def test_reclaim_target_gives_a_peer_whole_growths_at_once_and_keeps_the_low_wat
     assert p.reclaim_target(idle, blocks=50, blocks_wanted=0) == 117
     # It lacks more than everything above the floor: all of it goes.
     assert p.reclaim_target(idle, blocks=500, blocks_wanted=0) == 85
-    # Block 160 in use (a free tail of 20): no whole growth lies above it.
-    assert p.reclaim_target(_Pool(181, 150, 20), blocks=20, blocks_wanted=0) is None
+    # Block 160 in use (a free tail of 20): it moves below 149, the last growth goes whole.
+    assert p.reclaim_target(_Pool(181, 150, 20), blocks=20, blocks_wanted=0) == 149
+    # Where the blocks in use lie does not matter, how many do: 140 in use (and the
+    # low-water mark of 8) fit below 149, not below 117.
+    assert p.reclaim_target(_Pool(181, 40, 0), blocks=500, blocks_wanted=0) == 149
+    assert p.reclaim_target(_Pool(181, 20, 0), blocks=20, blocks_wanted=0) is None
     # Its own waiting requests want 120 blocks: it keeps them free (180 - 120 = 60 go at most).
     assert p.reclaim_target(idle, blocks=500, blocks_wanted=120) == 149
-    # A step in flight saw 40 free tail blocks when it was scheduled: only 141.. may go.
-    assert p.reclaim_target(idle, blocks=500, blocks_wanted=0, safe_tail=40) == 149
     assert p.num_shrinks == 0  # deciding changes nothing
 
 
@@ -197,3 +202,6 @@ def test_preempt_target_keeps_the_fair_share_and_releases_what_the_peer_lacks():
     # Never below the floor; nothing below what is committed: None.
     assert p.preempt_target(blocks=500, keep=0) == 85
     assert p.preempt_target(blocks=10, keep=341) is None
+    # Preemption stops once the blocks in use fit below the target, with the low-water
+    # mark (8) free: 213 - 1 - 8.
+    assert p.in_use_budget(213) == 204 and p.in_use_budget(5) == 0

@@ -177,3 +177,32 @@ def test_resize_and_reset_passthrough():
     assert m.reset_prefix_cache() is True
     with pytest.raises(ValueError, match="block_size must be >= 1, got 0"):
         KVCacheManager(4, 0, True, 16)
+
+
+def test_moving_blocks_below_rewrites_every_holder_and_keeps_foreign_holders_blocks():
+    """`move_blocks_below` (the elastic cache's release without preemption): the blocks
+    the listed requests hold above the count get ids below it, in place in each holder's
+    list (a shared block once, for both); a block another request shares stays."""
+    m = _manager(num_blocks=16)
+    filler = make_request("f", list(range(500, 524)))
+    _admit(m, filler)  # 1..6
+    a = make_request("a", list(range(12)))
+    _admit(m, a)  # 7, 8, 9
+    b = make_request("b", list(range(8)) + [50, 51])
+    _admit(m, b)  # hits 7, 8; new 10
+    c = make_request("c", list(range(100, 106)))
+    _admit(m, c)  # 11, 12
+    m.free(filler)  # 1..6 free
+    src, dst = m.move_blocks_below(9, ["a", "b"])
+    assert src == [9, 10]
+    assert m.get_block_ids("a") == [7, 8, dst[0]] and m.get_block_ids("b") == [7, 8, dst[1]]
+    assert all(d < 9 for d in dst) and m.block_pool.blocks[dst[0]].ref_cnt == 1
+    # Blocks 7 and 8 are below the count; c (not listed) keeps 11, 12.
+    assert m.get_block_ids("c") == [11, 12]
+    # A block c shares with a listed request does not move.
+    d = make_request("d", list(range(100, 104)) + [9, 9])
+    _admit(m, d)  # hits 11, new 13
+    assert m.get_block_ids("d") == [11, 13]
+    src, dst = m.move_blocks_below(11, ["d"])
+    assert src == [13] and m.get_block_ids("d") == [11, dst[0]]
+    assert m.num_blocks_in_use() == 16 - 1 - m.get_num_free_blocks()

@@ -436,9 +436,9 @@ def test_a_step_never_schedules_zero_tokens_of_a_request():
 
 
 def test_preempt_for_shrink_frees_the_tail_and_the_next_step_reports_it():
-    """The elastic cache answering a peer engine: the running requests holding a block at
-    or above the boundary are preempted (by recompute), the tail is free, the next step
-    names them preempted and admits nobody, and outputs do not change."""
+    """The elastic cache answering a peer engine: running requests are preempted (by
+    recompute), newest first, until the blocks in use fit the budget; the tail is free,
+    the next step names them preempted and admits nobody, and outputs do not change."""
     def run(shrink):
         sched = make_scheduler(num_blocks=16, max_num_seqs=4)
         for i, name in enumerate("ABC"):
@@ -446,7 +446,7 @@ def test_preempt_for_shrink_frees_the_tail_and_the_next_step_reports_it():
         runner = FakeRunner(block_size=4)
         res = step(sched, runner)  # A [1, 2], B [3, 4], C [5, 6]
         if shrink:
-            assert sched.preempt_for_shrink(4) == 2  # B and C hold blocks >= 4
+            assert sched.preempt_for_shrink(3) == 2  # 6 in use: C, then B (A's 2 fit)
             assert [r.request_id for r in sched.running] == ["A"]
             assert [r.request_id for r in sched.waiting] == ["B", "C"]
             assert sched.kv_cache_manager.num_free_tail_blocks() == 16 - 3

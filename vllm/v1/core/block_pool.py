@@ -276,6 +276,51 @@ class BlockPool:
         self.blocks += new_blocks
         self.free_block_queue.append_n(new_blocks)
 
+    def move_blocks_below(self, blocks: Sequence[KVCacheBlock], num_blocks: int
+                          ) -> list[KVCacheBlock]:
+        """Give each of `blocks` (in use, ids >= `num_blocks`) a free block below `num_blocks`.
+
+        The elastic cache's block move: each destination takes over its source's
+        reference count and prefix-cache entry (the hash map then points at it);
+        each source becomes free (queue tail, no hash), so the tail can be dropped
+        once the caller has copied the bytes and rewritten its holders' block
+        lists (`KVCacheManager.move_blocks_below`). Free blocks below
+        `num_blocks` that held a cached prefix are evicted to serve as
+        destinations, least recently freed first.
+
+        Returns:
+            The destinations, in the order of `blocks`.
+
+        Raises:
+            ValueError: a block is free, the null block or below `num_blocks`; or fewer
+                free blocks lie below `num_blocks` than `blocks` has.
+        """
+        wrong = [b.block_id for b in blocks if not b.ref_cnt or b.block_id < num_blocks]
+        if wrong:
+            raise ValueError(f"cannot move blocks {wrong[:4]}: each must be in use and at or "
+                             f"above {num_blocks}")
+        queue, below = self.free_block_queue, []
+        block = queue.fake_head.next_free_block
+        while len(below) < len(blocks) and block is not None and block is not queue.fake_tail:
+            if block.block_id < num_blocks:
+                below.append(block)
+            block = block.next_free_block
+        if len(below) < len(blocks):
+            raise ValueError(f"cannot move {len(blocks)} blocks below {num_blocks}: only "
+                             f"{len(below)} free blocks lie there")
+        for src, dst in zip(blocks, below, strict=True):
+            queue.remove(dst)
+            self._evict_cached_block(dst)
+            dst.ref_cnt, src.ref_cnt = src.ref_cnt, 0
+            heapq.heappush(self._taken_ids, -dst.block_id)
+            if src.block_hash is not None:
+                block_hash = src.block_hash
+                self._evict_cached_block(src)
+                dst.block_hash = block_hash
+                self.cached_block_hash_to_block.insert(block_hash, dst)
+            queue.append(src)
+        return below
+
     def num_free_tail_blocks(self) -> int:
         """How many blocks at the end of the id range are free (ref_cnt 0): what may shrink.
 

@@ -170,7 +170,7 @@ class ElasticKVPolicy:
             return None
         if decision.action == "grow":
             return decision.num_blocks
-        target = self._boundary_at_or_above(
+        target = self.boundary_at_or_above(
             max(decision.num_blocks, self.lowest_now(kv, safe_tail)))
         return None if target >= self.committed else target
 
@@ -196,24 +196,31 @@ class ElasticKVPolicy:
         need = max(self.low_water, blocks_wanted) - kv.get_num_free_blocks()
         return max(0, min(need, self.limit - self.committed))
 
-    def reclaim_target(self, kv: KVCacheManager, blocks: int, blocks_wanted: int,
-                       safe_tail: int | None = None) -> int | None:
+    def reclaim_target(self, kv: KVCacheManager, blocks: int, blocks_wanted: int) -> int | None:
         """The count to shrink to now so that a peer gets `blocks` blocks' worth.
 
         Reclaim on demand (a peer on the device cannot grow): no delay, whole
-        growths only (a boundary), never a block in use, and the engine keeps
-        max(low-water mark, what its own requests ask for) free. The boundary
-        that releases `blocks` or more and keeps the most, else everything
-        that can go. None: nothing can go now. `safe_tail`: see `lowest_now`.
+        pieces only (a boundary), no request preempted, and the engine keeps
+        max(low-water mark, what its own requests ask for) free. Blocks in use
+        above the boundary are moved below it first (`KVCacheManager.move_blocks_below`,
+        a device copy), so what counts is how many are in use, not where. The
+        boundary that releases `blocks` or more and keeps the most, else the
+        lowest that can go. None: nothing can go now.
         """
-        committed, num_free = self.committed, kv.get_num_free_blocks()
-        keep_free, lowest = max(self.low_water, blocks_wanted), self.lowest_now(kv, safe_tail)
+        keep_free = max(self.low_water, blocks_wanted)
+        in_use = kv.num_blocks_in_use()
         feasible = [b for b in self.boundaries[:-1]
-                    if b >= lowest and num_free - (committed - b) >= keep_free]
+                    if b >= self.floor and b - 1 - in_use >= keep_free]
         if not feasible:
             return None
-        enough = [b for b in feasible if committed - b >= blocks]
+        enough = [b for b in feasible if self.committed - b >= blocks]
         return max(enough) if enough else min(feasible)
+
+    def in_use_budget(self, num_blocks: int) -> int:
+        """The most blocks requests may hold in a pool of `num_blocks` just released to:
+        all but the null block and the low-water mark (what `Scheduler.preempt_for_shrink`
+        preempts down to)."""
+        return max(0, num_blocks - 1 - self.low_water)
 
     def preempt_target(self, blocks: int, keep: int) -> int | None:
         """The count to shrink to, preempting the requests above it, so a peer gets `blocks`.
@@ -222,9 +229,10 @@ class ElasticKVPolicy:
         `keep`, this engine's fair share: never below the peer): the boundary at
         or above max(keep, floor) that releases `blocks` or more and keeps the
         most, else the lowest such boundary. None: no boundary below what is
-        committed. The caller preempts the running requests holding a block at
-        or above it (`Scheduler.preempt_for_shrink`), as vLLM preempts by
-        recompute when blocks run out.
+        committed. The caller preempts running requests, newest first, until
+        the blocks in use fit below it (`in_use_budget`,
+        `Scheduler.preempt_for_shrink`), as vLLM preempts by recompute when
+        blocks run out, and moves the rest below it.
         """
         candidates = [b for b in self.boundaries[:-1] if b >= max(keep, self.floor)]
         if not candidates:
@@ -232,7 +240,8 @@ class ElasticKVPolicy:
         enough = [b for b in candidates if self.committed - b >= blocks]
         return max(enough) if enough else min(candidates)
 
-    def _boundary_at_or_above(self, num_blocks: int) -> int:
+    def boundary_at_or_above(self, num_blocks: int) -> int:
+        """The lowest boundary at or above `num_blocks` (what is committed, if none)."""
         return min((b for b in self.boundaries if b >= num_blocks), default=self.committed)
 
     def adopt(self, num_blocks: int, boundaries: Iterable[int] = ()) -> None:

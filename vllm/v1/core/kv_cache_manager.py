@@ -12,6 +12,7 @@ Block i holds the KV of token positions [i*block_size, (i+1)*block_size).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from vllm.v1.core.block_pool import BlockPool
@@ -97,6 +98,46 @@ class KVCacheManager:
     def prefer_blocks_below(self, num_blocks: int | None) -> None:
         """Hand out ids below `num_blocks` first (None: LRU order); see BlockPool."""
         self.block_pool.prefer_blocks_below(num_blocks)
+
+    def num_blocks_in_use(self) -> int:
+        """Blocks held by requests (the null block not counted)."""
+        return self.num_blocks - 1 - self.get_num_free_blocks()
+
+    def move_blocks_below(self, num_blocks: int, req_ids: Iterable[str]
+                          ) -> tuple[list[int], list[int]]:
+        """Move the blocks at or above `num_blocks` that `req_ids` hold into free blocks below.
+
+        The elastic cache empties its tail this way before releasing it: the
+        requests keep running (no recompute). Each moved block's holders get
+        the new block at the same place of their block lists, its prefix-cache
+        entry moves with it (`BlockPool.move_blocks_below`). A block another
+        holder shares (a request not in `req_ids`: one whose KV a connector
+        loads or sends) stays. The caller copies the bytes (`Worker.move_kv_blocks`)
+        before any step reads the new ids.
+
+        Returns:
+            (source ids, destination ids), pairwise; both empty when nothing moved.
+
+        Raises:
+            ValueError: fewer free blocks below `num_blocks` than blocks to move.
+        """
+        holders: dict[int, int] = {}  # block id -> holders among req_ids
+        blocks: dict[int, KVCacheBlock] = {}
+        lists = [self.req_to_blocks[r] for r in req_ids if r in self.req_to_blocks]
+        for held in lists:
+            for block in held:
+                if block.block_id >= num_blocks:
+                    holders[block.block_id] = holders.get(block.block_id, 0) + 1
+                    blocks[block.block_id] = block
+        movable = [b for i, b in sorted(blocks.items()) if holders[i] == b.ref_cnt]
+        if not movable:
+            return [], []
+        src = [b.block_id for b in movable]
+        dst = self.block_pool.move_blocks_below(movable, num_blocks)
+        new = {s: d for s, d in zip(src, dst, strict=True)}
+        for held in lists:
+            held[:] = [new.get(b.block_id, b) for b in held]
+        return src, [b.block_id for b in dst]
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached hashes; False while any block is in use."""

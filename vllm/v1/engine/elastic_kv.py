@@ -14,24 +14,31 @@ poll of the engine loop, `adjust()`:
        device's other elastic engines (`DeviceSharing.want`);
        shrinks: the scheduler's pool drops the free tail, then the workers
        release the pages;
-    3. answers a peer's demand: releases reclaimable tail blocks at once
-       (`ElasticKVPolicy.reclaim_target`), not after the idle timer; when
-       that is not enough and this engine holds more than the asker and its
-       fair share (`DeviceSharing.answer`'s `keep`), it also preempts, by
-       recompute, the running requests above a piece boundary and releases
-       down to it (`ElasticKVPolicy.preempt_target`,
-       `Scheduler.preempt_for_shrink`): an engine that got the device first
-       no longer keeps it while its queue refills it (issue #49's engine B
-       waited 24 s for engine A's 1,024-token decodes to end);
+    3. answers a peer's demand (also while it lacks memory itself): releases
+       whole pieces at once (`ElasticKVPolicy.reclaim_target`), not after the
+       idle timer, keeping its own low-water mark and demand free; the blocks
+       its running requests hold above the piece boundary are *moved* below
+       it (a device copy, `Worker.move_kv_blocks`; the requests keep running).
+       When that is not enough and this engine holds more than the asker and
+       its fair share (`DeviceSharing.answer`'s `keep`), it also preempts, by
+       recompute, the newest running requests until the blocks in use fit
+       below a lower boundary (`ElasticKVPolicy.preempt_target`,
+       `Scheduler.preempt_for_shrink`), moves the rest down and releases:
+       an engine that got the device first no longer keeps it while its
+       queue refills it (issue #49's engine B waited 24 s for engine A's
+       1,024-token decodes to end; before the move, releasing 1,984 blocks
+       preempted 99 of 113 requests, whose blocks lay all over the tail);
     4. publishes committed / in-use / reclaimable / limit to the registry
        (`vllm kv-top`, /metrics), at most every `PUBLISH_S`.
 
-With async scheduling a step is in flight while this runs: only the tail
-blocks that were free when every step in flight was scheduled may go (a
-block freed since may still be one such a step writes); the workers wait for
-the device before they unmap. Blocks freed by preemption leave the
-scheduler's pool at once but reach the workers' release at the next call,
-when no step in flight was scheduled with them.
+With async scheduling a step is in flight while this runs: the timer's
+shrink drops only tail blocks that were free when every step in flight was
+scheduled (a block freed since may still be one such a step writes); a
+release for a peer (moves, preemption) leaves the scheduler's pool at once
+and reaches the workers at the next call. The block copies are enqueued on
+the device's stream after the step in flight (which may still write the
+sources) and before the next; the workers wait for the device before they
+unmap.
 Nothing here runs inside a step; a release takes the driver calls' time
 (~0.1-0.4 ms per 1-8 GiB on the H200, docs/elastic_kv_cache.md).
 """
@@ -140,8 +147,8 @@ class ElasticKVController:
             changed = self.shrink(target)
         if self.sharing is not None:
             self.sharing.want(lacking)
-            if not lacking:
-                changed = self._answer_peers(wanted, safe_tail) or changed
+            # Also while lacking: a peer that holds less is answered down to the fair share.
+            changed = self._answer_peers(wanted, safe_tail) or changed
         self.publish(force=changed)
         return changed
 
@@ -150,13 +157,13 @@ class ElasticKVController:
         kv, planned = s.kv_cache_manager, []
 
         def release_for(blocks: int, keep: int | None) -> int:
-            target = policy.reclaim_target(kv, blocks, wanted, safe_tail)
+            target = policy.reclaim_target(kv, blocks, wanted)
             freed = 0 if target is None else s.num_blocks - target
             deeper = None if keep is None or freed >= blocks else policy.preempt_target(
                 blocks, keep)
-            # Preempt when that releases more than the free tail does: at least one more
-            # piece (a boundary), even if less than all the peer lacks (the fair share
-            # may stop it sooner; the peer renews what it still lacks).
+            # Preempt when that releases more than moving blocks alone does: at least one
+            # more piece, even if less than all the peer lacks (the fair share may stop it
+            # sooner; the peer renews what it still lacks).
             if deeper is not None and s.num_blocks - deeper > freed:
                 target, freed = deeper, s.num_blocks - deeper
             planned.append(target)
@@ -164,16 +171,31 @@ class ElasticKVController:
 
         if not self.sharing.answer(release_for) or planned[-1] is None:
             return False
-        target = planned[-1]
         self._gave_at = self.clock()
-        if target >= policy.lowest_now(kv, safe_tail):
-            return self.shrink(target)
-        preempted = s.preempt_for_shrink(target)
-        if target < policy.lowest_now(kv):  # a block above it is held by a loading request
-            return False
-        logger.info("Elastic KV cache: preempted %d requests to release blocks %d.. for a peer",
-                    preempted, target)
-        return self.shrink(target, release_now=safe_tail is None)
+        return self.release_to(planned[-1], release_now=safe_tail is None)
+
+    def release_to(self, num_blocks: int, release_now: bool = True) -> bool:
+        """Shrink to `num_blocks` (a boundary) whatever the requests hold above it.
+
+        Running requests are preempted, newest first, only as far as the blocks
+        in use must fit below it (`ElasticKVPolicy.in_use_budget`); the blocks
+        in use above it are moved below it (`KVCacheManager.move_blocks_below`,
+        then each worker copies them on the device after the step in flight,
+        `Worker.move_kv_blocks`). A block that cannot move (held by a request
+        whose KV a connector loads or sends) keeps the shrink above it.
+        `release_now`: False while a step is in flight (async scheduling): the
+        pages go at the next call, after it.
+        """
+        s, policy, kv = self.scheduler, self.policy, self.scheduler.kv_cache_manager
+        preempted = s.preempt_for_shrink(policy.in_use_budget(num_blocks))
+        src, dst = kv.move_blocks_below(num_blocks, [r.request_id for r in s.running])
+        if src:
+            self.run(Worker.move_kv_blocks, args=(src, dst))
+        target = policy.boundary_at_or_above(max(num_blocks, policy.lowest_now(kv)))
+        if src or preempted:
+            logger.info("Elastic KV cache: moved %d blocks and preempted %d requests to release "
+                        "blocks %d..", len(src), preempted, target)
+        return self.shrink(target, release_now=release_now) or bool(src)
 
     def grow(self, num_blocks: int) -> bool:
         """The workers commit up to `num_blocks` now, then the scheduler adopts what they

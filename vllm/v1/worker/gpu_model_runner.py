@@ -52,6 +52,7 @@ from vllm.v1.worker.cuda_graph import CUDAGraphManager, DecodeGraphOutput
 from vllm.v1.worker.draft_model import DraftModelProposer, attention_layers
 from vllm.v1.worker.grammar_bitmask import GrammarBitmask
 from vllm.v1.worker.input_batch import CachedRequestState, InputBatch
+from vllm.v1.worker.kv_cache import copy_kv_blocks
 from vllm.v1.worker.mixed_graphs import MixedBatchGraphs
 from vllm.v1.worker.mm_runner import MultiModalRunner
 from vllm.v1.worker.spec_decode import SpecDecoder
@@ -181,6 +182,12 @@ class GPUModelRunner:
             return
         bind_kv_cache(kv_caches, layers)
         self.kv_caches = dict(kv_caches)
+
+    def move_kv_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy KV blocks src[i] -> dst[i] in every layer (on the stream, after the step in
+        flight) and give the requests the new ids (the elastic cache empties its tail)."""
+        copy_kv_blocks(self.kv_caches, src, dst)
+        self.input_batch.rename_blocks(self.requests.values(), dict(zip(src, dst, strict=True)))
 
     # ------------------------------------------------------------------ state
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -574,7 +581,7 @@ class GPUModelRunner:
                     hi = min(lo + self.max_num_reqs, last - first)
                     logits = self.model.compute_logits(hidden[row_start + lo : row_start + hi])
                     parts.append(compute_token_logprobs(logits, targets[lo:hi], k).tolists())
-                result[state.req_id] = _concat_logprobs(parts)
+                result[state.req_id] = LogprobsLists.concat(parts)
             start += n
         return result
 
@@ -588,12 +595,3 @@ def _uses_output_ids(params: SamplingParams) -> bool:
         or bool(params.bad_words)
     )
 
-
-def _concat_logprobs(parts: list[LogprobsLists]) -> LogprobsLists:
-    if len(parts) == 1:
-        return parts[0]
-    return LogprobsLists(
-        [row for p in parts for row in p.logprob_token_ids],
-        [row for p in parts for row in p.logprobs],
-        [r for p in parts for r in p.ranks],
-    )

@@ -460,6 +460,12 @@ class Worker:
         return kept
 
     @rpc
+    def move_kv_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy KV blocks src[i] -> dst[i] and rename them in the runner's requests (the
+        elastic cache moves in-use tail blocks down before releasing the tail)."""
+        self.model_runner.move_kv_blocks(src, dst)
+
+    @rpc
     def set_kv_cache_limit(self, limit_bytes: int | None) -> ElasticBounds:
         """A runtime ceiling for the elastic cache, bytes (None: the start-up limit).
 

@@ -24,6 +24,8 @@ import torch
 from vllm.v1.worker.block_table import BlockTable
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.sampling_params import SamplingParams
 
 
@@ -143,3 +145,17 @@ class InputBatch:
             return
         self.token_ids[row, n] = token_id
         self.num_tokens[row] = n + 1
+
+    def rename_blocks(self, states: Iterable[CachedRequestState], moves: dict[int, int]) -> None:
+        """Give the requests the new ids of moved KV blocks (old id -> new id in `moves`).
+
+        `states`: every request the runner holds (in the batch or not); the
+        block lists are replaced, not edited (a list may be the scheduler
+        output's), and the rows in the batch rewritten.
+        """
+        for state in states:
+            if any(b in moves for b in state.block_ids):
+                state.block_ids = [moves.get(b, b) for b in state.block_ids]
+                row = self.req_id_to_index.get(state.req_id)
+                if row is not None:
+                    self.block_table.set_row(row, state.block_ids)

@@ -146,6 +146,42 @@ def spans_of_views(views: dict[str, torch.Tensor]) -> list[tuple[int, int]]:
     return [(start, end - start) for start, end in spans]
 
 
+COPY_BLOCKS_TEMP_BYTES = 16 << 20  # the most one gather of `copy_kv_blocks` holds
+
+
+def copy_kv_blocks(views: dict[str, torch.Tensor], src: list[int], dst: list[int]) -> None:
+    """view[dst[i]] = view[src[i]] in every layer's view (the elastic cache's block move).
+
+    Enqueued on the current stream, so it runs after the step launched
+    before it (which may still write the sources) and before the next one.
+    Sources and destinations must not overlap. The gather goes through a
+    temporary of at most `COPY_BLOCKS_TEMP_BYTES` per launch: the cache is
+    moved when memory is short.
+
+    Args:
+        views: layer name -> [num_blocks, 2, block_size, num_kv_heads, head_size].
+        src, dst: block ids, pairwise, the same length.
+
+    Raises:
+        ValueError: the lists differ in length or overlap.
+    """
+    if len(src) != len(dst) or set(src) & set(dst):
+        raise ValueError(f"copy_kv_blocks needs pairwise disjoint ids, got {len(src)} sources "
+                         f"and {len(dst)} destinations")
+    if not src or not views:
+        return
+    device = next(iter(views.values())).device
+    pin = device.type == "cuda"
+    ids = torch.tensor([src, dst], dtype=torch.int64)
+    ids = (ids.pin_memory() if pin else ids).to(device, non_blocking=pin)
+    for view in views.values():
+        block_bytes = view[0].numel() * view.element_size()
+        step = max(1, COPY_BLOCKS_TEMP_BYTES // block_bytes)
+        for start in range(0, len(src), step):
+            s, d = ids[0, start:start + step], ids[1, start:start + step]
+            view.index_copy_(0, d, view.index_select(0, s))
+
+
 class KVCacheBuffers(ABC):
     """The KV cache's memory: per-layer views over the committed blocks of one allocation.
 

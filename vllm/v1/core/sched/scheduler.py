@@ -583,16 +583,16 @@ class Scheduler:
         if self.elastic is not None:
             self.elastic.adopt(num_blocks, boundaries)
 
-    def preempt_for_shrink(self, num_blocks: int) -> int:
-        """Preempt (recompute) the running requests holding a block >= `num_blocks`, newest first
-        (the elastic cache gives that tail to a peer); the next step reports them. -> how many"""
-        held = self.kv_cache_manager.get_block_ids
-        victims = [r for r in self.running if max(held(r.request_id), default=0) >= num_blocks]
-        for request in reversed(victims):
-            self.running.remove(request)
+    def preempt_for_shrink(self, max_in_use: int) -> int:
+        """Preempt (recompute) running requests, newest first, until at most `max_in_use` blocks
+        are in use (the elastic cache gives a tail to a peer); the next step reports them."""
+        kv, victims = self.kv_cache_manager, 0
+        while self.running and kv.num_blocks_in_use() > max_in_use:
+            request = self.running.pop()
             self._preempt(request)
             self._preempted_between_steps.add(request.request_id)
-        return len(victims)
+            victims += 1
+        return victims
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached blocks; False while any request holds blocks."""
