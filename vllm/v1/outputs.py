@@ -142,9 +142,10 @@ class KVCacheMemory:
         num_grows / num_shrinks: how often the elastic cache grew / released
             memory while serving (0 without it).
         in_use_bytes / reclaimable_bytes / limit_bytes: the elastic cache's
-            blocks that requests hold, that it could release now (free tail
-            blocks, or ones holding only evictable prefix-cache entries, above
-            its floor), and the most it may hold; bytes summed over the ranks
+            blocks that requests hold, that it could release now without
+            preempting (whole pieces above its floor beyond what its requests
+            use; blocks in use are moved below), and the most it may hold;
+            bytes summed over the ranks
             (0 without it).
         num_reclaims: times it released blocks for another engine on the device.
     """

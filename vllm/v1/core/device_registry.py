@@ -9,8 +9,9 @@ writer of its slot; every read and write holds `fcntl.lockf` on the file
 
 A slot (`EngineSlot`) says, in bytes of this device: what the engine's KV
 cache has committed, what its requests use, what it could release now
-(`reclaimable`: free tail blocks, or tail blocks holding only evictable
-prefix-cache entries, above its floor), its floor and limit, and an unmet
+without preempting (`reclaimable`: whole pieces above its floor, less what
+its requests use and its low-water mark: blocks in use are moved below), its
+floor and limit, and an unmet
 demand (`wanted`: it tried to grow and the memory was not free) with a
 sequence number that changes with each new demand. Engines that see a peer's
 demand release reclaimable blocks between their steps (the demand protocol
@@ -93,8 +94,9 @@ class EngineSlot:
         name: what `kv-top` shows (the served model name), its last 48 bytes of UTF-8.
         committed: KV cache bytes committed on this device.
         in_use: bytes of blocks that requests hold.
-        reclaimable: bytes the engine could release now (free tail blocks,
-            or ones holding only evictable prefix-cache entries, above its floor).
+        reclaimable: bytes the engine could release now without preempting
+            (whole pieces above its floor beyond what its requests use and its
+            low-water mark; blocks in use above a piece are moved below it).
         floor, limit: the least and the most it holds.
         wanted: an unmet demand (0: none): bytes it tried to commit and could not.
         demand_seq: changes with each new demand.

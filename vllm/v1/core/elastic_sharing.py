@@ -14,8 +14,8 @@ steps, and at every idle poll:
     answer   an engine that sees a peer's demand not yet covered by what
              others released for it (`gave_*` fields, read and written under
              the registry's lock, so two givers never both cover it in full)
-             releases reclaimable tail blocks now (whole growths, never a
-             block in use, keeping its own low-water mark; the policy's
+             releases reclaimable blocks now (whole pieces, the blocks in use
+             above them moved below, keeping its own low-water mark; the policy's
              `reclaim_target`), and records what it gave; an engine that
              holds more than the asker may also preempt requests to release
              more, down to `keep`: max(its fair share, the midpoint of the
