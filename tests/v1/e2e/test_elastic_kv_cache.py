@@ -46,6 +46,21 @@ def elastic_llm():
     gc.collect()
 
 
+@pytest.fixture(scope="module")
+def async_elastic_llm(elastic_llm):
+    """The same engine with async scheduling (the CUDA default): a step is in flight
+    whenever the elastic cache adjusts."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_ELASTIC_KV_SHRINK_DELAY_S", "0")
+    engine = LLM(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=512,
+                 kv_cache_memory_bytes=256 * MiB, enable_elastic_kv_cache=True,
+                 async_scheduling=True)
+    yield engine
+    engine.llm_engine.shutdown()
+    mp.undo()
+    gc.collect()
+
+
 def _texts(llm: LLM) -> list[str]:
     return [o.outputs[0].text for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
@@ -281,60 +296,74 @@ def test_a_busy_engine_above_its_share_preempts_for_a_peer_holding_less(elastic_
     assert [got[f"p{i}"] for i in range(len(prompts))] == [list(t) for t in expected]
 
 
+@pytest.mark.parametrize("engine", ["elastic_llm", "async_elastic_llm"])
 def test_a_busy_engine_moves_its_tail_blocks_down_for_a_peer_without_preempting(
-        elastic_llm):
+        engine, request):
     """Reclaim by moving blocks (issue #49): the requests still running hold blocks high in
     the grown cache, but few of them; for a peer's demand the engine copies those blocks
     below the floor (`move_blocks_below`, `Worker.move_kv_blocks`), releases the whole
-    growth at once and preempts nobody; the moved requests' outputs do not change. Before
-    the move every request holding a tail block was preempted (99 of 113 on the H100)."""
+    growth at once and preempts nobody; the moved requests' outputs equal those of the
+    same steps without a peer (same batches, so also exact in bf16 on a GPU, with a step
+    in flight under async scheduling). Before the move every request holding a tail block
+    was preempted (99 of 113 on the H100)."""
+    elastic_llm = request.getfixturevalue(engine)
     core = elastic_llm.llm_engine.engine_core
     ekv, policy, kv = core.elastic_kv, core.scheduler.elastic, core.scheduler.kv_cache_manager
     tokenizer = elastic_llm.get_tokenizer()
-    prompts = [tokenizer.encode(p) for p in PROMPTS]
-    expected = [o.outputs[0].token_ids for o in elastic_llm.generate(
-        [{"prompt_token_ids": p} for p in prompts], GREEDY_LONG, use_tqdm=False)]
-    _idle_until_floor(elastic_llm, core)
-    time.sleep(HOLD_AFTER_GIVING_S)  # it may have given blocks in an earlier test
-    policy.shrink_delay_s = 1e9  # only the demand may release
-    from vllm.v1.request import Request
-    for i, p in enumerate(prompts):
-        core.add_request(Request(request_id=f"m{i}", prompt_token_ids=p,
-                                 sampling_params=GREEDY_LONG, eos_token_id=None))
-    got: dict[str, list[int]] = {f"m{i}": [] for i in range(len(prompts))}
+    # 200 tokens each: 16 of them outgrow the floor on the CPU (85 blocks) and a GPU (170).
+    prompts = [tokenizer.encode(p * 2)[:200] for p in PROMPTS]
     kept = [f"m{i}" for i in range(12, 16)]  # the last admitted: the highest blocks
+    from vllm.v1.request import Request
 
-    def step():
-        for out in core.step():
-            got[out.request_id] += out.new_token_ids
+    def run(peer: DeviceSharing | None) -> list[list[int]]:
+        policy.shrink_delay_s = 0.0
+        _idle_until_floor(elastic_llm, core)
+        time.sleep(HOLD_AFTER_GIVING_S)  # it may have given blocks before: may grow again
+        policy.shrink_delay_s = 1e9  # only the demand may release
+        for i, p in enumerate(prompts):
+            core.add_request(Request(request_id=f"m{i}", prompt_token_ids=p,
+                                     sampling_params=GREEDY_LONG, eos_token_id=None))
+        got: dict[str, list[int]] = {r: [] for r in kept}
 
-    peer = DeviceSharing([DeviceShare("host", ekv.block_bytes)], "peer")
-    try:
+        def step():
+            for out in core.step():
+                if out.request_id in got:
+                    got[out.request_id] += out.new_token_ids
+
         for _ in range(40):  # until it grew and every request runs
             if len(core.scheduler.running) == len(prompts) and core.num_blocks > policy.floor:
                 break
             step()
         core.abort_requests([f"m{i}" for i in range(12)])
-        grown, floor, preemptions = core.num_blocks, policy.floor, core.scheduler.num_preemptions
-        high = [b for r in kept for b in kv.get_block_ids(r) if b >= floor]
-        assert high and kv.num_blocks_in_use() < floor // 2
-        ekv.publish(force=True)
-        peer.want(grown - floor)
-        assert core.adjust_kv_cache()
-        assert core.num_blocks == core.worker.kv_cache.committed_blocks == floor
-        assert core.scheduler.num_preemptions == preemptions
-        assert all(max(kv.get_block_ids(r)) < floor for r in kept)
-        assert [r.request_id for r in core.scheduler.running] == kept
-        assert _my_slot(core).gave_bytes == (grown - floor) * ekv.block_bytes
-        peer.want(0)
+        if peer is not None:
+            grown, floor = core.num_blocks, policy.floor
+            preemptions = core.scheduler.num_preemptions
+            assert any(b >= floor for r in kept for b in kv.get_block_ids(r))
+            assert kv.num_blocks_in_use() <= policy.in_use_budget(floor)  # they fit below
+            ekv.publish(force=True)
+            peer.want(grown - floor)
+            assert core.adjust_kv_cache() and core.num_blocks == floor
+            core.adjust_kv_cache()  # with a step in flight (async) the pages go now
+            assert core.worker.kv_cache.committed_blocks == floor
+            assert core.scheduler.num_preemptions == preemptions
+            assert all(max(kv.get_block_ids(r)) < floor for r in kept)
+            assert [r.request_id for r in core.scheduler.running] == kept
+            assert _my_slot(core).gave_bytes == (grown - floor) * ekv.block_bytes
+            peer.want(0)
         for _ in range(100):
-            if not core.scheduler.has_requests():
+            if not core.has_unfinished_requests():
                 break
             step()
+        return [got[r] for r in kept]
+
+    device = ekv.sharing.devices[0].key  # "host" here, the GPU's UUID on a GPU
+    peer = DeviceSharing([DeviceShare(device, ekv.block_bytes)], "peer")
+    try:
+        expected = run(None)
+        assert run(peer) == expected and all(len(t) == 24 for t in expected)
     finally:
         peer.close()
         policy.shrink_delay_s = 0.0
-    assert [got[r] for r in kept] == [list(t) for t in expected[12:]]
 
 
 GREEDY_LONG = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -347,24 +376,19 @@ def _request(request_id):
                    sampling_params=SamplingParams(max_tokens=4), eos_token_id=None)
 
 
-def test_async_scheduling_grows_while_a_step_is_in_flight(offline_llm, monkeypatch):
+def test_async_scheduling_grows_while_a_step_is_in_flight(async_elastic_llm, offline_llm):
     # Async scheduling (the CUDA default) keeps a step in flight the whole time it
     # serves: the cache must grow then too (found on the H200: it never grew); a
     # shrink waits until no step is in flight, and happens once the engine idles.
-    monkeypatch.setenv("VLLM_ELASTIC_KV_SHRINK_DELAY_S", "0")
-    llm = LLM(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=512,
-              kv_cache_memory_bytes=256 * MiB, enable_elastic_kv_cache=True,
-              async_scheduling=True)
-    try:
-        core = llm.llm_engine.engine_core
-        assert core.async_scheduling
-        floor = core.scheduler.elastic.floor
-        assert _texts(llm) == _texts(offline_llm)
-        assert core.scheduler.elastic.num_grows >= 1
-        _idle_until_floor(llm, core)
-        assert core.num_blocks == core.worker.kv_cache.committed_blocks == floor
-    finally:
-        llm.llm_engine.shutdown()
+    llm = async_elastic_llm
+    core = llm.llm_engine.engine_core
+    assert core.async_scheduling
+    floor = core.scheduler.elastic.floor
+    grows = core.scheduler.elastic.num_grows
+    assert _texts(llm) == _texts(offline_llm)
+    assert core.scheduler.elastic.num_grows > grows
+    _idle_until_floor(llm, core)
+    assert core.num_blocks == core.worker.kv_cache.committed_blocks == floor
 
 
 def test_a_registry_file_of_another_version_leaves_sharing_off_not_the_engine(
