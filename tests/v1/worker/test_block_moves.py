@@ -1,10 +1,13 @@
 """The worker's half of the elastic cache's block move: the bytes and the requests' ids."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from vllm.sampling_params import SamplingParams
 from vllm.v1.worker import kv_cache
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.input_batch import CachedRequestState, InputBatch
 from vllm.v1.worker.kv_cache import copy_kv_blocks
 
@@ -43,3 +46,27 @@ def test_rename_blocks_rewrites_the_states_and_the_rows_in_the_batch():
     assert given == [1, 9, 10]  # replaced, not edited: the scheduler output's list
     assert batch.block_table.np[0, :4].tolist() == [1, 4, 5, 0]
     assert batch.block_table.np[1, :3].tolist() == [2, 4, 0]
+
+
+def test_the_runner_renames_blocks_only_after_the_step_in_flight_uploaded_its_table():
+    """Async scheduling: step N's block table goes to the device by a non-blocking copy
+    of the pinned host table; the move rewrites that table, so it waits for the copy
+    (found in review: step N could otherwise read the new ids before the bytes moved)."""
+    events = []
+    batch = InputBatch(4, 64, 4, torch.device("cpu"), pin_memory=False)
+    state = CachedRequestState(req_id="a", prompt_token_ids=[1, 2, 3],
+                               sampling_params=SamplingParams(), generator=None,
+                               block_ids=[1, 9], num_computed_tokens=3)
+    batch.add(state)
+    set_row = batch.block_table.set_row
+    batch.block_table.set_row = lambda *a: (events.append("rewrite pinned block table"),
+                                            set_row(*a))
+    # Step N is in flight: its H2D copy of block_table.cpu (pinned, non_blocking) may not
+    # have run yet; execute_model guards that buffer with async_state.wait_inputs_copied().
+    async_state = SimpleNamespace(
+        wait_inputs_copied=lambda: events.append("wait_inputs_copied"))
+    runner = SimpleNamespace(kv_caches={"l0": torch.zeros(12, 2, 4, 1, 2)}, input_batch=batch,
+                             requests={"a": state}, async_state=async_state)
+    GPUModelRunner.move_kv_blocks(runner, [9], [3])
+    assert batch.block_table.np[0, :2].tolist() == [1, 3]
+    assert events == ["wait_inputs_copied", "rewrite pinned block table"], events

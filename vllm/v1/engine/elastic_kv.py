@@ -136,16 +136,18 @@ class ElasticKVController:
         target = policy.target(kv, wanted, safe_tail)
         changed, lacking = False, 0
         if target is not None and target > s.num_blocks:
-            in_flight = False
-            # What this engine just gave is the asker's to take (HOLD_AFTER_GIVING_S).
+            # What this engine just gave is the asker's to take (HOLD_AFTER_GIVING_S): no
+            # growth, and no demand of its own meanwhile.
             if self.clock() - self._gave_at >= HOLD_AFTER_GIVING_S:
                 changed, in_flight = self.grow_ahead(target)
-            # What the requests still lack once no growth of ours is under way: ask the
-            # device's other engines for it.
-            lacking = 0 if in_flight else policy.shortfall(kv, wanted)
+                # What the requests still lack once no growth of ours is under way: ask
+                # the device's other engines for it.
+                lacking = 0 if in_flight else policy.shortfall(kv, wanted)
         elif target is not None:
             changed = self.shrink(target)
         if self.sharing is not None:
+            if changed:  # a peer's answer reads this engine's committed bytes
+                self.publish(force=True)
             self.sharing.want(lacking)
             # Also while lacking: a peer that holds less is answered down to the fair share.
             changed = self._answer_peers(wanted, safe_tail) or changed

@@ -187,6 +187,8 @@ class GPUModelRunner:
         """Copy KV blocks src[i] -> dst[i] in every layer (on the stream, after the step in
         flight) and give the requests the new ids (the elastic cache empties its tail)."""
         copy_kv_blocks(self.kv_caches, src, dst)
+        if self.async_state is not None:  # the step in flight's block-table upload is done
+            self.async_state.wait_inputs_copied()
         self.input_batch.rename_blocks(self.requests.values(), dict(zip(src, dst, strict=True)))
 
     # ------------------------------------------------------------------ state
