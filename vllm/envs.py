@@ -236,9 +236,9 @@ _declare("VLLM_FRESH_PREFILL_ATTENTION", _flag, True, """
 
 _declare("VLLM_ELASTIC_KV_SHRINK_DELAY_S", _number(0, False, "a number of seconds >= 0"), 10.0,
          """
-    With --enable-elastic-kv-cache: seconds the blocks of the last growth must stay
-    free (or hold only evictable prefix-cache entries) before they are released (0: as
-    soon as they are).""")
+    With --enable-elastic-kv-cache: seconds about a chunk of memory must stay spare (the
+    blocks in use would fit below it with the low-water mark free) before it is released;
+    the blocks still in use there move below it (0: as soon as it is spare).""")
 
 _declare("VLLM_ELASTIC_KV_SHARING", _flag, True, """
     With --enable-elastic-kv-cache: 1/true/on: the engine joins its device's registry of

@@ -21,17 +21,17 @@ def _policy(clock, **kw):
 def test_grows_by_a_chunk_or_the_demand_when_free_blocks_run_low():
     p = _policy(Clock())
     assert p.low_water == 8  # a quarter chunk
-    assert p.decide(num_free=20, num_free_tail=20, blocks_wanted=3) is None
+    assert p.decide(num_free=20, blocks_wanted=3) is None
     # 7 free < 8: one chunk.
-    assert p.decide(num_free=7, num_free_tail=0, blocks_wanted=0) == ElasticDecision("grow", 117)
+    assert p.decide(num_free=7, blocks_wanted=0) == ElasticDecision("grow", 117)
     # Waiting requests want 100 blocks, 10 free: 85 + 90.
-    assert p.decide(num_free=10, num_free_tail=0, blocks_wanted=100) == ElasticDecision(
+    assert p.decide(num_free=10, blocks_wanted=100) == ElasticDecision(
         "grow", 175)
     # Never past the limit.
-    assert p.decide(num_free=0, num_free_tail=0, blocks_wanted=1000) == ElasticDecision(
+    assert p.decide(num_free=0, blocks_wanted=1000) == ElasticDecision(
         "grow", 341)
     p.adopt(341)
-    assert p.decide(num_free=0, num_free_tail=0, blocks_wanted=1000) is None
+    assert p.decide(num_free=0, blocks_wanted=1000) is None
     assert p.num_grows == 1
 
 
@@ -41,42 +41,45 @@ def test_an_idle_engine_stays_at_a_floor_smaller_than_a_quarter_chunk():
     p = _policy(clock, committed=288, floor=288, limit=62848, chunk=7820)
     assert p.low_water == 144
     # At start-up: every block but the null one free, nothing waiting: no growth.
-    assert p.decide(num_free=287, num_free_tail=287, blocks_wanted=0) is None
+    assert p.decide(num_free=287, blocks_wanted=0) is None
     # A burst: grow; afterwards the whole growth is free again: back to the floor.
-    assert p.decide(num_free=100, num_free_tail=0, blocks_wanted=0) == ElasticDecision(
+    assert p.decide(num_free=100, blocks_wanted=0) == ElasticDecision(
         "grow", 288 + 7820)
     p.adopt(288 + 7820)
-    assert p.decide(num_free=8107, num_free_tail=7820, blocks_wanted=0) is None
+    assert p.decide(num_free=8107, blocks_wanted=0) is None
     clock.now += 5
-    assert p.decide(num_free=8107, num_free_tail=7820, blocks_wanted=0) == ElasticDecision(
+    assert p.decide(num_free=8107, blocks_wanted=0) == ElasticDecision(
         "shrink", 288)
 
 
-def test_shrinks_to_the_last_growth_after_the_tail_stayed_free_for_the_delay():
+def test_shrinks_to_the_last_growth_after_its_blocks_stayed_spare_for_the_delay():
+    """The timer counts how many blocks are in use, not where (those above the boundary
+    move below it): 32 blocks go when at least 32 + the low-water mark (8) are free."""
     clock = Clock()
     p = _policy(clock)
     p.adopt(117)
     p.adopt(149)
     assert p.boundaries == [85, 117, 149] and p.shrink_target() == 117
-    # Tail [117, 149) free but not for 5 s yet.
-    assert p.decide(num_free=100, num_free_tail=40, blocks_wanted=0) is None
+    # Spare for less than 5 s yet.
+    assert p.decide(num_free=100, blocks_wanted=0) is None
     clock.now += 4.9
-    assert p.decide(num_free=100, num_free_tail=40, blocks_wanted=0) is None
+    assert p.decide(num_free=100, blocks_wanted=0) is None
     clock.now += 0.2
-    assert p.decide(num_free=100, num_free_tail=40, blocks_wanted=0) == ElasticDecision(
-        "shrink", 117)
-    # A block of the tail taken again restarts the wait.
-    assert p.decide(num_free=100, num_free_tail=31, blocks_wanted=0) is None
+    assert p.decide(num_free=100, blocks_wanted=0) == ElasticDecision("shrink", 117)
+    # A burst takes blocks again (39 free: the piece and the low-water mark do not fit):
+    # the wait restarts.
+    assert p.decide(num_free=39, blocks_wanted=0) is None
     clock.now += 10
-    assert p.decide(num_free=100, num_free_tail=32, blocks_wanted=0) is None
+    assert p.decide(num_free=40, blocks_wanted=0) is None
     clock.now += 5
-    assert p.decide(num_free=100, num_free_tail=32, blocks_wanted=0) == ElasticDecision(
-        "shrink", 117)
+    assert p.decide(num_free=40, blocks_wanted=0) == ElasticDecision("shrink", 117)
+    # Nor while the requests' own demand would not fit.
+    assert p.decide(num_free=100, blocks_wanted=70) is None
     p.adopt(117)
     assert p.boundaries == [85, 117] and p.num_shrinks == 1
     # Not when what stays would leave fewer than the low-water mark free.
     clock.now += 100
-    assert p.decide(num_free=36, num_free_tail=32, blocks_wanted=0) is None
+    assert p.decide(num_free=36, blocks_wanted=0) is None
 
 
 def test_the_idle_timer_returns_about_a_chunk_of_fine_pieces_at_a_time():
@@ -87,9 +90,9 @@ def test_the_idle_timer_returns_about_a_chunk_of_fine_pieces_at_a_time():
     p = _policy(clock)  # floor 85, chunk 32
     p.adopt(149, boundaries=range(89, 149, 4))  # 85, 89, 93, ..., 145, 149
     assert p.shrink_target() == 117  # 149 - 117 = 32: one chunk
-    assert p.decide(num_free=100, num_free_tail=64, blocks_wanted=0) is None
+    assert p.decide(num_free=100, blocks_wanted=0) is None
     clock.now += 5.1
-    assert p.decide(num_free=100, num_free_tail=64, blocks_wanted=0) == ElasticDecision(
+    assert p.decide(num_free=100, blocks_wanted=0) == ElasticDecision(
         "shrink", 117)
     p.adopt(117)
     assert p.shrink_target() == 85  # less than a chunk left above the floor: all of it
@@ -97,15 +100,15 @@ def test_the_idle_timer_returns_about_a_chunk_of_fine_pieces_at_a_time():
     assert p.reclaim_target(_Pool(117, 100, 64), blocks=3, blocks_wanted=0) == 113
 
 
-def test_a_limit_below_what_is_committed_shrinks_at_once_when_the_tail_is_free():
+def test_a_limit_below_what_is_committed_shrinks_at_once_when_the_blocks_in_use_fit():
     p = _policy(Clock())
     p.adopt(117)
     p.adopt(149)
     p.set_limit(120)
     assert p.shrink_target() == 117
-    assert p.decide(num_free=5, num_free_tail=10, blocks_wanted=0) is None  # tail busy
-    assert p.decide(num_free=40, num_free_tail=40, blocks_wanted=0) == ElasticDecision(
-        "shrink", 117)
+    assert p.decide(num_free=5, blocks_wanted=0) is None  # 143 in use: not below 117
+    # No delay, and the requests' demand does not hold a limit up: the low-water mark only.
+    assert p.decide(num_free=40, blocks_wanted=500) == ElasticDecision("shrink", 117)
 
 
 def test_bad_bounds_are_refused():
@@ -138,14 +141,13 @@ def test_a_timed_shrink_goes_back_to_a_growth_boundary_never_into_one():
     p = _policy(clock, shrink_delay_s=0.0)
     p.adopt(117)
     p.adopt(149)
-    # Blocks 140.. free, 139 in use: the growth 117..148 cannot go whole, so nothing goes.
-    assert p.target(_Pool(149, 60, 9), blocks_wanted=0) is None
-    # The whole growth free: back to its start.
-    assert p.target(_Pool(149, 60, 32), blocks_wanted=0) == 117
-    # A step in flight (async scheduling) was scheduled when only 10 tail blocks were
-    # free: the blocks freed since may still be written by it, so nothing goes yet.
-    assert p.target(_Pool(149, 60, 32), blocks_wanted=0, safe_tail=10) is None
-    assert p.target(_Pool(149, 60, 32), blocks_wanted=0, safe_tail=32) == 117
+    # Blocks 140.. free, 139 in use: the growth 117..148 goes whole all the same (block
+    # 139 is moved below 117 by the caller), never to a count inside it.
+    assert p.target(_Pool(149, 60, 9), blocks_wanted=0) == 117
+    # Too many in use to fit below 117 with the low-water mark: nothing goes.
+    pool = _Pool(149, 39, 9)
+    assert p.target(pool, blocks_wanted=0) is None
+    assert pool.preferred == 117  # allocation prefers the ids below it meanwhile
 
 
 def test_reclaim_target_gives_a_peer_whole_growths_at_once_and_keeps_the_low_water_mark():

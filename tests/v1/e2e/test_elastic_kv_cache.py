@@ -313,7 +313,8 @@ def test_a_busy_engine_moves_its_tail_blocks_down_for_a_peer_without_preempting(
     growth at once and preempts nobody; the moved requests' outputs equal those of the
     same steps without a peer (same batches, so also exact in bf16 on a GPU, with a step
     in flight under async scheduling). Before the move every request holding a tail block
-    was preempted (99 of 113 on the H100)."""
+    was preempted (99 of 113 on the H100). The idle timer releases the same way when no
+    peer asks: the few requests left keep running from the blocks below."""
     elastic_llm = request.getfixturevalue(engine)
     core = elastic_llm.llm_engine.engine_core
     ekv, policy, kv = core.elastic_kv, core.scheduler.elastic, core.scheduler.kv_cache_manager
@@ -323,7 +324,7 @@ def test_a_busy_engine_moves_its_tail_blocks_down_for_a_peer_without_preempting(
     kept = [f"m{i}" for i in range(12, 16)]  # the last admitted: the highest blocks
     from vllm.v1.request import Request
 
-    def run(peer: DeviceSharing | None) -> list[list[int]]:
+    def run(peer: DeviceSharing | None, timer: bool = False) -> list[list[int]]:
         policy.shrink_delay_s = 0.0
         _idle_until_floor(elastic_llm, core)
         time.sleep(HOLD_AFTER_GIVING_S)  # it may have given blocks before: may grow again
@@ -358,6 +359,15 @@ def test_a_busy_engine_moves_its_tail_blocks_down_for_a_peer_without_preempting(
             assert [r.request_id for r in core.scheduler.running] == kept
             assert _my_slot(core).gave_bytes == (grown - floor) * ekv.block_bytes
             peer.want(0)
+        if timer:
+            floor, preemptions = policy.floor, core.scheduler.num_preemptions
+            assert any(b >= floor for r in kept for b in kv.get_block_ids(r))
+            policy.shrink_delay_s = 0.0
+            for _ in range(10):  # about a chunk each time, down to the floor
+                core.adjust_kv_cache()
+            assert core.num_blocks == core.worker.kv_cache.committed_blocks == floor
+            assert core.scheduler.num_preemptions == preemptions
+            assert all(max(kv.get_block_ids(r)) < floor for r in kept)
         for _ in range(100):
             if not core.has_unfinished_requests():
                 break
@@ -368,6 +378,7 @@ def test_a_busy_engine_moves_its_tail_blocks_down_for_a_peer_without_preempting(
     try:
         expected = run(None)
         assert run(peer) == expected and all(len(t) == 24 for t in expected)
+        assert run(None, timer=True) == expected
     finally:
         peer.close()
         policy.shrink_delay_s = 0.0

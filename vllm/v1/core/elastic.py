@@ -18,14 +18,16 @@ counting the null block.
             vllm/v1/worker/elastic_kv_cache.py, and reports where its pieces
             end: the growth's inner boundaries), so memory can go back a piece
             at a time (what a peer's demand takes)
-    shrink  when every block of the tail [b, committed) has been free, or held
-            only evictable prefix-cache entries, for `shrink_delay_s`, and the
-            blocks below b still leave the low-water mark free: back to b, the
-            highest boundary at least a chunk below what is committed (else
-            the lowest one), so the idle timer returns about a chunk each
-            time. Also when a runtime limit is set below what is committed.
+    shrink  when, for `shrink_delay_s`, the blocks in use would have fit below b
+            with the low-water mark (or the requests' demand) still free: back
+            to b, the highest boundary at least a chunk below what is committed
+            (else the lowest one), so the idle timer returns about a chunk each
+            time. The blocks in use above b are moved below it first (the
+            engine core's `ElasticKVController.release_to`). Also when a runtime
+            limit is set below what is committed (no delay; the low-water mark
+            only).
     prefer  while a shrink is possible, allocation prefers ids below b
-            (`BlockPool.prefer_blocks_below`), so the tail empties.
+            (`BlockPool.prefer_blocks_below`), so fewer blocks have to move.
 
 Sources: kvcached (elastic KV memory for co-located LLMs, github.com/ovg-project/kvcached)
 shrinks idle tail pages the same way; the thresholds here are ours.
@@ -92,7 +94,7 @@ class ElasticKVPolicy:
         self.shrink_delay_s = shrink_delay_s
         self.clock = clock
         self.boundaries = [committed]  # committed counts after each growth, ascending
-        self._tail_free_since: float | None = None
+        self._spare_since: float | None = None
         self.num_grows = 0
         self.num_shrinks = 0
 
@@ -121,74 +123,54 @@ class ElasticKVPolicy:
         far = [b for b in below if self.committed - b >= self.chunk]
         return max(far) if far else (below[0] if below else None)
 
-    def decide(
-        self, num_free: int, num_free_tail: int, blocks_wanted: int
-    ) -> ElasticDecision | None:
+    def decide(self, num_free: int, blocks_wanted: int) -> ElasticDecision | None:
         """What to do now.
 
         Args:
             num_free: free blocks in the pool (cached ones included).
-            num_free_tail: free blocks at the end of the id range.
             blocks_wanted: blocks the waiting and running requests ask for next.
         """
         committed = self.committed
         need = max(self.low_water, blocks_wanted)
         if num_free < need and committed < self.limit:
-            self._tail_free_since = None
+            self._spare_since = None
             target = min(self.limit, committed + max(self.chunk, need - num_free))
             return ElasticDecision("grow", target)
         target = self.shrink_target()
         if target is None:
-            self._tail_free_since = None
+            self._spare_since = None
             return None
-        tail = committed - target
         over_limit = committed > self.limit
-        if num_free_tail < tail or (not over_limit and num_free - tail < need):
-            self._tail_free_since = None
+        # Where the blocks in use lie does not matter (they move), how many do.
+        if num_free - (committed - target) < (self.low_water if over_limit else need):
+            self._spare_since = None
             return None
         now = self.clock()
-        if self._tail_free_since is None:
-            self._tail_free_since = now
-        if over_limit or now - self._tail_free_since >= self.shrink_delay_s:
+        if self._spare_since is None:
+            self._spare_since = now
+        if over_limit or now - self._spare_since >= self.shrink_delay_s:
             return ElasticDecision("shrink", target)
         return None
 
-    def target(self, kv: KVCacheManager, blocks_wanted: int,
-               safe_tail: int | None = None) -> int | None:
+    def target(self, kv: KVCacheManager, blocks_wanted: int) -> int | None:
         """The block count to resize to now, or None, from the KV cache manager's pool.
 
         Called before every step. A shrink goes back to a growth's boundary
-        (whole driver allocations are released) and never drops a block in
-        use, nor one of the last `safe_tail` that a step in flight may still
-        write (see `lowest_now`). While a shrink is possible, allocation
-        prefers the ids below it, so the tail empties.
+        (whole driver allocations are released); the blocks in use above it
+        are moved below it by the caller (`ElasticKVController.release_to`).
+        While a shrink is possible, allocation prefers the ids below it, so
+        fewer blocks have to move.
         """
-        decision = self.decide(kv.get_num_free_blocks(), self._free_tail(kv, safe_tail),
-                               blocks_wanted)
+        decision = self.decide(kv.get_num_free_blocks(), blocks_wanted)
         if decision is None:
             kv.prefer_blocks_below(self.shrink_target())
             return None
-        if decision.action == "grow":
-            return decision.num_blocks
-        target = self.boundary_at_or_above(
-            max(decision.num_blocks, self.lowest_now(kv, safe_tail)))
-        return None if target >= self.committed else target
+        return decision.num_blocks
 
-    def lowest_now(self, kv: KVCacheManager, safe_tail: int | None = None) -> int:
-        """The fewest blocks the pool can shrink to now: the floor, or more while tail
-        blocks are in use.
-
-        Args:
-            safe_tail: with steps in flight (async scheduling), the fewest free
-                tail blocks any of them saw when it was scheduled: a block freed
-                since may still be written by it. None: no step in flight.
-        """
-        return max(self.floor, kv.num_blocks - self._free_tail(kv, safe_tail))
-
-    @staticmethod
-    def _free_tail(kv: KVCacheManager, safe_tail: int | None) -> int:
-        tail = kv.num_free_tail_blocks()
-        return tail if safe_tail is None else min(tail, safe_tail)
+    def lowest_now(self, kv: KVCacheManager) -> int:
+        """The fewest blocks the pool can shrink to without moving a block: the floor, or
+        more while tail blocks are in use."""
+        return max(self.floor, kv.num_blocks - kv.num_free_tail_blocks())
 
     def shortfall(self, kv: KVCacheManager, blocks_wanted: int) -> int:
         """Blocks the requests ask for beyond the free ones (with the low-water mark),
@@ -251,7 +233,7 @@ class ElasticKVPolicy:
             boundaries: a growth's inner allocation ends (where the workers
                 split it, `growth_points`): counts a shrink may go back to.
         """
-        self._tail_free_since = None
+        self._spare_since = None
         if num_blocks > self.committed:
             self.boundaries += sorted(b for b in boundaries if self.committed < b < num_blocks)
             self.boundaries.append(num_blocks)

@@ -107,10 +107,8 @@ class EngineCore:
                 self.scheduler, self.model_executor.collective_rpc, share_as, time.monotonic)
         self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
         # Async scheduling: steps launched whose outputs are not yet applied (at most 2).
-        # Each entry: the step, its output to come, and the pool's free tail blocks when it
-        # was scheduled (an elastic shrink may drop only blocks free then: the step may
-        # write any block that was taken).
-        self._batch_queue: deque[tuple[SchedulerOutput, Any, int]] = deque()
+        # Each entry: the step and its output to come.
+        self._batch_queue: deque[tuple[SchedulerOutput, Any]] = deque()
         self._scheduled_req_ids: list[str] = []  # of the last (possibly failed) step
         self._kv_memory: KVCacheMemory | None = None  # cached; None = read it again
         self._sleeping: bool | None = False
@@ -253,18 +251,17 @@ class EngineCore:
                 self._scheduled_req_ids = list(scheduler_output.num_scheduled_tokens)
                 runner_output = self._execute(scheduler_output)
                 if not scheduler_output.is_empty:
-                    tail = self.scheduler.kv_cache_manager.num_free_tail_blocks()
-                    queue.append((scheduler_output, runner_output, tail))
+                    queue.append((scheduler_output, runner_output))
                     launched = True
             if not queue or (launched and len(queue) == 1):
                 return []  # nothing was in flight: launch the next step before waiting
-            scheduler_output, runner_output, _ = queue[0]
+            scheduler_output, runner_output = queue[0]
             outputs = self.scheduler.update_from_output(
                 scheduler_output, _resolve(runner_output))
             queue.popleft()
             return outputs
         except BaseException:
-            in_flight = [r for so, _, _ in queue for r in so.num_scheduled_tokens]
+            in_flight = [r for so, _ in queue for r in so.num_scheduled_tokens]
             self._scheduled_req_ids = list(dict.fromkeys([*in_flight, *self._scheduled_req_ids]))
             queue.clear()
             raise
@@ -272,7 +269,7 @@ class EngineCore:
     def _drain_batch_queue(self) -> None:
         """Wait for the steps in flight and apply their outputs (before memory goes away)."""
         while self._batch_queue:
-            scheduler_output, runner_output, _ = self._batch_queue.popleft()
+            scheduler_output, runner_output = self._batch_queue.popleft()
             self.scheduler.update_from_output(scheduler_output, _resolve(runner_output))
 
     # ------------------------------------------------------ the elastic cache
@@ -281,8 +278,8 @@ class EngineCore:
         without the elastic cache, or asleep); see `ElasticKVController.adjust`.
 
         Called before every step and at every idle poll of the engine loop. With
-        async scheduling a shrink waits until no step is in flight (a block freed
-        after a step was launched can be one that step writes).
+        async scheduling the pages of a shrink are released at the next call (a
+        step in flight may still write them; the workers wait for it).
 
         Returns:
             True when the committed block count, or a figure `kv_cache_memory()`
@@ -290,9 +287,8 @@ class EngineCore:
         """
         if self.elastic_kv is None or self.is_sleeping():
             return False
-        in_flight = [tail for _, _, tail in self._batch_queue]
         version = self.elastic_kv.figures_version
-        changed = self.elastic_kv.adjust(min(in_flight) if in_flight else None)
+        changed = self.elastic_kv.adjust(step_in_flight=bool(self._batch_queue))
         if changed:
             self._kv_memory = None
         return changed or self.elastic_kv.figures_version != version

@@ -12,8 +12,8 @@ poll of the engine loop, `adjust()`:
        scheduler adopts it; no step waits for the driver. What the requests
        still lack with no growth under way is published as a demand to the
        device's other elastic engines (`DeviceSharing.want`);
-       shrinks: the scheduler's pool drops the free tail, then the workers
-       release the pages;
+       shrinks (the idle timer): as a release for a peer (3.), without
+       preempting;
     3. answers a peer's demand (also while it lacks memory itself): releases
        whole pieces at once (`ElasticKVPolicy.reclaim_target`), not after the
        idle timer, keeping its own low-water mark and demand free; the blocks
@@ -31,14 +31,11 @@ poll of the engine loop, `adjust()`:
     4. publishes committed / in-use / reclaimable / limit to the registry
        (`vllm kv-top`, /metrics), at most every `PUBLISH_S`.
 
-With async scheduling a step is in flight while this runs: the timer's
-shrink drops only tail blocks that were free when every step in flight was
-scheduled (a block freed since may still be one such a step writes); a
-release for a peer (moves, preemption) leaves the scheduler's pool at once
-and reaches the workers at the next call. The block copies are enqueued on
-the device's stream after the step in flight (which may still write the
-sources) and before the next; the workers wait for the device before they
-unmap.
+With async scheduling a step is in flight while this runs: a release leaves
+the scheduler's pool at once and reaches the workers at the next call; the
+block copies are enqueued on the device's stream after the step in flight
+(which may still write the sources) and before the next; the workers wait
+for the device before they unmap.
 Nothing here runs inside a step; a release takes the driver calls' time
 (~0.1-0.4 ms per 1-8 GiB on the H200, docs/elastic_kv_cache.md).
 """
@@ -121,19 +118,19 @@ class ElasticKVController:
         return 0 if self.sharing is None else self.sharing.num_reclaims
 
     # ----------------------------------------------------------- the step
-    def adjust(self, safe_tail: int | None = None) -> bool:
+    def adjust(self, step_in_flight: bool = False) -> bool:
         """Grow, shrink or release for a peer as needed now; True when the count changed.
 
         Args:
-            safe_tail: with steps in flight (async scheduling), the fewest free
-                tail blocks any of them saw when it was scheduled (only those may
-                go: a block freed since may still be written); None: none in flight.
+            step_in_flight: a step is on the device (async scheduling): what is
+                released leaves the scheduler's pool now and reaches the workers
+                at the next call, after it.
         """
         self._release_now()
         s, policy = self.scheduler, self.policy
         kv = s.kv_cache_manager
         wanted = blocks_wanted(s.waiting, s.running, s.block_size)
-        target = policy.target(kv, wanted, safe_tail)
+        target = policy.target(kv, wanted)
         changed, lacking = False, 0
         if target is not None and target > s.num_blocks:
             # What this engine just gave is the asker's to take (HOLD_AFTER_GIVING_S): no
@@ -144,17 +141,17 @@ class ElasticKVController:
                 # the device's other engines for it.
                 lacking = 0 if in_flight else policy.shortfall(kv, wanted)
         elif target is not None:
-            changed = self.shrink(target)
+            changed = self.release_to(target, release_now=not step_in_flight)
         if self.sharing is not None:
             if changed:  # a peer's answer reads this engine's committed bytes
                 self.publish(force=True)
             self.sharing.want(lacking)
             # Also while lacking: a peer that holds less is answered down to the fair share.
-            changed = self._answer_peers(wanted, safe_tail) or changed
+            changed = self._answer_peers(wanted, step_in_flight) or changed
         self.publish(force=changed)
         return changed
 
-    def _answer_peers(self, wanted: int, safe_tail: int | None) -> bool:
+    def _answer_peers(self, wanted: int, step_in_flight: bool) -> bool:
         s, policy = self.scheduler, self.policy
         kv, planned = s.kv_cache_manager, []
 
@@ -174,7 +171,7 @@ class ElasticKVController:
         if not self.sharing.answer(release_for) or planned[-1] is None:
             return False
         self._gave_at = self.clock()
-        return self.release_to(planned[-1], release_now=safe_tail is None)
+        return self.release_to(planned[-1], release_now=not step_in_flight)
 
     def release_to(self, num_blocks: int, release_now: bool = True) -> bool:
         """Shrink to `num_blocks` (a boundary) whatever the requests hold above it.
