@@ -131,11 +131,11 @@ def test_committed_bytes_follow_a_burst_up_and_back_down(elastic_server):
 
 def test_a_runtime_limit_holds_the_cache_and_a_bare_post_restores_it(elastic_server):
     _wait_for_committed(elastic_server, FLOOR_BYTES)
-    # 90 MiB: 3 MiB a segment, rounded down to one granule = 85 blocks, the floor.
-    response = _set_limit(elastic_server, "90MiB")
+    # The limit in blocks' bytes, the unit /metrics and kv-top report: 85 blocks, the floor.
+    response = _set_limit(elastic_server, str(FLOOR_BYTES + BLOCK_BYTES - 1))
     assert response.status_code == 200, response.text
-    assert response.json() == {"limit_blocks": 85, "committed_bytes": FLOOR_BYTES,
-                               "num_blocks": 85}
+    assert response.json() == {"limit_blocks": 85, "limit_bytes": FLOOR_BYTES,
+                               "committed_bytes": FLOOR_BYTES, "num_blocks": 85}
     grows = scrape_metrics(elastic_server)["vllm:kv_cache_elastic_grows_total"]
     assert all(_burst(elastic_server))  # served within the floor (queued, not refused)
     metrics = scrape_metrics(elastic_server)
@@ -144,6 +144,11 @@ def test_a_runtime_limit_holds_the_cache_and_a_bare_post_restores_it(elastic_ser
     response = _set_limit(elastic_server, None)
     assert response.status_code == 200, response.text
     assert response.json()["limit_blocks"] == 341  # 8 MiB / 24 KiB
+    # A figure read back from the reply (or /metrics, kv-top) is the same limit: granule-
+    # rounded bytes made the bundled model's 341 blocks 256.
+    limit_bytes = response.json()["limit_bytes"]
+    assert limit_bytes == 341 * BLOCK_BYTES
+    assert _set_limit(elastic_server, str(limit_bytes)).json()["limit_blocks"] == 341
     assert "Elastic KV cache: limit set to 0.06 GiB (85 blocks)" in elastic_server.log()
 
 
@@ -156,7 +161,7 @@ def test_kv_top_and_metrics_show_one_committed_figure_and_the_served_name(
     from vllm.entrypoints.cli.kv_top import snapshot
 
     _wait_for_committed(elastic_server, FLOOR_BYTES)
-    assert _set_limit(elastic_server, "90MiB").status_code == 200  # the limit at the floor
+    assert _set_limit(elastic_server, str(FLOOR_BYTES)).status_code == 200  # at the floor
     try:
         metrics = scrape_metrics(elastic_server)
         assert metrics["vllm:kv_cache_committed_bytes"] == FLOOR_BYTES

@@ -173,14 +173,15 @@ class PrometheusStatLogger:
             "Times the elastic KV cache grew (more blocks) while serving.")
         self.kv_cache_elastic_shrinks = make.counter(
             "vllm:kv_cache_elastic_shrinks",
-            "Times the elastic KV cache released free tail blocks.")
+            "Times the elastic KV cache released memory (pieces above a boundary; blocks in "
+            "use there moved below it first).")
         self.kv_cache_in_use_bytes = make.gauge(
             "vllm:kv_cache_in_use_bytes",
             "Elastic KV cache: bytes of the blocks requests hold.")
         self.kv_cache_reclaimable_bytes = make.gauge(
             "vllm:kv_cache_reclaimable_bytes",
-            "Elastic KV cache: bytes it could release now (free tail blocks, or ones holding "
-            "only evictable prefix-cache entries, above its floor).")
+            "Elastic KV cache: bytes it could release now without preempting (whole pieces "
+            "above its floor beyond what its requests use and its low-water mark).")
         self.kv_cache_limit_bytes = make.gauge(
             "vllm:kv_cache_limit_bytes",
             "Elastic KV cache: the most it may commit, bytes (POST /kv_cache/limit sets it).")

@@ -476,7 +476,8 @@ class AsyncLLM:
         Blocks above the limit are released once free (between steps).
 
         Returns:
-            {"limit_blocks", "committed_bytes", "num_blocks"} after the change.
+            {"limit_blocks", "limit_bytes", "committed_bytes", "num_blocks"} after the
+            change (bytes: blocks' bytes, the unit of /metrics and `vllm kv-top`).
 
         Raises:
             ValueError: a negative limit.
@@ -484,8 +485,8 @@ class AsyncLLM:
         """
         limit = await self._call(EngineCoreUtilities.set_kv_cache_limit, limit_bytes)
         memory = await self._call(EngineCoreUtilities.kv_cache_memory)
-        return {"limit_blocks": limit, "committed_bytes": memory.committed_bytes,
-                "num_blocks": memory.num_blocks}
+        return {"limit_blocks": limit, "limit_bytes": memory.limit_bytes,
+                "committed_bytes": memory.committed_bytes, "num_blocks": memory.num_blocks}
 
     async def get_scheduler_stats(self) -> SchedulerStats:
         """The scheduler's figures now (running, waiting, KV usage, ...)."""

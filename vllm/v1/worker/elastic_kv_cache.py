@@ -226,10 +226,10 @@ class ElasticKVCache:
     def set_limit(self, limit_bytes: int | None) -> ElasticBounds:
         """Set the runtime limit in bytes (None: back to the start-up limit).
 
-        Rounded down to whole blocks after granule rounding, clamped to
-        [floor, max_limit], and agreed across ranks (the smallest: a rank's
-        granule holds its own number of blocks). Does not shrink by itself: the
-        policy releases free tail blocks above the limit when they are free.
+        `limit_bytes` is in blocks' bytes (one block's bytes over all layers on
+        this rank): rounded down to whole blocks, clamped to [floor, max_limit],
+        and agreed across ranks (the smallest). Does not shrink by itself: the
+        policy releases the blocks above the limit once those in use fit below.
 
         Raises:
             ValueError: a negative limit, or one that is not an int (1.5, True, "8GiB").
@@ -244,11 +244,11 @@ class ElasticKVCache:
                                  f"None), got {limit_bytes!r}")  # 1.5 and True were blocks
             if limit_bytes < 0:
                 raise ValueError(f"the KV cache limit must be >= 0 bytes, got {limit_bytes}")
+            # Blocks' bytes, the unit /metrics, `vllm kv-top` and the reply report, so a
+            # figure read there comes back as the same count (granule-rounded bytes
+            # made the reported 341-block limit of the bundled model 256 blocks).
             config = self.kv_cache.config
-            limit = sizing.num_blocks_for_bytes(
-                limit_bytes, config.block_stride, config.num_segments,
-                self.kv_cache.granularity,
-            )
+            limit = limit_bytes // (config.block_stride * config.num_segments)
             limit = min(max(limit, b.floor), b.max_limit)
         limit = self.agree(limit)  # every rank takes the same branch: a collective
         self.bounds = ElasticBounds(b.floor, limit, b.max_limit, b.chunk)
