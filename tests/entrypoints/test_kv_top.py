@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from vllm.v1.core.device_registry import DeviceKVRegistry
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -59,11 +61,12 @@ def test_a_small_engine_reads_in_mib_not_zeros(tmp_path):
         registry.close()
 
 
-def test_a_bad_interval_is_a_usage_error(tmp_path):
+@pytest.mark.parametrize("value", ["0", "abc"])
+def test_a_bad_interval_is_a_usage_error(tmp_path, value):
     out = subprocess.run(
-        [sys.executable, "-m", "vllm.entrypoints.cli.main", "kv-top", "--interval", "0"],
+        [sys.executable, "-m", "vllm.entrypoints.cli.main", "kv-top", "--interval", value],
         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "must be > 0" in out.stderr
+    assert out.returncode == 2 and "> 0" in out.stderr and "_positive" not in out.stderr
 
 
 def test_a_reader_that_stops_reading_ends_it_quietly(tmp_path):
@@ -86,17 +89,25 @@ def test_a_reader_that_stops_reading_ends_it_quietly(tmp_path):
 
 def test_a_registry_of_another_version_is_named_and_skipped(tmp_path):
     """A file of another layout beside a good registry: kv-top shows the good one and
-    names the other on stderr (it stopped with an OSError traceback); random bytes in a
-    slot (a pid no process can have) count as no engine (OverflowError from os.kill)."""
+    names the other on stderr (it stopped with an OSError traceback), and leaves it as it
+    was, also a short one (it was made a registry, kv-top's reading included); random
+    bytes in a slot (a pid no process can have) count as no engine (OverflowError from
+    os.kill)."""
     (tmp_path / "vllm-kv-GPU-old").write_bytes(b"NOTAKVR9" + bytes(20_000))
-    (tmp_path / "vllm-kv-GPU-junk").write_bytes(bytes(24) + b"\xff" * 7 + b"\x7f")
+    (tmp_path / "vllm-kv-GPU-short").write_bytes(b"x")
+    DeviceKVRegistry("GPU-junk", tmp_path).close()
+    with open(tmp_path / "vllm-kv-GPU-junk", "r+b") as f:  # slot 0's pid: 2**63 - 1
+        f.seek(24)
+        f.write(b"\xff" * 7 + b"\x7f")
     registry = DeviceKVRegistry("GPU-1234", tmp_path)
     registry.register("Llama-3-8B")
     try:
         out = _kv_top(tmp_path)
         assert out.returncode == 0, out.stderr
         assert "Llama-3-8B" in out.stdout and "GPU-junk" not in out.stdout
-        assert out.stderr.strip() == (f"vllm kv-top: skipped: {tmp_path / 'vllm-kv-GPU-old'} "
-                                      "is not a KV registry of this version")
+        assert out.stderr.strip().splitlines() == [
+            f"vllm kv-top: skipped: {tmp_path / name} is not a KV registry of this version"
+            for name in ("vllm-kv-GPU-old", "vllm-kv-GPU-short")]
+        assert (tmp_path / "vllm-kv-GPU-short").read_bytes() == b"x"
     finally:
         registry.close()

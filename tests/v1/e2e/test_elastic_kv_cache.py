@@ -143,8 +143,8 @@ def test_committed_bytes_and_rss_follow_the_load_up_and_down(elastic_llm, offlin
 
 def test_a_runtime_limit_caps_growth_and_releases_blocks_above_it(elastic_llm):
     core = elastic_llm.llm_engine.engine_core
-    # 90 MiB: (90 MiB / 30 segments) rounded down to one granule = 85 blocks = the floor.
-    assert elastic_llm.llm_engine.set_kv_cache_limit(90 * MiB) == 85
+    # In blocks' bytes (30 segments of 24 KiB a block), rounded down: 85 blocks, the floor.
+    assert elastic_llm.llm_engine.set_kv_cache_limit(86 * 30 * 24 * 1024 - 1) == 85
     assert core.scheduler.max_num_blocks == 85
     elastic_llm.generate(PROMPTS, GREEDY, use_tqdm=False)  # queues instead of growing
     assert core.num_blocks == 85 and core.worker.kv_cache.committed_bytes == 60 * MiB

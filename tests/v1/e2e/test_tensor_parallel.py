@@ -114,10 +114,10 @@ def test_mp_tp2_elastic_ranks_agree_at_start_after_growth_and_after_shrink(tp_re
         assert policy.num_shrinks >= 1
         assert committed() == floor
 
-        # 90 MiB: one granule per segment on either rank, 128 blocks on rank 0
-        # and 256 on rank 1; the ranks agree on 128.
-        assert llm.llm_engine.set_kv_cache_limit(90 * MiB) == 128
-        assert [b.limit for b in run(Worker.elastic_kv_cache_bounds)] == [128, 128]
+        # 90 MiB in each rank's blocks' bytes: 192 of rank 0's blocks (16 KiB in each of
+        # 30 segments), 384 of rank 1's (8 KiB); the ranks agree on 192.
+        assert llm.llm_engine.set_kv_cache_limit(90 * MiB) == 192
+        assert [b.limit for b in run(Worker.elastic_kv_cache_bounds)] == [192, 192]
         limit = llm.llm_engine.set_kv_cache_limit(None)
         assert [b.limit for b in run(Worker.elastic_kv_cache_bounds)] == [limit, limit]
         assert committed() == floor

@@ -46,7 +46,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _positive(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:  # argparse would name this function ("invalid _positive value")
+        raise argparse.ArgumentTypeError(
+            f"must be a number of seconds > 0, got {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value

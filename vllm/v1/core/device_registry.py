@@ -163,11 +163,15 @@ class DeviceKVRegistry:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             with _locked(fd, exclusive=True):
-                if os.fstat(fd).st_size < size:
+                # Only a new (empty) file is made a registry: a short one is not ours (it
+                # was overwritten, kv-top's reading included, until 2026-12-07).
+                found = os.fstat(fd).st_size
+                if found == 0:
                     os.ftruncate(fd, size)
                     os.pwrite(fd, _HEADER.pack(MAGIC, _SLOT.size, NUM_SLOTS), 0)
-                magic, slot_size, num_slots = _HEADER.unpack(os.pread(fd, _HEADER.size, 0))
-            if (magic, slot_size, num_slots) != (MAGIC, _SLOT.size, NUM_SLOTS):
+                header = os.pread(fd, _HEADER.size, 0) if found in (0, size) else b""
+            if len(header) != _HEADER.size or _HEADER.unpack(header) != (
+                    MAGIC, _SLOT.size, NUM_SLOTS):
                 raise OSError(f"{self.path} is not a KV registry of this version")
             self._map = mmap.mmap(fd, size)
         except BaseException:
