@@ -33,32 +33,28 @@ def _rss() -> int:
     raise RuntimeError("no VmRSS")
 
 
-@pytest.fixture(scope="module")
-def elastic_llm():
+def _elastic_engine(**extra):
+    """The bundled model with the elastic cache, its shrink delay 0, shut down after."""
     mp = pytest.MonkeyPatch()
     mp.setenv("VLLM_ELASTIC_KV_SHRINK_DELAY_S", "0")
     engine = LLM(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=512,
-                 kv_cache_memory_bytes=256 * MiB, enable_elastic_kv_cache=True,
-                 enable_sleep_mode=True)
+                 kv_cache_memory_bytes=256 * MiB, enable_elastic_kv_cache=True, **extra)
     yield engine
     engine.llm_engine.shutdown()
     mp.undo()
     gc.collect()
+
+
+@pytest.fixture(scope="module")
+def elastic_llm():
+    yield from _elastic_engine(enable_sleep_mode=True)
 
 
 @pytest.fixture(scope="module")
 def async_elastic_llm(elastic_llm):
     """The same engine with async scheduling (the CUDA default): a step is in flight
     whenever the elastic cache adjusts."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("VLLM_ELASTIC_KV_SHRINK_DELAY_S", "0")
-    engine = LLM(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=512,
-                 kv_cache_memory_bytes=256 * MiB, enable_elastic_kv_cache=True,
-                 async_scheduling=True)
-    yield engine
-    engine.llm_engine.shutdown()
-    mp.undo()
-    gc.collect()
+    yield from _elastic_engine(async_scheduling=True)
 
 
 def _texts(llm: LLM) -> list[str]:

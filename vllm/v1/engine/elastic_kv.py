@@ -254,7 +254,7 @@ class ElasticKVController:
         committed = s.num_blocks
         wanted = blocks_wanted(s.waiting, s.running, s.block_size)
         keep = policy.reclaim_target(kv, committed, wanted)  # all that can go now
-        figures = dict(committed=committed, in_use=committed - 1 - kv.get_num_free_blocks(),
+        figures = dict(committed=committed, in_use=kv.num_blocks_in_use(),
                        reclaimable=0 if keep is None else committed - keep,
                        floor=policy.floor, limit=policy.limit)
         if figures == self.figures:
