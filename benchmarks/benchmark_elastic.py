@@ -27,7 +27,9 @@ three where the server exports them). Per experiment and mode:
     tokens served, duration, output throughput, TTFT p50 / p99, ITL p99 (ms),
     preemptions, failed requests, OOMs (a server died or logged "out of
     memory"), CUDA graph captures per engine ("Captured ... CUDA graphs
-    (decode)" log lines: 1 = never re-captured), the same per engine
+    (decode)" log lines: 1 = never re-captured), the same per engine, and per
+    engine each request's send time, TTFT, end-to-end time and output tokens
+    (`per_request`)
 
 and the ratios elastic / static and elastic / alone (throughput, TTFT p99, ITL
 p99), with the issue's targets checked (`targets`). JSON to stdout and `--out`
@@ -298,6 +300,17 @@ def _merge(runs: list[dict], n_waves: int) -> dict:
     return merged
 
 
+def per_request(waves: list[WaveResult], i: int) -> list[list]:
+    """Engine `i`'s requests in `waves`, each [wave, sent (s after the engine's first
+    send in that wave), TTFT (ms), end to end (s), output tokens] (failed: TTFT -1)."""
+    rows = []
+    for k, wave in enumerate(waves):
+        t0 = min((r.start_s for r in wave.results[i]), default=0.0)
+        rows += [[k, round(r.start_s - t0, 3), round(r.ttft_s * 1000, 1) if r.ok else -1,
+                  round(r.e2e_s, 3), r.output_tokens] for r in wave.results[i]]
+    return rows
+
+
 def summarize(mode: str, run: dict, args) -> dict:
     """One mode's figures of one experiment (a `_merge`d run): pooled over its engines,
     and per engine (its throughput over the time its own streams took)."""
@@ -312,6 +325,7 @@ def summarize(mode: str, run: dict, args) -> dict:
         i = NAMES.index(n)
         mine = [w for w in waves if i in w.results]
         engine = latency_figures(results[i])
+        engine["per_request"] = per_request(mine, i)
         busy = sum(w.duration_s[i] for w in mine) + args.gap_s * max(len(mine) - 1, 0)
         engine.update(shape=args.shapes[i], output_throughput=engine["tokens_served"]
                       / max(busy, 1e-9), preemptions=run["preemptions"][n],
