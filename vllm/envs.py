@@ -250,7 +250,9 @@ _declare("VLLM_ELASTIC_KV_SHARING", _flag, True, """
 _declare("VLLM_KV_REGISTRY_DIR", _path, None, """
     Directory of the per-device registry files of elastic engines (vllm-kv-<device>).
     Default /dev/shm where it exists, else the temp directory. Engines share a device's
-    registry only when they use the same directory.""")
+    registry only when they use the same directory. One that is missing or not writable:
+    an engine serves without the registry (one warning naming it); missing or not
+    readable: `vllm kv-top` exits 2 naming it.""")
 
 _declare("VLLM_NIXL_SIDE_CHANNEL_HOST", _text, "127.0.0.1", """
     Address the NixlConnector producer's handshake socket (ZMQ REP) listens on when

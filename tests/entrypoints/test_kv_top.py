@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from dataclasses import fields
 
 import pytest
 
-from vllm.v1.core.device_registry import DeviceKVRegistry
+from vllm.v1.core.device_registry import DeviceKVRegistry, EngineSlot
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -111,3 +113,52 @@ def test_a_registry_of_another_version_is_named_and_skipped(tmp_path):
         assert (tmp_path / "vllm-kv-GPU-short").read_bytes() == b"x"
     finally:
         registry.close()
+
+
+@pytest.mark.parametrize("make, problem", [
+    (lambda p: None, "does not exist"),
+    (lambda p: p.write_text(""), "is not a directory"),
+])
+def test_a_registry_dir_that_is_not_a_directory_is_a_usage_error(tmp_path, make, problem):
+    """`--registry-dir /nonexistent` (a typo) said "no elastic engine is running" and
+    exited 0; now one line naming the path, exit 2, as a bad flag value. So does a
+    VLLM_KV_REGISTRY_DIR naming one; an existing empty directory is still no engine."""
+    path = tmp_path / "registry"
+    make(path)
+    out = _kv_top(path)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == (f"vllm kv-top: error: argument --registry-dir: {path} {problem} "
+                          "(see vllm kv-top --help)\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "vllm.entrypoints.cli.main", "kv-top", "--once", "--json"],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "VLLM_KV_REGISTRY_DIR": str(path)})
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == f"vllm kv-top: error: VLLM_KV_REGISTRY_DIR: {path} {problem}\n"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    out = _kv_top(empty)
+    assert (out.returncode, out.stdout) == (0, "no elastic engine is running (none registered)\n")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads every directory")
+def test_an_unreadable_registry_dir_is_a_usage_error(tmp_path):
+    path = tmp_path / "registry"
+    path.mkdir(mode=0o300)
+    out = _kv_top(path)
+    assert out.returncode == 2 and f"{path} is not readable" in out.stderr
+
+
+def test_help_lists_the_json_fields():
+    """`--json`'s fields are listed in `vllm kv-top --help` (they were documented nowhere):
+    every field of a slot, each once, and the two keys of a snapshot."""
+    out = subprocess.run([sys.executable, "-m", "vllm.entrypoints.cli.main", "kv-top", "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    epilog = out.stdout.split("--json: one object per snapshot", 1)[1]
+    assert '{"time": unix seconds, "devices": {DEVICE: [ENGINE, ...], ...}}' in epilog
+    listed = set()  # the first column: "  pid, start_ticks   the engine core process ..."
+    for line in epilog.splitlines():
+        if line.startswith("  ") and line[2:3].isalpha():
+            listed.update(name.strip() for name in line.split("  ")[1].split(","))
+    assert listed == {f.name for f in fields(EngineSlot)}

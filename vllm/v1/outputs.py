@@ -139,14 +139,17 @@ class KVCacheMemory:
             segment, up to about one granule a segment above committed_bytes
             (== on the classic path; 0 while asleep).
         num_blocks: committed blocks, counting the null block.
+        block_bytes: bytes of one block over all layers (summed over the ranks).
         num_grows / num_shrinks: how often the elastic cache grew / released
             memory while serving (0 without it).
-        in_use_bytes / reclaimable_bytes / limit_bytes: the elastic cache's
-            blocks that requests hold, that it could release now without
+        in_use_bytes: bytes of the blocks requests hold (the engine core fills it in;
+            the null block not counted).
+        reclaimable_bytes: what the elastic cache could release now without
             preempting (whole pieces above its floor beyond what its requests
-            use; blocks in use are moved below), and the most it may hold;
-            bytes summed over the ranks
-            (0 without it).
+            use; blocks in use are moved below); 0 for a fixed cache.
+        limit_bytes: the most the cache may hold: the elastic cache's limit, a
+            fixed cache's own blocks (it cannot grow; also while asleep, what it
+            wakes to).
         num_reclaims: times it released blocks for another engine on the device.
     """
 
@@ -160,3 +163,4 @@ class KVCacheMemory:
     limit_bytes: int = 0
     num_reclaims: int = 0
     physical_bytes: int = 0
+    block_bytes: int = 0

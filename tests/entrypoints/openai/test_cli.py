@@ -283,6 +283,14 @@ ENGINE_REFUSALS = [
         "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
         "kv_connector_extra_config": {"cpu_bytes_to_use": 1}})],
      2, "cpu_bytes_to_use=1 holds no KV block"),
+    # Below two KV blocks (737280 bytes each), on every path: the flag and the minimum
+    # named, exit 2. The elastic and classic paths said "the device is too small for even
+    # one KV cache block" (exit 1); the default path served with two blocks.
+    *[(flags + ["--kv-cache-memory-bytes", str(nbytes)], 2,
+       f"kv_cache_memory_bytes (--kv-cache-memory-bytes) {nbytes} is below the minimum of "
+       f"1474560 bytes: 2 KV cache blocks of 737280 bytes")
+      for flags, nbytes in [([], 1), (["--enable-elastic-kv-cache"], 1),
+                            (["--no-enable-extensible-kv-cache"], 1474559)]],
 ]
 
 

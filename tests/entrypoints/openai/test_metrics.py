@@ -66,6 +66,10 @@ def test_names_parse_and_memory_gauges(server):
     committed = metrics["vllm:kv_cache_committed_bytes"]
     reserved = metrics["vllm:kv_cache_reserved_bytes"]
     assert 0 < committed <= reserved
+    # A fixed cache (no --enable-elastic-kv-cache): its limit is its size, not 0, so in
+    # use <= committed <= limit holds as with the elastic cache.
+    assert metrics["vllm:kv_cache_limit_bytes"] == committed
+    assert 0 <= metrics["vllm:kv_cache_in_use_bytes"] <= committed
     assert metrics["vllm:kv_cache_num_blocks"] > 1
     assert 0.0 <= metrics["vllm:kv_cache_usage_perc"] <= 1.0
 

@@ -47,6 +47,26 @@ def test_explicit_size_within_one_granule_and_max_model_len_fitted(small_cache_l
         small_cache_llm.generate(["Hello"], SamplingParams(max_tokens=1500), use_tqdm=False)
 
 
+def test_a_fixed_cache_reports_its_blocks_in_use_and_its_size_as_its_limit(small_cache_llm):
+    """Without the elastic cache the in-use and limit figures (/metrics'
+    vllm:kv_cache_in_use_bytes and vllm:kv_cache_limit_bytes) read 0, so in use <=
+    committed <= limit did not hold: in use is the blocks requests hold, the limit the
+    cache's own blocks (it cannot grow), both in blocks' bytes (720 KiB each)."""
+    engine, block = small_cache_llm.llm_engine, 737280
+    idle = engine.get_kv_cache_memory()
+    assert idle.limit_bytes == idle.committed_bytes == 91 * block and idle.in_use_bytes == 0
+    engine.add_request("in-use", {"prompt_token_ids": [29] * 100},
+                       SamplingParams(max_tokens=4, ignore_eos=True))
+    try:
+        engine.step()  # the whole prompt in one step: ceil(100 / 16) = 7 blocks
+        memory = engine.get_kv_cache_memory()
+        assert memory.in_use_bytes == 7 * block
+        assert memory.in_use_bytes <= memory.committed_bytes <= memory.limit_bytes
+    finally:
+        engine.abort_request(["in-use"])
+    assert engine.get_kv_cache_memory().in_use_bytes == 0
+
+
 def test_committed_kv_never_exceeds_what_the_engine_can_use():
     # max_num_seqs 1 x max_model_len 256 = 17 blocks of use: one granule per layer
     # (85 blocks, 60 MiB), not the CPU default budget of several GiB.

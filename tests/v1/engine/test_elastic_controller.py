@@ -1,6 +1,11 @@
 """ElasticKVController between steps, on a real scheduler and policy, fake worker RPCs and
 a real device registry in a temporary directory."""
+import logging
+
+import pytest
+
 from tests.v1.core.fake_runner import make_request, make_scheduler
+from vllm import envs
 from vllm.v1.core.elastic import ElasticKVPolicy
 from vllm.v1.core.elastic_sharing import DeviceShare, DeviceSharing
 from vllm.v1.engine.elastic_kv import ElasticKVController
@@ -62,3 +67,39 @@ def test_a_lacking_engine_answers_a_peer_with_the_count_it_holds_now(tmp_path, m
     finally:
         peer.close()
         a.close()
+
+
+@pytest.mark.parametrize("make, cause", [
+    (lambda d: None, "does not exist"),
+    (lambda d: d.write_text(""), "is not a directory"),
+])
+def test_a_registry_directory_that_cannot_be_used_is_named_with_its_own_hint(
+        tmp_path, monkeypatch, caplog, make, cause):
+    """VLLM_KV_REGISTRY_DIR naming no directory: the engine serves without the registry and
+    its one warning says the directory's problem and names the variable (it said "remove the
+    file or set VLLM_KV_REGISTRY_DIR", the hint for a foreign file, which stays that)."""
+    directory = tmp_path / "registry"
+    make(directory)
+    monkeypatch.setenv("VLLM_KV_REGISTRY_DIR", str(directory))
+    sched = make_scheduler(num_blocks=100, block_size=16, max_model_len=4096,
+                           max_num_batched_tokens=4096,
+                           elastic=ElasticKVPolicy(committed=100, floor=100, limit=1000,
+                                                           chunk=100))
+    with caplog.at_level(logging.WARNING):
+        controller = ElasticKVController(sched, FakeWorkers(), "A", lambda: 0.0)
+    assert controller.sharing is None
+    (warning,) = [r.getMessage() for r in caplog.records if "device registry" in r.getMessage()]
+    assert f"KV registry directory {directory} {cause}" in warning
+    assert warning.endswith("set VLLM_KV_REGISTRY_DIR to a directory this user can write, "
+                            "or unset it (default /dev/shm)"), warning
+    assert "remove the file" not in warning
+
+    monkeypatch.setenv("VLLM_KV_REGISTRY_DIR", str(tmp_path))  # a foreign file: its hint
+    envs.reset()
+    (tmp_path / "vllm-kv-dev").write_bytes(b"NOTAKVR9" + bytes(20_000))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        ElasticKVController(sched, FakeWorkers(), "A", lambda: 0.0)
+    assert caplog.records[-1].getMessage().endswith(
+        "is not a KV registry of this version): no reclaim on a peer's demand, idle release "
+        "on the timer only; remove the file or set VLLM_KV_REGISTRY_DIR")

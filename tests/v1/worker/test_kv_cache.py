@@ -45,7 +45,7 @@ def test_classic_is_fully_committed_and_one_span(driver):
     views = kv.allocate(10)
     assert kv.committed_blocks == kv.capacity_blocks == 10
     assert kv.memory() == KVCacheMemory(3 * 10 * PAGE, 3 * 10 * PAGE, 10,
-                                        physical_bytes=3 * 10 * PAGE)
+                                        physical_bytes=3 * 10 * PAGE, block_bytes=3 * PAGE)
     base = views[LAYERS[0]].data_ptr()
     assert kv.committed_spans() == [(base, 3 * 10 * PAGE)]  # the layers are adjacent
     assert kv.extend_kv_cache(10) is views  # equal count: a no-op
@@ -56,7 +56,7 @@ def test_classic_is_fully_committed_and_one_span(driver):
     with pytest.raises(ValueError, match="allocates its whole layout: 8 blocks asked"):
         ClassicKVCacheBuffers(_config(10), CPU).allocate(8)
     kv.free()
-    assert kv.views == {} and kv.memory() == KVCacheMemory(0, 0, 0)
+    assert kv.views == {} and kv.memory() == KVCacheMemory(0, 0, 0, block_bytes=3 * PAGE)
 
 
 def test_extensible_grows_under_the_same_base_with_views_over_committed_blocks(driver):
@@ -68,7 +68,7 @@ def test_extensible_grows_under_the_same_base_with_views_over_committed_blocks(d
     assert views[LAYERS[0]].data_ptr() == base
     # Two blocks' bytes committed; per segment the device holds them in one 2 MiB granule.
     assert kv.memory() == KVCacheMemory(3 * 2 * PAGE, 3 * capacity * PAGE, 2,
-                                        physical_bytes=3 * 2 * MiB)
+                                        physical_bytes=3 * 2 * MiB, block_bytes=3 * PAGE)
     views[LAYERS[1]][1].fill_(7.0)
     grown = kv.extend_kv_cache(100)
     assert [v.shape[0] for v in grown.values()] == [100, 100, 100]

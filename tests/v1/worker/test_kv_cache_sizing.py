@@ -25,6 +25,7 @@ from vllm.v1.worker.kv_cache_sizing import (
     MiB,
     blocks_filling_granules,
     capacity_blocks,
+    check_explicit_bytes,
     check_min_blocks,
     classic_kv_cache_bytes,
     classic_num_blocks,
@@ -262,6 +263,20 @@ def test_classic_count_from_a_profile():
     assert cpu.num_blocks == 1536
     with pytest.raises(KVCacheSizingError, match="too small for even one KV cache block"):
         classic_num_blocks(profile, 2 * MiB, gpu_memory_utilization=0.92, explicit_bytes=MiB)
+
+
+def test_an_explicit_size_below_two_blocks_names_the_flag_and_the_minimum():
+    """`--kv-cache-memory-bytes 1`: a usage error naming the flag and two blocks' bytes (the
+    null block and one for requests), the same on every path; two blocks' bytes pass."""
+    check_explicit_bytes(None, 737280)
+    check_explicit_bytes(2 * 737280, 737280)
+    for nbytes in (1, 2 * 737280 - 1):
+        with pytest.raises(ValueError) as error:
+            check_explicit_bytes(nbytes, 737280)
+        assert str(error.value) == (
+            f"kv_cache_memory_bytes (--kv-cache-memory-bytes) {nbytes} is below the minimum "
+            "of 1474560 bytes: 2 KV cache blocks of 737280 bytes (the null block and one for "
+            "requests)")
 
 
 def test_min_across_ranks():

@@ -33,16 +33,43 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "what it lacks when it could not grow. Read from the engines' "
                     "shared-memory registry.",
         usage="vllm kv-top [options]",
+        epilog=JSON_FIELDS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--interval", type=_positive, default=1.0,
                         help="Seconds between refreshes (default: %(default)s).")
     parser.add_argument("--once", action="store_true", help="Print one snapshot and exit.")
     parser.add_argument("--json", action="store_true",
-                        help="JSON (one object per snapshot: device -> engines, bytes).")
-    parser.add_argument("--registry-dir", default=None,
+                        help="JSON, one object per snapshot: device -> engines, bytes (the fields: "
+                             "below).")
+    parser.add_argument("--registry-dir", type=_directory, default=None,
                         help="Where the registries are (default: VLLM_KV_REGISTRY_DIR, "
-                             "else /dev/shm).")
+                             "else /dev/shm); an existing directory.")
     parser.set_defaults(dispatch=run)
+
+
+# `vllm kv-top --help`'s epilog: what `--json` prints, field by field (a test checks that
+# every `EngineSlot` field is listed, and nothing else).
+JSON_FIELDS = """\
+--json: one object per snapshot, one line each:
+  {"time": unix seconds, "devices": {DEVICE: [ENGINE, ...], ...}}
+DEVICE is the GPU's UUID ("host" on the CPU); each ENGINE (one per live engine,
+in slot order) has these fields, byte counts in blocks' bytes (blocks x the bytes
+of one block over all layers), so in_use <= committed <= limit:
+  pid, start_ticks   the engine core process and its start time (clock ticks
+                     since boot; tells a reused pid)
+  name               the served model name (its last 48 bytes)
+  committed          KV cache bytes committed on this device
+  in_use             bytes of the blocks its requests hold
+  reclaimable        bytes it could release now without preempting
+  floor, limit       the least and the most it holds
+  wanted             bytes it tried to commit and could not (0: none)
+  demand_seq         changes with each new demand
+  gave_to, gave_seq  the last demand it answered: the asker's slot + 1 and its
+                     demand_seq (0: none)
+  gave_bytes         bytes it released for that demand
+  reclaims           demands it answered, in all
+  updated            when the engine last wrote its figures (unix seconds)"""
 
 
 def _positive(text: str) -> float:
@@ -54,6 +81,17 @@ def _positive(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
+
+
+def _directory(text: str) -> str:
+    """`--registry-dir`: a directory that exists and can be read (a mistyped path read as
+    "no elastic engine is running", exit 0)."""
+    from vllm.v1.core.device_registry import directory_problem
+
+    problem = directory_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{text} {problem}")
+    return text
 
 
 def snapshot(directory: str | None = None) -> dict[str, list[dict]]:
@@ -105,6 +143,18 @@ def _size(nbytes: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Print snapshots until Ctrl-C (one with --once); 2 when the registry directory that
+    VLLM_KV_REGISTRY_DIR names cannot be read (`--registry-dir` is checked by argparse)."""
+    from vllm import envs
+    from vllm.v1.core.device_registry import directory_problem
+
+    configured = envs.VLLM_KV_REGISTRY_DIR
+    if args.registry_dir is None and configured:
+        problem = directory_problem(configured)
+        if problem is not None:
+            print(f"vllm kv-top: error: VLLM_KV_REGISTRY_DIR: {configured} {problem}",
+                  file=sys.stderr)
+            return 2
     live = not args.once and sys.stdout.isatty() and not args.json
     try:
         while True:

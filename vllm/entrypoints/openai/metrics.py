@@ -177,14 +177,17 @@ class PrometheusStatLogger:
             "use there moved below it first).")
         self.kv_cache_in_use_bytes = make.gauge(
             "vllm:kv_cache_in_use_bytes",
-            "Elastic KV cache: bytes of the blocks requests hold.")
+            "KV cache bytes of the blocks requests hold (blocks in use x bytes per block), "
+            "with or without the elastic cache.")
         self.kv_cache_reclaimable_bytes = make.gauge(
             "vllm:kv_cache_reclaimable_bytes",
             "Elastic KV cache: bytes it could release now without preempting (whole pieces "
-            "above its floor beyond what its requests use and its low-water mark).")
+            "above its floor beyond what its requests use and its low-water mark); 0 for a "
+            "fixed cache.")
         self.kv_cache_limit_bytes = make.gauge(
             "vllm:kv_cache_limit_bytes",
-            "Elastic KV cache: the most it may commit, bytes (POST /kv_cache/limit sets it).")
+            "The most the KV cache may commit, bytes: the elastic cache's limit (POST "
+            "/kv_cache/limit sets it); a fixed cache's own size (it cannot grow).")
         self.kv_cache_elastic_reclaims = make.counter(
             "vllm:kv_cache_elastic_reclaims",
             "Times the elastic KV cache released blocks because another engine on the device "

@@ -34,6 +34,7 @@ import contextlib
 import fcntl
 import mmap
 import os
+import stat
 import struct
 import tempfile
 import time
@@ -51,6 +52,20 @@ NAME_BYTES = 48
 _SLOT = struct.Struct(f"<qq{NAME_BYTES}s" + "q" * 11 + "d")
 _HEADER = struct.Struct("<8sqq")  # magic, slot size, number of slots
 FILE_PREFIX = "vllm-kv-"
+# What to do about a registry file that is there but cannot be used.
+_FILE_HINT = "remove the file or set VLLM_KV_REGISTRY_DIR"
+# ... and about a registry directory that cannot hold one.
+_DIR_HINT = ("set VLLM_KV_REGISTRY_DIR to a directory this user can write, or unset it "
+             "(default /dev/shm)")
+
+
+class RegistryError(OSError):
+    """A registry that cannot be joined: `str()` says why (naming the path), `hint` what
+    the user can do about it (which differs for a missing directory and a foreign file)."""
+
+    def __init__(self, message: str, hint: str = "") -> None:
+        super().__init__(message)
+        self.hint = hint
 
 
 def default_registry_dir() -> Path:
@@ -60,6 +75,25 @@ def default_registry_dir() -> Path:
         return Path(configured)
     shm = Path("/dev/shm")
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+def directory_problem(path: Path | str, writable: bool = False) -> str | None:
+    """Why `path` cannot hold registries ("does not exist", "is not a directory", "is not
+    readable", "is not writable", or the system's reason), None when it can: read with
+    `writable=False` (`vllm kv-top`), also written with `writable=True` (an engine)."""
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return "does not exist"
+    except OSError as e:
+        return f"cannot be read ({e.strerror})"
+    if not stat.S_ISDIR(mode):
+        return "is not a directory"
+    if not os.access(path, os.R_OK | os.X_OK):
+        return "is not readable"
+    if writable and not os.access(path, os.W_OK | os.X_OK):
+        return "is not writable"
+    return None
 
 
 def process_start_ticks(pid: int) -> int | None:
@@ -151,7 +185,8 @@ class DeviceKVRegistry:
 
     Raises:
         ValueError: a key with other characters.
-        OSError: the file cannot be created or mapped.
+        RegistryError: the directory is missing or not writable, or the file cannot be
+            opened, is not a registry of this version, or cannot be mapped.
     """
 
     def __init__(self, device_key: str, directory: Path | str | None = None) -> None:
@@ -160,7 +195,7 @@ class DeviceKVRegistry:
         self.device_key = device_key
         self.path = Path(directory or default_registry_dir()) / f"{FILE_PREFIX}{device_key}"
         size = _HEADER.size + NUM_SLOTS * _SLOT.size
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = _open(self.path)
         try:
             with _locked(fd, exclusive=True):
                 # Only a new (empty) file is made a registry: a short one is not ours (it
@@ -172,10 +207,13 @@ class DeviceKVRegistry:
                 header = os.pread(fd, _HEADER.size, 0) if found in (0, size) else b""
             if len(header) != _HEADER.size or _HEADER.unpack(header) != (
                     MAGIC, _SLOT.size, NUM_SLOTS):
-                raise OSError(f"{self.path} is not a KV registry of this version")
+                raise RegistryError(f"{self.path} is not a KV registry of this version",
+                                    _FILE_HINT)
             self._map = mmap.mmap(fd, size)
-        except BaseException:
+        except BaseException as e:
             os.close(fd)
+            if isinstance(e, OSError) and not isinstance(e, RegistryError):  # e.g. ENOSPC
+                raise RegistryError(f"{self.path}: {e.strerror or e}", _FILE_HINT) from e
             raise
         self._fd = fd
         self.slot_index: int | None = None
@@ -273,6 +311,23 @@ class DeviceKVRegistry:
     def _write(self, index: int, slot: EngineSlot) -> None:
         start = _HEADER.size + index * _SLOT.size
         self._map[start:start + _SLOT.size] = slot.pack()
+
+
+def _open(path: Path) -> int:
+    """Open (or create) a registry file read-write; its directory's problem, if it has one,
+    is the error (a missing VLLM_KV_REGISTRY_DIR read "remove the file" before).
+
+    Raises:
+        RegistryError: naming the directory or the file, with what to do.
+    """
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as e:
+        problem = directory_problem(path.parent, writable=True)
+        if problem is not None:
+            raise RegistryError(f"KV registry directory {path.parent} {problem}",
+                                _DIR_HINT) from e
+        raise RegistryError(f"{path}: {e.strerror or e}", _FILE_HINT) from e
 
 
 def registered_devices(directory: Path | str | None = None) -> list[str]:

@@ -64,7 +64,8 @@ class DeviceSharing:
         clock: seconds, monotonic (tests pass their own).
 
     Raises:
-        OSError: a registry file cannot be created or mapped.
+        RegistryError (an OSError): a registry cannot be joined (its directory or file
+            named, with a hint that fits the cause).
         RuntimeError: a device's registry has no free slot.
     """
 

@@ -371,7 +371,8 @@ class EngineCore:
         return self.scheduler.get_stats()
 
     def kv_cache_memory(self) -> KVCacheMemory:
-        """Committed / reserved bytes (summed over the ranks) and committed blocks.
+        """Committed / reserved / in-use bytes (summed over the ranks), committed blocks
+        and the limit: the elastic cache's, a fixed cache's own size.
 
         Read from the workers only when it can have changed (start-up, sleep,
         wake, a resize): the frontend asks after every step, and with worker
@@ -381,24 +382,32 @@ class EngineCore:
             per_rank = self.model_executor.collective_rpc(Worker.kv_cache_memory)
             elastic = self.scheduler.elastic
             num_grows, num_shrinks = (elastic.num_grows, elastic.num_shrinks) if elastic else (0, 0)
+            block_bytes = sum(m.block_bytes for m in per_rank)
             self._kv_memory = KVCacheMemory(
                 committed_bytes=sum(m.committed_bytes for m in per_rank),
                 reserved_bytes=sum(m.reserved_bytes for m in per_rank),
                 num_blocks=per_rank[0].num_blocks,
                 physical_bytes=sum(m.physical_bytes for m in per_rank),
+                block_bytes=block_bytes,
+                # A fixed cache cannot grow: its limit is its blocks (also while asleep,
+                # when nothing is committed: what it wakes to), so in use <= committed
+                # <= limit holds on every path (both read 0 before 2026-12-07).
+                limit_bytes=per_rank[0].num_blocks * block_bytes,
                 num_grows=num_grows,
                 num_shrinks=num_shrinks,
             )
+        # The blocks requests hold change every step: from the scheduler's pool (no worker
+        # round trip).
+        block_bytes = self._kv_memory.block_bytes
+        in_use = self.scheduler.kv_cache_manager.num_blocks_in_use() * block_bytes
+        memory = replace(self._kv_memory, in_use_bytes=in_use)
         if self.elastic_kv is None:
-            return self._kv_memory
-        # What the requests use and what could go now change every step: from the
-        # controller's last publication (no worker round trip).
-        ekv, kv = self.elastic_kv, self.scheduler.kv_cache_manager
-        in_use = kv.num_blocks - 1 - kv.get_num_free_blocks()
-        return replace(self._kv_memory,
-                       in_use_bytes=in_use * ekv.block_bytes,
-                       reclaimable_bytes=ekv.figures["reclaimable"] * ekv.block_bytes,
-                       limit_bytes=self.scheduler.elastic.limit * ekv.block_bytes,
+            return memory
+        # What could go now: from the controller's last publication.
+        ekv = self.elastic_kv
+        return replace(memory,
+                       reclaimable_bytes=ekv.figures["reclaimable"] * block_bytes,
+                       limit_bytes=self.scheduler.elastic.limit * block_bytes,
                        num_reclaims=ekv.num_reclaims)
 
     def reset_prefix_cache(self) -> bool:

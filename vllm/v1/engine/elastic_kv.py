@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
+from vllm.v1.core.device_registry import RegistryError
 from vllm.v1.core.elastic import blocks_wanted
 from vllm.v1.core.elastic_sharing import DeviceShare, DeviceSharing
 from vllm.v1.worker.gpu_worker import Worker
@@ -78,7 +79,8 @@ class ElasticKVController:
         clock: seconds, monotonic.
 
     A registry file that cannot be joined (OSError: another version's, foreign
-    bytes, a directory that cannot be written) leaves sharing off with a warning.
+    bytes, a directory that does not exist or cannot be written) leaves sharing
+    off with one warning whose hint fits the cause (`RegistryError.hint`).
 
     Raises:
         RuntimeError: the device's registry has no free slot (see `DeviceSharing`).
@@ -106,10 +108,11 @@ class ElasticKVController:
             try:
                 self.sharing = DeviceSharing([DeviceShare(k, b) for k, b in devices.items()],
                                              share_as, clock=clock)
-            except OSError as e:  # a file of another version, or not ours: serve anyway
+            except OSError as e:  # a missing directory, a foreign file: serve anyway
                 logger.warning("Elastic KV cache: running without the device registry (%s): "
                                "no reclaim on a peer's demand, idle release on the timer "
-                               "only; remove the file or set VLLM_KV_REGISTRY_DIR", e)
+                               "only; %s", e, e.hint if isinstance(e, RegistryError)
+                               else "set VLLM_KV_REGISTRY_DIR to another directory")
         self.publish(force=True)
 
     @property

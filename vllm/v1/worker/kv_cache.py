@@ -293,7 +293,7 @@ class KVCacheBuffers(ABC):
         block_bytes = self.config.block_stride * self.config.num_segments
         committed = 0 if self.is_released else self.committed_blocks * block_bytes
         return KVCacheMemory(committed, self.reserved_bytes, self.committed_blocks,
-                             physical_bytes=self.committed_bytes)
+                             physical_bytes=self.committed_bytes, block_bytes=block_bytes)
 
 
 class ClassicKVCacheBuffers(KVCacheBuffers):

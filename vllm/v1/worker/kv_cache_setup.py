@@ -65,7 +65,14 @@ class KVCacheSetup:
 
     def allocate(self, specs: dict[str, KVCacheSpec],
                  profile: sizing.MemoryProfile) -> KVCacheBuffers:
-        """The one place that picks the KV cache object; everything else asks it."""
+        """The one place that picks the KV cache object; everything else asks it.
+
+        Raises:
+            ValueError: `kv_cache_memory_bytes` below two blocks (every rank raises it:
+                the ranks' blocks have the same bytes, so no rank waits for another).
+        """
+        sizing.check_explicit_bytes(self.cache.kv_cache_memory_bytes,
+                                    get_kv_cache_config(specs, 1).bytes_per_block)
         if self.plan.extensible_kv_cache:
             return self._reserve_extensible(specs)
         return self._allocate_classic(specs, profile)

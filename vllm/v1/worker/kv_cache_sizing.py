@@ -88,6 +88,8 @@ POST_WARMUP_FRACTION = 0.001
 # tables of dummy requests point only at it). Warmup thus commits two blocks'
 # worth of pages per segment, never memory the activation peak needs.
 WARMUP_NUM_BLOCKS = 2
+# The fewest blocks a KV cache has: the null block 0 and one a request can use.
+MIN_NUM_BLOCKS = 2
 
 
 class KVCacheSizingError(RuntimeError):
@@ -318,13 +320,30 @@ def blocks_filling_granules(
     return num_blocks_for_bytes(committed, block_stride, num_segments, granularity)
 
 
+def check_explicit_bytes(explicit_bytes: int | None, bytes_per_block: int) -> None:
+    """`kv_cache_memory_bytes` holds `MIN_NUM_BLOCKS` blocks, on every path: the one check
+    of the flag against the block size (not known before the model's layers exist). Below
+    that the classic and elastic paths said "the device is too small" (exit 1) and the
+    extensible one quietly committed its two warmup blocks.
+
+    Raises:
+        ValueError: naming the flag, the value and the minimum (a usage error, exit 2).
+    """
+    minimum = MIN_NUM_BLOCKS * bytes_per_block
+    if explicit_bytes is not None and explicit_bytes < minimum:
+        raise ValueError(
+            f"kv_cache_memory_bytes (--kv-cache-memory-bytes) {explicit_bytes} is below the "
+            f"minimum of {minimum} bytes: {MIN_NUM_BLOCKS} KV cache blocks of "
+            f"{bytes_per_block} bytes (the null block and one for requests)")
+
+
 def check_min_blocks(num_blocks: int, available_bytes: int, bytes_per_block: int) -> None:
     """At least one usable block besides the null block.
 
     Raises:
         KVCacheSizingError: naming the bytes available and the bytes one block needs.
     """
-    if num_blocks < 2:
+    if num_blocks < MIN_NUM_BLOCKS:
         raise KVCacheSizingError(
             f"the device is too small for even one KV cache block: {_gib(available_bytes)} "
             f"available for the cache, one block needs {bytes_per_block} bytes "
