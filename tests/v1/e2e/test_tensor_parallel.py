@@ -77,9 +77,9 @@ def test_mp_tp2_elastic_ranks_agree_at_start_after_growth_and_after_shrink(tp_re
                                                                           monkeypatch):
     # SmolLM2's 3 KV heads split 2 + 1, so rank 0's blocks are twice rank 1's: one
     # 2 MiB host granule per segment holds 128 of rank 0's blocks and 256 of rank
-    # 1's. Each rank's own floor (and the limit in blocks of a byte limit) thus
-    # differs; the ranks must agree on one count (the smallest) or the engine
-    # never starts ("the ranks ended with different block counts: [128, 256]").
+    # 1's. Each rank's own floor thus differs; the ranks must agree on one count
+    # (the smallest) or the engine never starts ("the ranks ended with different
+    # block counts: [128, 256]").
     monkeypatch.setenv("VLLM_ELASTIC_KV_SHRINK_DELAY_S", "0")
     llm = LLM(**ENGINE, kv_cache_memory_bytes=256 * MiB, tensor_parallel_size=2,
               distributed_executor_backend="mp", enable_elastic_kv_cache=True)
@@ -114,10 +114,13 @@ def test_mp_tp2_elastic_ranks_agree_at_start_after_growth_and_after_shrink(tp_re
         assert policy.num_shrinks >= 1
         assert committed() == floor
 
-        # 90 MiB in each rank's blocks' bytes: 192 of rank 0's blocks (16 KiB in each of
-        # 30 segments), 384 of rank 1's (8 KiB); the ranks agree on 192.
-        assert llm.llm_engine.set_kv_cache_limit(90 * MiB) == 192
+        # Bytes summed over the ranks, the unit /metrics reports: a block is 16 KiB in
+        # each of 30 segments on rank 0 and 8 KiB on rank 1, 720 KiB in all; 135 MiB
+        # (and anything short of the next block) is 192 blocks on both ranks.
+        block_bytes = (16 + 8) * 1024 * 30
+        assert llm.llm_engine.set_kv_cache_limit(192 * block_bytes + block_bytes - 1) == 192
         assert [b.limit for b in run(Worker.elastic_kv_cache_bounds)] == [192, 192]
+        assert core.kv_cache_memory().limit_bytes == 192 * block_bytes == 135 * MiB
         limit = llm.llm_engine.set_kv_cache_limit(None)
         assert [b.limit for b in run(Worker.elastic_kv_cache_bounds)] == [limit, limit]
         assert committed() == floor

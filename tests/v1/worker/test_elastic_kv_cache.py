@@ -85,8 +85,10 @@ def test_ranks_with_different_block_sizes_agree_on_floor_chunk_and_limit():
         assert world.rounds == [[128, 256]]
         assert [e.bounds for e in elastic] == [ElasticBounds(128, LIMIT, LIMIT, 32)] * 2
 
-        # 4 MiB per layer: 256 of rank 0's blocks, 512 of rank 1's (384 at most).
-        bounds = _on_both_ranks(lambda r: elastic[r].set_limit(12 * MiB))
+        # A count in blocks (the engine converts the user's bytes into one count for
+        # all ranks): each rank clamps what it is given to its bounds (rank 1: 384 at
+        # most) and the ranks agree on the smallest.
+        bounds = _on_both_ranks(lambda r: elastic[r].set_limit([256, 512][r]))
         assert world.rounds[-1] == [256, LIMIT]
         assert bounds == [ElasticBounds(128, 256, LIMIT, 32)] * 2
         bounds = _on_both_ranks(lambda r: elastic[r].set_limit(None))

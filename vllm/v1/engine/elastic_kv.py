@@ -269,12 +269,22 @@ class ElasticKVController:
 
     # ------------------------------------------------------ limit, sleep
     def set_limit(self, limit_bytes: int | None) -> int:
-        """A runtime ceiling in bytes (None: the start-up limit); returns it in blocks.
+        """A runtime ceiling in blocks' bytes summed over the ranks (the unit of /metrics
+        and `vllm kv-top`, so a figure read there comes back as the same count; None:
+        the start-up limit), rounded down to whole blocks; returns it in blocks.
 
         Raises:
-            ValueError: a negative limit.
+            ValueError: a limit that is negative or not an int (1.5, True, "8GiB").
         """
-        bounds = self.run(Worker.set_kv_cache_limit, args=(limit_bytes,))
+        limit_blocks = None
+        if limit_bytes is not None:
+            if not isinstance(limit_bytes, int) or isinstance(limit_bytes, bool):
+                raise ValueError("the KV cache limit must be an int number of bytes (or "
+                                 f"None), got {limit_bytes!r}")
+            if limit_bytes < 0:
+                raise ValueError(f"the KV cache limit must be >= 0 bytes, got {limit_bytes}")
+            limit_blocks = limit_bytes // self.block_bytes
+        bounds = self.run(Worker.set_kv_cache_limit, args=(limit_blocks,))
         limit = min(b.limit for b in bounds)
         self.policy.set_limit(limit)
         self.adjust()

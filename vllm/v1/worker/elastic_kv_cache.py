@@ -223,33 +223,27 @@ class ElasticKVCache:
             chunk=elastic_chunk_blocks(floor, max_limit),
         )
 
-    def set_limit(self, limit_bytes: int | None) -> ElasticBounds:
-        """Set the runtime limit in bytes (None: back to the start-up limit).
+    def set_limit(self, limit_blocks: int | None) -> ElasticBounds:
+        """Set the runtime limit in blocks (None: back to the start-up limit).
 
-        `limit_bytes` is in blocks' bytes (one block's bytes over all layers on
-        this rank): rounded down to whole blocks, clamped to [floor, max_limit],
-        and agreed across ranks (the smallest). Does not shrink by itself: the
-        policy releases the blocks above the limit once those in use fit below.
+        The engine converts the user's bytes (blocks' bytes summed over the ranks,
+        the unit /metrics and `vllm kv-top` report) into one count for every rank.
+        Clamped to [floor, max_limit] and agreed across ranks (the smallest). Does
+        not shrink by itself: the policy releases the blocks above the limit once
+        those in use fit below.
 
         Raises:
-            ValueError: a negative limit, or one that is not an int (1.5, True, "8GiB").
+            ValueError: a count that is negative or not an int.
         """
         self.wait_for_growth()
         b = self.bounds
-        if limit_bytes is None:
+        if limit_blocks is None:
             limit = b.max_limit
         else:
-            if not isinstance(limit_bytes, int) or isinstance(limit_bytes, bool):
-                raise ValueError("the KV cache limit must be an int number of bytes (or "
-                                 f"None), got {limit_bytes!r}")  # 1.5 and True were blocks
-            if limit_bytes < 0:
-                raise ValueError(f"the KV cache limit must be >= 0 bytes, got {limit_bytes}")
-            # Blocks' bytes, the unit /metrics, `vllm kv-top` and the reply report, so a
-            # figure read there comes back as the same count (granule-rounded bytes
-            # made the reported 341-block limit of the bundled model 256 blocks).
-            config = self.kv_cache.config
-            limit = limit_bytes // (config.block_stride * config.num_segments)
-            limit = min(max(limit, b.floor), b.max_limit)
+            if not isinstance(limit_blocks, int) or isinstance(limit_blocks, bool) \
+                    or limit_blocks < 0:
+                raise ValueError(f"a KV cache limit is a block count >= 0, got {limit_blocks!r}")
+            limit = min(max(limit_blocks, b.floor), b.max_limit)
         limit = self.agree(limit)  # every rank takes the same branch: a collective
         self.bounds = ElasticBounds(b.floor, limit, b.max_limit, b.chunk)
         logger.info("Elastic KV cache: limit set to %.2f GiB (%d blocks)",

@@ -466,15 +466,15 @@ class Worker:
         self.model_runner.move_kv_blocks(src, dst)
 
     @rpc
-    def set_kv_cache_limit(self, limit_bytes: int | None) -> ElasticBounds:
-        """A runtime ceiling for the elastic cache, bytes (None: the start-up limit).
+    def set_kv_cache_limit(self, limit_blocks: int | None) -> ElasticBounds:
+        """A runtime ceiling for the elastic cache, blocks (None: the start-up limit).
 
         Raises:
-            RuntimeError: the elastic cache is off. ValueError: a negative limit.
+            RuntimeError: the elastic cache is off. ValueError: a negative count.
         """
         if self.elastic is None:
             raise RuntimeError("a KV cache limit needs --enable-elastic-kv-cache")
-        return self.elastic.set_limit(limit_bytes)
+        return self.elastic.set_limit(limit_blocks)
 
     # ------------------------------------------------------------- connectors
     @rpc
