@@ -138,5 +138,18 @@ def test_elastic_engine_grows_and_shrinks_without_recapture_and_matches(tmp_path
     assert core.num_blocks == floor and core.worker.kv_cache.committed_bytes == floor_bytes
     assert core.scheduler.elastic.num_shrinks >= 1
     assert CUDAGraphManager.num_captures - before == captured > 0  # never re-captured
+    # The runtime limit takes blocks' bytes, the unit kv_cache_memory (/metrics) reports:
+    # a figure read there comes back as the same count.
+    memory = core.kv_cache_memory()
+    block_bytes = memory.block_bytes
+    assert memory.in_use_bytes == 0 and memory.committed_bytes == floor * block_bytes
+    limit = floor + 64
+    assert elastic.llm_engine.set_kv_cache_limit(limit * block_bytes + block_bytes - 1) == limit
+    assert core.kv_cache_memory().limit_bytes == limit * block_bytes
+    grows = core.scheduler.elastic.num_grows
+    capped = run(elastic)  # preempts more: bf16 greedy ids may differ from `expected`
+    assert [len(ids) for ids in capped] == [16] * 64
+    assert core.scheduler.elastic.num_grows > grows and core.num_blocks <= limit
+    elastic.llm_engine.set_kv_cache_limit(None)
     assert run(elastic) == expected
     shutdown_llm(elastic)
