@@ -158,12 +158,18 @@ def test_wake_under_pressure_commits_the_floor_and_grows_later(elastic_llm, monk
     elastic_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     elastic_llm.sleep(level=1)
     assert kv_cache.committed_bytes == 0 and core.num_blocks == 85
+    # The registry (kv-top, the peers) says what /metrics says: nothing held asleep
+    # (it showed the 85 blocks of the floor).
+    slot = _my_slot(core)
+    assert (slot.committed, slot.in_use, slot.reclaimable) == (0, 0, 0)
+    assert core.kv_cache_memory().committed_bytes == 0
     # Another process took the memory: only 100 MiB free now (less than the headroom).
     monkeypatch.setattr(worker.memory, "free_bytes", lambda: 100 * MiB)
     elastic_llm.wake_up()
     assert not elastic_llm.llm_engine.is_sleeping()
     assert core.num_blocks == kv_cache.committed_blocks == 85  # the floor, no failure
     assert kv_cache.committed_bytes == 60 * MiB
+    assert _my_slot(core).committed == 85 * core.elastic_kv.block_bytes
     texts = [o.outputs[0].text for o in elastic_llm.generate(PROMPTS[:2], GREEDY,
                                                               use_tqdm=False)]
     assert core.num_blocks == 85  # served from the floor (queued, never grown)

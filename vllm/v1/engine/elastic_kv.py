@@ -100,6 +100,7 @@ class ElasticKVController:
         self._published_at = float("-inf")
         self._release_pending: int | None = None  # blocks the workers shrink to next call
         self._gave_at = float("-inf")  # when this engine last released blocks for a peer
+        self.asleep = False  # between before_sleep and after_wake: publishes no KV held
         devices: dict[str, int] = {}
         for key, block_bytes in self.run(Worker.kv_cache_device):
             devices[key] = devices.get(key, 0) + block_bytes
@@ -260,6 +261,8 @@ class ElasticKVController:
         figures = dict(committed=committed, in_use=kv.num_blocks_in_use(),
                        reclaimable=0 if keep is None else committed - keep,
                        floor=policy.floor, limit=policy.limit)
+        if self.asleep:  # the workers hold no KV pages: as /metrics says, nothing committed
+            figures.update(committed=0, in_use=0, reclaimable=0)
         if figures == self.figures:
             return
         self.figures = figures
@@ -296,11 +299,13 @@ class ElasticKVController:
         self._release_now()
         before = self.scheduler.num_blocks
         self.shrink(self.policy.lowest_now(self.scheduler.kv_cache_manager))
+        self.asleep = True  # the caller puts the workers to sleep next
         self.publish(force=True)
         return before
 
     def after_wake(self, num_blocks: int) -> None:
         """Grow back towards the pre-sleep count, as far as memory is free now."""
+        self.asleep = False
         self._release_now()
         self.grow(num_blocks)
         self.publish(force=True)
