@@ -103,6 +103,26 @@ def _fresh_envs():
     envs.reset()
 
 
+@pytest.fixture(autouse=True)
+def _group_signals_kept():
+    """A test leaves this process's SIGINT / SIGTERM handling as it found it. An ignored
+    SIGINT is inherited by every process a later test starts, and Python then leaves it
+    ignored (a `vllm serve` that Ctrl-C cannot stop: test_signals failed twice in CI,
+    2026-12-07, after some earlier test of its worker). Restored here, with a warning
+    naming the test that changed it."""
+    import signal
+    import warnings
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for sig, handler in before.items():
+        now = signal.getsignal(sig)
+        if now is not handler and handler is not None:
+            signal.signal(sig, handler)
+            warnings.warn(f"the test left {signal.Signals(sig).name} handled by {now!r} "
+                          f"(was {handler!r}); restored", stacklevel=1)
+
+
 @pytest.fixture(scope="session")
 def bundled_llm():
     """The offline `LLM` on the bundled model (the server tests' context length and budget).

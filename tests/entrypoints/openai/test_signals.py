@@ -94,10 +94,13 @@ def test_a_group_signal_during_start_up_is_one_line(sig, code, line):
     marker = f"vllm-startup-{sig.name}-{os.getpid()}"
     env = {**os.environ, "VLLM_TEST_MARKER": marker, "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": str(REPO_ROOT)}
+    # As from a terminal: SIGINT at its default. An ignored SIGINT in this (worker) process
+    # would be inherited, and Python leaves it ignored: Ctrl-C could not reach the server.
     proc = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", *DEFAULT_SERVER_ARGS,
          "--port", "0"], cwd=REPO_ROOT, env=env, text=True, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, start_new_session=True)
+        stderr=subprocess.STDOUT, start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines: list[str] = []
     for text in proc.stdout:
         lines.append(text.rstrip("\n"))
