@@ -300,14 +300,19 @@ def _merge(runs: list[dict], n_waves: int) -> dict:
     return merged
 
 
-def per_request(waves: list[WaveResult], i: int) -> list[list]:
-    """Engine `i`'s requests in `waves`, each [wave, sent (s after the engine's first
-    send in that wave), TTFT (ms), end to end (s), output tokens] (failed: TTFT -1)."""
+def per_request(waves: list[WaveResult], i: int, shared: bool = True) -> list[list]:
+    """Engine `i`'s requests in `waves`, each [wave index, sent (s after the wave's first
+    send: of any engine when the engines ran together (`shared`), else of this one),
+    TTFT (ms), end to end (s), output tokens] (failed: TTFT -1)."""
     rows = []
     for k, wave in enumerate(waves):
-        t0 = min((r.start_s for r in wave.results[i]), default=0.0)
+        if i not in wave.results:
+            continue
+        mine = wave.results[i]
+        t0 = min((r.start_s for rs in (wave.results.values() if shared else [mine])
+                  for r in rs), default=0.0)
         rows += [[k, round(r.start_s - t0, 3), round(r.ttft_s * 1000, 1) if r.ok else -1,
-                  round(r.e2e_s, 3), r.output_tokens] for r in wave.results[i]]
+                  round(r.e2e_s, 3), r.output_tokens] for r in mine]
     return rows
 
 
@@ -325,7 +330,7 @@ def summarize(mode: str, run: dict, args) -> dict:
         i = NAMES.index(n)
         mine = [w for w in waves if i in w.results]
         engine = latency_figures(results[i])
-        engine["per_request"] = per_request(mine, i)
+        engine["per_request"] = per_request(waves, i, shared=mode != "alone")
         busy = sum(w.duration_s[i] for w in mine) + args.gap_s * max(len(mine) - 1, 0)
         engine.update(shape=args.shapes[i], output_throughput=engine["tokens_served"]
                       / max(busy, 1e-9), preemptions=run["preemptions"][n],

@@ -84,15 +84,20 @@ def test_latency_figures_pool_the_requests(loads):
     assert figures["itl_ms_p99"] == pytest.approx(29.8)
 
 
-def test_per_request_rows_time_each_engines_sends_from_its_first(scripts, loads):
+def test_per_request_rows_time_sends_from_the_waves_first(scripts, loads):
     bench = scripts("benchmark_elastic")
     a = [RequestResult(ok=True, start_s=100.0, ttft_s=0.25, e2e_s=3.0, output_tokens=8),
          RequestResult(ok=False, start_s=101.5, error="HTTP 400")]
-    b = [RequestResult(ok=True, start_s=50.0, ttft_s=0.5, e2e_s=1.0, output_tokens=4)]
-    waves = [loads.WaveResult({0: a, 1: b}), loads.WaveResult({0: a[:1]})]
-    assert bench.per_request(waves, 0) == [[0, 0.0, 250.0, 3.0, 8], [0, 1.5, -1, 0.0, 0],
-                                           [1, 0.0, 250.0, 3.0, 8]]
-    assert bench.per_request(waves[:1], 1) == [[0, 0.0, 500.0, 1.0, 4]]
+    b = [RequestResult(ok=True, start_s=99.5, ttft_s=0.5, e2e_s=1.0, output_tokens=4)]
+    waves = [loads.WaveResult({0: a, 1: b}), loads.WaveResult({1: b}),
+             loads.WaveResult({0: a[:1]})]
+    # Engines that ran together share the wave's clock (B sent first); wave indices
+    # are the plan's, also for waves the engine sat out.
+    assert bench.per_request(waves, 0) == [[0, 0.5, 250.0, 3.0, 8], [0, 2.0, -1, 0.0, 0],
+                                           [2, 0.0, 250.0, 3.0, 8]]
+    assert bench.per_request(waves, 1) == [[0, 0.0, 500.0, 1.0, 4], [1, 0.0, 500.0, 1.0, 4]]
+    # Mode alone: each engine's runs had their own clocks.
+    assert bench.per_request(waves[:1], 0, shared=False)[0][:2] == [0, 0.0]
 
 
 def _summary(throughput: float, ttft_p99: float, captures: list[int]) -> dict:

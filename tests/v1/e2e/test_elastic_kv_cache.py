@@ -156,13 +156,18 @@ def test_wake_under_pressure_commits_the_floor_and_grows_later(elastic_llm, monk
     core = elastic_llm.llm_engine.engine_core
     worker, kv_cache = core.worker, core.worker.kv_cache
     elastic_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    core.elastic_kv.sharing.want(40)  # a demand in the registry when it falls asleep
     elastic_llm.sleep(level=1)
     assert kv_cache.committed_bytes == 0 and core.num_blocks == 85
     # The registry (kv-top, the peers) says what /metrics says: nothing held asleep
-    # (it showed the 85 blocks of the floor).
+    # (it showed the 85 blocks of the floor), and it asks no peer for memory (a peer
+    # holding more would have preempted requests for it).
     slot = _my_slot(core)
-    assert (slot.committed, slot.in_use, slot.reclaimable) == (0, 0, 0)
+    assert (slot.committed, slot.in_use, slot.reclaimable, slot.wanted) == (0, 0, 0, 0)
     assert core.kv_cache_memory().committed_bytes == 0
+    elastic_llm.wake_up(tags=["kv_cache"])  # the floor is mapped, the weights still sleep
+    assert _my_slot(core).committed == 85 * core.elastic_kv.block_bytes
+    elastic_llm.sleep(level=1)
     # Another process took the memory: only 100 MiB free now (less than the headroom).
     monkeypatch.setattr(worker.memory, "free_bytes", lambda: 100 * MiB)
     elastic_llm.wake_up()

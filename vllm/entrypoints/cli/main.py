@@ -154,6 +154,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     too (exit 130 for Ctrl-C, 0 for a stop request), with every process of
     the engine stopped.
     """
+    # Until uvicorn installs its own handlers (it drains), SIGTERM stops the start-up
+    # as Ctrl-C does: one line, no traceback, and the engine's processes are stopped.
+    # Restored on return (an in-process caller, e.g. a test, keeps its own).
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         return _serve(args)
     except _Terminated:  # a stop request before the server took over the signals
@@ -162,6 +166,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # Ctrl-C, ditto: the shell's status for SIGINT
         print("vllm serve: interrupted during start-up", file=sys.stderr)
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 class _Terminated(KeyboardInterrupt):
@@ -178,9 +184,6 @@ def _serve(args: argparse.Namespace) -> int:
     from vllm.entrypoints.openai.cli_args import bind_socket, validate_parsed_serve_args
     from vllm.exceptions import DeviceBusyError, EngineStartupError
 
-    # Until uvicorn installs its own handlers (it drains), SIGTERM stops the start-up
-    # as Ctrl-C does: one line, no traceback, and the engine's processes are stopped.
-    signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         validate_parsed_serve_args(args)
         AsyncEngineArgs.from_cli_args(args).validate()

@@ -294,17 +294,17 @@ class EngineCore:
         return changed or self.elastic_kv.figures_version != version
 
     def set_kv_cache_limit(self, limit_bytes: int | None) -> int:
-        """A runtime ceiling for the elastic cache in bytes (None: the start-up limit).
+        """A runtime ceiling for the elastic cache in blocks' bytes summed over the ranks
+        (the unit of `kv_cache_memory()`; None: the start-up limit).
 
         Blocks above it are released as soon as they are free (now, if they are).
 
         Returns:
-            the limit in blocks (floor <= limit <= the start-up limit; with
-            several ranks the smallest any rank's bytes hold).
+            the limit in blocks (floor <= limit <= the start-up limit).
 
         Raises:
             RuntimeError: the elastic cache is off.
-            ValueError: a negative limit.
+            ValueError: a limit that is negative or not an int.
         """
         if self.elastic_kv is None:
             raise RuntimeError("a KV cache limit needs --enable-elastic-kv-cache")
@@ -351,6 +351,8 @@ class EngineCore:
         if self.elastic_kv is not None and not self.is_sleeping():
             self.elastic_kv.after_wake(self._blocks_before_sleep)
             self._kv_memory = None
+        elif self.elastic_kv is not None and not self._kv_cache_asleep():
+            self.elastic_kv.kv_woken()  # only the weights still sleep
         return reload
 
     def _kv_cache_asleep(self) -> bool:

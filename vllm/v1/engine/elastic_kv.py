@@ -272,9 +272,10 @@ class ElasticKVController:
 
     # ------------------------------------------------------ limit, sleep
     def set_limit(self, limit_bytes: int | None) -> int:
-        """A runtime ceiling in blocks' bytes summed over the ranks (the unit of /metrics
-        and `vllm kv-top`, so a figure read there comes back as the same count; None:
-        the start-up limit), rounded down to whole blocks; returns it in blocks.
+        """A runtime ceiling in blocks' bytes summed over the ranks (the unit of /metrics,
+        so a figure read there comes back as the same count; `vllm kv-top` shows each
+        device's part; None: the start-up limit), rounded down to whole blocks; returns
+        it in blocks.
 
         Raises:
             ValueError: a limit that is negative or not an int (1.5, True, "8GiB").
@@ -300,8 +301,16 @@ class ElasticKVController:
         before = self.scheduler.num_blocks
         self.shrink(self.policy.lowest_now(self.scheduler.kv_cache_manager))
         self.asleep = True  # the caller puts the workers to sleep next
+        if self.sharing is not None:
+            self.sharing.want(0)  # a sleeping engine asks no peer for memory
         self.publish(force=True)
         return before
+
+    def kv_woken(self) -> None:
+        """The workers mapped the KV cache's floor back (the weights may still sleep):
+        publish it again."""
+        self.asleep = False
+        self.publish(force=True)
 
     def after_wake(self, num_blocks: int) -> None:
         """Grow back towards the pre-sleep count, as far as memory is free now."""

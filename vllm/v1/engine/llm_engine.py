@@ -175,13 +175,15 @@ class LLMEngine:
         self._weights_stale = False
 
     def set_kv_cache_limit(self, limit_bytes: int | None) -> int:
-        """A runtime ceiling for the elastic KV cache, bytes (None: the start-up limit).
+        """A runtime ceiling for the elastic KV cache in blocks' bytes summed over the
+        ranks, as /metrics reports them (None: the start-up limit).
 
         Returns:
             the limit in blocks.
 
         Raises:
             RuntimeError: the elastic cache is off.
+            ValueError: a limit that is negative or not an int.
         """
         return self.engine_core.set_kv_cache_limit(limit_bytes)
 
