@@ -68,8 +68,10 @@ class KVCacheSetup:
         """The one place that picks the KV cache object; everything else asks it.
 
         Raises:
-            ValueError: `kv_cache_memory_bytes` below two blocks (every rank raises it:
-                the ranks' blocks have the same bytes, so no rank waits for another).
+            ValueError: `kv_cache_memory_bytes` below two of this rank's blocks. Ranks
+                whose KV heads split unevenly (3 heads at TP=2) have blocks of different
+                bytes, so only some may raise: the start-up then fails with exit 1 and
+                the worker's error, not the usage error (not mended yet).
         """
         sizing.check_explicit_bytes(self.cache.kv_cache_memory_bytes,
                                     get_kv_cache_config(specs, 1).bytes_per_block)
