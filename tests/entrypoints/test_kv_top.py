@@ -63,7 +63,7 @@ def test_a_small_engine_reads_in_mib_not_zeros(tmp_path):
         registry.close()
 
 
-@pytest.mark.parametrize("value", ["0", "abc"])
+@pytest.mark.parametrize("value", ["0", "abc", "nan", "inf", "1e308", "86401"])
 def test_a_bad_interval_is_a_usage_error(tmp_path, value):
     out = subprocess.run(
         [sys.executable, "-m", "vllm.entrypoints.cli.main", "kv-top", "--interval", value],

@@ -72,14 +72,18 @@ of one block over all layers), so in_use <= committed <= limit:
   updated            when the engine last wrote its figures (unix seconds)"""
 
 
+_MAX_INTERVAL_S = 86400
+
+
 def _positive(text: str) -> float:
     try:
         value = float(text)
     except ValueError:  # argparse would name this function ("invalid _positive value")
         raise argparse.ArgumentTypeError(
             f"must be a number of seconds > 0, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    if not 0 < value <= _MAX_INTERVAL_S:  # inf or 1e308 overflowed time.sleep: a traceback
+        raise argparse.ArgumentTypeError(
+            f"must be > 0 and at most {_MAX_INTERVAL_S} (a day), got {text}")
     return value
 
 
