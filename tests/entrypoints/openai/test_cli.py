@@ -291,6 +291,13 @@ ENGINE_REFUSALS = [
        f"1474560 bytes: 2 KV cache blocks of 737280 bytes")
       for flags, nbytes in [([], 1), (["--enable-elastic-kv-cache"], 1),
                             (["--no-enable-extensible-kv-cache"], 1474559)]],
+    # TP=2: the 3 KV heads split 2 + 1, so rank 0's blocks (480 KiB) are twice rank 1's and
+    # only rank 0 fell short: exit 1 with its worker's traceback. Every rank now checks the
+    # largest block, and the line names it once.
+    (["--tensor-parallel-size", "2", "--kv-cache-memory-bytes", "737280"], 2,
+     "kv_cache_memory_bytes (--kv-cache-memory-bytes) 737280 is below the minimum of 983040 "
+     "bytes: 2 KV cache blocks of 491520 bytes (the null block and one for requests) on "
+     "rank 0, whose blocks are the largest (the ranks' blocks: 491520, 245760 bytes)"),
 ]
 
 

@@ -268,15 +268,29 @@ def test_classic_count_from_a_profile():
 def test_an_explicit_size_below_two_blocks_names_the_flag_and_the_minimum():
     """`--kv-cache-memory-bytes 1`: a usage error naming the flag and two blocks' bytes (the
     null block and one for requests), the same on every path; two blocks' bytes pass."""
-    check_explicit_bytes(None, 737280)
-    check_explicit_bytes(2 * 737280, 737280)
+    check_explicit_bytes(None, [737280])
+    check_explicit_bytes(2 * 737280, [737280])
     for nbytes in (1, 2 * 737280 - 1):
         with pytest.raises(ValueError) as error:
-            check_explicit_bytes(nbytes, 737280)
+            check_explicit_bytes(nbytes, [737280])
         assert str(error.value) == (
             f"kv_cache_memory_bytes (--kv-cache-memory-bytes) {nbytes} is below the minimum "
             "of 1474560 bytes: 2 KV cache blocks of 737280 bytes (the null block and one for "
             "requests)")
+
+
+def test_an_explicit_size_is_checked_against_the_largest_block_of_any_rank():
+    """Ranks whose KV heads split unevenly (3 heads at TP=2) have blocks of different
+    bytes; every rank holds every block, so the largest sets the minimum on every rank
+    (rank 1's two blocks fit in 737280 bytes, rank 0's do not), named once."""
+    check_explicit_bytes(2 * 491520, [491520, 245760])
+    with pytest.raises(ValueError) as error:
+        check_explicit_bytes(737280, [245760, 491520])
+    assert str(error.value) == (
+        "kv_cache_memory_bytes (--kv-cache-memory-bytes) 737280 is below the minimum of "
+        "983040 bytes: 2 KV cache blocks of 491520 bytes (the null block and one for "
+        "requests) on rank 1, whose blocks are the largest (the ranks' blocks: 245760, "
+        "491520 bytes)")
 
 
 def test_min_across_ranks():

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.exceptions import DeviceBusyError
 from vllm.logger import init_logger
+from vllm.v1.engine.exceptions import startup_cause, startup_exit_code
 from vllm.v1.engine.faults import StepFailures
 from vllm.v1.engine.protocol import (
     UTILITY_METHODS,
@@ -47,7 +48,6 @@ from vllm.v1.engine.protocol import (
 )
 from vllm.v1.executor import process_start
 from vllm.v1.executor.worker_wrapper import RemoteFailure, WorkerDiedError
-from vllm.v1.worker.kv_cache_sizing import KVCacheSizingError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -351,10 +351,16 @@ def _run_engine_core(
 
 def _report_startup_failure(status: Connection, error: BaseException) -> None:
     """Log why the core could not start (one line for a known cause, none when the
-    frontend stopped it) and tell the frontend over the status pipe."""
-    if isinstance(error, ValueError | FileNotFoundError | KVCacheSizingError | DeviceBusyError):
+    frontend stopped it) and tell the frontend over the status pipe.
+
+    A known cause that a rank in a process of its own raised (a `WorkerError`, which
+    does not pickle) is sent as that rank's exception, so the frontend prints it in
+    one line as it does with one rank (`startup_errors`)."""
+    cause = startup_cause(error)
+    if startup_exit_code(cause) is not None or isinstance(cause, DeviceBusyError):
         # The configuration or the device says why: the frontend prints it as one line.
-        logger.error("engine core start-up failed: %s", error)
+        logger.error("engine core start-up failed: %s", cause)
+        error = cause
     elif not isinstance(error, SystemExit):
         logger.exception("engine core start-up failed")
     _send(status, ("startup_failed", RemoteFailure.capture(error)))

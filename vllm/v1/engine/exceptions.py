@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from vllm.exceptions import EngineStartupError
+from vllm.exceptions import DeviceBusyError, EngineStartupError
 
 
 class EngineGenerateError(RuntimeError):
@@ -66,16 +66,41 @@ def startup_errors() -> Iterator[None]:
     value only the engine can check, a KV connector's option) gets exit code 2;
     a KV cache the device cannot hold (`KVCacheSizingError`) gets 1.
     `DeviceBusyError` (another process holds the device) passes as it is;
-    anything else propagates with its traceback.
+    anything else propagates with its traceback. What a rank in a process of its
+    own raised arrives as a `WorkerError` (the offline engine's mp executor) and
+    is judged by that exception (`startup_cause`), as with one rank.
 
     Raises:
         EngineStartupError: carrying the message and the exit code.
     """
-    from vllm.v1.worker.kv_cache_sizing import KVCacheSizingError  # torch-free
-
     try:
         yield
-    except (ValueError, FileNotFoundError) as e:
-        raise EngineStartupError(str(e), exit_code=2) from e
-    except KVCacheSizingError as e:
-        raise EngineStartupError(str(e), exit_code=1) from e
+    except Exception as e:
+        code = startup_exit_code(cause := startup_cause(e))
+        if code is not None:
+            raise EngineStartupError(str(cause), exit_code=code) from e
+        if cause is not e and isinstance(cause, DeviceBusyError):
+            raise cause from e
+        raise
+
+
+def startup_cause(error: BaseException) -> BaseException:
+    """The exception a rank raised, for a `WorkerError` that carries it (it pickled
+    back from the rank's process); else `error` itself."""
+    from vllm.v1.executor.worker_wrapper import WorkerError  # torch-free
+
+    if isinstance(error, WorkerError) and error.original is not None:
+        return error.original
+    return error
+
+
+def startup_exit_code(cause: BaseException) -> int | None:
+    """`vllm serve`'s exit code for a start-up refusal stated in one line (2: the
+    configuration, 1: the KV cache does not fit the device); None: not one of those."""
+    from vllm.v1.worker.kv_cache_sizing import KVCacheSizingError  # torch-free
+
+    if isinstance(cause, ValueError | FileNotFoundError):
+        return 2
+    if isinstance(cause, KVCacheSizingError):
+        return 1
+    return None

@@ -68,13 +68,18 @@ class KVCacheSetup:
         """The one place that picks the KV cache object; everything else asks it.
 
         Raises:
-            ValueError: `kv_cache_memory_bytes` below two of this rank's blocks. Ranks
-                whose KV heads split unevenly (3 heads at TP=2) have blocks of different
-                bytes, so only some may raise: the start-up then fails with exit 1 and
-                the worker's error, not the usage error (not mended yet).
+            ValueError: `kv_cache_memory_bytes` below two blocks of the rank with the
+                largest blocks, on every rank alike (a usage error, exit 2). Ranks whose
+                KV heads split unevenly (3 heads at TP=2) have blocks of different bytes,
+                so each checks against all ranks' blocks (`ranks.each_rank`); checked
+                against its own, only rank 0 raised and the start-up failed with exit 1
+                and that worker's traceback. Rejected: `ranks.on_every_rank` around each
+                rank's own check, whose error names one minimum per failing rank.
         """
-        sizing.check_explicit_bytes(self.cache.kv_cache_memory_bytes,
-                                    get_kv_cache_config(specs, 1).bytes_per_block)
+        explicit = self.cache.kv_cache_memory_bytes
+        if explicit is not None:  # the same config on every rank: all gather, or none
+            block_bytes = get_kv_cache_config(specs, 1).bytes_per_block
+            sizing.check_explicit_bytes(explicit, ranks.each_rank(self.world_size, block_bytes))
         if self.plan.extensible_kv_cache:
             return self._reserve_extensible(specs)
         return self._allocate_classic(specs, profile)

@@ -320,21 +320,27 @@ def blocks_filling_granules(
     return num_blocks_for_bytes(committed, block_stride, num_segments, granularity)
 
 
-def check_explicit_bytes(explicit_bytes: int | None, bytes_per_block: int) -> None:
-    """`kv_cache_memory_bytes` holds `MIN_NUM_BLOCKS` blocks, on every path: the one check
-    of the flag against the block size (not known before the model's layers exist). Below
-    that the classic and elastic paths said "the device is too small" (exit 1) and the
-    extensible one quietly committed its two warmup blocks.
+def check_explicit_bytes(explicit_bytes: int | None, bytes_per_block: list[int]) -> None:
+    """`kv_cache_memory_bytes` holds `MIN_NUM_BLOCKS` blocks on every path and rank: the
+    one check of the flag against the block size (known once the model's layers exist).
+    `bytes_per_block`: each rank's, in rank order; the largest sets the minimum (every rank
+    holds every block id; 3 KV heads at TP=2 split 2 + 1). Below it the classic and elastic
+    paths said "the device is too small" (exit 1), the extensible one committed two blocks.
 
     Raises:
-        ValueError: naming the flag, the value and the minimum (a usage error, exit 2).
+        ValueError: naming the flag, the value and the minimum (a usage error, exit 2),
+            and the rank whose blocks set it when the ranks' blocks differ.
     """
-    minimum = MIN_NUM_BLOCKS * bytes_per_block
-    if explicit_bytes is not None and explicit_bytes < minimum:
-        raise ValueError(
-            f"kv_cache_memory_bytes (--kv-cache-memory-bytes) {explicit_bytes} is below the "
-            f"minimum of {minimum} bytes: {MIN_NUM_BLOCKS} KV cache blocks of "
-            f"{bytes_per_block} bytes (the null block and one for requests)")
+    largest = max(bytes_per_block)
+    if explicit_bytes is None or explicit_bytes >= (minimum := MIN_NUM_BLOCKS * largest):
+        return
+    ranks = "" if len(set(bytes_per_block)) == 1 else (
+        f" on rank {bytes_per_block.index(largest)}, whose blocks are the largest (the "
+        f"ranks' blocks: {', '.join(map(str, bytes_per_block))} bytes)")
+    raise ValueError(
+        f"kv_cache_memory_bytes (--kv-cache-memory-bytes) {explicit_bytes} is below the "
+        f"minimum of {minimum} bytes: {MIN_NUM_BLOCKS} KV cache blocks of {largest} bytes "
+        f"(the null block and one for requests){ranks}")
 
 
 def check_min_blocks(num_blocks: int, available_bytes: int, bytes_per_block: int) -> None:

@@ -2,6 +2,8 @@
 
     init_device               join_process_group: the world and TP groups (NCCL / gloo)
     load_model                tensor_parallel_rank: which shard of the model this rank holds
+    allocate                  each_rank: every rank's value (its block's bytes, so the
+                              explicit size is checked against the largest on every rank)
     classic / measured size   on_every_rank: a sizing error on any rank fails every rank
                               agree_on_num_blocks: the minimum over every rank's count,
                               logged with the rank that bounded it
@@ -71,6 +73,19 @@ def tensor_parallel_rank(world_size: int) -> tuple[int, int]:
 
     group = get_tp_group()
     return group.rank_in_group, group.world_size
+
+
+def each_rank(world_size: int, value: T) -> list[T]:
+    """Every rank's `value`, in rank order (an all-gather; `[value]` with one rank).
+
+    For a check whose outcome must be the same on every rank: each rank applies it
+    to all the values alike, so all raise the same error or none does.
+    """
+    if world_size == 1:
+        return [value]
+    from vllm.distributed import get_world_group
+
+    return list(get_world_group().all_gather_object(value))
 
 
 def on_every_rank(world_size: int, compute: Callable[[], T]) -> T:
