@@ -1,0 +1,42 @@
+"""benchmarks/elastic_sim.py: the what-if model runs the real scheduler and elastic
+controller to the end of a small load, and its modelled workers keep to the pool."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from tests.entrypoints.openai.utils import REPO_ROOT
+
+
+@pytest.fixture
+def sim(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "benchmarks"))
+    monkeypatch.setenv("VLLM_KV_REGISTRY_DIR", str(tmp_path))
+    return importlib.import_module("elastic_sim")
+
+
+def test_modelled_workers_share_one_pool(sim):
+    pool: dict[str, int] = {}
+    device = sim.DeviceModel(pool_blocks=1000, floor_blocks=10, limit_blocks=900)
+    a = sim.ModelledWorker(pool, 1000, "a", device)
+    b = sim.ModelledWorker(pool, 1000, "b", device)
+    from vllm.v1.worker.gpu_worker import Worker
+    assert a.call(Worker.grow_kv_cache_ahead, (800,))[1]  # in flight: ends by the next call
+    reached, in_flight, ends = a.call(Worker.grow_kv_cache_ahead, (800,))
+    assert (reached, in_flight) == (800, False) and ends and max(ends) < 800
+    assert b.call(Worker.grow_kv_cache, (900,))[0] == 1000 - 800  # what is left
+    assert a.call(Worker.shrink_kv_cache, (5,)) == 10  # never below the floor
+    assert b.call(Worker.grow_kv_cache, (900,))[0] == 900  # the limit
+    assert sum(pool.values()) <= 1000
+
+
+@pytest.mark.parametrize("mode", ["static", "elastic"])
+def test_every_request_of_a_small_load_finishes(sim, mode):
+    r = sim.simulate(mode, scale=0.04, max_tokens=48, static_blocks=40,
+                     device=sim.DeviceModel(pool_blocks=80, floor_blocks=8, limit_blocks=80))
+    assert r["mode"] == mode and r["duration_s"] > 0
+    assert r["output_throughput"] == pytest.approx(2 * 10 * 48 / r["duration_s"], rel=1e-3)
+    assert 0 <= r["ttft_s_p50"] <= r["ttft_s_p99"]
+    assert set(r["engines"]) == {"A", "B"}
