@@ -43,6 +43,10 @@ def _cuda_available() -> bool:
 
 
 def pytest_configure(config):
+    from tests.signal_guard import ignored_at_start
+
+    if reason := ignored_at_start():
+        config.issue_config_time_warning(pytest.PytestConfigWarning(reason), stacklevel=2)
     _isolate_xdist_worker()
     # Elastic engines of this run (and of this xdist worker) share a registry of their
     # own, never the registry of engines the machine runs outside the tests.
@@ -105,22 +109,30 @@ def _fresh_envs():
 
 @pytest.fixture(autouse=True)
 def _group_signals_kept():
-    """A test leaves this process's SIGINT / SIGTERM handling as it found it. An ignored
-    SIGINT is inherited by every process a later test starts, and Python then leaves it
-    ignored (a `vllm serve` that Ctrl-C cannot stop: test_signals failed twice in CI,
-    2026-12-07, after some earlier test of its worker). Restored here, with a warning
-    naming the test that changed it."""
-    import signal
-    import warnings
+    """A test leaves this process's SIGINT / SIGTERM handling as it found it: restored
+    here, with a warning naming the test that changed it (tests/signal_guard.py)."""
+    from tests import signal_guard
 
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    before = signal_guard.handlers()
     yield
-    for sig, handler in before.items():
-        now = signal.getsignal(sig)
-        if now is not handler and handler is not None:
-            signal.signal(sig, handler)
-            warnings.warn(f"the test left {signal.Signals(sig).name} handled by {now!r} "
-                          f"(was {handler!r}); restored", stacklevel=1)
+    signal_guard.restore(before, "the test")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    """Every fixture, of any scope, leaves SIGINT / SIGTERM as it found them at its
+    setup and at its teardown (tests/signal_guard.py): a module- or session-scoped one
+    escapes `_group_signals_kept`, which sees only what a test changes."""
+    from tests import signal_guard
+
+    before = signal_guard.handlers()
+    name = f"fixture {fixturedef.argname!r} ({fixturedef.scope}-scoped)"
+    # Added before the fixture's own finalizer, so it runs after that one (LIFO).
+    fixturedef.addfinalizer(lambda: signal_guard.restore(before, f"{name} teardown"))
+    try:
+        return (yield)
+    finally:
+        signal_guard.restore(before, f"{name} setup")
 
 
 @pytest.fixture(scope="session")

@@ -22,10 +22,14 @@ def two_node_cluster():
     # Loopback only: Ray otherwise advertises the host's external address.
     saved = os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    sigterm = signal.getsignal(signal.SIGTERM)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address)
+    # The head node and ray.init each set SIGTERM in this process (an exit), and
+    # shutting down leaves it there: the test process keeps its own.
+    signal.signal(signal.SIGTERM, sigterm)
     yield cluster
     ray.shutdown()
     cluster.shutdown()
