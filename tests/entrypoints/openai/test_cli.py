@@ -298,6 +298,11 @@ ENGINE_REFUSALS = [
      "kv_cache_memory_bytes (--kv-cache-memory-bytes) 737280 is below the minimum of 983040 "
      "bytes: 2 KV cache blocks of 491520 bytes (the null block and one for requests) on "
      "rank 0, whose blocks are the largest (the ranks' blocks: 491520, 245760 bytes)"),
+    # The classic cache is allocated whole: an explicit size above the free memory died in
+    # torch.zeros with "can't allocate memory" (two tracebacks, exit 1). It is now checked
+    # against the memory free, as the extensible path checks it after warmup.
+    (["--no-enable-extensible-kv-cache", "--kv-cache-memory-bytes", "1024TiB"], 1,
+     "kv_cache_memory_bytes=1125899906842624 exceeds the "),
 ]
 
 

@@ -87,16 +87,8 @@ class KVCacheSetup:
     def _allocate_classic(self, specs: dict[str, KVCacheSpec],
                           profile: sizing.MemoryProfile) -> KVCacheBuffers:
         layout = get_kv_cache_config(specs, 1)
-        cap = self._budget_cap()
-        size = ranks.on_every_rank(self.world_size, lambda: sizing.classic_num_blocks(
-            profile,
-            layout.bytes_per_block,
-            gpu_memory_utilization=self.plan.gpu_memory_utilization,
-            explicit_bytes=self.cache.kv_cache_memory_bytes,
-            free=self.memory.free_bytes() if cap is not None else 0,
-            budget_cap=cap,
-            budget_cap_name=self.platform.default_kv_cache_cap_name(),
-        ))
+        size = ranks.on_every_rank(self.world_size,
+                                   lambda: self._classic_size(profile, layout.bytes_per_block))
         num_blocks = self.agree(size.num_blocks)
         kv_cache = ClassicKVCacheBuffers(get_kv_cache_config(specs, num_blocks), self.device)
         kv_cache.allocate(num_blocks)
@@ -107,6 +99,39 @@ class KVCacheSetup:
             size.bytes.limited_by, num_blocks, (num_blocks - 1) * self.cache.block_size,
         )
         return kv_cache
+
+    def _classic_size(self, profile: sizing.MemoryProfile,
+                      bytes_per_block: int) -> sizing.KVCacheSize:
+        """This rank's classic block count; an explicit size is checked against the memory
+        free now (the classic cache is allocated whole at once: above it, a CPU engine died
+        with torch's "can't allocate memory" traceback, exit 1, or the host's OOM killer
+        took it; the extensible path checks the same after warmup).
+
+        Raises:
+            KVCacheSizingError: see `sizing.classic_num_blocks`, or the explicit size
+                does not fit the memory free now (torch's cached free blocks count).
+        """
+        cap = self._budget_cap()
+        size = sizing.classic_num_blocks(
+            profile,
+            bytes_per_block,
+            gpu_memory_utilization=self.plan.gpu_memory_utilization,
+            explicit_bytes=self.cache.kv_cache_memory_bytes,
+            free=self.memory.free_bytes() if cap is not None else 0,
+            budget_cap=cap,
+            budget_cap_name=self.platform.default_kv_cache_cap_name(),
+        )
+        explicit = self.cache.kv_cache_memory_bytes
+        if explicit is not None:
+            available = self.memory.free_bytes()
+            if self.memory.is_cuda:  # torch's cached free blocks serve the allocation too
+                available += (torch.cuda.memory_reserved(self.device)
+                              - torch.cuda.memory_allocated(self.device))
+            if size.num_blocks * bytes_per_block > available:
+                raise sizing.KVCacheSizingError(
+                    f"kv_cache_memory_bytes={explicit} exceeds the "
+                    f"{available / GiB:.2f} GiB available now")
+        return size
 
     def _budget_cap(self) -> int | None:
         """The platform's bound on a KV cache of unspecified size (CPU), if it has one."""
