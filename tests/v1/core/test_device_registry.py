@@ -160,3 +160,14 @@ def test_preemption_floor_is_the_fair_share_and_never_below_the_asker():
     assert preempt_floor(big, small, [big, small, busy]) == 45
     # An asker holding as much: no preemption for it.
     assert preempt_floor(small, slot(10, wanted=5), engines) is None
+
+
+def test_a_long_name_keeps_its_end_in_whole_characters():
+    """A name over 48 bytes of UTF-8 keeps its last whole characters: cut at byte 48 from
+    the end, "é" x 30 + "a" began with half an "é", which kv-top showed as U+FFFD."""
+    for name in ("é" * 30 + "a", "x" * 60, "模型" * 10 + "abc"):
+        kept = EngineSlot.unpack(EngineSlot(pid=1, start_ticks=1, name=name).pack()).name
+        assert "\ufffd" not in kept and name.endswith(kept), kept
+        assert 48 - 3 <= len(kept.encode()) <= 48  # at most a character's tail dropped
+    assert EngineSlot.unpack(EngineSlot(pid=1, start_ticks=1, name="é" * 30 + "a").pack()).name \
+        == "é" * 23 + "a"

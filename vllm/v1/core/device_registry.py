@@ -159,7 +159,8 @@ class EngineSlot:
 
     def pack(self) -> bytes:
         values = [getattr(self, f.name) for f in fields(self)]
-        values[2] = self.name.encode()[-NAME_BYTES:]  # a long name keeps its end
+        name = self.name.encode()[-NAME_BYTES:]  # a long name keeps its end
+        values[2] = name.lstrip(bytes(range(0x80, 0xC0)))  # no half character (kv-top: "\ufffd")
         return _SLOT.pack(*values)
 
     @classmethod
