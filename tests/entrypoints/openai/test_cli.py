@@ -499,6 +499,14 @@ def test_sleep_endpoints(key_server):
     /sleep answers 501 with the OpenAI body and the engine keeps serving."""
     client = key_server.get_client(api_key=API_KEY)
     assert httpx.get(key_server.url_for("is_sleeping")).json() == {"is_sleeping": False}
+    # A body or another query parameter is a 400 naming it, never ignored: `{"level": 2}`
+    # or a misspelt `?levle=2` slept at level 1, `?tag=weights` woke everything.
+    for route, kwargs, param in (("sleep", {"json": {"level": 2}}, "level"),
+                                 ("sleep", {"params": {"levle": 2}}, "levle"),
+                                 ("wake_up", {"params": {"tag": "weights"}}, "tag")):
+        refused = httpx.post(key_server.url_for(route), **kwargs)
+        assert refused.status_code == 400 and error_of(refused)["param"] == param, refused.text
+    assert httpx.get(key_server.url_for("is_sleeping")).json() == {"is_sleeping": False}
     assert httpx.post(key_server.url_for("sleep"), params={"level": 3}).status_code == 400
     response = httpx.post(key_server.url_for("sleep"), params={"level": 1})
     if response.status_code == 501:

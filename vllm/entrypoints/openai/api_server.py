@@ -191,7 +191,8 @@ def _add_server_routes(
 
 def _add_sleep_routes(app: FastAPI, engine_client: AsyncLLM) -> None:
     @app.post("/sleep")
-    async def sleep(level: int = 1) -> Response:
+    async def sleep(request: Request, level: int = 1) -> Response:
+        await _query_only(request, "POST /sleep", "level", "?level=2")
         try:
             await engine_client.sleep(level)
         except Exception as e:
@@ -199,7 +200,9 @@ def _add_sleep_routes(app: FastAPI, engine_client: AsyncLLM) -> None:
         return Response(status_code=200)
 
     @app.post("/wake_up")
-    async def wake_up(tags: list[str] | None = Query(default=None)) -> Response:
+    async def wake_up(request: Request,
+                      tags: list[str] | None = Query(default=None)) -> Response:
+        await _query_only(request, "POST /wake_up", "tags", "?tags=weights", repeats=True)
         try:
             await engine_client.wake_up(tags)
         except Exception as e:
@@ -214,6 +217,24 @@ def _add_sleep_routes(app: FastAPI, engine_client: AsyncLLM) -> None:
             raise error_from_exception(e) from e
 
 
+async def _query_only(request: Request, route: str, name: str, example: str,
+                      repeats: bool = False) -> None:
+    """A control route takes its one parameter, `name`, in the query string: a request
+    body or any other query parameter is a 400 naming it, never ignored (`/sleep`
+    with `{"level": 2}` or `?levle=2` slept at level 1, `/wake_up?tag=weights` woke all).
+
+    Raises:
+        APIError: 400 with the parameter the client sent.
+    """
+    if (await request.body()).strip():
+        raise APIError(400, f"{route} takes {name} in the query string ({example}), not in "
+                       "a body", param=name)
+    for key in request.query_params:
+        if key != name or (not repeats and len(request.query_params.getlist(key)) > 1):
+            raise APIError(400, f"{key}: {route} takes one query parameter, {name} "
+                           f"({example})", param=key)
+
+
 def _add_elastic_routes(app: FastAPI, engine_client: AsyncLLM) -> None:
     # Like /sleep (which exists only with --enable-sleep-mode), a control
     # endpoint that exists only when its feature flag is on: an operator
@@ -221,13 +242,8 @@ def _add_elastic_routes(app: FastAPI, engine_client: AsyncLLM) -> None:
     @app.post("/kv_cache/limit")
     async def kv_cache_limit(request: Request, limit_bytes: str | None = None) -> JSONResponse:
         """`?limit_bytes=8GiB` caps the elastic KV cache; no value restores the start-up limit."""
-        if (await request.body()).strip():  # a query parameter, as /sleep?level= takes
-            raise APIError(400, "POST /kv_cache/limit takes limit_bytes in the query string "
-                           "(?limit_bytes=8GiB), not in a body", param="limit_bytes")
-        for name in request.query_params:  # a misspelt name would restore the start-up limit
-            if name != "limit_bytes" or len(request.query_params.getlist(name)) > 1:
-                raise APIError(400, f"{name}: POST /kv_cache/limit takes one query parameter, "
-                               "limit_bytes (?limit_bytes=8GiB)", param=name)
+        # A misspelt name would restore the start-up limit.
+        await _query_only(request, "POST /kv_cache/limit", "limit_bytes", "?limit_bytes=8GiB")
         try:
             value = None if limit_bytes is None else human_readable_bytes(limit_bytes)
         except (ValueError, TypeError, argparse.ArgumentTypeError) as e:
