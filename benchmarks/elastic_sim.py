@@ -31,10 +31,14 @@ splits) when no device is at hand; quote measurements, not this.
 from __future__ import annotations
 
 import argparse
+import atexit
+import itertools
 import json
 import logging
 import os
+import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from elastic_loads import LOADS, PATTERNS, make_plan
@@ -53,8 +57,16 @@ from vllm.v1.worker.elastic_kv_cache import (
 )
 
 BLOCK_SIZE = 16
-DEVICE_KEY = "modelled-device"
+# Each run's engines join a registry of their own: a device key of this process and run,
+# in a temporary directory of this process unless VLLM_KV_REGISTRY_DIR names one.
+_RUNS = itertools.count()
+if not os.environ.get("VLLM_KV_REGISTRY_DIR"):
+    os.environ["VLLM_KV_REGISTRY_DIR"] = tempfile.mkdtemp(prefix="elastic-sim-")
+    atexit.register(shutil.rmtree, os.environ["VLLM_KV_REGISTRY_DIR"], True)
 IDLE_POLL_S = 0.05
+# The loads' prompts in the 8B shape's tokens (their words x ~4.46, as the H100 runs'
+# /tokenize read them: ~2,900 and ~450).
+PROMPT_TOKENS = {"prefill-heavy": 2900, "decode-heavy": 450}
 
 
 @dataclass(frozen=True)
@@ -82,8 +94,9 @@ class ModelledWorker:
     """A worker's elastic-cache calls against the shared pool (`pool[name]`: its blocks).
     A growth asked for ahead ends by the next call, up to what is free then."""
 
-    def __init__(self, pool: dict[str, int], total: int, name: str, device: DeviceModel):
-        self.pool, self.total, self.name = pool, total, name
+    def __init__(self, pool: dict[str, int], total: int, name: str, device: DeviceModel,
+                 key: str = "modelled-device"):
+        self.pool, self.total, self.name, self.key = pool, total, name, key
         self.floor, self.limit = device.floor_blocks, device.limit_blocks
         self.chunk = elastic_chunk_blocks(self.floor, self.limit)
         self.piece = elastic_piece_blocks(self.chunk)
@@ -109,7 +122,7 @@ class ModelledWorker:
     def call(self, method, args: tuple) -> object:
         name, ends = method.__name__, lambda: [e for e in self.ends if e < self.committed]
         if name == "kv_cache_device":
-            return DEVICE_KEY, self.block_bytes
+            return self.key, self.block_bytes
         if name == "grow_kv_cache_ahead":
             if self.pending is not None:
                 self._extend(self.pending)
@@ -147,6 +160,7 @@ def make_engines(mode: str, num_engines: int, device: DeviceModel, static_blocks
                  shrink_delay_s: float, clock) -> list[Engine]:
     pool: dict[str, int] = {}
     engines = []
+    key = f"modelled-device-{os.getpid()}-{next(_RUNS)}"
     for i in range(num_engines):
         kwargs = dict(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=4096,
                       block_size=BLOCK_SIZE, enable_prefix_caching=True)
@@ -154,7 +168,7 @@ def make_engines(mode: str, num_engines: int, device: DeviceModel, static_blocks
         if mode == "static":
             scheduler = Scheduler(num_blocks=static_blocks, **kwargs)
         else:
-            worker = ModelledWorker(pool, device.pool_blocks, f"engine{i}", device)
+            worker = ModelledWorker(pool, device.pool_blocks, f"engine{i}", device, key)
             policy = ElasticKVPolicy(committed=worker.floor, floor=worker.floor,
                                      limit=worker.limit, chunk=worker.chunk,
                                      shrink_delay_s=shrink_delay_s, clock=clock)
@@ -204,7 +218,7 @@ def _step(e: Engine, device: DeviceModel, clock: list[float]) -> bool:
 def simulate(mode: str, load: str = "decode-heavy", pattern: str = "poisson",
              scale: float = 1.0, seed: int = 0, device: DeviceModel = DeviceModel(),
              static_blocks: int = 4577, shrink_delay_s: float = 2.0, gap_s: float = 4.0,
-             prompt_len: int = 450, max_tokens: int | None = None) -> dict:
+             prompt_len: int | None = None, max_tokens: int | None = None) -> dict:
     """One run of two engines under `mode` ("static" or "elastic"); returns its summary
     (seconds, output tokens/s, TTFT p50 / p99 in s, preemptions, per engine too).
 
@@ -213,9 +227,30 @@ def simulate(mode: str, load: str = "decode-heavy", pattern: str = "poisson",
     """
     spec = LOADS[load]
     max_tokens = max_tokens or spec.max_tokens
+    prompt_len = prompt_len or PROMPT_TOKENS[load]
     plan = make_plan(spec, pattern, 2, scale=scale, bursts=2, phase_s=10.0, seed=seed)
     clock = [0.0]
-    engines = make_engines(mode, 2, device, static_blocks, shrink_delay_s, lambda: clock[0])
+    with _quiet():
+        engines = make_engines(mode, 2, device, static_blocks, shrink_delay_s,
+                               lambda: clock[0])
+        _run_plan(plan, engines, device, clock, gap_s, prompt_len, max_tokens)
+    return summarize(mode, engines, max_tokens)
+
+
+@contextmanager
+def _quiet():
+    """The engines' INFO lines off (every release logs one)."""
+    logger = logging.getLogger("vllm")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _run_plan(plan, engines: list[Engine], device: DeviceModel, clock: list[float],
+              gap_s: float, prompt_len: int, max_tokens: int) -> None:
     try:
         for k, wave in enumerate(plan):
             if k:
@@ -228,7 +263,6 @@ def simulate(mode: str, load: str = "decode-heavy", pattern: str = "poisson",
         for e in engines:
             if e.controller is not None:
                 e.controller.close()
-    return summarize(mode, engines, max_tokens)
 
 
 def _run_wave(engines: list[Engine], device: DeviceModel, clock: list[float],
@@ -296,8 +330,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pool-blocks", type=positive_int, default=DeviceModel.pool_blocks,
                    help="blocks the elastic engines share (default: %(default)s)")
     args = p.parse_args(argv)
-    logging.getLogger("vllm").setLevel(logging.WARNING)
-    os.environ.setdefault("VLLM_KV_REGISTRY_DIR", tempfile.mkdtemp(prefix="elastic-sim-"))
     device = DeviceModel(pool_blocks=args.pool_blocks)
     runs = []
     for mode in args.modes:

@@ -207,3 +207,25 @@ def test_preempt_target_keeps_the_fair_share_and_releases_what_the_peer_lacks():
     # Preemption stops once the blocks in use fit below the target, with the low-water
     # mark (8) free: 213 - 1 - 8.
     assert p.in_use_budget(213) == 204 and p.in_use_budget(5) == 0
+
+
+def _request_at(prompt: int, max_tokens: int | None, generated: int):
+    from tests.v1.core.fake_runner import make_request
+    request = make_request("r", prompt, max_tokens=max_tokens)
+    request.append_output_token_ids([11] * generated)
+    request.num_computed_tokens = prompt + generated
+    return request
+
+
+@pytest.mark.parametrize("prompt, max_tokens, generated, worth", [
+    (2900, 128, 0, False),  # the prefill-heavy load: a long prompt, a short reply to go
+    (2900, 128, 100, False),
+    (450, 1024, 0, True),  # the decode-heavy load: long to go
+    (450, 1024, 700, True),  # 324 to go >= a quarter of 1,150 computed
+    (450, 1024, 800, False),  # 224 to go < 312: ends soon, keeps running
+    (4000, None, 10, True),  # no max_tokens: how long it runs is unknown
+])
+def test_a_request_is_preempted_for_a_peer_only_while_its_decode_outweighs_its_recompute(
+        prompt, max_tokens, generated, worth):
+    from vllm.v1.core.elastic import worth_preempting_for_peer
+    assert worth_preempting_for_peer(_request_at(prompt, max_tokens, generated)) is worth

@@ -462,3 +462,16 @@ def test_preempt_for_shrink_frees_the_tail_and_the_next_step_reports_it():
     plain, _ = run(shrink=False)
     assert shrunk == plain and all(len(t) == 6 for t in shrunk.values())
     assert sched.get_stats().num_preemptions == 2
+
+
+def test_preempt_for_shrink_passes_over_requests_it_may_not_preempt():
+    """For a peer engine only requests worth recomputing go (`may_preempt`); the newest
+    that is not keeps running and an older one goes in its place."""
+    sched = make_scheduler(num_blocks=16, max_num_seqs=4)
+    for i, name in enumerate("ABC"):
+        sched.add_request(make_request(name, _prompt(8, 1000 * (i + 1)), max_tokens=6))
+    step(sched, FakeRunner(block_size=4))  # A [1, 2], B [3, 4], C [5, 6]
+    assert sched.preempt_for_shrink(4, may_preempt=lambda r: r.request_id != "C") == 1
+    assert [r.request_id for r in sched.running] == ["A", "C"]
+    assert [r.request_id for r in sched.waiting] == ["B"]
+    assert sched.preempt_for_shrink(0, may_preempt=lambda r: False) == 0

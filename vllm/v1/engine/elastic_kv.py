@@ -21,8 +21,9 @@ poll of the engine loop, `adjust()`:
        it (a device copy, `Worker.move_kv_blocks`; the requests keep running).
        When that is not enough and this engine holds more than the asker and
        its fair share (`DeviceSharing.answer`'s `keep`), it also preempts, by
-       recompute, the newest running requests until the blocks in use fit
-       below a lower boundary (`ElasticKVPolicy.preempt_target`,
+       recompute, the newest running requests worth it (`worth_preempting_for_peer`:
+       their decode to go outweighs their recompute) until the blocks in use
+       fit below a lower boundary (`ElasticKVPolicy.preempt_target`,
        `Scheduler.preempt_for_shrink`), moves the rest down and releases:
        an engine that got the device first no longer keeps it while its
        queue refills it (issue #49's engine B waited 24 s for engine A's
@@ -49,12 +50,13 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 from vllm.v1.core.device_registry import RegistryError
-from vllm.v1.core.elastic import blocks_wanted
+from vllm.v1.core.elastic import blocks_wanted, worth_preempting_for_peer
 from vllm.v1.core.elastic_sharing import DeviceShare, DeviceSharing
 from vllm.v1.worker.gpu_worker import Worker
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import Request
 
 logger = init_logger(__name__)
 
@@ -162,8 +164,8 @@ class ElasticKVController:
         def release_for(blocks: int, keep: int | None) -> int:
             target = policy.reclaim_target(kv, blocks, wanted)
             freed = 0 if target is None else s.num_blocks - target
-            deeper = None if keep is None or freed >= blocks else policy.preempt_target(
-                blocks, keep)
+            deeper = None if keep is None or freed >= blocks else self._worth_preempting(
+                policy.preempt_target(blocks, keep))
             # Preempt when that releases more than moving blocks alone does: at least one
             # more piece, even if less than all the peer lacks (the fair share may stop it
             # sooner; the peer renews what it still lacks).
@@ -175,9 +177,28 @@ class ElasticKVController:
         if not self.sharing.answer(release_for) or planned[-1] is None:
             return False
         self._gave_at = self.clock()
-        return self.release_to(planned[-1], release_now=not step_in_flight)
+        return self.release_to(planned[-1], release_now=not step_in_flight,
+                               may_preempt=worth_preempting_for_peer)
 
-    def release_to(self, num_blocks: int, release_now: bool = True) -> bool:
+    def _worth_preempting(self, target: int | None) -> int | None:
+        """`target`, or the lowest boundary above it that preempting only the requests
+        worth it for a peer reaches (`worth_preempting_for_peer`, newest first, as
+        `Scheduler.preempt_for_shrink` takes them); None: no such boundary."""
+        s, policy = self.scheduler, self.policy
+        if target is None:
+            return None
+        kv = s.kv_cache_manager
+        in_use, refs = kv.num_blocks_in_use(), {}
+        for request in [r for r in reversed(s.running) if worth_preempting_for_peer(r)]:
+            if in_use <= policy.in_use_budget(target):
+                break
+            for block in kv.get_blocks(request.request_id):  # shared blocks free with the last
+                refs[block.block_id] = refs.get(block.block_id, block.ref_cnt) - 1
+                in_use -= refs[block.block_id] == 0
+        return policy.lowest_boundary_fitting(in_use, target)
+
+    def release_to(self, num_blocks: int, release_now: bool = True,
+                   may_preempt: Callable[[Request], bool] = lambda request: True) -> bool:
         """Shrink to `num_blocks` (a boundary) whatever the requests hold above it.
 
         Running requests are preempted, newest first, only as far as the blocks
@@ -190,7 +211,7 @@ class ElasticKVController:
         pages go at the next call, after it.
         """
         s, policy, kv = self.scheduler, self.policy, self.scheduler.kv_cache_manager
-        preempted = s.preempt_for_shrink(policy.in_use_budget(num_blocks))
+        preempted = s.preempt_for_shrink(policy.in_use_budget(num_blocks), may_preempt)
         src, dst = kv.move_blocks_below(num_blocks, [r.request_id for r in s.running])
         if src:
             self.run(Worker.move_kv_blocks, args=(src, dst))

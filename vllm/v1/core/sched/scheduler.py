@@ -564,17 +564,15 @@ class Scheduler:
 
     @property
     def max_num_blocks(self) -> int:
-        """Blocks a request is admitted against: what the elastic cache may grow to
-        (its limit), else the blocks there are."""
+        """Blocks a request is admitted against: the elastic cache's limit, else the pool's."""
         return self.elastic.limit if self.elastic is not None else self.num_blocks
 
     def resize_kv_cache(self, num_blocks: int, boundaries: Sequence[int] = ()) -> None:
         """Adopt a new KV block count: the worker committed more, or free tail blocks go.
 
-        The one way the pool's size changes after start-up (the elastic cache commits and
-        releases blocks while serving). See `BlockPool.resize`: a shrink must only drop free
-        tail blocks (cached ones are evicted); live blocks never move. The elastic policy
-        records the new count (and a growth's inner `boundaries`, `ElasticKVPolicy.adopt`).
+        The one way the pool's size changes after start-up (the elastic cache, while serving).
+        See `BlockPool.resize`: a shrink drops only free tail blocks (cached ones are evicted);
+        live blocks never move. The policy records the count and a growth's `boundaries`.
 
         Raises:
             ValueError: a shrink over a block in use.
@@ -583,12 +581,14 @@ class Scheduler:
         if self.elastic is not None:
             self.elastic.adopt(num_blocks, boundaries)
 
-    def preempt_for_shrink(self, max_in_use: int) -> int:
-        """Preempt (recompute) running requests, newest first, until at most `max_in_use` blocks
-        are in use (the elastic cache gives a tail to a peer); the next step reports them."""
+    def preempt_for_shrink(self, max_in_use: int, may_preempt=lambda request: True) -> int:
+        """Preempt (recompute) running requests `may_preempt` allows, newest first, until at most
+        `max_in_use` blocks are in use (an elastic cache's release); the next step reports them."""
         kv, victims = self.kv_cache_manager, 0
-        while self.running and kv.num_blocks_in_use() > max_in_use:
-            request = self.running.pop()
+        for request in [r for r in reversed(self.running) if may_preempt(r)]:
+            if kv.num_blocks_in_use() <= max_in_use:
+                break
+            self.running.remove(request)
             self._preempt(request)
             self._preempted_between_steps.add(request.request_id)
             victims += 1
