@@ -31,18 +31,17 @@ splits) when no device is at hand; quote measurements, not this.
 from __future__ import annotations
 
 import argparse
-import atexit
 import itertools
 import json
 import logging
 import os
-import shutil
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from elastic_loads import LOADS, PATTERNS, make_plan
 
+from vllm import envs
 from vllm.benchmarks.utils import positive_float, positive_int
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.elastic import ElasticKVPolicy
@@ -57,12 +56,7 @@ from vllm.v1.worker.elastic_kv_cache import (
 )
 
 BLOCK_SIZE = 16
-# Each run's engines join a registry of their own: a device key of this process and run,
-# in a temporary directory of this process unless VLLM_KV_REGISTRY_DIR names one.
-_RUNS = itertools.count()
-if not os.environ.get("VLLM_KV_REGISTRY_DIR"):
-    os.environ["VLLM_KV_REGISTRY_DIR"] = tempfile.mkdtemp(prefix="elastic-sim-")
-    atexit.register(shutil.rmtree, os.environ["VLLM_KV_REGISTRY_DIR"], True)
+_RUNS = itertools.count()  # each run's engines: a device key of their own
 IDLE_POLL_S = 0.05
 # The loads' prompts in the 8B shape's tokens (their words x ~4.46, as the H100 runs'
 # /tokenize read them: ~2,900 and ~450).
@@ -230,7 +224,7 @@ def simulate(mode: str, load: str = "decode-heavy", pattern: str = "poisson",
     prompt_len = prompt_len or PROMPT_TOKENS[load]
     plan = make_plan(spec, pattern, 2, scale=scale, bursts=2, phase_s=10.0, seed=seed)
     clock = [0.0]
-    with _quiet():
+    with _own_registry():
         engines = make_engines(mode, 2, device, static_blocks, shrink_delay_s,
                                lambda: clock[0])
         _run_plan(plan, engines, device, clock, gap_s, prompt_len, max_tokens)
@@ -238,15 +232,25 @@ def simulate(mode: str, load: str = "decode-heavy", pattern: str = "poisson",
 
 
 @contextmanager
-def _quiet():
-    """The engines' INFO lines off (every release logs one)."""
-    logger = logging.getLogger("vllm")
+def _own_registry():
+    """The run's device registry in a temporary directory (VLLM_KV_REGISTRY_DIR for its
+    duration; `envs` re-reads it), and the engines' INFO lines off (every release logs
+    one)."""
+    logger, before = logging.getLogger("vllm"), os.environ.get("VLLM_KV_REGISTRY_DIR")
     level = logger.level
-    logger.setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
+    with tempfile.TemporaryDirectory(prefix="elastic-sim-") as directory:
+        os.environ["VLLM_KV_REGISTRY_DIR"] = directory
+        envs.reset()
+        logger.setLevel(logging.WARNING)
+        try:
+            yield
+        finally:
+            logger.setLevel(level)
+            if before is None:
+                del os.environ["VLLM_KV_REGISTRY_DIR"]
+            else:
+                os.environ["VLLM_KV_REGISTRY_DIR"] = before
+            envs.reset()
 
 
 def _run_plan(plan, engines: list[Engine], device: DeviceModel, clock: list[float],

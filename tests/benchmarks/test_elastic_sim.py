@@ -4,6 +4,7 @@ controller to the end of a small load, and its modelled workers keep to the pool
 from __future__ import annotations
 
 import importlib
+import os
 
 import pytest
 
@@ -11,9 +12,8 @@ from tests.entrypoints.openai.utils import REPO_ROOT
 
 
 @pytest.fixture
-def sim(monkeypatch, tmp_path):
+def sim(monkeypatch):
     monkeypatch.syspath_prepend(str(REPO_ROOT / "benchmarks"))
-    monkeypatch.setenv("VLLM_KV_REGISTRY_DIR", str(tmp_path))
     return importlib.import_module("elastic_sim")
 
 
@@ -40,6 +40,16 @@ def test_every_request_of_a_small_load_finishes(sim, mode):
     assert r["output_throughput"] == pytest.approx(2 * 10 * 48 / r["duration_s"], rel=1e-3)
     assert 0 <= r["ttft_s_p50"] <= r["ttft_s_p99"]
     assert set(r["engines"]) == {"A", "B"}
+
+
+def test_a_run_leaves_the_registry_setting_as_it_was(sim, monkeypatch, tmp_path):
+    monkeypatch.setenv("VLLM_KV_REGISTRY_DIR", str(tmp_path))
+    sim.simulate("elastic", scale=0.02, max_tokens=8,
+                 device=sim.DeviceModel(pool_blocks=80, floor_blocks=8, limit_blocks=80))
+    from vllm import envs
+    assert os.environ["VLLM_KV_REGISTRY_DIR"] == str(tmp_path)
+    assert str(envs.VLLM_KV_REGISTRY_DIR) == str(tmp_path)
+    assert not list(tmp_path.iterdir())  # its registry was elsewhere
 
 
 def test_an_engine_answering_its_peer_leaves_short_replies_running(sim):
