@@ -153,3 +153,21 @@ def test_elastic_engine_grows_and_shrinks_without_recapture_and_matches(tmp_path
     elastic.llm_engine.set_kv_cache_limit(None)
     assert run(elastic) == expected
     shutdown_llm(elastic)
+
+
+def test_classic_cache_of_an_explicit_size_is_checked_against_free_memory(tmp_path):
+    """--no-enable-extensible-kv-cache with --kv-cache-memory-bytes: a size that fits is
+    allocated as asked; one above the device's free memory is a sizing error naming the
+    flag, before torch tries to allocate it (94fbdd1)."""
+    from vllm.v1.worker.kv_cache_sizing import KVCacheSizingError
+    model_dir = make_model_dir(tmp_path / "smollm2", smollm2_config(), weights=False)
+    common = dict(load_format="dummy", dtype="bfloat16", max_model_len=1024,
+                  enable_extensible_kv_cache=False)
+    llm = LLM(str(model_dir), kv_cache_memory_bytes=256 << 20, **common)
+    try:
+        assert all(len(t) == 48 for t in _greedy(llm))
+    finally:
+        shutdown_llm(llm)
+    free, _ = torch.cuda.mem_get_info()
+    with pytest.raises((KVCacheSizingError, RuntimeError), match="kv_cache_memory_bytes"):
+        LLM(str(model_dir), kv_cache_memory_bytes=free + (64 << 30), **common)
