@@ -84,13 +84,16 @@ class RemoteServer(ServeProcess):
     # ---------------------------------------------------------------- stopping
     def terminate(self, timeout: float = 60) -> int:
         """SIGTERM, wait, return the exit code (kills it if it hangs and raises
-        `subprocess.TimeoutExpired`, so a hang fails the test)."""
+        AssertionError with the end of its log, so a hang fails the test and says
+        where the server was)."""
         self.request_stop()
         try:
             return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as e:
+            tail = "\n".join(self.log().splitlines()[-40:])
             self.stop(timeout_s=0)
-            raise
+            raise AssertionError(f"the server did not exit within {timeout} s of SIGTERM; "
+                                 f"its log ends:\n{tail}") from e
 
     def close(self) -> None:
         """`terminate()` (a hang fails the test), then remove the log."""
