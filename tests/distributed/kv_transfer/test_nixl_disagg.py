@@ -92,8 +92,14 @@ def disagg_servers():
         if proxy is not None:
             proxy.kill()
             proxy.wait(30)
-        for server in servers.values():
-            server.close()
+        closing: list[BaseException] = []
+        for server in servers.values():  # every one, also after another hung
+            try:
+                server.close()
+            except BaseException as e:
+                closing.append(e)
+        if closing:
+            raise closing[0]
 
 
 @pytest.fixture(scope="module")
