@@ -164,6 +164,14 @@ def test_help_and_version_do_not_import_torch():
     assert "TORCH False" in result.stdout
 
 
+def test_no_subcommand_prints_the_help_and_exits_0():
+    """vLLM's `vllm` without a subcommand prints its help and succeeds (it exited 1 here)."""
+    result = _run_cli()
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: vllm") and "serve" in result.stdout
+    assert result.stderr == ""
+
+
 def test_version():
     result = _run_cli("--version")
     assert result.returncode == 0

@@ -241,13 +241,17 @@ def _os_error_message(error: OSError) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `vllm` script; returns the process exit code."""
+    """Entry point of the `vllm` script; returns the process exit code.
+
+    `vllm` alone prints the help and exits 0, as vLLM's CLI does (its subcommand
+    is optional there, and without one it prints the help).
+    """
     parser = make_parser()
     args = parser.parse_args(argv)
     dispatch = getattr(args, "dispatch", None)
     if dispatch is None:
         parser.print_help()
-        return 1
+        return 0
     return dispatch(args)
 
 
