@@ -32,6 +32,16 @@ def _greedy(client, prompt: str, max_tokens: int = MAX_TOKENS, **kwargs):
                                      temperature=0, **kwargs)
 
 
+def test_max_tokens_left_unset_is_what_fits(client):
+    """As vLLM's server: max_tokens null means max_model_len - prompt (an explicit one that
+    does not fit is a 400: test_errors.py); 3 tokens here, stopped by the length."""
+    completion = client.completions.create(model=MODEL_NAME, prompt=[28] * (MAX_MODEL_LEN - 3),
+                                           max_tokens=None, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    choice = completion.choices[0]
+    assert completion.usage.completion_tokens == 3 and choice.finish_reason == "length"
+
+
 def test_models(client):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL_NAME]

@@ -43,8 +43,9 @@ def test_explicit_size_within_one_granule_and_max_model_len_fitted(small_cache_l
     out = small_cache_llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0,
                                                             ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
-    with pytest.raises(ValueError, match="1440"):
-        small_cache_llm.generate(["Hello"], SamplingParams(max_tokens=1500), use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt has 1440 tokens"):
+        small_cache_llm.generate([{"prompt_token_ids": [28] * 1440}], SamplingParams(),
+                                 use_tqdm=False)
 
 
 def test_a_fixed_cache_reports_its_blocks_in_use_and_its_size_as_its_limit(small_cache_llm):

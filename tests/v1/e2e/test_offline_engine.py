@@ -163,6 +163,15 @@ def test_invalid_requests_are_rejected_and_engine_keeps_serving(llm):
     assert llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].text.startswith(" Paris")
 
 
+def test_max_tokens_past_max_model_len_stops_at_it(llm):
+    """As in vLLM V1, offline: a prompt that fits is served whatever max_tokens says, and
+    generation stops at max_model_len with finish_reason "length" (it raised here)."""
+    prompt = {"prompt_token_ids": [28] * (ENGINE_KWARGS["max_model_len"] - 3)}
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 3 and out.finish_reason == "length"
+
+
 def test_cpu_threads_follow_the_cpu_rules(llm):
     """On the CPU the engine's OpenMP team has one thread per physical core it may use
     (VLLM_CPU_OMP_THREADS_BIND=auto), not torch's default; with no reserve set, as many

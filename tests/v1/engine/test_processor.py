@@ -59,3 +59,21 @@ def test_priority_needs_the_priority_policy(processor):
                             max_num_seqs=MAX_NUM_SEQS, scheduling_policy="priority")
     children = prioritized.process_inputs("p", "Hi", SamplingParams(n=2), priority=-3).children
     assert [request.priority for request, _, _ in children] == [-3, -3]
+
+
+def test_offline_rule_needs_only_the_prompt_to_fit(processor):
+    """vLLM's engine: prompt + max_tokens may pass max_model_len (generation stops there);
+    the OpenAI server's rule refuses it, naming max_tokens; a prompt of max_model_len
+    tokens is refused by both (no room for one output token)."""
+    prompt = {"prompt_token_ids": [28] * 250}
+    params = SamplingParams(max_tokens=20)
+    request = processor.process_inputs("offline", prompt, params).children[0][0]
+    assert request.max_tokens == 20 and request.num_prompt_tokens == 250
+    with pytest.raises(ValueError, match="plus max_tokens 20 exceeds max_model_len 256") as e:
+        processor.process_inputs("server", prompt, params, require_room_for_max_tokens=True)
+    assert e.value.parameter == "max_tokens"
+    for room in (False, True):
+        with pytest.raises(ValueError, match="prompt has 256 tokens") as e:
+            processor.process_inputs("full", {"prompt_token_ids": [28] * 256}, params,
+                                     require_room_for_max_tokens=room)
+        assert e.value.parameter == "prompt"

@@ -266,6 +266,11 @@ class OpenAIServing:
     ) -> RequestOutputStream:
         """Hand a request to the engine; validation failures become APIError(400).
 
+        As vLLM's server: a max_tokens the request sets must fit beside the
+        prompt within max_model_len (a 400 otherwise, never clamped); one left
+        unset becomes what fits. (The offline `LLM` accepts such a request and
+        stops it at max_model_len.)
+
         `prompt_param` / `length_param` name the request fields a prompt or a
         length error is about (chat: "messages", "max_completion_tokens");
         `renamed` maps other SamplingParams fields (chat: logprobs -> top_logprobs);
@@ -273,7 +278,8 @@ class OpenAIServing:
         """
         try:
             return await self.engine_client.add_request(request_id, prompt, params,
-                                                        priority=priority)
+                                                        priority=priority,
+                                                        require_room_for_max_tokens=True)
         except ValueError as e:
             raise validation_error(e, {**(renamed or {}), "prompt": prompt_param,
                                        "max_tokens": length_param}) from e

@@ -204,11 +204,15 @@ class AsyncLLM:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        *,
+        require_room_for_max_tokens: bool = False,
     ) -> RequestOutputStream:
         """Admit a request; returns its output stream once the engine accepted it.
 
         `priority`: vLLM's; lower is scheduled first under `--scheduling-policy
-        priority`, and must be 0 under fcfs.
+        priority`, and must be 0 under fcfs. `require_room_for_max_tokens`: the
+        OpenAI server's rule, prompt + max_tokens within max_model_len (the
+        engine's own only needs the prompt to fit; `Processor.make_request`).
 
         Raises:
             ValueError: invalid prompt or parameters (the engine's own validation,
@@ -227,12 +231,16 @@ class AsyncLLM:
             # transformers' image processor takes seconds on a large image: on the
             # tokenizer thread, so the event loop keeps streaming everyone else.
             processed = await self._tokenizer_call(
-                lambda: self.processor.process_inputs(request_id, prompt, params, priority))
+                lambda: self.processor.process_inputs(
+                    request_id, prompt, params, priority,
+                    require_room_for_max_tokens=require_room_for_max_tokens))
             self._check_accepting()
             if request_id in self._handler.streams:
                 raise ValueError(f"request id {request_id!r} is already running")
         else:
-            processed = self.processor.process_inputs(request_id, prompt, params, priority)
+            processed = self.processor.process_inputs(
+                request_id, prompt, params, priority,
+                require_room_for_max_tokens=require_room_for_max_tokens)
         stream = RequestOutputStream(request_id, asyncio.get_running_loop(), self.abort,
                                      self._handler.forget,
                                      delta=params.output_kind == RequestOutputKind.DELTA)

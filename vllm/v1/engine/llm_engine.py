@@ -89,9 +89,11 @@ class LLMEngine:
         priority`, and must be 0 under fcfs.
 
         Raises:
-            ValueError: invalid prompt, n > max_num_seqs, prompt + max_tokens
-                beyond max_model_len, or a request the KV cache can never hold.
-                Nothing is queued then.
+            ValueError: invalid prompt, a prompt of max_model_len tokens or
+                more, n > max_num_seqs, or a request the KV cache can never
+                hold. Nothing is queued then. (prompt + max_tokens beyond
+                max_model_len is accepted, as in vLLM: generation stops at
+                max_model_len with finish_reason "length".)
             EngineSleepingError: the engine is asleep, or woke from a level-2
                 sleep and its weights were not loaded again (`reload_weights()`).
         """

@@ -135,13 +135,18 @@ class Processor:
         )
 
     def process_inputs(
-        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0
+        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
+        *, require_room_for_max_tokens: bool = False,
     ) -> ProcessedRequest:
         """Validate and tokenize a request; n > 1 fans out into n child requests.
 
         Every child is validated before any is returned, so a rejection queues
         nothing. `priority` (vLLM's): lower is scheduled first under
         `--scheduling-policy priority`; every child has it.
+        `require_room_for_max_tokens`: the OpenAI server's rule (prompt +
+        max_tokens must fit max_model_len); the engine's own rule, for `LLM`
+        and direct engine callers, only needs the prompt to fit
+        (`validate_request_lengths`).
 
         Raises:
             VLLMValidationError: see `validate_params`, `tokenize`, `make_request`;
@@ -157,15 +162,17 @@ class Processor:
         prompt_token_ids, mm_features = self.process_multimodal(prompt, prompt_token_ids)
         check_kv_transfer_request((params.extra_args or {}).get("kv_transfer_params"),
                                   len(prompt_token_ids), self.block_size, params.n)
+        room = require_room_for_max_tokens
         if params.n == 1:
             request = self.make_request(request_id, prompt_token_ids, params,
-                                        mm_features=mm_features, priority=priority)
+                                        mm_features=mm_features, priority=priority,
+                                        require_room_for_max_tokens=room)
             return ProcessedRequest(text, prompt_token_ids, [(request, None, 0)])
         parent = ParentRequest(request_id, params.n)
         children = [
             (self.make_request(ParentRequest.child_id(i, request_id), prompt_token_ids,
                                ParentRequest.child_params(params, i), mm_features=mm_features,
-                               priority=priority),
+                               priority=priority, require_room_for_max_tokens=room),
              parent, i)
             for i in range(params.n)
         ]
@@ -293,19 +300,25 @@ class Processor:
         arrival_time: float | None = None,
         mm_features: list[MultiModalFeatureSpec] | None = None,
         priority: int = 0,
+        *,
+        require_room_for_max_tokens: bool = False,
     ) -> Request:
         """A core Request for one (child) request.
 
-        Checks lengths against max_model_len (prompt + max_tokens must fit, as
-        the server requires: one rule for both), logit_bias ids against the
-        vocabulary, and makes EOS part of the stop set that min_tokens masks.
+        Checks lengths against max_model_len (vLLM's two rules: the engine's
+        only needs the prompt to leave room for one token, and generation stops
+        at max_model_len with finish_reason "length"; the OpenAI server's,
+        `require_room_for_max_tokens`, also needs prompt + max_tokens to fit),
+        logit_bias ids against the vocabulary, and makes EOS part of the stop
+        set that min_tokens masks.
 
         Raises:
             VLLMValidationError: naming the numbers and the parameter at fault.
         """
         params = params.clone()  # one per request: the fields below are per prompt
         params.max_tokens = validate_request_lengths(
-            len(prompt_token_ids), params.max_tokens, self.max_model_len
+            len(prompt_token_ids), params.max_tokens, self.max_model_len,
+            require_room_for_max_tokens=require_room_for_max_tokens,
         )
         params.verify_vocab(self.vocab_size)
         # -1 = the whole vocabulary; the worker only ever sees a count.
