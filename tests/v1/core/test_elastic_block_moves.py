@@ -55,7 +55,9 @@ def release(rng, sched, runner, lo, hi):
     if rng.random() < 0.5 or kv.num_blocks <= lo:
         return
     b = rng.randrange(lo, kv.num_blocks)
+    in_use_after = sched.blocks_in_use_after_preempting(max(0, b - 1 - 2))
     sched.preempt_for_shrink(max(0, b - 1 - 2))
+    assert kv.num_blocks_in_use() == in_use_after  # the dry run counts as the preemption frees
     src, dst = kv.move_blocks_below(b, [r.request_id for r in sched.running])
     if src:
         runner.move(src, dst)

@@ -475,3 +475,27 @@ def test_preempt_for_shrink_passes_over_requests_it_may_not_preempt():
     assert [r.request_id for r in sched.running] == ["A", "C"]
     assert [r.request_id for r in sched.waiting] == ["B"]
     assert sched.preempt_for_shrink(0, may_preempt=lambda r: False) == 0
+
+
+def test_the_dry_run_of_preempt_for_shrink_counts_shared_blocks_once_and_changes_nothing():
+    """`blocks_in_use_after_preempting` (what the elastic controller chooses its boundary
+    with) takes the victims `preempt_for_shrink` takes: a prefix block two requests share
+    stays in use while one of them runs."""
+    sched = make_scheduler(num_blocks=32)
+    prefix = _prompt(8, 100)
+    sched.add_request(make_request("A", prefix + [1, 2, 3], max_tokens=6))
+    runner = FakeRunner(block_size=4)
+    res = step(sched, runner)
+    sched.add_request(make_request("B", prefix + [4, 5, 6], max_tokens=6))
+    sched.add_request(make_request("C", _prompt(8, 200), max_tokens=6))
+    step(sched, runner, res)
+    kv = sched.kv_cache_manager
+    held = {r.request_id: kv.get_block_ids(r.request_id) for r in sched.running}
+    assert held == {"A": [1, 2, 3], "B": [1, 2, 4], "C": [5, 6]} and kv.num_blocks_in_use() == 6
+    assert sched.blocks_in_use_after_preempting(3) == 3  # C frees 5, 6; B only 4
+    assert sched.blocks_in_use_after_preempting(0, may_preempt=lambda r: r.request_id != "A") == 3
+    assert sched.blocks_in_use_after_preempting(0) == 0
+    assert [r.request_id for r in sched.running] == ["A", "B", "C"]  # nothing preempted
+    assert kv.num_blocks_in_use() == 6 and sched.num_preemptions == 0
+    assert sched.preempt_for_shrink(3) == 2 and kv.num_blocks_in_use() == 3
+    assert [r.request_id for r in sched.waiting] == ["B", "C"]

@@ -8,7 +8,8 @@ One step::
 `update_from_output()` appends sampled tokens, applies stop checks, frees
 finished requests' blocks. Helpers: step.py (the plan), spec_decode.py (drafts);
 components: `connector` (kv_connector.py), `prefill_policy` (partial_prefills.py),
-`structured_outputs` (structured_outputs.py: requests wait for their grammar's compile).
+`structured_outputs` (structured_outputs.py: requests wait for their grammar's compile),
+`preemption` (preemption.py: who gives way when blocks run out or a peer takes the tail).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.sched.kv_connector import SchedulerKVConnector
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.partial_prefills import PartialPrefills
+from vllm.v1.core.sched.preemption import MayPreempt, Preemption
 from vllm.v1.core.sched.request_queue import create_request_queue
 from vllm.v1.core.sched.spec_decode import SpecDecodeScheduling
 from vllm.v1.core.sched.stats import SchedulerStats
@@ -135,20 +137,19 @@ class Scheduler:
         self.block_size = block_size
         self.enable_chunked_prefill = enable_chunked_prefill
         self.async_scheduling = async_scheduling
-        self.kv_cache_manager = KVCacheManager(
+        self.kv_cache_manager = kv = KVCacheManager(
             num_blocks, block_size, enable_prefix_caching, max_model_len)
         self.elastic, self.encoder = elastic, encoder or EncoderCacheManager(0, 0)
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting = create_request_queue(scheduling_policy)  # preempted ones go back first
         # Placed by `waiting.place_running`: fcfs admission order (concurrent partial prefills
         # may admit a short prompt before an earlier long one), or (priority, arrival) order.
-        # running[-1] is preempted first.
+        # running[-1] is preempted first (`preemption`).
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # finished since the last schedule()
-        self.num_preemptions = self.num_prefill_tokens = 0  # cumulative (prefill: by chunk)
-        self._preempted_between_steps: set[str] = set()  # for a peer engine (elastic)
-        self.connector = (None if connector is None
-                          else SchedulerKVConnector(connector, self.kv_cache_manager))
+        self.num_prefill_tokens = 0  # cumulative, by chunk
+        self.preemption = Preemption(kv, self.encoder, self.waiting, num_lookahead_tokens)
+        self.connector = None if connector is None else SchedulerKVConnector(connector, kv)
         self.prompt_tokens_by_source = {
             "local_compute": 0, "local_cache_hit": 0, "external_kv_transfer": 0}
         self.num_speculative_tokens = num_speculative_tokens
@@ -226,7 +227,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         self.structured_outputs.promote()
         plan = StepPlan(budget, self.prefill_policy.start_step(budget, self.running, self.waiting))
-        plan.preempted_req_ids, self._preempted_between_steps = self._preempted_between_steps, set()
+        plan.preempted_req_ids = self.preemption.take_preempted_between_steps()
         self._schedule_running(plan)
         if not plan.preempted_req_ids:
             self._schedule_waiting(plan)
@@ -301,7 +302,8 @@ class Scheduler:
                 continue
             drafts = self.spec.drafts(request, to_compute, plan.token_budget)
             num_new += len(drafts or ())
-            new_blocks = self._allocate_or_preempt(request, num_new, plan)
+            new_blocks = self.preemption.allocate_or_preempt(
+                self.running, request, num_new, plan.preempted_req_ids)
             if new_blocks is None:
                 break  # the request preempted itself; everything after it is gone too
             plan.add(request, num_new)
@@ -328,41 +330,6 @@ class Scheduler:
         ):
             return 0
         return total - request.num_computed_tokens
-
-    def _allocate_or_preempt(
-        self, request: Request, num_new_tokens: int, plan: StepPlan
-    ) -> list[KVCacheBlock] | None:
-        """Allocate, preempting the newest running requests until it fits.
-
-        The victims come from the end of `running`, i.e. after `request`, so
-        none of them has been scheduled in this step. Returns None when
-        `request` itself had to be preempted.
-        """
-        while True:
-            new_blocks = self.kv_cache_manager.allocate_slots(
-                request, num_new_tokens, num_lookahead_tokens=self.num_lookahead_tokens
-            )
-            if new_blocks is not None:
-                return new_blocks
-            victim = self.running.pop()
-            self._preempt(victim)
-            plan.preempted_req_ids.add(victim.request_id)
-            if victim is request:
-                return None
-
-    def _preempt(self, request: Request) -> None:
-        """Free the request's blocks and put it back first in the waiting queue (its place)."""
-        self.kv_cache_manager.free(request)
-        self.encoder.free(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.spec_token_ids = []
-        # The token of a step in flight arrives later and is appended as usual.
-        request.num_output_placeholders = 0
-        request.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.prepend(request)
-        logger.debug("preempted %s (%d tokens)", request.request_id, request.num_tokens)
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
         """Admit waiting requests in the queue's order; stop at the first that does not fit.
@@ -558,6 +525,11 @@ class Scheduler:
         return SchedulerStats.of(self)
 
     @property
+    def num_preemptions(self) -> int:
+        """Preemptions by recompute since the scheduler was created."""
+        return self.preemption.num_preemptions
+
+    @property
     def num_blocks(self) -> int:
         """KV cache blocks including the null block."""
         return self.kv_cache_manager.num_blocks
@@ -581,18 +553,17 @@ class Scheduler:
         if self.elastic is not None:
             self.elastic.adopt(num_blocks, boundaries)
 
-    def preempt_for_shrink(self, max_in_use: int, may_preempt=lambda request: True) -> int:
-        """Preempt (recompute) running requests `may_preempt` allows, newest first, until at most
-        `max_in_use` blocks are in use (an elastic cache's release); the next step reports them."""
-        kv, victims = self.kv_cache_manager, 0
-        for request in [r for r in reversed(self.running) if may_preempt(r)]:
-            if kv.num_blocks_in_use() <= max_in_use:
-                break
-            self.running.remove(request)
-            self._preempt(request)
-            self._preempted_between_steps.add(request.request_id)
-            victims += 1
-        return victims
+    def preempt_for_shrink(self, max_in_use: int, may_preempt: MayPreempt = None) -> int:
+        """Preempt (recompute) running requests `may_preempt` allows (None: any), newest first,
+        until at most `max_in_use` blocks are in use (an elastic cache's release); the next
+        step reports them. Returns how many went (`Preemption.for_shrink`)."""
+        return self.preemption.for_shrink(self.running, max_in_use, may_preempt)
+
+    def blocks_in_use_after_preempting(self, max_in_use: int,
+                                       may_preempt: MayPreempt = None) -> int:
+        """The blocks `preempt_for_shrink(max_in_use, may_preempt)` would leave in use,
+        without preempting (same victims, same order: `Preemption.shrink_victims`)."""
+        return self.preemption.shrink_victims(self.running, max_in_use, may_preempt)[1]
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached blocks; False while any request holds blocks."""
