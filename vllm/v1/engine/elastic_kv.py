@@ -55,8 +55,8 @@ from vllm.v1.core.elastic_sharing import DeviceShare, DeviceSharing
 from vllm.v1.worker.gpu_worker import Worker
 
 if TYPE_CHECKING:
+    from vllm.v1.core.sched.preemption import MayPreempt
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.request import Request
 
 logger = init_logger(__name__)
 
@@ -182,27 +182,21 @@ class ElasticKVController:
 
     def _worth_preempting(self, target: int | None) -> int | None:
         """`target`, or the lowest boundary above it that preempting only the requests
-        worth it for a peer reaches (`worth_preempting_for_peer`, newest first, as
-        `Scheduler.preempt_for_shrink` takes them); None: no such boundary."""
-        s, policy = self.scheduler, self.policy
+        worth it for a peer reaches (`worth_preempting_for_peer`; the scheduler says what
+        stays in use, `Scheduler.blocks_in_use_after_preempting`); None: no such boundary."""
         if target is None:
             return None
-        kv = s.kv_cache_manager
-        in_use, refs = kv.num_blocks_in_use(), {}
-        for request in [r for r in reversed(s.running) if worth_preempting_for_peer(r)]:
-            if in_use <= policy.in_use_budget(target):
-                break
-            for block in kv.get_blocks(request.request_id):  # shared blocks free with the last
-                refs[block.block_id] = refs.get(block.block_id, block.ref_cnt) - 1
-                in_use -= refs[block.block_id] == 0
-        return policy.lowest_boundary_fitting(in_use, target)
+        in_use = self.scheduler.blocks_in_use_after_preempting(
+            self.policy.in_use_budget(target), worth_preempting_for_peer)
+        return self.policy.lowest_boundary_fitting(in_use, target)
 
     def release_to(self, num_blocks: int, release_now: bool = True,
-                   may_preempt: Callable[[Request], bool] = lambda request: True) -> bool:
+                   may_preempt: MayPreempt = None) -> bool:
         """Shrink to `num_blocks` (a boundary) whatever the requests hold above it.
 
-        Running requests are preempted, newest first, only as far as the blocks
-        in use must fit below it (`ElasticKVPolicy.in_use_budget`); the blocks
+        Running requests `may_preempt` allows (None: any) are preempted, newest
+        first, only as far as the blocks in use must fit below it
+        (`ElasticKVPolicy.in_use_budget`, `Scheduler.preempt_for_shrink`); the blocks
         in use above it are moved below it (`KVCacheManager.move_blocks_below`,
         then each worker copies them on the device after the step in flight,
         `Worker.move_kv_blocks`). A block that cannot move (held by a request
