@@ -54,6 +54,7 @@ from vllm.v1.worker.elastic_kv_cache import (
     elastic_piece_blocks,
     growth_points,
 )
+from vllm.v1.worker.gpu_worker import Worker
 
 BLOCK_SIZE = 16
 _RUNS = itertools.count()  # each run's engines: a device key of their own
@@ -114,10 +115,12 @@ class ModelledWorker:
             self.pool[self.name] = target
 
     def call(self, method, args: tuple) -> object:
-        name, ends = method.__name__, lambda: [e for e in self.ends if e < self.committed]
-        if name == "kv_cache_device":
+        """One rank's answer to `collective_rpc(method, args)`; `method` is the `Worker`
+        function the controller passes (matched by identity: a renamed one raises here)."""
+        ends = lambda: [e for e in self.ends if e < self.committed]
+        if method is Worker.kv_cache_device:
             return self.key, self.block_bytes
-        if name == "grow_kv_cache_ahead":
+        if method is Worker.grow_kv_cache_ahead:
             if self.pending is not None:
                 self._extend(self.pending)
                 self.pending = None
@@ -125,18 +128,18 @@ class ModelledWorker:
                 self.pending = args[0]
                 return self.committed, True, ends()
             return self.committed, False, ends()
-        if name == "grow_kv_cache":
+        if method is Worker.grow_kv_cache:
             self._extend(args[0])
             return self.committed, ends()
-        if name == "shrink_kv_cache":
+        if method is Worker.shrink_kv_cache:
             keep = max(args[0], self.floor)
             if keep < self.committed:
                 self.pool[self.name] = keep
                 self.ends = [e for e in self.ends if e <= keep]
             return self.committed
-        if name == "move_kv_blocks":
+        if method is Worker.move_kv_blocks:
             return None
-        raise NotImplementedError(name)
+        raise NotImplementedError(getattr(method, "__qualname__", method))
 
 
 @dataclass

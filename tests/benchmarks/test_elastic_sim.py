@@ -32,6 +32,23 @@ def test_modelled_workers_share_one_pool(sim):
     assert sum(pool.values()) <= 1000
 
 
+def test_modelled_workers_match_the_worker_functions_not_their_names(sim):
+    """The controller passes `Worker.<method>`: a function that only shares a name, or a
+    worker method the model lacks, is refused (a renamed worker method fails here)."""
+    device = sim.DeviceModel(pool_blocks=1000, floor_blocks=10, limit_blocks=900)
+    worker = sim.ModelledWorker({}, 1000, "a", device)
+    from vllm.v1.worker.gpu_worker import Worker
+    assert worker.call(Worker.kv_cache_device, ())[0] == "modelled-device"
+
+    def kv_cache_device():
+        pass
+
+    with pytest.raises(NotImplementedError, match="kv_cache_device"):
+        worker.call(kv_cache_device, ())
+    with pytest.raises(NotImplementedError, match="Worker.set_kv_cache_limit"):
+        worker.call(Worker.set_kv_cache_limit, (None,))
+
+
 @pytest.mark.parametrize("mode", ["static", "elastic"])
 def test_every_request_of_a_small_load_finishes(sim, mode):
     r = sim.simulate(mode, scale=0.04, max_tokens=48, static_blocks=40,
