@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Iterable
@@ -227,20 +228,18 @@ class AsyncLLM:
             raise EngineSleepingError("the engine is asleep; wake it up (POST /wake_up) first")
         if request_id in self._handler.streams:
             raise ValueError(f"request id {request_id!r} is already running")
+        process = functools.partial(self.processor.process_inputs, request_id, prompt, params,
+                                    priority,
+                                    require_room_for_max_tokens=require_room_for_max_tokens)
         if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
             # transformers' image processor takes seconds on a large image: on the
             # tokenizer thread, so the event loop keeps streaming everyone else.
-            processed = await self._tokenizer_call(
-                lambda: self.processor.process_inputs(
-                    request_id, prompt, params, priority,
-                    require_room_for_max_tokens=require_room_for_max_tokens))
+            processed = await self._tokenizer_call(process)
             self._check_accepting()
             if request_id in self._handler.streams:
                 raise ValueError(f"request id {request_id!r} is already running")
         else:
-            processed = self.processor.process_inputs(
-                request_id, prompt, params, priority,
-                require_room_for_max_tokens=require_room_for_max_tokens)
+            processed = process()
         stream = RequestOutputStream(request_id, asyncio.get_running_loop(), self.abort,
                                      self._handler.forget,
                                      delta=params.output_kind == RequestOutputKind.DELTA)
