@@ -85,8 +85,11 @@ def test_max_model_len(tiny_model):
     with pytest.raises(ValueError, match=f"max_model_len 513 is larger than the model's maximum "
                                          f"context length {MODEL_MAX_LEN}"):
         ModelConfig(tiny_model, max_model_len=MODEL_MAX_LEN + 1)
-    with pytest.raises(ValueError, match="max_model_len must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"max_model_len must be an int >= 1 or -1 \(auto: "
+                                         r"fit the KV cache\), got 0"):
         ModelConfig(tiny_model, max_model_len=0)
+    auto = ModelConfig(tiny_model, max_model_len=-1)  # vLLM's "auto": fitted at start-up
+    assert (auto.max_model_len, auto.max_model_len_origin) == (MODEL_MAX_LEN, "auto")
 
 
 def test_load_format(tiny_model):

@@ -10,6 +10,7 @@ from vllm.engine.arg_utils import (
     EngineArgs,
     human_readable_bytes,
     human_readable_int,
+    human_readable_int_or_auto,
 )
 
 
@@ -151,6 +152,19 @@ def test_create_engine_config_carries_every_value(tiny_model):
     assert cfg.compilation_config.use_cudagraph is False
     assert cfg.compilation_config.cudagraph_capture_sizes == [1, 2, 4]
     assert cfg.kv_transfer_config is None  # an empty config: no connector, as in vLLM
+
+
+def test_max_model_len_auto_is_the_models_length_marked_for_fitting(tiny_model):
+    """vLLM's `--max-model-len auto` (or -1): the model's length, which start-up lowers to
+    what the KV cache holds; a length passed or left unset is kept (or fails start-up)."""
+    assert human_readable_int_or_auto("auto") == human_readable_int_or_auto(" -1") == -1
+    assert human_readable_int_or_auto("4k") == 4000
+    origins = {}
+    for argv in (["--max-model-len", "AUTO"], ["--max-model-len", "128"], []):
+        m = parse(["--model", tiny_model, "--load-format", "dummy", *argv]
+                  ).create_engine_config().model_config
+        origins[m.max_model_len_origin] = m.max_model_len
+    assert origins == {"auto": 256, "explicit": 128, "model": 256}
 
 
 def test_served_model_name_reaches_the_engine(tiny_model):

@@ -64,7 +64,11 @@ class ModelConfig(FrozenConfig):
             a torch.dtype; resolved to a torch.dtype through the platform
             ("auto" picks the platform's choice for the checkpoint's dtype).
         max_model_len: context length in tokens (prompt + output); None = the
-            model's own (from its config).
+            model's own (from its config); -1 = vLLM's "auto": the model's own,
+            lowered at start-up to what the KV cache holds. Otherwise a KV cache
+            too small for one request of this length fails the start-up.
+        max_model_len_origin: where max_model_len came from: "explicit", "model"
+            (the model's config) or "auto" (not an argument).
         seed: the engine's random seed (vLLM V1 default 0); None = not seeded.
         load_format: "auto" | "safetensors" | "gguf" | "dummy" (random weights);
             "auto" resolves from the path (a `.gguf` file or a directory).
@@ -102,6 +106,7 @@ class ModelConfig(FrozenConfig):
     max_logprobs: int = 20
     trust_remote_code: bool = False
     hf_config: Any = field(init=False, repr=False, compare=False)
+    max_model_len_origin: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         from vllm.transformers_utils.config import (
@@ -191,10 +196,13 @@ class ModelConfig(FrozenConfig):
 
     def _resolve_max_model_len(self, model_max_len: int) -> int:
         user = self.max_model_len
-        if user is None:
+        if user is None or user == -1:
+            self.max_model_len_origin = "model" if user is None else "auto"
             return model_max_len
+        self.max_model_len_origin = "explicit"
         if not isinstance(user, int) or isinstance(user, bool) or user < 1:
-            raise ValueError(f"max_model_len must be an int >= 1, got {user!r}")
+            raise ValueError(
+                f"max_model_len must be an int >= 1 or -1 (auto: fit the KV cache), got {user!r}")
         if user > model_max_len:
             raise ValueError(
                 f"max_model_len {user} is larger than the model's maximum context length "

@@ -87,6 +87,11 @@ def human_readable_int(value: str) -> int:
     return _parse_int(value, _DECIMAL, _BINARY, "integer")
 
 
+def human_readable_int_or_auto(value: str) -> int:
+    """`--max-model-len`: a human-readable int, or vLLM's `auto` / `-1` (-1: fit the KV cache)."""
+    return -1 if value.strip().lower() in ("auto", "-1") else human_readable_int(value)
+
+
 def human_readable_bytes(value: str) -> int:
     """A byte count: `4294967296`, vLLM's `4G` (= 4 GiB) / `4g` (= 4e9), or `4GiB` / `4GB`."""
     return _parse_int(
@@ -329,9 +334,10 @@ def _add_model_args(g: argparse._ArgumentGroup) -> None:
                    help="Weight and activation dtype (default: %(default)s: the platform's "
                         "choice: bfloat16 on CUDA, float16 for fp16 checkpoints, float32 on "
                         "the CPU).")
-    g.add_argument("--max-model-len", type=human_readable_int, default=d.max_model_len,
-                   help="Context length in tokens (prompt + output), e.g. 4096 or 4k; "
-                        "default: the model's.")
+    g.add_argument("--max-model-len", type=human_readable_int_or_auto, default=d.max_model_len,
+                   help="Context length in tokens (prompt + output), e.g. 4096 or 4k; default: "
+                        "the model's. A KV cache too small for one request of it fails the "
+                        "start-up, as in vLLM; 'auto' (-1): the model's, fitted to the cache.")
     g.add_argument("--seed", type=int, default=d.seed,
                    help="Random seed of the engine (default: %(default)s).")
     g.add_argument("--load-format", choices=LOAD_FORMAT_CHOICES, default=d.load_format,

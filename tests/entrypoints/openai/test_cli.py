@@ -306,6 +306,11 @@ ENGINE_REFUSALS = [
      "kv_cache_memory_bytes (--kv-cache-memory-bytes) 737280 is below the minimum of 983040 "
      "bytes: 2 KV cache blocks of 491520 bytes (the null block and one for requests) on "
      "rank 0, whose blocks are the largest (the ranks' blocks: 491520, 245760 bytes)"),
+    # A cache too small for one request of --max-model-len 512 (33 blocks): vLLM refuses to
+    # start; this engine served max_model_len 336 with a warning.
+    (["--kv-cache-memory-bytes", "16MiB"], 2,
+     "max_model_len 512 (--max-model-len) does not fit the KV cache: one request of 512 tokens "
+     "needs 32 blocks of 16 tokens, "),
     # The classic cache is allocated whole: an explicit size above the free memory died in
     # torch.zeros with "can't allocate memory" (two tracebacks, exit 1). It is now checked
     # against the memory free, as the extensible path checks it after warmup.

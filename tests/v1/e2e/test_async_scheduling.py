@@ -25,7 +25,9 @@ PROMPTS = [
     "Once upon a time, in a small village,",
 ]
 # As tests/v1/e2e/test_offline_engine.py's other engine: 6 usable blocks, it preempts.
-TINY_CACHE = dict(ENGINE_KWARGS, max_num_seqs=8, kv_cache_memory_bytes=7 * 16 * 30 * 2 * 3 * 64 * 4,
+# max_model_len 96: what 6 blocks hold (a longer one fails the start-up, as in vLLM).
+TINY_CACHE = dict(ENGINE_KWARGS, max_model_len=96, max_num_seqs=8,
+                  kv_cache_memory_bytes=7 * 16 * 30 * 2 * 3 * 64 * 4,
                   enable_prefix_caching=False, enable_extensible_kv_cache=False)
 MIXED = [
     SamplingParams(max_tokens=16, temperature=0),
@@ -103,7 +105,8 @@ def test_random_weights_sync_and_async_identical_with_preemption_and_stops(rando
     prompts = [{"prompt_token_ids": [0] + list(range(5, 5 + n))} for n in (3, 17, 40, 9)]
     # 7 usable blocks of 16 tokens (2 layers x K,V x 16 x 2 heads x 16 x 4 bytes each)
     # for four sequences of up to 90 tokens (6 blocks): it preempts.
-    kwargs = dict(model=random_llama, dtype="float32", max_model_len=128, max_num_seqs=4,
+    # max_model_len 112: what 7 blocks hold (a longer one fails the start-up, as in vLLM).
+    kwargs = dict(model=random_llama, dtype="float32", max_model_len=112, max_num_seqs=4,
                   max_num_batched_tokens=32, block_size=16, enable_prefix_caching=False,
                   enable_extensible_kv_cache=False, kv_cache_memory_bytes=8 * 8192)
     runs = {}

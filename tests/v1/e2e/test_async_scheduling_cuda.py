@@ -28,8 +28,8 @@ def model_dir(tmp_path_factory):
 
 
 def _run(model_dir: str, async_scheduling: bool | None, max_tokens=(48, 7, 33, 48, 1), **kwargs):
-    llm = LLM(model_dir, dtype="float32", max_model_len=512, gpu_memory_utilization=0.3,
-              async_scheduling=async_scheduling, **kwargs)
+    llm = LLM(model_dir, dtype="float32", gpu_memory_utilization=0.3,
+              async_scheduling=async_scheduling, **{"max_model_len": 512, **kwargs})
     core = llm.llm_engine.engine_core
     runner = core.worker.model_runner
     kinds = []
@@ -79,7 +79,8 @@ def test_async_is_the_cuda_default_and_greedy_is_identical(model_dir):
 def test_greedy_identical_with_preemption(model_dir):
     # 2 layers x K,V x 16 tokens x 2 heads x 16 dims x 4 bytes = 8 KiB a block; 19
     # usable blocks for five sequences needing 39 (the longest 19): preempts.
-    small = dict(kv_cache_memory_bytes=20 * 8192, enable_prefix_caching=False,
+    # max_model_len 304: what 19 usable blocks hold (longer fails the start-up, as in vLLM).
+    small = dict(max_model_len=304, kv_cache_memory_bytes=20 * 8192, enable_prefix_caching=False,
                  enable_extensible_kv_cache=False)
     on = _run(model_dir, True, (48, 48, 48, 48, 1), **small)
     off = _run(model_dir, False, (48, 48, 48, 48, 1), **small)

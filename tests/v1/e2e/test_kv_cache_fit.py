@@ -1,4 +1,6 @@
-"""The KV cache honours its size and its use, and max_model_len fits the cache (issue #16).
+"""The KV cache honours its size and its use, and max_model_len fits the cache (issue #16):
+as in vLLM, a cache too small for one request of max_model_len fails the start-up, and
+only max_model_len auto (-1) is fitted to the cache.
 
 The bundled model (SmolLM2-135M, fp32 on the CPU): 30 layers, one segment each,
 blocks of 16 tokens x 2 x 3 KV heads x 64 x 4 bytes = 24 KiB per layer (720 KiB a
@@ -18,26 +20,30 @@ from vllm import LLM, SamplingParams
 MiB = 1 << 20
 
 
+SMALL = dict(max_num_seqs=2, max_num_batched_tokens=256, kv_cache_memory_bytes=64 * MiB,
+             enable_extensible_kv_cache=True)
+
+
 @pytest.fixture(scope="module")
 def small_cache_llm():
     # 64 MiB asked: 67108864 / 737280 = 91 blocks, vLLM's count (issue 48: 85 before),
-    # packed segments commit 64 MiB; (91 - 1) x 16 = 1440 tokens for one sequence < 2048.
-    engine = LLM(max_model_len=2048, max_num_seqs=2, max_num_batched_tokens=256,
-                 kv_cache_memory_bytes=64 * MiB, enable_extensible_kv_cache=True)
+    # packed segments commit 64 MiB; (91 - 1) x 16 = 1440 tokens for one sequence, below
+    # the model's 8192, which max_model_len auto (-1) lowers to that.
+    engine = LLM(max_model_len=-1, **SMALL)
     yield engine
     engine.llm_engine.shutdown()
     gc.collect()
 
 
-def test_explicit_size_within_one_granule_and_max_model_len_fitted(small_cache_llm):
+def test_explicit_size_within_one_granule_and_max_model_len_auto_fitted(small_cache_llm):
     worker = small_cache_llm.llm_engine.engine_core.worker
     assert worker.kv_cache.committed_blocks == worker.kv_cache.capacity_blocks == 91
     # Within one granule in total (aligned segments would commit 120 MiB for 91 blocks).
     assert worker.kv_cache.committed_bytes == 64 * MiB
-    # The fitted length is the plan's; the configuration keeps what was asked.
+    # The fitted length is the plan's; the configuration keeps the model's.
     assert small_cache_llm.llm_engine.max_model_len == 1440
     assert small_cache_llm.llm_engine.engine_core.plan.max_model_len == 1440
-    assert small_cache_llm.llm_engine.vllm_config.model_config.max_model_len == 2048
+    assert small_cache_llm.llm_engine.vllm_config.model_config.max_model_len == 8192
     # A request up to the fitted length is served; one past it is refused up front.
     prompt = {"prompt_token_ids": [28] * 1340}  # prefill in six steps, then four tokens
     out = small_cache_llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0,
@@ -46,6 +52,28 @@ def test_explicit_size_within_one_granule_and_max_model_len_fitted(small_cache_l
     with pytest.raises(ValueError, match="prompt has 1440 tokens"):
         small_cache_llm.generate([{"prompt_token_ids": [28] * 1440}], SamplingParams(),
                                  use_tqdm=False)
+
+
+@pytest.mark.parametrize(("max_model_len", "where"), [
+    (2048, "--max-model-len"),
+    (None, "the model's context length; --max-model-len was not given"),
+])
+def test_a_max_model_len_the_cache_cannot_hold_fails_the_start_up(max_model_len, where):
+    """vLLM refuses to start rather than serve a shorter length (this engine lowered it with a
+    warning): the error names the memory one request needs, what the cache has (90 usable
+    blocks of 720 KiB) and the longest length that fits."""
+    needed = -(-(max_model_len or 8192) // 16)
+    with pytest.raises(ValueError) as e:
+        LLM(max_model_len=max_model_len, **SMALL)
+    gc.collect()
+    assert str(e.value) == (
+        f"max_model_len {max_model_len or 8192} ({where}) does not fit the KV cache: one "
+        f"request of {max_model_len or 8192} tokens needs {needed} blocks of 16 tokens, "
+        f"{needed * 737280 / 2**30:.2f} GiB ({needed * 737280} bytes) of KV cache, but the "
+        "cache holds 90 usable blocks, 0.06 GiB (66355200 bytes); based on that memory the "
+        "maximum model length is 1440. Raise --gpu-memory-utilization or "
+        "--kv-cache-memory-bytes, lower --max-model-len to at most 1440, or pass "
+        "--max-model-len auto to serve the longest length that fits")
 
 
 def test_a_fixed_cache_reports_its_blocks_in_use_and_its_size_as_its_limit(small_cache_llm):
@@ -83,11 +111,11 @@ def test_committed_kv_never_exceeds_what_the_engine_can_use():
         gc.collect()
 
 
-def test_server_advertises_the_fitted_max_model_len():
-    with RemoteServer(["--max-model-len", "2048", "--max-num-seqs", "2",
+def test_server_advertises_the_auto_fitted_max_model_len():
+    with RemoteServer(["--max-model-len", "auto", "--max-num-seqs", "2",
                        "--max-num-batched-tokens", "256", "--kv-cache-memory-bytes", "64MiB",
                        "--uvicorn-log-level", "warning", "--disable-log-stats"]) as server:
-        assert "serving with max_model_len 1440" in server.startup_log
+        assert "serving max_model_len 1440" in server.startup_log
         models = httpx.get(server.url_for("v1/models"), timeout=30).json()
         assert models["data"][0]["max_model_len"] == 1440
         # A plain chat request without max_tokens is served (not refused for 2048).

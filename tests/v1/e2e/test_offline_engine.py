@@ -34,7 +34,10 @@ GREEDY = SamplingParams(max_tokens=20, temperature=0)
 # The other engine differs from the shared one in everything outputs must not depend on:
 # a tiny KV cache (6 usable blocks of 16 tokens: four ~30-token sequences cannot all fit,
 # so it preempts), prefix caching off, and the classic (not extensible) KV path.
-OTHER = dict(ENGINE_KWARGS, max_num_seqs=8, kv_cache_memory_bytes=7 * 16 * 30 * 2 * 3 * 64 * 4,
+# max_model_len 96: what 6 blocks hold (a cache too small for one request of max_model_len
+# fails the start-up, as in vLLM).
+OTHER = dict(ENGINE_KWARGS, max_model_len=96, max_num_seqs=8,
+             kv_cache_memory_bytes=7 * 16 * 30 * 2 * 3 * 64 * 4,
              enable_prefix_caching=False, enable_extensible_kv_cache=False)
 
 

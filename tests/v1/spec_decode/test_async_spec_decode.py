@@ -126,7 +126,8 @@ def test_preemption_with_steps_in_flight(tmp_path_factory):
     (and recomputed) while drafts and optimistic slots are in flight; prefix caching on."""
     model_dir = make_model_dir(
         tmp_path_factory.mktemp("async_spec_llama"), llama_config(vocab_size=256), weights=True)
-    kwargs = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
+    # max_model_len 144: what 9 usable blocks hold (longer fails the start-up, as in vLLM).
+    kwargs = dict(max_model_len=144, max_num_seqs=4, max_num_batched_tokens=64,
                   kv_cache_memory_bytes=10 * 8192, enable_prefix_caching=True)
     prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9, 10] * 4 + [5, 6]},
                {"prompt_token_ids": [30, 31, 32, 30, 31, 32, 30] * 3},
@@ -225,7 +226,8 @@ def test_histories_crossing_the_proposal_width(async_spec_llm, bundled_llm):
     assert delta.num_accepted_tokens >= delta.num_drafts > 0  # the prompt repeats itself
 
 
-TINY_KWARGS = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
+# max_model_len 144: what 9 usable blocks hold (longer fails the start-up, as in vLLM).
+TINY_KWARGS = dict(max_model_len=144, max_num_seqs=4, max_num_batched_tokens=64,
                    kv_cache_memory_bytes=10 * 8192, enable_prefix_caching=True)
 TINY_PROMPTS = [[5, 6, 7, 8, 9, 10] * 4 + [5, 6], [30, 31, 32, 30, 31, 32, 30] * 3,
                 [40, 41, 42, 43] * 6, [50, 51, 52, 53] * 5]

@@ -52,7 +52,8 @@ def test_random_weights_other_draft_with_preemption(tmp_path_factory):
     draft = make_model_dir(root / "draft", llama_config(vocab_size=256, num_hidden_layers=1),
                            weights=True, seed=1)
     # 3 layers of KV per block now (2 target + 1 draft): 16 tokens x 3 x 2 x 2 x 16 x 4 B.
-    kwargs = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
+    # max_model_len 176: what 11 usable blocks hold (longer fails the start-up, as in vLLM).
+    kwargs = dict(max_model_len=176, max_num_seqs=4, max_num_batched_tokens=64,
                   kv_cache_memory_bytes=12 * 12288)
     prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9, 10] * 4},
                {"prompt_token_ids": [30, 31, 32] * 7},

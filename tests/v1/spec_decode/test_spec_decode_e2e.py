@@ -86,7 +86,8 @@ def test_greedy_identical_on_random_weights_with_preemption(tmp_path_factory):
     model_dir = make_model_dir(
         tmp_path_factory.mktemp("spec_llama"), llama_config(vocab_size=256), weights=True
     )
-    kwargs = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
+    # max_model_len 144: what 9 usable blocks hold (longer fails the start-up, as in vLLM).
+    kwargs = dict(max_model_len=144, max_num_seqs=4, max_num_batched_tokens=64,
                   kv_cache_memory_bytes=10 * 8192)  # 16 tokens x 2 layers x 2 x 2 x 16 x 4 B
     prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9, 10] * 4 + [5, 6]},
                {"prompt_token_ids": [30, 31, 32, 30, 31, 32, 30] * 3},

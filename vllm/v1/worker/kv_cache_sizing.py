@@ -567,9 +567,8 @@ def fit_max_model_len(max_model_len: int, num_blocks: int, block_size: int) -> i
 
     One request may use every block but the null block 0, so the cache holds
     `(num_blocks - 1) x block_size` tokens of one sequence. A longer
-    `max_model_len` would be advertised (`/v1/models`) and then refused per
-    request; the engine serves the fitted length instead (vLLM refuses to start
-    in this case; fitting keeps the server usable and says so in a warning).
+    `max_model_len` fails the start-up, as in vLLM, unless it is "auto" (-1),
+    which serves this fitted length (`vllm/v1/engine/startup.py`).
 
     Returns:
         min(max_model_len, (num_blocks - 1) x block_size), tokens.
