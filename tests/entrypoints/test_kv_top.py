@@ -151,14 +151,63 @@ def test_an_unreadable_registry_dir_is_a_usage_error(tmp_path):
 
 def test_help_lists_the_json_fields():
     """`--json`'s fields are listed in `vllm kv-top --help` (they were documented nowhere):
-    every field of a slot, each once, and the two keys of a snapshot."""
+    every field of an engine (the table's line) and of a registry's slot, each once, and
+    the three keys of a snapshot."""
+    from vllm.entrypoints.cli.kv_top import engines
+
     out = subprocess.run([sys.executable, "-m", "vllm.entrypoints.cli.main", "kv-top", "--help"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
     epilog = out.stdout.split("--json: one object per snapshot", 1)[1]
-    assert '{"time": unix seconds, "devices": {DEVICE: [ENGINE, ...], ...}}' in epilog
-    listed = set()  # the first column: "  pid, start_ticks   the engine core process ..."
-    for line in epilog.splitlines():
-        if line.startswith("  ") and line[2:3].isalpha():
-            listed.update(name.strip() for name in line.split("  ")[1].split(","))
-    assert listed == {f.name for f in fields(EngineSlot)}
+    assert ('{"time": unix seconds, "engines": [ENGINE, ...], "devices": {DEVICE: [SLOT, ...]}}'
+            in epilog)
+    engine_part, slot_part = epilog.split("DEVICE is", 1)
+
+    def listed(text: str) -> set[str]:  # the first column: "  pid, start_ticks   the ..."
+        names = set()
+        for line in text.splitlines():
+            if line.startswith("  ") and line[2:3].isalpha():
+                names.update(name.strip() for name in line.split("  ")[1].split(","))
+        return names
+
+    slot = {f.name: 0 for f in fields(EngineSlot)} | {"name": ""}
+    assert listed(engine_part) == set(engines({"GPU-1": [slot]})[0])
+    # A slot: the engine's fields but devices ("the fields above"), and its own.
+    assert (listed(engine_part) - {"devices"}) | listed(slot_part) == set(slot)
+
+
+def test_a_tensor_parallel_engine_is_one_line_of_its_totals(tmp_path):
+    """TP=2 over two GPUs: the engine core writes its figures to each GPU's registry in that
+    GPU's bytes (its rank's block there: SmolLM2's 2 + 1 KV heads make rank 0's 480 KiB
+    and rank 1's 240 KiB). kv-top showed two lines, limit 90 and 45 MiB, for an engine
+    whose limit (POST /kv_cache/limit, /metrics) is 135 MiB; it shows one line, the sums
+    (the unit of the limit and /metrics), and a single engine of one GPU beside it."""
+    from vllm.v1.core.elastic_sharing import DeviceShare, DeviceSharing
+
+    tp2 = DeviceSharing([DeviceShare("GPU-aaaa", 480 << 10), DeviceShare("GPU-bbbb", 240 << 10)],
+                        "Llama-TP2", directory=str(tmp_path))
+    tp2.publish(committed=128, in_use=16, reclaimable=0, floor=128, limit=192)
+    tp2.want(8)
+    one = DeviceKVRegistry("GPU-aaaa", tmp_path)
+    one.register("Qwen2.5-0.5B")
+    one.update(committed=30 * MiB, limit=60 * MiB)
+    try:
+        out = _kv_top(tmp_path)
+        assert out.returncode == 0, out.stderr
+        lines = out.stdout.splitlines()
+        assert lines[1].split()[0] == "GPU-aaaa+1" and lines[1].split()[2:] == [
+            "Llama-TP2", "90.00", "MiB", "11.25", "MiB", "0.00", "MiB", "135.00", "MiB",
+            "5.62", "MiB"]
+        assert lines[2].split()[0] == "GPU-aaaa" and "Qwen2.5-0.5B" in lines[2]
+        assert len(lines) == 3  # two engines, not on the same devices: no total line
+
+        snapshot = json.loads(_kv_top(tmp_path, "--json").stdout)
+        engine = snapshot["engines"][0]
+        assert engine["devices"] == ["GPU-aaaa", "GPU-bbbb"]
+        assert (engine["committed"], engine["limit"], engine["wanted"]) == (
+            128 * 720 << 10, 192 * 720 << 10, 8 * 720 << 10)
+        # The registries as the engines read them: each GPU's part.
+        assert [e["limit"] for e in snapshot["devices"]["GPU-bbbb"]] == [192 * 240 << 10]
+    finally:
+        tp2.close()
+        one.close()

@@ -10,6 +10,7 @@ import pytest
 from tests.conftest import TP_PROMPTS
 from tests.v1.e2e.tp_workers import kv_cache_state
 from vllm import LLM, SamplingParams
+from vllm.entrypoints.cli import kv_top
 from vllm.v1.worker.gpu_worker import Worker
 
 pytestmark = pytest.mark.slow
@@ -74,15 +75,19 @@ BURST = [f"Write a short story number {i} about a lighthouse keeper and the sea.
 
 
 def test_mp_tp2_elastic_ranks_agree_at_start_after_growth_and_after_shrink(tp_reference,
-                                                                          monkeypatch):
+                                                                          monkeypatch, tmp_path):
     # SmolLM2's 3 KV heads split 2 + 1, so rank 0's blocks are twice rank 1's: one
     # 2 MiB host granule per segment holds 128 of rank 0's blocks and 256 of rank
     # 1's. Each rank's own floor thus differs; the ranks must agree on one count
     # (the smallest) or the engine never starts ("the ranks ended with different
     # block counts: [128, 256]").
+    # Each rank on a device of its own in the registry, as on two GPUs: `vllm kv-top`
+    # shows the engine's limit as set and as /metrics reports it, not each rank's part.
     monkeypatch.setenv("VLLM_ELASTIC_KV_SHRINK_DELAY_S", "0")
+    monkeypatch.setenv("VLLM_KV_REGISTRY_DIR", str(tmp_path))
     llm = LLM(**ENGINE, kv_cache_memory_bytes=256 * MiB, tensor_parallel_size=2,
-              distributed_executor_backend="mp", enable_elastic_kv_cache=True)
+              distributed_executor_backend="mp", enable_elastic_kv_cache=True,
+              worker_cls="tests.v1.e2e.tp_workers.DevicePerRankWorker")
     try:
         core = llm.llm_engine.engine_core
         run = core.model_executor.collective_rpc
@@ -121,6 +126,10 @@ def test_mp_tp2_elastic_ranks_agree_at_start_after_growth_and_after_shrink(tp_re
         assert llm.llm_engine.set_kv_cache_limit(192 * block_bytes + block_bytes - 1) == 192
         assert [b.limit for b in run(Worker.elastic_kv_cache_bounds)] == [192, 192]
         assert core.kv_cache_memory().limit_bytes == 192 * block_bytes == 135 * MiB
+        (engine,) = kv_top.engines(kv_top.snapshot(str(tmp_path)))
+        assert engine["devices"] == ["host-rank0", "host-rank1"]
+        assert (engine["limit"], engine["committed"]) == (135 * MiB, floor * block_bytes)
+        assert "135.00 MiB" in kv_top.render(kv_top.snapshot(str(tmp_path))).splitlines()[1]
         limit = llm.llm_engine.set_kv_cache_limit(None)
         assert [b.limit for b in run(Worker.elastic_kv_cache_bounds)] == [limit, limit]
         assert committed() == floor

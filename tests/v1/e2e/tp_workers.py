@@ -1,4 +1,4 @@
-"""The engine's Worker with a device that reports less free memory (tests only).
+"""The engine's Worker with a device that reports less free memory, and other test workers.
 
 `VLLM_TEST_FREE_BYTES="A,B,..."` caps what rank r's `DeviceMemory.free_bytes()`
 reports at the r-th value, so ranks of one engine see different free memory
@@ -53,6 +53,17 @@ class NoVmmOnRank1Worker(LimitedMemoryWorker):
         if self.rank == 1:
             return "VMM unsupported on this device (test)"
         return super().probe_kv_cache_path()
+
+
+class DevicePerRankWorker(Worker):
+    """Each rank on a device of its own in the elastic engines' registry ("host-rank<r>"),
+    as tensor parallelism over GPUs is: the engine has an entry in each device's registry,
+    in that rank's bytes (on the CPU both ranks share "host")."""
+
+    @rpc
+    def kv_cache_device(self) -> tuple[str, int]:
+        _, block_bytes = super().kv_cache_device()
+        return f"host-rank{self.rank}", block_bytes
 
 
 def kv_cache_state(worker: Worker) -> tuple[int, int, list[str]]:

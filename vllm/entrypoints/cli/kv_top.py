@@ -2,10 +2,18 @@
 
 Reads the per-device registries (`vllm/v1/core/device_registry.py`) that
 elastic engines (`--enable-elastic-kv-cache`) keep in shared memory; starts
-no engine, touches no GPU, imports no torch. One line per engine: device,
+no engine, touches no GPU, imports no torch. One line per engine: device(s),
 pid, model, committed, in use, reclaimable, limit, and an unmet demand
 (`WANTED`: it could not grow and asked the others). kvcached ships the same
 view as `kvtop`.
+
+An engine's line is its figures summed over the devices its ranks use, the
+unit of its limit (`POST /kv_cache/limit`) and of /metrics: each device's
+registry holds that device's part (what its peers there weigh a demand in),
+so with tensor parallelism over two GPUs an engine has an entry in both
+(before 2026-12-07 kv-top showed those entries, which did not add up to the
+limit an operator had set). `--json` gives both: `engines` (the lines) and
+`devices` (the registries as stored).
 
     vllm kv-top                 # refresh every second until Ctrl-C
     vllm kv-top --once --json   # one snapshot, machine-readable
@@ -28,10 +36,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "kv-top",
         help="Show the elastic KV cache of every engine on this machine's devices, live.",
-        description="One line per elastic engine (--enable-elastic-kv-cache) on each device: "
-                    "committed, in use, reclaimable and limit (GiB, MiB below 1 GiB), and "
-                    "what it lacks when it could not grow. Read from the engines' "
-                    "shared-memory registry.",
+        description="One line per elastic engine (--enable-elastic-kv-cache): committed, "
+                    "in use, reclaimable and limit (GiB, MiB below 1 GiB), and what it "
+                    "lacks when it could not grow, summed over the devices its ranks use "
+                    "(DEVICE: the first, +N the others): the unit of its limit and "
+                    "/metrics. Read from the engines' shared-memory registry.",
         usage="vllm kv-top [options]",
         epilog=JSON_FIELDS,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -40,8 +49,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="Seconds between refreshes (default: %(default)s).")
     parser.add_argument("--once", action="store_true", help="Print one snapshot and exit.")
     parser.add_argument("--json", action="store_true",
-                        help="JSON, one object per snapshot: device -> engines, bytes (the fields: "
-                             "below).")
+                        help="JSON, one object per snapshot: the engines and the devices' "
+                             "registries, bytes (the fields: below).")
     parser.add_argument("--registry-dir", type=_directory, default=None,
                         help="Where the registries are (default: VLLM_KV_REGISTRY_DIR, "
                              "else /dev/shm); an existing directory.")
@@ -49,27 +58,38 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 # `vllm kv-top --help`'s epilog: what `--json` prints, field by field (a test checks that
-# every `EngineSlot` field is listed, and nothing else).
+# every field of an engine and every `EngineSlot` field is listed, and nothing else).
 JSON_FIELDS = """\
 --json: one object per snapshot, one line each:
-  {"time": unix seconds, "devices": {DEVICE: [ENGINE, ...], ...}}
-DEVICE is the GPU's UUID ("host" on the CPU); each ENGINE (one per live engine,
-in slot order) has these fields, byte counts in blocks' bytes (blocks x the bytes
-of one block over all layers), so in_use <= committed <= limit:
+  {"time": unix seconds, "engines": [ENGINE, ...], "devices": {DEVICE: [SLOT, ...]}}
+ENGINE: one per live engine (the table's lines, in the order shown), its figures
+summed over the devices its ranks use, the unit of its limit (POST /kv_cache/limit)
+and of /metrics; byte counts in blocks' bytes (blocks x the bytes of one block over
+all layers and ranks), so in_use <= committed <= limit:
   pid, start_ticks   the engine core process and its start time (clock ticks
                      since boot; tells a reused pid)
+  engine_id          the same in each of its devices' registries (two engines
+                     of one process have one pid)
   name               the served model name (its last 48 bytes)
-  committed          KV cache bytes committed on this device
+  devices            the keys of the devices its ranks use
+  committed          KV cache bytes committed
   in_use             bytes of the blocks its requests hold
   reclaimable        bytes it could release now without preempting
   floor, limit       the least and the most it holds
   wanted             bytes it tried to commit and could not (0: none)
+  reclaims           demands it answered, in all
+  updated            when the engine last wrote its figures (unix seconds)
+DEVICE is the GPU's UUID ("host" on the CPU); each SLOT (one per live engine, in
+slot order) is an engine's entry in that device's registry, as its peers read it:
+the fields above but devices, in bytes of its ranks on that device only (with
+tensor parallelism over several GPUs, a part of the engine's figure), and
   demand_seq         changes with each new demand
   gave_to, gave_seq  the last demand it answered: the asker's slot + 1 and its
                      demand_seq (0: none)
-  gave_bytes         bytes it released for that demand
-  reclaims           demands it answered, in all
-  updated            when the engine last wrote its figures (unix seconds)"""
+  gave_bytes         bytes it released for that demand"""
+
+# An engine's figures that add up over its devices (the others are the engine's own).
+_SUMMED = ("committed", "in_use", "reclaimable", "floor", "limit", "wanted", "reclaims")
 
 
 _MAX_INTERVAL_S = 86400
@@ -117,18 +137,40 @@ def snapshot(directory: str | None = None) -> dict[str, list[dict]]:
     return devices
 
 
+def engines(devices: dict[str, list[dict]]) -> list[dict]:
+    """One dict per live engine (`JSON_FIELDS`' ENGINE): an engine is its (pid,
+    start_ticks, engine_id), in the registry of every device its ranks use; `_SUMMED`
+    figures add up over those devices, `updated` is the latest. In order of first
+    appearance (devices sorted, slots in order)."""
+    found: dict[tuple[int, int, int], dict] = {}
+    for key, slots in devices.items():
+        for s in slots:
+            e = found.setdefault((s["pid"], s["start_ticks"], s["engine_id"]), dict(
+                pid=s["pid"], start_ticks=s["start_ticks"], engine_id=s["engine_id"],
+                name=s["name"], devices=[], **dict.fromkeys(_SUMMED, 0), updated=0.0))
+            e["devices"].append(key)
+            for f in _SUMMED:
+                e[f] += s[f]
+            e["updated"] = max(e["updated"], s["updated"])
+    return list(found.values())
+
+
 def render(devices: dict[str, list[dict]]) -> str:
-    """The table (`_size`: GiB, MiB below 1 GiB), a line per engine, and a total line per
-    device with several."""
+    """The table (`_size`: GiB, MiB below 1 GiB), a line per engine (`engines`), and a
+    total line per set of devices that several engines use (one GPU each: per device)."""
+    groups: dict[tuple[str, ...], list[dict]] = {}
+    for e in engines(devices):
+        groups.setdefault(tuple(e["devices"]), []).append(e)
     rows = [_COLUMNS]
-    for key, engines in devices.items():
-        for e in engines:
-            rows.append((key[:12], str(e["pid"]), e["name"][-32:], *(
+    for keys, group in groups.items():
+        where = keys[0][:12] + (f"+{len(keys) - 1}" if len(keys) > 1 else "")
+        for e in group:
+            rows.append((where, str(e["pid"]), e["name"][-32:], *(
                 _size(e[f]) for f in ("committed", "in_use", "reclaimable", "limit")),
                 _size(e["wanted"]) if e["wanted"] else "-"))
-        if len(engines) > 1:
-            rows.append((key[:12], "", f"({len(engines)} engines)", *(
-                _size(sum(e[f] for e in engines))
+        if len(group) > 1:
+            rows.append((where, "", f"({len(group)} engines)", *(
+                _size(sum(e[f] for e in group))
                 for f in ("committed", "in_use", "reclaimable")), "", ""))
     if len(rows) == 1:
         return "no elastic engine is running (none registered)"
@@ -163,8 +205,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         while True:
             devices = snapshot(args.registry_dir)
-            text = (json.dumps({"time": time.time(), "devices": devices}) if args.json
-                    else render(devices))
+            text = (json.dumps({"time": time.time(), "engines": engines(devices),
+                                "devices": devices}) if args.json else render(devices))
             if live:
                 sys.stdout.write("\x1b[H\x1b[2J")  # home, clear: a refreshing screen
             print(text, flush=True)

@@ -34,6 +34,7 @@ import contextlib
 import fcntl
 import mmap
 import os
+import secrets
 import stat
 import struct
 import tempfile
@@ -44,12 +45,12 @@ from pathlib import Path
 
 from vllm import envs
 
-MAGIC = b"VLLMKVR1"
+MAGIC = b"VLLMKVR2"  # 2: `engine_id` (2026-12-07)
 NUM_SLOTS = 64
 NAME_BYTES = 48
 # pid, start ticks, name, committed, in_use, reclaimable, floor, limit, wanted,
-# demand_seq, gave_to, gave_seq, gave_bytes, reclaims, updated (unix s)
-_SLOT = struct.Struct(f"<qq{NAME_BYTES}s" + "q" * 11 + "d")
+# demand_seq, gave_to, gave_seq, gave_bytes, reclaims, updated (unix s), engine_id
+_SLOT = struct.Struct(f"<qq{NAME_BYTES}s" + "q" * 11 + "dq")
 _HEADER = struct.Struct("<8sqq")  # magic, slot size, number of slots
 FILE_PREFIX = "vllm-kv-"
 # What to do about a registry file that is there but cannot be used.
@@ -139,6 +140,9 @@ class EngineSlot:
             released for it.
         reclaims: demands answered, cumulative.
         updated: when the slot was last written.
+        engine_id: the engine's id, the same in the registry of every device its
+            ranks use (`vllm kv-top` adds an engine's entries up by it; a pid does
+            not tell two engines of one process apart); 0: none given.
     """
 
     pid: int = 0
@@ -156,6 +160,7 @@ class EngineSlot:
     gave_bytes: int = 0
     reclaims: int = 0
     updated: float = 0.0
+    engine_id: int = 0
 
     def pack(self) -> bytes:
         values = [getattr(self, f.name) for f in fields(self)]
@@ -237,8 +242,10 @@ class DeviceKVRegistry:
             return self._read(index)
 
     # ------------------------------------------------------------- writing
-    def register(self, name: str) -> EngineSlot:
-        """Claim a slot for this process (an empty one, or one whose process died).
+    def register(self, name: str, engine_id: int | None = None) -> EngineSlot:
+        """Claim a slot for this process (an empty one, or one whose process died);
+        `engine_id`: the engine's, the same in each device's registry it joins (None:
+        a new one, `new_engine_id()`).
 
         Raises:
             RuntimeError: registered already, or all `NUM_SLOTS` slots hold live engines.
@@ -246,7 +253,8 @@ class DeviceKVRegistry:
         if self.slot_index is not None:
             raise RuntimeError("this registry handle holds a slot already")
         slot = EngineSlot(pid=os.getpid(), start_ticks=process_start_ticks(os.getpid()) or 0,
-                          name=name, updated=time.time())
+                          name=name, updated=time.time(),
+                          engine_id=new_engine_id() if engine_id is None else engine_id)
         with _locked(self._fd, exclusive=True):
             for i in range(NUM_SLOTS):
                 held = self._read(i)
@@ -329,6 +337,11 @@ def _open(path: Path) -> int:
             raise RegistryError(f"KV registry directory {path.parent} {problem}",
                                 _DIR_HINT) from e
         raise RegistryError(f"{path}: {e.strerror or e}", _FILE_HINT) from e
+
+
+def new_engine_id() -> int:
+    """A random id for an engine's slots, > 0 (0: a slot of no engine)."""
+    return secrets.randbits(62) + 1
 
 
 def registered_devices(directory: Path | str | None = None) -> list[str]:

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from vllm.logger import init_logger
-from vllm.v1.core.device_registry import DeviceKVRegistry, EngineSlot
+from vllm.v1.core.device_registry import DeviceKVRegistry, EngineSlot, new_engine_id
 
 logger = init_logger(__name__)
 
@@ -76,11 +76,13 @@ class DeviceSharing:
         self.devices = devices
         self.clock = clock
         self.registries: list[DeviceKVRegistry] = []
+        # One id in every device's registry: `vllm kv-top` adds this engine's entries up.
+        engine_id = new_engine_id()
         try:
             for device in devices:
                 registry = DeviceKVRegistry(device.key, directory)
                 self.registries.append(registry)
-                registry.register(name)
+                registry.register(name, engine_id)
         except BaseException:
             self.close()
             raise

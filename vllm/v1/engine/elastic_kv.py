@@ -288,9 +288,9 @@ class ElasticKVController:
     # ------------------------------------------------------ limit, sleep
     def set_limit(self, limit_bytes: int | None) -> int:
         """A runtime ceiling in blocks' bytes summed over the ranks (the unit of /metrics,
-        so a figure read there comes back as the same count; `vllm kv-top` shows each
-        device's part; None: the start-up limit), rounded down to whole blocks; returns
-        it in blocks.
+        so a figure read there comes back as the same count, as is one read in `vllm
+        kv-top`; None: the start-up limit), rounded down to whole blocks; returns it in
+        blocks.
 
         Raises:
             ValueError: a limit that is negative or not an int (1.5, True, "8GiB").
