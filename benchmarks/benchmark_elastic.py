@@ -15,7 +15,8 @@ Modes, each in its own run of the servers (`--modes`, in order):
               engine had a device of its own (the upper bound)
 
 `--device-gib G` runs every mode on an emulated device of G GiB (a ballast
-process holds the rest), so a quick run at `--scale` < 1 keeps the full loads'
+process holds the rest, and the servers size against G GiB:
+`VLLM_EMULATED_DEVICE_GIB`), so a quick run at `--scale` < 1 keeps the full loads'
 memory pressure. The servers of a mode start one after the other (each sizes itself beside the
 ones already running) and serve every (load, pattern) experiment in turn
 (`--load`, `--pattern`; see benchmarks/elastic_loads.py), with a settle between
@@ -197,23 +198,33 @@ def check_prompt_fits(server: Server, prompt: str, max_tokens: int) -> None:
 
 
 def _mode_flags(mode: str, args: argparse.Namespace) -> list[str]:
-    """Mode flags; on an emulated device (`args.device_fraction` = --device-gib / the
-    device's GiB) static splits that fraction, and alone gets all of it (the default
-    utilization of the extensible path, 1.0, of the emulated device)."""
-    fraction = args.device_fraction
+    """Mode flags. On an emulated device the servers' utilization is a share of it
+    (`server_env`), so static splits --static-utilization of it and alone gets all of it
+    (the extensible path's default utilization, 1.0); until 2026-12-07 the servers saw
+    the whole card and these flags were scaled by --device-gib / the card's GiB."""
     if mode == "elastic":
         return shlex.split(args.elastic_args)
     if mode == "static":
-        share = args.static_utilization * fraction / len(args.shapes)
+        share = args.static_utilization / len(args.shapes)
         return ["--gpu-memory-utilization", f"{share:.4f}", *shlex.split(args.static_args)]
-    alone = [] if fraction == 1.0 else ["--gpu-memory-utilization", f"{fraction:.4f}"]
-    return [*alone, *shlex.split(args.alone_args)]
+    return shlex.split(args.alone_args)
+
+
+def server_env(args: argparse.Namespace) -> dict[str, str]:
+    """The servers' variables: the shrink delay if given; on an emulated device (a ballast
+    holds the rest, `args.device_fraction` < 1) its size, which the servers size against
+    (`--gpu-memory-utilization`, the elastic headroom's 2 %: 1.16 GiB of 58 GiB, not 1.58
+    GiB of the H100's 79 GiB)."""
+    env = ({} if args.shrink_delay_s is None
+           else {"VLLM_ELASTIC_KV_SHRINK_DELAY_S": str(args.shrink_delay_s)})
+    if args.device_fraction < 1.0:
+        env["VLLM_EMULATED_DEVICE_GIB"] = str(args.device_gib)
+    return env
 
 
 def start_servers(mode: str, engines: list[int], args, log_dir: str) -> dict[str, Server]:
     """The servers of `engines` (indices) for `mode`, started one after the other."""
-    env = ({} if args.shrink_delay_s is None
-           else {"VLLM_ELASTIC_KV_SHRINK_DELAY_S": str(args.shrink_delay_s)})
+    env = server_env(args)
     servers: dict[str, Server] = {}
     try:
         for i in engines:

@@ -171,6 +171,7 @@ def test_defaults(clean_env):
         "VLLM_FRESH_PREFILL_ATTENTION": True,
         "VLLM_ELASTIC_KV_SHRINK_DELAY_S": 10.0,
         "VLLM_ELASTIC_KV_SHARING": True,
+        "VLLM_EMULATED_DEVICE_GIB": None,
         "VLLM_KV_REGISTRY_DIR": None,
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
         "VLLM_NIXL_SIDE_CHANNEL_PORT": 0,

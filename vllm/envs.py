@@ -247,6 +247,12 @@ _declare("VLLM_ELASTIC_KV_SHARING", _flag, True, """
     (timed idle release only). Any other value, blank included, is an error.""",
          blank_is_unset=False)
 
+_declare("VLLM_EMULATED_DEVICE_GIB", _number(0, True, "a number of GiB > 0"), None, """
+    The device's size for sizing, in GiB, where another process holds the rest of its
+    memory (benchmarks/benchmark_elastic.py --device-gib: a ballast): what
+    --gpu-memory-utilization and the elastic KV cache's headroom (2 %) are shares of.
+    Free memory is read as it is. Unset, or not below the device's: the device's own.""")
+
 _declare("VLLM_KV_REGISTRY_DIR", _path, None, """
     Directory of the per-device registry files of elastic engines (vllm-kv-<device>).
     Default /dev/shm where it exists, else the temp directory. Engines share a device's

@@ -170,9 +170,11 @@ def test_ballast_emulates_a_smaller_device(scripts, monkeypatch, tmp_path, free_
             assert ballast.proc.wait(timeout=60) == 0  # nothing to hold
     finally:
         ballast.stop()
-    args = bench.parse_args(["--shapes", "llama3_8b", "llama3_8b"])
+    # The servers size against the emulated device (its 2 % elastic headroom was 2 % of
+    # the card), so the modes' utilizations are shares of it, unscaled.
+    args = bench.parse_args(["--shapes", "llama3_8b", "llama3_8b", "--device-gib", "58"])
     args.device_fraction = fraction
-    static = bench._mode_flags("static", args)
-    assert static == ["--gpu-memory-utilization", f"{0.9 * fraction / 2:.4f}"]
-    assert bench._mode_flags("alone", args) == (
-        [] if fraction == 1.0 else ["--gpu-memory-utilization", f"{fraction:.4f}"])
+    assert bench._mode_flags("static", args) == ["--gpu-memory-utilization", "0.4500"]
+    assert bench._mode_flags("alone", args) == []
+    assert bench.server_env(args) == ({} if fraction == 1.0
+                                      else {"VLLM_EMULATED_DEVICE_GIB": "58.0"})

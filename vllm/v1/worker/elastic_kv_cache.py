@@ -8,7 +8,7 @@ true on this device now; the arithmetic of its floor, chunk and growth is here
 too (the start-up sizing is kv_cache_sizing.py's):
 
     grow(n)    commit up to n blocks, but only into memory free at this moment
-               less a headroom (`kv_cache_sizing.elastic_growth_blocks`) and
+               less a headroom (`elastic_growth_blocks`) and
                never past the limit (gpu_memory_utilization x total, the use
                cap, a runtime limit); returns the count it reached
     grow_ahead(n)  the same on a helper thread (what serving uses): returns at
@@ -56,8 +56,9 @@ MiB = sizing.MiB
 # free at that moment less this headroom, left for everyone else on the device
 # (another engine's next step, a trainer's allocator, our own post-warmup
 # allocations): 2 % of the device with a 256 MiB floor (2.8 GiB on an H200,
-# ~0.5 GiB on a 24 GiB host). A guess to be measured by
-# benchmarks/benchmark_elastic.py, not a measured figure yet.
+# ~0.5 GiB on a 24 GiB host); of an emulated device (`VLLM_EMULATED_DEVICE_GIB`,
+# benchmark_elastic.py --device-gib), 2 % of its size (`memory.device_total`).
+# A guess to be measured by benchmarks/benchmark_elastic.py, not a measured figure yet.
 ELASTIC_HEADROOM_FRACTION = 0.02
 ELASTIC_HEADROOM_FLOOR_BYTES = 256 * MiB
 
@@ -139,7 +140,8 @@ def elastic_growth_blocks(
 
     Args:
         free: free device memory now, bytes.
-        total: device memory, bytes (sizes the headroom).
+        total: device memory, bytes (sizes the headroom): `DeviceMemory.total`, an
+            emulated device's size where one is set.
         committed_bytes: bytes the cache holds now (granule-rounded).
 
     Returns:

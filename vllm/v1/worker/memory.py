@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm import envs
 from vllm.platforms.interface import Platform
 from vllm.v1.worker.kv_cache_sizing import MemorySnapshot
 
@@ -30,6 +31,22 @@ def _proc_status_kib(field: str) -> int:
     return 0
 
 
+def device_total(total: int) -> int:
+    """The device's size for sizing (bytes): `total` as the driver reports it, or the
+    emulated device's (`VLLM_EMULATED_DEVICE_GIB`) where that is smaller.
+
+    An emulated device is the real one with another process holding the rest of
+    its free memory (benchmark_elastic.py's ballast), so free memory needs no
+    emulation; only the size that shares are taken of does (the elastic headroom
+    was 2 % of an 80 GB H100, 1.58 GiB, on a device emulated at 58 GiB: 1.16 GiB).
+
+    Raises:
+        ValueError: the variable is not a number of GiB > 0 (naming it).
+    """
+    gib = envs.VLLM_EMULATED_DEVICE_GIB
+    return total if gib is None else min(total, int(gib * (1 << 30)))
+
+
 class DeviceMemory:
     """Memory readings of one device, relative to the moment the worker started.
 
@@ -42,7 +59,8 @@ class DeviceMemory:
         self.platform = platform
         self.device = device
         self.is_cuda = device.type == "cuda"
-        free, self.total = platform.mem_get_info(device.index or 0)
+        free, total = platform.mem_get_info(device.index or 0)
+        self.total = device_total(total)  # an emulated device's size, if one is set
         self.free_at_start = free
         self.rss_at_start = self._rss()
 
