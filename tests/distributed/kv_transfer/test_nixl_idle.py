@@ -24,10 +24,14 @@ print("ready", flush=True)
 time.sleep(60)
 """
 IDLE_S = 10.0
-MAX_CORE_FRACTION = 0.02
+# A spinning progress thread (NIXL's default pthrDelay = 0) uses ~0.5 of a core; the
+# 2 ms poll uses ~0.011 on the idle 2-core CI machine and up to 0.024 while the suite's
+# other worker loads it (CI, 2026-12-07: 0.24 CPU s in 10 s failed a 0.02 bound). The
+# bound catches the spin with a 5x margin and not the load's noise.
+MAX_CORE_FRACTION = 0.1
 
 
-def test_an_idle_nixl_agent_uses_under_2_percent_of_a_core():
+def test_an_idle_nixl_agent_uses_under_a_tenth_of_a_core():
     proc = subprocess.Popen([sys.executable, "-c", _IDLE_AGENT], cwd=REPO_ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:

@@ -7,9 +7,10 @@ waiting, and an idle engine burns about half a CPU core (0.49-0.53 measured on
 the 2-core CI machine, 2026-12-06; with a 1 ms delay 0.016, and a 32-layer
 READ as fast). With a 1 ms delay an idle agent still used 0.021-0.024 of a
 core on that machine while other processes loaded it (each wake-up costs more
-then), over the 0.02 an idle instance may cost (tests/distributed/kv_transfer/
-test_nixl_idle.py); 2 ms measured 0.011, with the CPU load/READ tests of
-test_nixl_async_load.py as fast. `make_agent` creates the agent with the same
+then); 2 ms measured 0.011 (0.024 once under the full suite's load), with the
+CPU load/READ tests of test_nixl_async_load.py as fast
+(tests/distributed/kv_transfer/test_nixl_idle.py bounds it at 0.1: the spin's
+0.5 with a margin, not the load's noise). `make_agent` creates the agent with the same
 settings but a 2 ms poll timeout (`PROGRESS_DELAY_US`): the thread still wakes
 at once on UCX events (it polls the workers' event descriptors) and at least every 2 ms for
 transports that need periodic progress (TCP emulation of one-sided reads on
