@@ -6,12 +6,12 @@
 The bundled SmolLM2-135M-Instruct (real text), greedy, one request at a time,
 on prompts that quote their input (a code edit, a summary with quotations, a
 list continued): the case prompt lookup is for. Each mode runs in a fresh
-process: `base` and `spec` with async scheduling as the engine resolves it
-(`async_scheduling` left unset: on a GPU on for plain decoding, off with n-gram
-drafts, where it is opt-in; see `resolve_async_scheduling`), `spec_async` with
-it asked for (the n-gram drafts then proposed on the device), so that one run
-says whether the opt-in pays; with `--async-scheduling` both `base` and `spec`
-ask for it and `spec_async` is not run. Each mode reports which it got. Per
+process: `base` with async scheduling as the engine resolves it (on a GPU: on),
+`spec` with it turned off (the synchronous spec path: drafts proposed on the
+host), `spec_async` with it on (the default on a GPU since 2026-12-07: drafts
+proposed, verified and fed on the device; see `resolve_async_scheduling`), so
+that one run compares both spec paths; with `--async-scheduling` every mode
+asks for it and `spec_async` is not run. Each mode reports which it got. Per
 prompt: a warm-up generate (Triton compiles at a new prompt length are not
 decode), then the prefill alone (max_tokens=1) and the whole generation;
 decode tokens/s = (tokens - 1) / (t_all - t_prefill). Reported: decode
@@ -195,9 +195,11 @@ def main() -> None:
                         help="drafts per step of the spec mode (ngram prompt lookup)")
     parser.add_argument("--max-tokens", type=positive_int, default=256,
                         help="output tokens per prompt")
-    parser.add_argument("--async-scheduling", action="store_true", default=None,
-                        help="ask both modes for async scheduling (default: as the engine "
-                             "resolves it: with n-gram drafts it is opt-in)")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        default=None,
+                        help="ask every mode for async scheduling (then spec_async is not "
+                             "run); by default base runs as the engine resolves it, spec "
+                             "without it and spec_async with it")
     parser.add_argument("--out", default=None, help="also write the JSON here")
     parser.add_argument("--child", choices=["base", "spec"], help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -215,9 +217,9 @@ def main() -> None:
         "num_speculative_tokens": args.num_speculative_tokens,
         "max_tokens": args.max_tokens,
     }
-    # "spec_async" asks for async scheduling where "spec" leaves it to the engine
-    # (synchronous with n-gram drafts): the decision between the two is made on
-    # this run. With --async-scheduling both modes ask for it already.
+    # "spec" turns async scheduling off (the synchronous spec path), "spec_async" asks
+    # for it (the GPU default): both spec paths in one run. With --async-scheduling
+    # every mode asks for it.
     modes = ("base", "spec") if args.async_scheduling else ("base", "spec", "spec_async")
     for mode in modes:
         cmd = [sys.executable, __file__, "--child", mode.split("_")[0],
@@ -227,6 +229,8 @@ def main() -> None:
             cmd += ["--model", args.model]
         if args.async_scheduling or mode == "spec_async":
             cmd.append("--async-scheduling")
+        elif mode == "spec":  # the synchronous spec path (async is the GPU default)
+            cmd.append("--no-async-scheduling")
         proc = subprocess.run(cmd, capture_output=True, text=True)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:

@@ -299,12 +299,10 @@ def test_async_scheduling_default_fallback_and_flags(tiny_model, caplog):
     with caplog.at_level(logging.INFO, logger="vllm"):
         assert resolve(None, speculative="draft_model") is False
     assert "async scheduling off: not supported with speculative decoding" in caplog.text
-    # n-gram drafts: opt-in (asked for: on; unset: off with one line saying how to opt in).
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="vllm"):
-        assert resolve(None, speculative="ngram") is False
-    assert "opt in with --async-scheduling" in caplog.text
+    # n-gram drafts: on by default (the drafts proposed on the device), off when asked.
+    assert resolve(None, speculative="ngram") is True
     assert resolve(True, speculative="ngram") is True
+    assert resolve(False, speculative="ngram") is False
     # Asked for where it is unsupported: one warning, synchronous scheduling.
     with caplog.at_level(logging.WARNING, logger="vllm"):
         assert resolve(True, "mp") is False
