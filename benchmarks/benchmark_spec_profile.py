@@ -188,7 +188,9 @@ def _device_profile(engine, prompt: str, mode: str, trace_dir: str | None) -> di
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="GGUF / HF dir (default: the bundled one)")
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                        help="plain: no drafts (async); spec_sync / spec_async: n-gram k=4 "
+                             "with async scheduling off / on")
     parser.add_argument("--trace-dir", default=None, help="also write Chrome traces here")
     parser.add_argument("--out", default=None, help="also write the JSON here")
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
